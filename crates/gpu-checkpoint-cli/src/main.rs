@@ -1,0 +1,102 @@
+//! The `gpu-checkpoint` binary: parses arguments, prints results and progress, and maps errors to exit
+//! codes. All real work happens in the `gpu_checkpoint` library.
+
+mod commands;
+
+use clap::{Parser, Subcommand};
+use gpu_checkpoint::ExitStatus;
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "gpu-checkpoint",
+    version,
+    about = "Checkpoint and restore GPU processes on Linux",
+    long_about = None
+)]
+struct Cli {
+    /// More log output on stderr (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short = 'v', long = "log-verbose", action = clap::ArgAction::Count, global = true)]
+    log_verbose: u8,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Find the GPU state a process (tree) holds and decide how to checkpoint it.
+    Detect(commands::detect::Args),
+    /// Checkpoint a running process tree into a store.
+    Checkpoint(commands::checkpoint::Args),
+    /// Restore a checkpoint; prints the restored PID.
+    Restore(commands::restore::Args),
+    /// List the checkpoints in a store.
+    List(commands::list::Args),
+    /// Show one checkpoint's manifest.
+    Inspect(commands::inspect::Args),
+    /// Delete a checkpoint.
+    Delete(commands::delete::Args),
+    /// Re-read and verify every chunk of one checkpoint or of the whole store.
+    Verify(commands::verify::Args),
+    /// Remove chunks that no checkpoint references.
+    Gc(commands::gc::Args),
+    /// Drive the CUDA checkpoint API directly (cuda-checkpoint parity).
+    #[command(subcommand)]
+    Cuda(commands::cuda::Command),
+    /// Report what this machine has: CRIU, its version and `criu check`, GPU driver, NVML.
+    Doctor(commands::doctor::Args),
+}
+
+fn init_logging(verbosity: u8) {
+    let default = match verbosity {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(cli.log_verbose);
+    let result = match cli.command {
+        Command::Detect(a) => commands::detect::run(a),
+        Command::Checkpoint(a) => commands::checkpoint::run(a),
+        Command::Restore(a) => commands::restore::run(a),
+        Command::List(a) => commands::list::run(a),
+        Command::Inspect(a) => commands::inspect::run(a),
+        Command::Delete(a) => commands::delete::run(a),
+        Command::Verify(a) => commands::verify::run(a),
+        Command::Gc(a) => commands::gc::run(a),
+        Command::Cuda(c) => commands::cuda::run(c),
+        Command::Doctor(a) => commands::doctor::run(a),
+    };
+    if let Err(err) = result {
+        std::process::exit(report(&err) as i32);
+    }
+}
+
+/// Prints an error as one clear line plus its causes, and picks the exit code from the first library
+/// error in the chain (or from a [`commands::UsageError`]).
+fn report(err: &anyhow::Error) -> ExitStatus {
+    eprintln!("error: {err}");
+    for cause in err.chain().skip(1) {
+        eprintln!("  caused by: {cause}");
+    }
+    for cause in err.chain() {
+        if let Some(e) = cause.downcast_ref::<gpu_checkpoint::Error>() {
+            return e.exit_status();
+        }
+        if let Some(e) = cause.downcast_ref::<commands::Exit>() {
+            return e.0;
+        }
+    }
+    ExitStatus::Failure
+}

@@ -1,0 +1,76 @@
+//! The library's error type and the exit-code contract of the binary.
+//!
+//! Each stage has its own error enum (`detect::Error`, `freeze::Error`, ...); this one collects them so
+//! that the binary can map any failure to one documented exit code with [`Error::exit_status`].
+
+use thiserror::Error;
+
+/// Exit codes of the `gpu-checkpoint` binary. Scripts depend on them: never renumber.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum ExitStatus {
+    /// Anything not listed below.
+    Failure = 1,
+    /// Bad arguments or bad input files.
+    Usage = 2,
+    /// The process (or checkpoint's process) does not exist.
+    NoSuchProcess = 3,
+    /// Not permitted: not root / no CAP_CHECKPOINT_RESTORE / unreadable /proc files.
+    PermissionDenied = 4,
+    /// CRIU (or another required tool or driver library) missing or too old.
+    ToolMissing = 5,
+    /// Storage full or not writable.
+    Storage = 6,
+    /// Checkpoint not found or damaged.
+    CheckpointInvalid = 7,
+    /// Restore conflict (PID in use, GPUs do not match) or a checkpoint already in progress.
+    Conflict = 8,
+    /// A checkpoint was refused because the plan is `unsupported`.
+    Unsupported = 9,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error(transparent)]
+    Detect(#[from] crate::detect::Error),
+    #[error(transparent)]
+    Freeze(#[from] crate::freeze::Error),
+    #[error(transparent)]
+    Dump(#[from] crate::dump::Error),
+    #[error(transparent)]
+    Store(#[from] crate::store::Error),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::Error),
+    #[error(transparent)]
+    Restore(#[from] crate::restore::Error),
+}
+
+impl Error {
+    /// The exit code the binary should use for this error.
+    pub fn exit_status(&self) -> ExitStatus {
+        match self {
+            Error::Detect(e) => e.exit_status(),
+            Error::Freeze(e) => e.exit_status(),
+            Error::Dump(e) => e.exit_status(),
+            Error::Store(e) => e.exit_status(),
+            Error::Checkpoint(e) => e.exit_status(),
+            Error::Restore(e) => e.exit_status(),
+        }
+    }
+}
+
+/// Classifies an I/O error into an exit status; used by the stage errors.
+pub fn io_exit_status(e: &std::io::Error) -> ExitStatus {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => ExitStatus::NoSuchProcess,
+        std::io::ErrorKind::PermissionDenied => ExitStatus::PermissionDenied,
+        _ => match e.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EROFS) | Some(libc::EDQUOT) => ExitStatus::Storage,
+            Some(libc::ESRCH) => ExitStatus::NoSuchProcess,
+            Some(libc::EPERM) => ExitStatus::PermissionDenied,
+            _ => ExitStatus::Failure,
+        },
+    }
+}
