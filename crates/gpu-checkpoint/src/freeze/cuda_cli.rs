@@ -177,8 +177,7 @@ impl GpuDriver for CudaCli {
             &["--get-restore-tid".into(), "--pid".into(), pid.to_string()],
         )?;
         out.split(|c: char| !c.is_ascii_digit())
-            .filter(|w| !w.is_empty())
-            .last()
+            .rfind(|w| !w.is_empty())
             .and_then(|w| w.parse().ok())
             .ok_or_else(|| Error::CliFailed {
                 command: format!("{BINARY} --get-restore-tid --pid {pid}"),

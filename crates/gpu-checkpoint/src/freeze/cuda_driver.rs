@@ -191,7 +191,10 @@ impl CudaDriver {
         // program does; we pass no callbacks into it.
         let lib = unsafe { Library::new(LIBCUDA) }.map_err(|e| Error::LibraryMissing {
             lib: LIBCUDA,
-            reason: e.to_string(),
+            reason: match std::error::Error::source(&e) {
+                Some(cause) => format!("{e}: {cause}"),
+                None => e.to_string(),
+            },
         })?;
         let dlopen_ms = ms(t0.elapsed());
         let t1 = Instant::now();
@@ -547,6 +550,10 @@ impl GpuDriver for CudaDriver {
             (self.fns.restore_tid)(pid, &mut tid)
         })?;
         Ok(tid)
+    }
+
+    fn setup_timings(&self) -> Option<SetupTimings> {
+        Some(CudaDriver::setup_timings(self))
     }
 
     fn gpus(&self) -> Result<Vec<GpuInfo>> {

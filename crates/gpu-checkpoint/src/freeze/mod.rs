@@ -20,6 +20,7 @@ pub mod lifecycle;
 pub mod sim;
 mod types;
 
+pub use cuda_driver::SetupTimings;
 pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
@@ -159,6 +160,10 @@ pub trait GpuDriver: Send + Sync {
     fn restore_thread_id(&self, pid: i32) -> Result<i32>;
     /// The GPUs this backend sees on this node, in index order.
     fn gpus(&self) -> Result<Vec<GpuInfo>>;
+    /// What setting the backend up cost (cuda-driver: dlopen, symbol lookup, cuInit).
+    fn setup_timings(&self) -> Option<SetupTimings> {
+        None
+    }
 }
 
 /// The `--gpu-backend` choice.
