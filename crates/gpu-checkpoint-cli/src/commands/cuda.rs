@@ -122,7 +122,7 @@ struct Report {
 }
 
 struct Session {
-    driver: Box<dyn GpuDriver>,
+    driver: std::sync::Arc<dyn GpuDriver>,
     report: Report,
 }
 

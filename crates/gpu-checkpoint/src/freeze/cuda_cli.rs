@@ -185,6 +185,10 @@ impl GpuDriver for CudaCli {
             })
     }
 
+    fn process_gpus(&self, pid: i32) -> Option<Vec<super::GpuUuid>> {
+        super::cuda_driver::nvml_process_gpus(pid)
+    }
+
     fn gpus(&self) -> Result<Vec<GpuInfo>> {
         // The utility cannot list GPUs; NVML can (drivers >= 550 ship it).
         super::cuda_driver::nvml_gpus().ok_or_else(|| Error::LibraryMissing {

@@ -556,6 +556,10 @@ impl GpuDriver for CudaDriver {
         Some(CudaDriver::setup_timings(self))
     }
 
+    fn process_gpus(&self, pid: i32) -> Option<Vec<GpuUuid>> {
+        nvml_process_gpus(pid)
+    }
+
     fn gpus(&self) -> Result<Vec<GpuInfo>> {
         match nvml_gpus() {
             Some(g) => Ok(g),
@@ -577,6 +581,20 @@ pub fn nvml_gpus() -> Option<Vec<GpuInfo>> {
             model: d.name().unwrap_or_default(),
             memory_bytes: d.memory_info().ok().map(|m| m.total),
         });
+    }
+    Some(out)
+}
+
+/// The GPUs on which NVML lists `pid` as a compute process.
+pub fn nvml_process_gpus(pid: i32) -> Option<Vec<GpuUuid>> {
+    let nvml = nvml_wrapper::Nvml::init().ok()?;
+    let mut out = Vec::new();
+    for i in 0..nvml.device_count().ok()? {
+        let d = nvml.device_by_index(i).ok()?;
+        let procs = d.running_compute_processes().ok()?;
+        if procs.iter().any(|p| p.pid as i32 == pid) {
+            out.push(d.uuid().ok()?.parse().ok()?);
+        }
     }
     Some(out)
 }

@@ -13,6 +13,7 @@ use super::lifecycle::{Checkpointed, Failed, GpuProcess, Locked, Running};
 use super::types::{GpuPair, Op, ProcessState};
 use super::{Error, GpuDriver, Result};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Default `--lock-timeout`.
@@ -165,13 +166,12 @@ pub fn plan(driver: &dyn GpuDriver, pids: &[i32]) -> Result<Plan> {
 ///
 /// Call [`Frozen::thaw`] to resume them (`--leave-running`, or the dump failed) or [`Frozen::finish`]
 /// once their checkpoint is durable and they are to be stopped. Dropping it thaws.
-pub struct Frozen<'d> {
-    procs: Vec<Checkpointed<'d>>,
+pub struct Frozen {
+    procs: Vec<Checkpointed>,
     records: Vec<ProcessRecord>,
-    driver: &'d dyn GpuDriver,
 }
 
-impl std::fmt::Debug for Frozen<'_> {
+impl std::fmt::Debug for Frozen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Frozen")
             .field("pids", &self.pids())
@@ -181,11 +181,11 @@ impl std::fmt::Debug for Frozen<'_> {
 
 /// Locks every process in parallel, then checkpoints every process in parallel. On any failure the
 /// others are brought back to RUNNING and the error lists each failure (and any failed undo).
-pub fn freeze_all<'d>(
-    driver: &'d dyn GpuDriver,
+pub fn freeze_all(
+    driver: &Arc<dyn GpuDriver>,
     pids: &[i32],
     opts: &GroupOptions,
-) -> Result<Frozen<'d>> {
+) -> Result<Frozen> {
     let timeout = opts.lock_timeout;
     let locks = parallel(pids.to_vec(), |pid| {
         let mut rec = ProcessRecord::new(pid);
@@ -193,7 +193,7 @@ pub fn freeze_all<'d>(
             &mut rec,
             Op::Lock,
             false,
-            || Running::assume(driver, pid).lock(timeout),
+            || Running::assume(Arc::clone(driver), pid).lock(timeout),
             failed_msg,
         );
         (rec, r)
@@ -213,7 +213,7 @@ pub fn freeze_all<'d>(
         return Err(Error::Many(errors));
     }
 
-    let cps = parallel(locked, |l: Locked<'d>| {
+    let cps = parallel(locked, |l: Locked| {
         let mut rec = ProcessRecord::new(l.pid());
         let r = timed(
             &mut rec,
@@ -244,7 +244,6 @@ pub fn freeze_all<'d>(
     Ok(Frozen {
         procs: checkpointed,
         records,
-        driver,
     })
 }
 
@@ -256,7 +255,7 @@ fn merge(records: &mut Vec<ProcessRecord>, rec: ProcessRecord) {
 }
 
 /// Unlocks (in parallel); returns the errors of unlocks that failed.
-fn undo_locked(locked: Vec<Locked<'_>>, records: &mut Vec<ProcessRecord>) -> Vec<Error> {
+fn undo_locked(locked: Vec<Locked>, records: &mut Vec<ProcessRecord>) -> Vec<Error> {
     let results = parallel(locked, |l| {
         let mut rec = ProcessRecord::new(l.pid());
         let r = timed(&mut rec, Op::Unlock, true, || l.unlock(), failed_msg);
@@ -272,7 +271,7 @@ fn undo_locked(locked: Vec<Locked<'_>>, records: &mut Vec<ProcessRecord>) -> Vec
 
 /// Restores then unlocks (in parallel per process); returns the errors.
 fn undo_checkpointed(
-    procs: Vec<Checkpointed<'_>>,
+    procs: Vec<Checkpointed>,
     pairs: &[GpuPair],
     records: &mut Vec<ProcessRecord>,
     undo: bool,
@@ -296,7 +295,7 @@ fn undo_checkpointed(
     errors
 }
 
-impl<'d> Frozen<'d> {
+impl Frozen {
     pub fn pids(&self) -> Vec<i32> {
         self.procs.iter().map(|p| p.pid()).collect()
     }
@@ -324,7 +323,7 @@ impl<'d> Frozen<'d> {
     }
 }
 
-impl Drop for Frozen<'_> {
+impl Drop for Frozen {
     fn drop(&mut self) {
         if self.procs.is_empty() {
             return;
@@ -336,7 +335,6 @@ impl Drop for Frozen<'_> {
         for e in undo_checkpointed(procs, &[], &mut records, true) {
             tracing::error!("could not resume a process after an interrupted checkpoint: {e}");
         }
-        let _ = self.driver;
     }
 }
 
@@ -344,7 +342,7 @@ impl Drop for Frozen<'_> {
 /// only when every restore worked, unlocks all. On failure nothing is unlocked: the caller stops the
 /// restored copy and keeps the checkpoint.
 pub fn restore_all(
-    driver: &dyn GpuDriver,
+    driver: &Arc<dyn GpuDriver>,
     pids: &[i32],
     pairs: &[GpuPair],
 ) -> std::result::Result<Vec<ProcessRecord>, (Error, Vec<ProcessRecord>)> {
@@ -407,12 +405,13 @@ mod tests {
     use super::super::CuError;
     use super::*;
 
-    fn driver(pids: &[i32]) -> FakeDriver {
-        let d = FakeDriver::new();
+    fn driver(pids: &[i32]) -> (Arc<FakeDriver>, Arc<dyn GpuDriver>) {
+        let d = Arc::new(FakeDriver::new());
         for &p in pids {
             d.add(p);
         }
-        d
+        let dd: Arc<dyn GpuDriver> = d.clone();
+        (d, dd)
     }
 
     fn states(d: &FakeDriver, pids: &[i32]) -> Vec<ProcessState> {
@@ -422,8 +421,8 @@ mod tests {
     #[test]
     fn freeze_then_thaw_returns_all_to_running() {
         let pids = [1, 2, 3];
-        let d = driver(&pids);
-        let f = freeze_all(&d, &pids, &GroupOptions::default()).unwrap();
+        let (d, dd) = driver(&pids);
+        let f = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap();
         assert_eq!(states(&d, &pids), vec![ProcessState::Checkpointed; 3]);
         let recs = f.thaw().unwrap();
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
@@ -436,10 +435,10 @@ mod tests {
     #[test]
     fn locks_run_in_parallel() {
         let pids = [1, 2, 3, 4];
-        let d = driver(&pids);
+        let (d, dd) = driver(&pids);
         d.set_delay(Duration::from_millis(200));
         let t = Instant::now();
-        let f = freeze_all(&d, &pids, &GroupOptions::default()).unwrap();
+        let f = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap();
         // Serial would be 4 x (lock + checkpoint) x 200 ms = 1.6 s.
         assert!(
             t.elapsed() < Duration::from_millis(1000),
@@ -452,9 +451,9 @@ mod tests {
     #[test]
     fn a_lock_timeout_unlocks_the_locked_ones() {
         let pids = [1, 2, 3];
-        let d = driver(&pids);
+        let (d, dd) = driver(&pids);
         d.fail_next(2, Op::Lock, CuError::NotReady);
-        let e = freeze_all(&d, &pids, &GroupOptions::default()).unwrap_err();
+        let e = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap_err();
         assert!(e.to_string().contains("CUDA_ERROR_NOT_READY"), "{e}");
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
         assert!(!d.calls().contains(&(1, Op::Checkpoint)));
@@ -463,9 +462,9 @@ mod tests {
     #[test]
     fn a_checkpoint_failure_restores_and_unlocks_the_others() {
         let pids = [1, 2, 3];
-        let d = driver(&pids);
+        let (d, dd) = driver(&pids);
         d.fail_next(3, Op::Checkpoint, CuError::NotSupported);
-        let e = freeze_all(&d, &pids, &GroupOptions::default()).unwrap_err();
+        let e = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap_err();
         assert!(e.to_string().contains("pid 3"), "{e}");
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
         let calls = d.calls();
@@ -480,10 +479,10 @@ mod tests {
     #[test]
     fn a_failed_undo_is_reported_too() {
         let pids = [1, 2];
-        let d = driver(&pids);
+        let (d, dd) = driver(&pids);
         d.fail_next(2, Op::Lock, CuError::NotReady);
         d.fail_next(1, Op::Unlock, CuError::OperatingSystem);
-        let e = freeze_all(&d, &pids, &GroupOptions::default()).unwrap_err();
+        let e = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap_err();
         let s = e.to_string();
         assert!(
             s.contains("NOT_READY") && s.contains("OPERATING_SYSTEM"),
@@ -494,9 +493,9 @@ mod tests {
     #[test]
     fn dropping_a_frozen_group_thaws_it() {
         let pids = [5, 6];
-        let d = driver(&pids);
+        let (d, dd) = driver(&pids);
         {
-            let _f = freeze_all(&d, &pids, &GroupOptions::default()).unwrap();
+            let _f = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap();
         }
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 2]);
     }
@@ -504,8 +503,8 @@ mod tests {
     #[test]
     fn finish_keeps_them_checkpointed() {
         let pids = [5];
-        let d = driver(&pids);
-        let recs = freeze_all(&d, &pids, &GroupOptions::default())
+        let (d, dd) = driver(&pids);
+        let recs = freeze_all(&dd, &pids, &GroupOptions::default())
             .unwrap()
             .finish();
         assert_eq!(recs.len(), 1);
@@ -515,12 +514,12 @@ mod tests {
     #[test]
     fn restore_all_unlocks_only_when_every_restore_worked() {
         let pids = [7, 8];
-        let d = driver(&pids);
-        freeze_all(&d, &pids, &GroupOptions::default())
+        let (d, dd) = driver(&pids);
+        freeze_all(&dd, &pids, &GroupOptions::default())
             .unwrap()
             .finish();
         d.fail_next(8, Op::Restore, CuError::OutOfMemory);
-        let (e, _) = restore_all(&d, &pids, &[]).unwrap_err();
+        let (e, _) = restore_all(&dd, &pids, &[]).unwrap_err();
         assert!(e.to_string().contains("OUT_OF_MEMORY"), "{e}");
         assert_eq!(
             states(&d, &pids),
@@ -529,24 +528,24 @@ mod tests {
         assert!(!d.calls().contains(&(7, Op::Unlock)));
 
         // A second attempt (another restore of the same checkpoint) works.
-        let d2 = driver(&pids);
-        freeze_all(&d2, &pids, &GroupOptions::default())
+        let (d2, dd2) = driver(&pids);
+        freeze_all(&dd2, &pids, &GroupOptions::default())
             .unwrap()
             .finish();
-        let recs = restore_all(&d2, &pids, &[]).unwrap();
+        let recs = restore_all(&dd2, &pids, &[]).unwrap();
         assert_eq!(states(&d2, &pids), vec![ProcessState::Running; 2]);
         assert!(recs.iter().all(|r| r.ms(Op::Restore) >= 0.0));
     }
 
     #[test]
     fn plan_skips_processes_without_cuda_and_refuses_locked_ones() {
-        let d = driver(&[1, 2]);
-        let p = plan(&d, &[1, 2, 99]).unwrap();
+        let (d, _) = driver(&[1, 2]);
+        let p = plan(d.as_ref(), &[1, 2, 99]).unwrap();
         assert_eq!(p.cuda, vec![1, 2]);
         assert_eq!(p.skipped.len(), 1);
         assert_eq!(p.skipped[0].pid, 99);
         d.lock(2, None).unwrap();
-        let e = plan(&d, &[1, 2]).unwrap_err();
+        let e = plan(d.as_ref(), &[1, 2]).unwrap_err();
         assert!(e.to_string().contains("already locked"), "{e}");
     }
 }

@@ -13,6 +13,7 @@
 
 use super::types::{GpuPair, ProcessState};
 use super::{Error, GpuDriver, Result};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A move that did not happen: the handle, unchanged, and why.
@@ -30,24 +31,24 @@ impl<H> std::fmt::Debug for Failed<H> {
 macro_rules! handle {
     ($name:ident, $doc:literal) => {
         #[doc = $doc]
-        pub struct $name<'d> {
-            driver: &'d dyn GpuDriver,
+        pub struct $name {
+            driver: Arc<dyn GpuDriver>,
             pid: i32,
         }
 
-        impl<'d> $name<'d> {
+        impl $name {
             pub fn pid(&self) -> i32 {
                 self.pid
             }
 
-            pub fn driver(&self) -> &'d dyn GpuDriver {
-                self.driver
+            pub fn driver(&self) -> &Arc<dyn GpuDriver> {
+                &self.driver
             }
 
             /// A handle for a process whose state the caller has just established (a state query of
             /// the whole group, or a CRIU restore that brings processes back CHECKPOINTED).
             #[allow(dead_code)] // generated for every state; the flows use some of them
-            pub(crate) fn assume(driver: &'d dyn GpuDriver, pid: i32) -> Self {
+            pub(crate) fn assume(driver: Arc<dyn GpuDriver>, pid: i32) -> Self {
                 $name { driver, pid }
             }
 
@@ -59,7 +60,7 @@ macro_rules! handle {
             }
         }
 
-        impl std::fmt::Debug for $name<'_> {
+        impl std::fmt::Debug for $name {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 write!(f, "{}({})", stringify!($name), self.pid)
             }
@@ -80,10 +81,10 @@ handle!(
 
 /// What a state query found, as a handle that allows exactly the legal moves.
 #[derive(Debug)]
-pub enum GpuProcess<'d> {
-    Running(Running<'d>),
-    Locked(Locked<'d>),
-    Checkpointed(Checkpointed<'d>),
+pub enum GpuProcess {
+    Running(Running),
+    Locked(Locked),
+    Checkpointed(Checkpointed),
     /// FAILED, or an operation in progress (13.4 custom storage): nothing can be done from here.
     Other {
         pid: i32,
@@ -91,9 +92,10 @@ pub enum GpuProcess<'d> {
     },
 }
 
-impl<'d> GpuProcess<'d> {
+impl GpuProcess {
     /// Asks the driver where `pid` stands.
-    pub fn observe(driver: &'d dyn GpuDriver, pid: i32) -> Result<Self> {
+    pub fn observe(driver: &Arc<dyn GpuDriver>, pid: i32) -> Result<Self> {
+        let driver = Arc::clone(driver);
         Ok(match driver.state(pid)? {
             ProcessState::Running => GpuProcess::Running(Running { driver, pid }),
             ProcessState::Locked => GpuProcess::Locked(Locked { driver, pid }),
@@ -112,12 +114,12 @@ impl<'d> GpuProcess<'d> {
     }
 }
 
-impl<'d> Running<'d> {
+impl Running {
     /// RUNNING -> LOCKED, waiting at most `timeout` for submitted work (`None`: no limit).
-    pub fn lock(self, timeout: Option<Duration>) -> std::result::Result<Locked<'d>, Failed<Self>> {
+    pub fn lock(self, timeout: Option<Duration>) -> std::result::Result<Locked, Failed<Self>> {
         match self.driver.lock(self.pid, timeout) {
             Ok(()) => Ok(Locked {
-                driver: self.driver,
+                driver: Arc::clone(&self.driver),
                 pid: self.pid,
             }),
             Err(e) => self.fail(e),
@@ -125,12 +127,12 @@ impl<'d> Running<'d> {
     }
 }
 
-impl<'d> Locked<'d> {
+impl Locked {
     /// LOCKED -> CHECKPOINTED.
-    pub fn checkpoint(self) -> std::result::Result<Checkpointed<'d>, Failed<Self>> {
+    pub fn checkpoint(self) -> std::result::Result<Checkpointed, Failed<Self>> {
         match self.driver.checkpoint(self.pid) {
             Ok(()) => Ok(Checkpointed {
-                driver: self.driver,
+                driver: Arc::clone(&self.driver),
                 pid: self.pid,
             }),
             Err(e) => self.fail(e),
@@ -138,10 +140,10 @@ impl<'d> Locked<'d> {
     }
 
     /// LOCKED -> RUNNING.
-    pub fn unlock(self) -> std::result::Result<Running<'d>, Failed<Self>> {
+    pub fn unlock(self) -> std::result::Result<Running, Failed<Self>> {
         match self.driver.unlock(self.pid) {
             Ok(()) => Ok(Running {
-                driver: self.driver,
+                driver: Arc::clone(&self.driver),
                 pid: self.pid,
             }),
             Err(e) => self.fail(e),
@@ -153,12 +155,12 @@ impl<'d> Locked<'d> {
     }
 }
 
-impl<'d> Checkpointed<'d> {
+impl Checkpointed {
     /// CHECKPOINTED -> LOCKED, onto the GPUs `pairs` name (empty: the same GPUs).
-    pub fn restore(self, pairs: &[GpuPair]) -> std::result::Result<Locked<'d>, Failed<Self>> {
+    pub fn restore(self, pairs: &[GpuPair]) -> std::result::Result<Locked, Failed<Self>> {
         match self.driver.restore(self.pid, pairs) {
             Ok(()) => Ok(Locked {
-                driver: self.driver,
+                driver: Arc::clone(&self.driver),
                 pid: self.pid,
             }),
             Err(e) => self.fail(e),
@@ -178,9 +180,10 @@ mod tests {
 
     #[test]
     fn the_full_cycle_moves_through_every_state() {
-        let d = FakeDriver::new();
+        let d = Arc::new(FakeDriver::new());
         d.add(10);
-        let GpuProcess::Running(r) = GpuProcess::observe(&d, 10).unwrap() else {
+        let dd: Arc<dyn GpuDriver> = d.clone();
+        let GpuProcess::Running(r) = GpuProcess::observe(&dd, 10).unwrap() else {
             panic!("a new process runs");
         };
         let l = r.lock(Some(Duration::from_secs(1))).unwrap();
@@ -195,10 +198,11 @@ mod tests {
 
     #[test]
     fn a_failed_move_hands_back_the_same_state() {
-        let d = FakeDriver::new();
+        let d = Arc::new(FakeDriver::new());
         d.add(11);
         d.fail_next(11, super::super::Op::Lock, CuError::NotReady);
-        let GpuProcess::Running(r) = GpuProcess::observe(&d, 11).unwrap() else {
+        let dd: Arc<dyn GpuDriver> = d.clone();
+        let GpuProcess::Running(r) = GpuProcess::observe(&dd, 11).unwrap() else {
             panic!()
         };
         let failed = r.lock(None).unwrap_err();
@@ -210,16 +214,17 @@ mod tests {
 
     #[test]
     fn observe_gives_the_handle_of_the_current_state() {
-        let d = FakeDriver::new();
+        let d = Arc::new(FakeDriver::new());
         d.add(12);
         d.lock(12, None).unwrap();
+        let dd: Arc<dyn GpuDriver> = d.clone();
         assert!(matches!(
-            GpuProcess::observe(&d, 12).unwrap(),
+            GpuProcess::observe(&dd, 12).unwrap(),
             GpuProcess::Locked(_)
         ));
         d.checkpoint(12).unwrap();
         assert_eq!(
-            GpuProcess::observe(&d, 12).unwrap().state(),
+            GpuProcess::observe(&dd, 12).unwrap().state(),
             ProcessState::Checkpointed
         );
     }

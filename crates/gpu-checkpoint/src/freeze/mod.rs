@@ -18,6 +18,7 @@ pub mod fake;
 pub mod group;
 pub mod lifecycle;
 pub mod sim;
+pub mod step;
 mod types;
 
 pub use cuda_driver::SetupTimings;
@@ -25,9 +26,11 @@ pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
+pub use step::{match_gpus, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
 
 use crate::error::ExitStatus;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The CUDA driver release that brought the in-process checkpoint API (`cuCheckpointProcess*`).
@@ -160,6 +163,10 @@ pub trait GpuDriver: Send + Sync {
     fn restore_thread_id(&self, pid: i32) -> Result<i32>;
     /// The GPUs this backend sees on this node, in index order.
     fn gpus(&self) -> Result<Vec<GpuInfo>>;
+    /// The GPUs process `pid` uses, when the backend can tell (NVML's compute processes, the simulator).
+    fn process_gpus(&self, _pid: i32) -> Option<Vec<GpuUuid>> {
+        None
+    }
     /// What setting the backend up cost (cuda-driver: dlopen, symbol lookup, cuInit).
     fn setup_timings(&self) -> Option<SetupTimings> {
         None
@@ -218,19 +225,19 @@ impl std::str::FromStr for Backend {
 
 /// Opens the chosen backend. `Auto` prefers the in-process driver API and falls back to the
 /// `cuda-checkpoint` binary; it never picks the simulator.
-pub fn open(backend: Backend) -> Result<Box<dyn GpuDriver>> {
+pub fn open(backend: Backend) -> Result<Arc<dyn GpuDriver>> {
     match backend {
-        Backend::CudaDriver => Ok(Box::new(cuda_driver::CudaDriver::open()?)),
-        Backend::CudaCli => Ok(Box::new(cuda_cli::CudaCli::open()?)),
-        Backend::Sim => Ok(Box::new(sim::SimDriver::new())),
-        Backend::Fake => Ok(Box::new(fake::FakeDriver::new())),
+        Backend::CudaDriver => Ok(Arc::new(cuda_driver::CudaDriver::open()?)),
+        Backend::CudaCli => Ok(Arc::new(cuda_cli::CudaCli::open()?)),
+        Backend::Sim => Ok(Arc::new(sim::SimDriver::new())),
+        Backend::Fake => Ok(Arc::new(fake::FakeDriver::new())),
         Backend::Auto => {
             let driver_err = match cuda_driver::CudaDriver::open() {
-                Ok(d) => return Ok(Box::new(d)),
+                Ok(d) => return Ok(Arc::new(d)),
                 Err(e) => e,
             };
             match cuda_cli::CudaCli::open() {
-                Ok(c) => Ok(Box::new(c)),
+                Ok(c) => Ok(Arc::new(c)),
                 Err(cli_err) => Err(Error::NoBackend {
                     reason: format!("{driver_err}; {cli_err}"),
                 }),

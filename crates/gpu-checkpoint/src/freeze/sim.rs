@@ -185,6 +185,14 @@ impl GpuDriver for SimDriver {
     fn gpus(&self) -> Result<Vec<GpuInfo>> {
         Ok(sim_gpus())
     }
+
+    fn process_gpus(&self, pid: i32) -> Option<Vec<GpuUuid>> {
+        let st = status(pid).ok()?;
+        st.get("uuids")?
+            .split(',')
+            .map(|u| u.parse().ok())
+            .collect()
+    }
 }
 
 #[cfg(test)]
