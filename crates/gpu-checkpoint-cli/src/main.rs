@@ -2,6 +2,7 @@
 //! codes. All real work happens in the `gpu_checkpoint` library.
 
 mod commands;
+mod progress;
 
 use clap::{Parser, Subcommand};
 use gpu_checkpoint::ExitStatus;
