@@ -19,7 +19,7 @@
 //! Options: `--devices N` (1), `--mib M` per device (8), `--workers W` (2), `--kernel-us U` (200),
 //! `--children K` (K more simulated GPU processes, forked: a process tree), `--cpu-children K` (children
 //! with no GPU at all), `--no-context` (answers like a process that loaded libcuda but made no context),
-//! `--daemon` (detach: double fork + setsid; returns once ready), `--pidfile PATH`, `--log PATH`.
+//! `--daemon` (detach: fork + setsid, prints the PID once ready), `--pidfile PATH`, `--log PATH`.
 
 use std::collections::BTreeSet;
 use std::ffi::CString;
@@ -847,25 +847,20 @@ fn main() {
         match unsafe { libc::fork() } {
             -1 => usage(&format!("fork: {}", last_os_error())),
             0 => {
+                // A session leader of its own (CRIU wants the root of a dumped tree to lead its session,
+                // or --shell-job); re-parented to init once the launcher exits, so that a killed copy is
+                // reaped and its PID freed for a restore.
                 // SAFETY: single-threaded child.
                 unsafe {
                     libc::close(r);
                     libc::setsid();
-                    match libc::fork() {
-                        -1 => libc::_exit(1),
-                        0 => {}
-                        _ => libc::_exit(0),
-                    }
                 }
                 redirect_stdio(o.log.as_deref());
                 ready_out = Some(w);
             }
-            child => {
-                // SAFETY: parent: reap the intermediate child, then wait for the ready line.
-                unsafe {
-                    libc::close(w);
-                    libc::waitpid(child, std::ptr::null_mut(), 0);
-                }
+            _child => {
+                // SAFETY: the launcher keeps only the read end and waits for the ready line.
+                unsafe { libc::close(w) };
                 let got = read_lines(r, 1);
                 match got.first() {
                     Some(pid) => {
