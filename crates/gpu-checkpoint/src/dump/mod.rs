@@ -99,6 +99,9 @@ pub trait Criu: Send + Sync {
     fn describe(&self) -> String;
     /// CRIU's version, as CRIU itself reports it.
     fn version(&self) -> Result<CriuVersion, Error>;
+    /// Fails when this process may not checkpoint or restore (CRIU needs root); called before anything
+    /// is touched.
+    fn check_permitted(&self) -> Result<(), Error>;
     /// Runs `criu check` (kernel features CRIU needs).
     fn check(&self) -> Result<CheckOutcome, Error>;
     /// Dumps the tree. On error the tree is left running (CRIU resumes every task it seized).
@@ -181,6 +184,8 @@ pub enum Error {
     NotFound { tried: Vec<String> },
     #[error("CRIU at {} is version {version}; gpu-checkpoint needs CRIU >= {MIN_VERSION} (run scripts/install-criu.sh for a private copy)", path.display())]
     TooOld { path: PathBuf, version: CriuVersion },
+    #[error("checkpoint and restore need root (CRIU ptraces and re-creates processes); run gpu-checkpoint as root")]
+    NotRoot,
     #[error("cannot run CRIU at {}: {source}", path.display())]
     Spawn {
         path: PathBuf,
@@ -203,6 +208,7 @@ impl Error {
     pub fn exit_status(&self) -> ExitStatus {
         match self {
             Error::NotFound { .. } | Error::TooOld { .. } => ExitStatus::ToolMissing,
+            Error::NotRoot => ExitStatus::PermissionDenied,
             Error::Spawn { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ExitStatus::ToolMissing,
                 _ => crate::error::io_exit_status(source),

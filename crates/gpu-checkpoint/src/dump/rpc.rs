@@ -269,6 +269,14 @@ impl Criu for CriuRpc {
         })
     }
 
+    fn check_permitted(&self) -> Result<(), Error> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(Error::NotRoot);
+        }
+        Ok(())
+    }
+
     fn check(&self) -> Result<CheckOutcome, Error> {
         // The RPC's CHECK answers only yes or no; the command also says which features are missing.
         let out = Command::new(&self.path)
