@@ -2,11 +2,13 @@
 
 use std::path::PathBuf;
 
-use gpu_checkpoint::checkpoint::{CheckpointOptions, Flow, NoGpu};
+use gpu_checkpoint::checkpoint::{CheckpointOptions, Flow};
 use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
 use gpu_checkpoint::store::{Store, StoreOptions};
 use serde_json::json;
 
+use super::cuda::{parse_timeout, GpuArgs, Timeout};
 use super::list::StoreArgs;
 use super::Format;
 use crate::progress::{bytes, Bar};
@@ -34,6 +36,12 @@ pub struct Args {
     /// project's own from scripts/install-criu.sh).
     #[arg(long, value_name = "PATH")]
     pub criu: Option<PathBuf>,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+    /// How long locking a CUDA process may wait for its submitted GPU work (10s, 500ms; 0: no limit).
+    /// On expiry every process is unlocked and keeps running.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
+    pub lock_timeout: Timeout,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -42,7 +50,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let store = Store::open(&args.store.storage, StoreOptions::default())
         .map_err(gpu_checkpoint::Error::from)?;
     let progress = Bar::new(args.store.format == Format::Text);
-    let mut gpu = NoGpu;
+    let backend: Backend = args.gpu.gpu_backend.into();
+    let mut gpu = FreezeHook::new(HookOptions {
+        backend,
+        group: GroupOptions {
+            lock_timeout: args.lock_timeout.0,
+        },
+        device_map: None,
+    });
     let mut flow = Flow {
         criu: &criu,
         gpu: &mut gpu,
@@ -54,6 +69,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     opts.leave_running = args.leave_running;
     opts.tcp_established = args.tcp_established;
     opts.shell_job = args.shell_job;
+    // The simulator is recognised only when asked for, never silently.
+    opts.detect.simulator = backend == Backend::Sim;
     let out = flow.checkpoint(&opts)?;
 
     let manifest_path = store.manifest_path(&out.info.id);
@@ -68,6 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "stopped": out.stopped,
                 "manifest": manifest_path,
                 "timings_ms": out.timings,
+                "gpu": out.manifest.gpu,
                 "sizes": out.manifest.sizes,
                 "stats": out.info.stats,
             });
@@ -97,6 +115,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "  detect {:.0} ms, freeze {:.0} ms, dump {:.0} ms, write {:.0} ms, stop {:.0} ms; total {:.0} ms",
                 t.detect, t.freeze, t.dump, t.write, t.stop, t.total
             );
+            if let Some(line) = gpu_summary(&out.manifest.gpu) {
+                eprintln!("  {line}");
+            }
             eprintln!(
                 "  the process tree {}; manifest {}",
                 if out.stopped {
@@ -109,4 +130,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One line about the GPU step, from the manifest's `gpu` record.
+fn gpu_summary(gpu: &serde_json::Value) -> Option<String> {
+    let rec: gpu_checkpoint::freeze::GpuRecord = serde_json::from_value(gpu.clone()).ok()?;
+    let skipped = if rec.skipped.is_empty() {
+        String::new()
+    } else {
+        format!(", {} left alone (no CUDA context)", rec.skipped.len())
+    };
+    Some(format!(
+        "gpu: {} CUDA process(es) via {} ({}): lock {:.0} ms, GPU checkpoint {:.0} ms{skipped}",
+        rec.processes.len(),
+        rec.backend,
+        rec.driver_version
+            .as_deref()
+            .unwrap_or("driver version unknown"),
+        rec.timings.lock_ms,
+        rec.timings.checkpoint_ms,
+    ))
 }

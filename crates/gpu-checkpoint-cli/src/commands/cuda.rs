@@ -39,6 +39,40 @@ impl From<BackendArg> for Backend {
     }
 }
 
+/// A `--lock-timeout`; `None` means no limit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timeout(pub Option<Duration>);
+
+/// Parses `--lock-timeout`: `10s`, `500ms`, `1.5` (seconds), or `0` for no limit.
+pub fn parse_timeout(s: &str) -> Result<Timeout, String> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration (10s, 500ms, 1.5)"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("`{s}` is not a duration (10s, 500ms, 1.5)"));
+    }
+    Ok(Timeout(
+        (v > 0.0).then(|| Duration::from_secs_f64(v * scale)),
+    ))
+}
+
+/// `--gpu-backend` and `--lock-timeout` for the checkpoint and restore commands.
+#[derive(clap::Args, Debug)]
+pub struct GpuArgs {
+    /// GPU checkpoint backend (only used when the tree holds GPU state).
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
+    pub gpu_backend: BackendArg,
+}
+
 /// Options every `cuda` subcommand takes.
 #[derive(clap::Args, Debug)]
 pub struct Common {
@@ -338,5 +372,29 @@ fn toggle(
                 "toggle needs a running or checkpointed process; it is {other} (use `cuda unlock` or `cuda restore`)"
             )),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_timeouts_parse() {
+        assert_eq!(
+            parse_timeout("10s"),
+            Ok(Timeout(Some(Duration::from_secs(10))))
+        );
+        assert_eq!(
+            parse_timeout("250ms"),
+            Ok(Timeout(Some(Duration::from_millis(250))))
+        );
+        assert_eq!(
+            parse_timeout("1.5"),
+            Ok(Timeout(Some(Duration::from_millis(1500))))
+        );
+        assert_eq!(parse_timeout("0"), Ok(Timeout(None)));
+        assert!(parse_timeout("-1s").is_err());
+        assert!(parse_timeout("soon").is_err());
     }
 }

@@ -2,11 +2,12 @@
 
 use std::path::PathBuf;
 
-use gpu_checkpoint::checkpoint::NoGpu;
 use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::freeze::{DeviceMap, FreezeHook, HookOptions};
 use gpu_checkpoint::restore::{Flow, Target};
 use serde_json::json;
 
+use super::cuda::GpuArgs;
 use super::list::StoreArgs;
 use super::{usage, Format};
 use crate::progress::Bar;
@@ -25,6 +26,12 @@ pub struct Args {
     /// project's own from scripts/install-criu.sh).
     #[arg(long, value_name = "PATH")]
     pub criu: Option<PathBuf>,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+    /// Restore GPU state onto other GPUs: OLD=NEW,... (indices or GPU-... UUIDs; old indices are the
+    /// checkpoint's, new ones this node's). Without it, this node must have the same GPU count and models.
+    #[arg(long, value_name = "OLD=NEW,...")]
+    pub device_map: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -37,7 +44,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let criu = CriuRpc::from_found(&found);
     let store = args.store.open()?;
     let progress = Bar::new(args.store.format == Format::Text);
-    let mut gpu = NoGpu;
+    let device_map = match args.device_map.as_deref() {
+        None => None,
+        Some(m) => Some(
+            m.parse::<DeviceMap>()
+                .map_err(gpu_checkpoint::Error::from)?,
+        ),
+    };
+    let mut gpu = FreezeHook::new(HookOptions {
+        backend: args.gpu.gpu_backend.into(),
+        device_map,
+        ..HookOptions::default()
+    });
     let mut flow = Flow {
         criu: &criu,
         gpu: &mut gpu,

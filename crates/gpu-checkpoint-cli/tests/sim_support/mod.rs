@@ -126,3 +126,68 @@ pub fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stderr)
     )
 }
+
+/// True when this machine can run CRIU flows (root and CRIU >= 4.0). In CI (`CI=true`) a missing piece
+/// fails the test; locally the test is skipped with the reason printed.
+pub fn criu_ready() -> bool {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    // SAFETY: geteuid cannot fail.
+    let reason = if unsafe { libc::geteuid() } != 0 {
+        Some("not root".to_string())
+    } else {
+        gpu_checkpoint::dump::discover(None)
+            .err()
+            .map(|e| format!("no usable CRIU: {e}"))
+    };
+    match reason {
+        None => true,
+        Some(r) if ci => panic!("CRIU flow test cannot run in CI: {r} (run scripts/setup.sh)"),
+        Some(r) => {
+            eprintln!("SKIPPED: {r} (source scripts/env.sh after scripts/install-criu.sh)");
+            false
+        }
+    }
+}
+
+/// Waits until none of `pids` exists any more (killed, and reaped by init).
+pub fn wait_gone(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pids
+        .iter()
+        .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    {
+        assert!(Instant::now() < deadline, "pids {pids:?} still exist");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `gpu-checkpoint` and parses its JSON output; panics with the output on failure.
+pub fn json_ok(args: &[&str]) -> serde_json::Value {
+    let o = run(args);
+    assert!(o.status.success(), "gpu-checkpoint {args:?}: {}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "gpu-checkpoint {args:?} printed no JSON ({e}): {}",
+            text(&o)
+        )
+    })
+}
+
+/// The checkpoints a store lists.
+pub fn listed(store: &std::path::Path) -> Vec<serde_json::Value> {
+    let v = json_ok(&[
+        "list",
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    match v {
+        serde_json::Value::Array(a) => a,
+        serde_json::Value::Object(o) => o
+            .get("checkpoints")
+            .and_then(|c| c.as_array().cloned())
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    }
+}

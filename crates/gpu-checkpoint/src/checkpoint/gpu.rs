@@ -76,6 +76,10 @@ pub trait GpuHook {
     /// which is running. Called at most once per successful `freeze`. Returns timings for the report.
     fn thaw(&mut self) -> Result<Value, crate::Error>;
 
+    /// The checkpoint is durable and the tree is about to be stopped (migration): the processes
+    /// [`GpuHook::freeze`] handled stay checkpointed, and nothing must thaw them later.
+    fn committed(&mut self) {}
+
     /// Before restoring: check this node can take the checkpoint's GPU state (`record` is what
     /// [`GpuHook::freeze`] returned, `null` for a checkpoint without GPU state).
     fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::Error>;

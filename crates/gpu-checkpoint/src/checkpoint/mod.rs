@@ -321,6 +321,7 @@ impl Flow<'_> {
         let t = Instant::now();
         let stopped = !opts.leave_running;
         if stopped {
+            self.gpu.committed();
             let left = tree::kill_tree(&pids, KILL_TIMEOUT);
             if !left.is_empty() {
                 return Err(Error::NotStopped {

@@ -16,6 +16,7 @@ pub mod cuda_cli;
 pub mod cuda_driver;
 pub mod fake;
 pub mod group;
+pub mod hook;
 pub mod lifecycle;
 pub mod sim;
 pub mod step;
@@ -25,6 +26,7 @@ pub use cuda_driver::SetupTimings;
 pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
+pub use hook::{FreezeHook, HookOptions};
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
 pub use step::{match_gpus, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
@@ -76,6 +78,10 @@ pub enum Error {
     MigrationUnsupported { version: String },
     #[error("the GPUs here do not match the checkpoint's: {0}; pass --device-map OLD=NEW,... to choose targets")]
     GpuMismatch(String),
+    #[error("wrong GPU backend: {0}")]
+    WrongBackend(String),
+    #[error("the checkpoint's GPU record is unreadable: {0}")]
+    Record(String),
     /// Several processes failed in one group operation; the first error is the headline.
     #[error("{}", summarize(.0))]
     Many(Vec<Error>),
@@ -101,8 +107,9 @@ impl Error {
             | Error::NoBackend { .. }
             | Error::MigrationUnsupported { .. } => ExitStatus::ToolMissing,
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
-            Error::DeviceMap(_) => ExitStatus::Usage,
+            Error::DeviceMap(_) | Error::WrongBackend(_) => ExitStatus::Usage,
             Error::GpuMismatch(_) => ExitStatus::Conflict,
+            Error::Record(_) => ExitStatus::CheckpointInvalid,
             Error::Cuda { code, .. } if code.is_permission() => ExitStatus::PermissionDenied,
             Error::Many(v) => v.first().map_or(ExitStatus::Failure, Error::exit_status),
             _ => ExitStatus::Failure,

@@ -1,0 +1,180 @@
+//! The freeze stage as the flows' GPU hook ([`crate::checkpoint::GpuHook`]).
+//!
+//! The driver is opened only when a tree (or a checkpoint) actually holds GPU state, so that checkpoints
+//! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
+
+use super::group::GroupOptions;
+use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
+use super::types::{DeviceMap, GpuPair};
+use super::{Backend, Error};
+use crate::checkpoint::{FreezeContext, GpuHook, RestoredTree};
+use crate::detect::StrategyName;
+use serde_json::{json, Value};
+
+/// Options of the GPU step, from the command line.
+#[derive(Debug, Clone)]
+pub struct HookOptions {
+    pub backend: Backend,
+    pub group: GroupOptions,
+    /// `restore --device-map`.
+    pub device_map: Option<DeviceMap>,
+}
+
+impl Default for HookOptions {
+    fn default() -> Self {
+        HookOptions {
+            backend: Backend::Auto,
+            group: GroupOptions::default(),
+            device_map: None,
+        }
+    }
+}
+
+/// The GPU hook of the checkpoint and restore flows.
+pub struct FreezeHook {
+    opts: HookOptions,
+    step: Option<GpuStep>,
+    /// Decided by `prepare_restore`, used by `finish_restore`.
+    pairs: Vec<GpuPair>,
+    name: String,
+}
+
+impl FreezeHook {
+    pub fn new(opts: HookOptions) -> Self {
+        FreezeHook {
+            name: opts.backend.as_str().to_string(),
+            opts,
+            step: None,
+            pairs: Vec::new(),
+        }
+    }
+
+    fn step(&mut self, backend: Backend) -> Result<&mut GpuStep, Error> {
+        if self.step.is_none() {
+            let driver = super::open(backend)?;
+            self.name = driver.backend().as_str().to_string();
+            self.step = Some(GpuStep::new(driver, self.opts.group.clone()));
+        }
+        Ok(self.step.as_mut().expect("just set"))
+    }
+
+    fn record(value: &Value) -> Result<GpuRecord, Error> {
+        let schema = value.get("schema").and_then(Value::as_u64);
+        if schema.is_some_and(|s| s > u64::from(RECORD_SCHEMA)) {
+            return Err(Error::Record(format!(
+                "GPU record schema {} is newer than this gpu-checkpoint understands ({RECORD_SCHEMA})",
+                schema.unwrap_or_default()
+            )));
+        }
+        serde_json::from_value(value.clone()).map_err(|e| Error::Record(e.to_string()))
+    }
+
+    /// The backend to restore with: the user's choice, which must fit how the checkpoint was taken (a
+    /// simulated checkpoint is never restored onto a real GPU, nor the reverse, and `auto` never picks
+    /// the simulator).
+    fn restore_backend(&self, rec: &GpuRecord) -> Result<Backend, Error> {
+        let chosen = self.opts.backend;
+        let sim_record = rec.backend == Backend::Sim;
+        match (sim_record, chosen) {
+            (true, Backend::Sim)
+            | (false, Backend::Auto | Backend::CudaDriver | Backend::CudaCli) => Ok(chosen),
+            (false, Backend::Fake) | (true, Backend::Fake) => Ok(chosen),
+            (true, _) => Err(Error::WrongBackend(
+                "the checkpoint holds SIMULATED GPU state; restore it with --gpu-backend sim"
+                    .into(),
+            )),
+            (false, _) => Err(Error::WrongBackend(format!(
+                "the checkpoint holds real GPU state ({}); the simulator cannot restore it",
+                rec.backend
+            ))),
+        }
+    }
+}
+
+impl GpuHook for FreezeHook {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::Error> {
+        let mut candidates = Vec::new();
+        for p in &ctx.report.processes {
+            match p.strategy {
+                StrategyName::None => {}
+                StrategyName::CudaDriver | StrategyName::CudaCli => {
+                    // The simulator must never stand in for a real GPU: a real CUDA process would answer
+                    // "not a simulated process" and be skipped, its GPU state lost.
+                    if self.opts.backend == Backend::Sim && !p.simulated {
+                        return Err(Error::WrongBackend(format!(
+                            "pid {} holds real NVIDIA GPU state; --gpu-backend sim only handles the simulator",
+                            p.pid
+                        ))
+                        .into());
+                    }
+                    candidates.push(p.pid);
+                }
+                strategy => {
+                    return Err(crate::checkpoint::Error::NoGpuStep { strategy }.into());
+                }
+            }
+        }
+        if candidates.is_empty() {
+            return Ok(Value::Null);
+        }
+        let backend = self.opts.backend;
+        let rec = self.step(backend)?.freeze(&candidates)?;
+        serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()).into())
+    }
+
+    fn thaw(&mut self) -> Result<Value, crate::Error> {
+        match self.step.as_mut() {
+            None => Ok(Value::Null),
+            Some(step) => {
+                let records = step.thaw()?;
+                Ok(json!({ "thawed": records }))
+            }
+        }
+    }
+
+    fn committed(&mut self) {
+        if let Some(step) = self.step.as_mut() {
+            step.committed();
+        }
+    }
+
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::Error> {
+        if record.is_null() {
+            return Ok(());
+        }
+        let rec = Self::record(record)?;
+        if rec.processes.is_empty() {
+            return Ok(());
+        }
+        let backend = self.restore_backend(&rec)?;
+        let map = self.opts.device_map.clone();
+        self.pairs = self.step(backend)?.prepare_restore(&rec, map.as_ref())?;
+        Ok(())
+    }
+
+    fn finish_restore(
+        &mut self,
+        record: &Value,
+        _restored: &RestoredTree<'_>,
+    ) -> Result<Value, crate::Error> {
+        if record.is_null() {
+            return Ok(Value::Null);
+        }
+        let rec = Self::record(record)?;
+        if rec.processes.is_empty() {
+            return Ok(Value::Null);
+        }
+        let backend = self.restore_backend(&rec)?;
+        let pairs = self.pairs.clone();
+        let records = self.step(backend)?.finish_restore(&rec, &pairs)?;
+        Ok(json!({
+            "backend": self.name,
+            "pairs": pairs,
+            "processes": records,
+        }))
+    }
+}
