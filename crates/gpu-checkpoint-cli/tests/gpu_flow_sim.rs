@@ -11,35 +11,43 @@ use sim_support::*;
 use std::path::Path;
 use std::process::Command;
 
-fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
-    let pid = pid.to_string();
-    let mut args = vec![
+/// A temporary folder and a store path in it, when CRIU flows can run here.
+fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    if !criu_ready() {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    Some((dir, store))
+}
+
+fn checkpoint_args(pid: i32, store: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
         "checkpoint",
         "--pid",
-        &pid,
+        &pid.to_string(),
         "--storage",
         store.to_str().unwrap(),
         "--gpu-backend",
         "sim",
-        "--format",
-        "json",
-    ];
-    args.extend_from_slice(extra);
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
+    let args = checkpoint_args(pid, store, extra);
+    let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+    args.extend(["--format", "json"]);
     json_ok(&args)
 }
 
 fn checkpoint_fails(pid: i32, store: &Path, extra: &[&str], needle: &str) -> String {
-    let pid = pid.to_string();
-    let mut args = vec![
-        "checkpoint",
-        "--pid",
-        &pid,
-        "--storage",
-        store.to_str().unwrap(),
-        "--gpu-backend",
-        "sim",
-    ];
-    args.extend_from_slice(extra);
+    let args = checkpoint_args(pid, store, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run(&args);
     let t = text(&o);
     assert!(!o.status.success(), "checkpoint should fail: {t}");
@@ -88,11 +96,7 @@ fn assert_no_checkpoint(store: &Path) {
 
 #[test]
 fn a_tree_survives_checkpoint_stop_restore_with_device_memory() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let Some((_dir, store)) = setup() else { return };
     let tree = SimProcess::start(&["--mib", "16", "--children", "2", "--cpu-children", "1"]);
     let gpu_pids: Vec<i32> = tree.all_pids()[..3].to_vec();
     let before: Vec<u64> = gpu_pids.iter().map(|&p| steps(p)).collect();
@@ -138,11 +142,7 @@ fn a_tree_survives_checkpoint_stop_restore_with_device_memory() {
 
 #[test]
 fn leave_running_keeps_the_tree_computing_and_the_checkpoint_restores() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let Some((_dir, store)) = setup() else { return };
     let tree = SimProcess::start(&["--mib", "8", "--children", "1"]);
     let ck = checkpoint(tree.pid, &store, &["--leave-running"]);
     assert_eq!(ck["stopped"], false);
@@ -163,11 +163,7 @@ fn leave_running_keeps_the_tree_computing_and_the_checkpoint_restores() {
 
 #[test]
 fn a_lock_timeout_leaves_every_process_running_and_no_checkpoint() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let Some((_dir, store)) = setup() else { return };
     let tree = SimProcess::start(&["--mib", "4", "--children", "2"]);
     sim::inject_fault(tree.children[1], "lock-timeout").unwrap();
     let t = checkpoint_fails(
@@ -183,11 +179,7 @@ fn a_lock_timeout_leaves_every_process_running_and_no_checkpoint() {
 
 #[test]
 fn a_gpu_checkpoint_failure_restores_the_others() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let Some((_dir, store)) = setup() else { return };
     let tree = SimProcess::start(&["--mib", "4", "--children", "2"]);
     sim::inject_fault(tree.children[0], "checkpoint").unwrap();
     checkpoint_fails(tree.pid, &store, &[], "CUDA_ERROR_NOT_SUPPORTED");
@@ -199,10 +191,7 @@ fn a_gpu_checkpoint_failure_restores_the_others() {
 /// checkpointed. The GPU state must come back.
 #[test]
 fn a_failed_dump_puts_the_gpu_state_back() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    let Some((dir, _)) = setup() else { return };
     let mnt = dir.path().join("small");
     std::fs::create_dir(&mnt).unwrap();
     let mounted = Command::new("mount")
@@ -220,16 +209,7 @@ fn a_failed_dump_puts_the_gpu_state_back() {
     let _unmount = Unmount(&mnt);
     let store = mnt.join("store");
     let tree = SimProcess::start(&["--mib", "16", "--children", "1"]);
-    let o = run(&[
-        "checkpoint",
-        "--pid",
-        &tree.pid.to_string(),
-        "--storage",
-        store.to_str().unwrap(),
-        "--gpu-backend",
-        "sim",
-    ]);
-    assert!(!o.status.success(), "the dump cannot fit: {}", text(&o));
+    checkpoint_fails(tree.pid, &store, &[], "error");
     assert_healthy(&tree.all_pids());
     for p in tree.all_pids() {
         assert!(
@@ -242,11 +222,7 @@ fn a_failed_dump_puts_the_gpu_state_back() {
 
 #[test]
 fn a_failed_gpu_restore_stops_the_copy_and_keeps_the_checkpoint() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let Some((dir, store)) = setup() else { return };
     // The fault file lives outside the process, so it reaches the copy CRIU restores.
     let fault_file = dir.path().join("faults");
     std::fs::write(&fault_file, "").unwrap();
@@ -275,11 +251,7 @@ fn a_failed_gpu_restore_stops_the_copy_and_keeps_the_checkpoint() {
 
 #[test]
 fn restore_checks_the_gpus_and_follows_a_device_map() {
-    if !criu_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let Some((_dir, store)) = setup() else { return };
     let tree = SimProcess::start(&["--mib", "4"]);
     let ck = checkpoint(tree.pid, &store, &[]);
     let id = ck["id"].as_str().unwrap();
