@@ -1,5 +1,6 @@
 //! `gpu-checkpoint doctor`: what this machine has for checkpointing: CRIU (where, which version, how it
-//! was found) and `criu check`'s verdict, the kernel, and whether we run as root.
+//! was found) and `criu check`'s verdict, the kernel, whether we run as root, and the GPU checkpoint
+//! backends (a machine without a GPU is fine: CPU-only trees need none).
 
 use std::path::PathBuf;
 
@@ -60,6 +61,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "host": host,
         "root": root,
         "criu": criu,
+        "gpu": gpu_checkpoint::freeze::probe(),
         "ok": problem.is_none(),
     });
     match args.format {
@@ -122,4 +124,33 @@ fn print_text(r: &serde_json::Value) {
     } else {
         println!("criu        not found: {}", s(&c["error"]));
     }
+    let g = &r["gpu"];
+    match (&g["cuda_driver"]["Ok"], &g["cuda_driver"]["Err"]) {
+        (serde_json::Value::String(v), _) => {
+            println!("cuda-driver {v} (checkpoint API in libcuda)")
+        }
+        (_, e) => println!("cuda-driver unavailable: {}", s(e)),
+    }
+    match g["cuda_cli"].as_str() {
+        Some(p) => println!("cuda-cli    {p}"),
+        None => println!("cuda-cli    no cuda-checkpoint on PATH"),
+    }
+    if let Some(d) = g["nvml_driver"].as_str() {
+        println!("driver      {d}");
+    }
+    for gpu in g["gpus"].as_array().into_iter().flatten() {
+        println!(
+            "gpu {}       {} {} ({} bytes)",
+            gpu["index"],
+            s(&gpu["model"]),
+            s(&gpu["uuid"]),
+            gpu["memory_bytes"]
+        );
+    }
+    println!(
+        "gpu backend auto -> {}",
+        g["auto"]
+            .as_str()
+            .unwrap_or("none (CPU-only checkpoints work; GPU trees need a driver >= 550)")
+    );
 }

@@ -52,6 +52,10 @@ impl CudaCli {
             .ok_or(Error::CliMissing)
     }
 
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Uses the utility at `path` (tests point this at a stand-in script).
     pub fn with_path(path: impl Into<PathBuf>) -> Self {
         CudaCli { path: path.into() }

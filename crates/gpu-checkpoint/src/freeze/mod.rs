@@ -253,6 +253,52 @@ pub fn open(backend: Backend) -> Result<Arc<dyn GpuDriver>> {
     }
 }
 
+/// What this machine offers for GPU checkpoints (for `gpu-checkpoint doctor`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Probe {
+    /// The in-process API: the CUDA version of libcuda ...
+    pub cuda_driver: Option<String>,
+    /// ... or why it is unusable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_driver_error: Option<String>,
+    /// `cuda-checkpoint` on PATH.
+    pub cuda_cli: Option<std::path::PathBuf>,
+    /// The display driver version from NVML.
+    pub nvml_driver: Option<String>,
+    pub gpus: Vec<GpuInfo>,
+    /// What `--gpu-backend auto` would pick.
+    pub auto: Option<Backend>,
+}
+
+/// Looks for every real backend without touching any process.
+pub fn probe() -> Probe {
+    let (cuda_driver, cuda_driver_error) = match cuda_driver::CudaDriver::open() {
+        Ok(d) => (
+            Some(format!("CUDA {}", cuda_driver::version_text(d.version()))),
+            None,
+        ),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    let cuda_cli = cuda_cli::CudaCli::open()
+        .ok()
+        .map(|c| c.path().to_path_buf());
+    let auto = if cuda_driver.is_some() {
+        Some(Backend::CudaDriver)
+    } else if cuda_cli.is_some() {
+        Some(Backend::CudaCli)
+    } else {
+        None
+    };
+    Probe {
+        cuda_driver,
+        cuda_driver_error,
+        cuda_cli,
+        nvml_driver: cuda_driver::nvml_driver_version(),
+        gpus: cuda_driver::nvml_gpus().unwrap_or_default(),
+        auto,
+    }
+}
+
 /// Checks that `pid` exists before asking a driver about it, so that "no such process" is not
 /// mistaken for "no CUDA state".
 pub fn ensure_process(pid: i32) -> Result<()> {
