@@ -1,6 +1,6 @@
 //! Benchmark (not a timed test: run it explicitly, it prints figures and ratios measured in the same run):
 //!
-//!   cargo test --release -p gpu-checkpoint-cli --test gpu_bench -- --ignored --nocapture
+//!   cargo test -p gpu-checkpoint-cli --test gpu_bench -- --ignored --nocapture
 //!
 //! 1. Freezing N SIMULATED GPU processes whose kernels run 50 ms each: all in parallel (what the
 //!    checkpoint flow does) against one after the other (what a loop over `cuda-checkpoint` does).

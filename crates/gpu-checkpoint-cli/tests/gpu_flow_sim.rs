@@ -97,18 +97,37 @@ fn assert_no_checkpoint(store: &Path) {
 #[test]
 fn a_tree_survives_checkpoint_stop_restore_with_device_memory() {
     let Some((_dir, store)) = setup() else { return };
-    let tree = SimProcess::start(&["--mib", "16", "--children", "2", "--cpu-children", "1"]);
+    // Three simulated GPU processes, one that only loaded the library (no context), one without GPU.
+    let tree = SimProcess::start(&[
+        "--mib",
+        "16",
+        "--children",
+        "2",
+        "--idle-children",
+        "1",
+        "--cpu-children",
+        "1",
+    ]);
     let gpu_pids: Vec<i32> = tree.all_pids()[..3].to_vec();
+    let idle = tree.all_pids()[3];
     let before: Vec<u64> = gpu_pids.iter().map(|&p| steps(p)).collect();
 
     let ck = checkpoint(tree.pid, &store, &[]);
     assert_eq!(ck["stopped"], true);
-    assert_eq!(ck["processes"], 4);
+    assert_eq!(ck["processes"], 5);
     let rec: GpuRecord = serde_json::from_value(ck["gpu"].clone()).unwrap();
     assert_eq!(
         rec.pids(),
         gpu_pids,
         "the three simulated GPU processes, not the CPU child"
+    );
+    // The one without a context is left alone, and reported.
+    assert_eq!(rec.skipped.len(), 1, "{:?}", rec.skipped);
+    assert_eq!(rec.skipped[0].pid, idle);
+    assert!(
+        rec.skipped[0].reason.contains("NOT_INITIALIZED"),
+        "{:?}",
+        rec.skipped
     );
     assert!(rec.driver_version.as_deref().unwrap().contains("SIMULATED"));
     assert!(!rec.gpus.is_empty() && rec.gpus[0].model.contains("SIMULATED"));
@@ -130,6 +149,11 @@ fn a_tree_survives_checkpoint_stop_restore_with_device_memory() {
     assert_eq!(r["pid"], tree.pid);
     assert_eq!(r["gpu"]["processes"].as_array().unwrap().len(), 3);
     assert_healthy(&gpu_pids);
+    assert_eq!(
+        status(idle)["state"],
+        "running",
+        "the idle process came back too"
+    );
     for (i, &p) in gpu_pids.iter().enumerate() {
         assert!(
             steps(p) >= before[i],

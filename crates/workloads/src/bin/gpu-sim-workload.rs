@@ -18,7 +18,8 @@
 //!
 //! Options: `--devices N` (1), `--mib M` per device (8), `--workers W` (2), `--kernel-us U` (200),
 //! `--children K` (K more simulated GPU processes, forked: a process tree), `--cpu-children K` (children
-//! with no GPU at all), `--no-context` (answers like a process that loaded libcuda but made no context),
+//! with no GPU at all), `--idle-children K` (children like `--no-context`), `--no-context` (answers like
+//! a process that loaded libcuda but made no context: no device memory, NOT_INITIALIZED),
 //! `--daemon` (detach: fork + setsid, prints the PID once ready), `--pidfile PATH`, `--log PATH`.
 
 use std::collections::BTreeSet;
@@ -71,6 +72,7 @@ struct Options {
     kernel_us: u64,
     children: usize,
     cpu_children: usize,
+    idle_children: usize,
     no_context: bool,
     daemon: bool,
     pidfile: Option<String>,
@@ -91,6 +93,7 @@ fn parse_options() -> Options {
         kernel_us: 200,
         children: 0,
         cpu_children: 0,
+        idle_children: 0,
         no_context: false,
         daemon: false,
         pidfile: None,
@@ -117,6 +120,7 @@ fn parse_options() -> Options {
             "--kernel-us" => o.kernel_us = num(val("--kernel-us"), "--kernel-us") as u64,
             "--children" => o.children = num(val("--children"), "--children"),
             "--cpu-children" => o.cpu_children = num(val("--cpu-children"), "--cpu-children"),
+            "--idle-children" => o.idle_children = num(val("--idle-children"), "--idle-children"),
             "--no-context" => o.no_context = true,
             "--daemon" => o.daemon = true,
             "--pidfile" => o.pidfile = Some(val("--pidfile")),
@@ -684,14 +688,21 @@ fn gettid() -> i32 {
 }
 
 /// Sets up this process's simulated GPU and serves the control channel for ever.
-fn run_gpu_process(o: &Options, children: Vec<i32>, ready: Option<libc::c_int>) -> ! {
+fn run_gpu_process(
+    o: &Options,
+    no_context: bool,
+    children: Vec<i32>,
+    ready: Option<libc::c_int>,
+) -> ! {
     let pid = std::process::id();
     let bytes = o.mib << 20;
     if let Err(e) = std::fs::create_dir_all(SHM_DIR) {
         usage(&format!("cannot create {SHM_DIR}: {e}"));
     }
     let mut devices = Vec::new();
-    for d in 0..o.devices {
+    // A process that only loaded the library has no device memory: just the control channel.
+    let device_count = if no_context { 0 } else { o.devices };
+    for d in 0..device_count {
         let path = format!("{SHM_DIR}/{pid}-dev{d}");
         let addr =
             map_device(&path, bytes, std::ptr::null_mut()).unwrap_or_else(|(_, m)| usage(&m));
@@ -739,12 +750,12 @@ fn run_gpu_process(o: &Options, children: Vec<i32>, ready: Option<libc::c_int>) 
         cv: Condvar::new(),
         geometry: Geometry::new(bytes, o.workers),
         kernel: Duration::from_micros(o.kernel_us),
-        no_context: o.no_context,
+        no_context,
         control_tid: OnceLock::new(),
         children,
     });
     let _ = sim.control_tid.set(gettid());
-    if !o.no_context {
+    if !no_context {
         for w in 0..o.workers {
             let s = Arc::clone(&sim);
             std::thread::spawn(move || s.worker(w));
@@ -874,7 +885,7 @@ fn main() {
     }
     // Fork the children before any thread exists.
     let mut children = Vec::new();
-    let total = o.children + o.cpu_children;
+    let total = o.children + o.cpu_children + o.idle_children;
     if total > 0 {
         let (r, w) = pipe();
         for i in 0..total {
@@ -885,7 +896,9 @@ fn main() {
                     // SAFETY: child closes the read end it does not use.
                     unsafe { libc::close(r) };
                     if i < o.children {
-                        run_gpu_process(&o, Vec::new(), Some(w));
+                        run_gpu_process(&o, o.no_context, Vec::new(), Some(w));
+                    } else if i < o.children + o.idle_children {
+                        run_gpu_process(&o, true, Vec::new(), Some(w));
                     } else {
                         run_cpu_child(w);
                     }
@@ -909,7 +922,7 @@ fn main() {
             usage(&format!("cannot write pidfile {p}"));
         }
     }
-    run_gpu_process(&o, children, ready_out);
+    run_gpu_process(&o, o.no_context, children, ready_out);
 }
 
 #[cfg(test)]
