@@ -398,3 +398,6 @@ pub fn save_log(storage: &Path, src: &Path, name: &str) -> Option<PathBuf> {
     }
     None
 }
+
+#[cfg(test)]
+mod tests;
