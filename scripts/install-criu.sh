@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Installs CRIU 4.x from Debian trixie into a prefix owned by the project (default: .deps/criu), without
-# touching the system: no apt state, package database or file outside the prefix is changed.
+# Installs CRIU >= 4 from Debian into a prefix owned by the project (default: .deps/criu), without touching
+# the system: no apt state, package database or file outside the prefix is changed.
 #
-# Why: Debian bookworm's criu 3.17 fails on recent kernels (vDSO handling), while trixie's 4.1.1 works. Its
-# binary needs trixie's glibc, so we unpack criu, libcompel1 and every library they need (libc6 included)
-# into the prefix and run the binary through the prefix's own dynamic loader (bin/criu is a wrapper).
+# Why: Debian bookworm's criu 3.17 fails on recent kernels (vDSO handling). Trixie's 4.1.1 works, except that
+# on kernels >= 6.16 it cannot dump any TCP/UDP socket (the kernel now answers EOPNOTSUPP to SO_PASSCRED on
+# them and 4.1.1 treats that as fatal); 4.2.1, in Debian testing ("forky"), handles it. So we take the newest
+# CRIU of testing and trixie: testing's when it has one, trixie's otherwise. Its binary needs a newer glibc
+# than the system's, so we unpack criu, libcompel1 and every library they need (libc6 included) into the
+# prefix and run the binary through the prefix's own dynamic loader (bin/criu is a wrapper).
 #
 # Usage: scripts/install-criu.sh [PREFIX]
+#   GPU_CHECKPOINT_CRIU_SUITE     Debian suites to take CRIU from, newest version wins (default: "forky trixie")
 #   GPU_CHECKPOINT_DEBIAN_MIRROR  Debian mirror URI to use (default: the first Debian URI of the system's apt sources)
-#   GPU_CHECKPOINT_APT_KEYRING    keyring that signs trixie's Release (default: the system's debian-archive-keyring)
-#   GPU_CHECKPOINT_CRIU_REINSTALL=1  reinstall even when the prefix already holds a working CRIU 4.x
-# Prints the wrapper's path on its last line. Idempotent: a second run only checks `criu --version`.
+#   GPU_CHECKPOINT_APT_KEYRING    keyring that signs the suites' Release files (default: the system's debian-archive-keyring)
+#   GPU_CHECKPOINT_CRIU_REINSTALL=1  reinstall even when the prefix already holds a working CRIU from these suites
+# Prints the wrapper's path on its last line. Idempotent: a second run only checks `criu --version` and the
+# suites the prefix was installed from.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PREFIX=${1:-${GPU_CHECKPOINT_CRIU_PREFIX:-$REPO/.deps/criu}}
-SUITE=trixie
+SUITES=${GPU_CHECKPOINT_CRIU_SUITE:-forky trixie}
 # The packages we need; their library dependencies are resolved from trixie's index below.
 ROOTS=(criu libcompel1)
 
@@ -25,8 +30,10 @@ die() {
     exit 1
 }
 
+STAMP="suites: $SUITES"
 wrapper_works() {
-    [ -x "$PREFIX/bin/criu" ] && "$PREFIX/bin/criu" --version 2>/dev/null | grep -q '^Version: [4-9]\.'
+    [ -x "$PREFIX/bin/criu" ] && "$PREFIX/bin/criu" --version 2>/dev/null | grep -q '^Version: [4-9]\.' &&
+        [ "$(cat "$PREFIX/installed-from" 2>/dev/null)" = "$STAMP" ]
 }
 
 if [ "${GPU_CHECKPOINT_CRIU_REINSTALL:-0}" != 1 ] && wrapper_works; then
@@ -75,7 +82,7 @@ if [ -z "$MIRROR" ]; then
 fi
 [ -n "$MIRROR" ] || die "no Debian mirror found in /etc/apt/sources.list{,.d}; set GPU_CHECKPOINT_DEBIAN_MIRROR"
 
-# --- Trust: trixie's Release file is signed by keys in Debian's archive keyring. -----------------------------
+# --- Trust: the suites' Release files are signed by keys in Debian's archive keyring. -----------------------------
 KEYRING=${GPU_CHECKPOINT_APT_KEYRING:-}
 if [ -z "$KEYRING" ]; then
     for k in /usr/share/keyrings/debian-archive-keyring.gpg /usr/share/keyrings/debian-archive-trixie-stable.gpg; do
@@ -93,7 +100,10 @@ APTDIR="$PREFIX.apt"
 mkdir -p "$APTDIR"/{state/lists/partial,cache/archives/partial,sourceparts,preferences.d,debs}
 : >"$APTDIR/state/status" # empty package database: every dependency counts as "not installed"
 # target=Packages: only the package index, none of the extra indexes (AppStream...) the system may ask for.
-echo "deb [signed-by=$KEYRING target=Packages] $MIRROR $SUITE main" >"$APTDIR/sources.list"
+: >"$APTDIR/sources.list"
+for suite in $SUITES; do
+    echo "deb [signed-by=$KEYRING target=Packages] $MIRROR $suite main" >>"$APTDIR/sources.list"
+done
 APT_OPTS=(
     -o "Dir::Etc::SourceList=$APTDIR/sources.list"
     -o "Dir::Etc::SourceParts=$APTDIR/sourceparts"
@@ -108,8 +118,8 @@ APT_OPTS=(
     -o "Debug::NoLocking=1"
     -o "APT::Get::List-Cleanup=0"
 )
-log "package index of $SUITE from $MIRROR"
-apt-get "${APT_OPTS[@]}" -qq update >&2 || die "apt-get update of $SUITE failed (mirror $MIRROR)"
+log "package indexes of $SUITES from $MIRROR"
+apt-get "${APT_OPTS[@]}" -qq update >&2 || die "apt-get update of $SUITES failed (mirror $MIRROR)"
 
 # --- Dependencies: criu, libcompel1 and the libraries they need, recursively. --------------------------------
 # Only library packages are followed: criu's non-library dependencies (none today) and the libraries' own
@@ -162,7 +172,7 @@ rel() { echo "${1#"$NEW"/}"; }
 # that plugins installed on the system (e.g. CRIU's cuda plugin) never act behind gpu-checkpoint's back.
 cat >"$NEW/bin/criu" <<EOF
 #!/bin/sh
-# Generated by gpu-checkpoint's scripts/install-criu.sh: CRIU from Debian $SUITE, run through its own loader.
+# Generated by gpu-checkpoint's scripts/install-criu.sh: CRIU from Debian ($SUITES), run through its own loader.
 prefix=\$(CDPATH= cd -- "\$(dirname -- "\$0")/.." && pwd) || exit 1
 CRIU_LIBS_DIR=\${CRIU_LIBS_DIR:-\$prefix/plugins}
 export CRIU_LIBS_DIR
@@ -171,6 +181,7 @@ EOF
 chmod 0755 "$NEW/bin/criu"
 
 "$NEW/bin/criu" --version | grep -q '^Version: [4-9]\.' || die "the unpacked CRIU does not run: $("$NEW/bin/criu" --version 2>&1 | head -3)"
+echo "$STAMP" >"$NEW/installed-from"
 rm -rf "$PREFIX.old"
 [ -e "$PREFIX" ] && mv "$PREFIX" "$PREFIX.old"
 mv "$NEW" "$PREFIX"

@@ -399,3 +399,6 @@ pub fn save_log(storage: &Path, src: &Path, name: &str) -> Option<PathBuf> {
     }
     None
 }
+
+#[cfg(test)]
+mod tests;

@@ -34,6 +34,7 @@ struct FakeState {
     restore_error: Option<String>,
     restore_pid: i32,
     image_bytes: usize,
+    odd_file: bool,
 }
 
 impl FakeCriu {
@@ -72,6 +73,13 @@ impl FakeCriu {
         self
     }
 
+    /// Makes dumps also leave a symlink among the images, which the store refuses to ingest: a way to
+    /// make the store write fail after a successful dump.
+    pub fn leave_odd_file(&self) -> &Self {
+        self.lock().odd_file = true;
+        self
+    }
+
     pub fn calls(&self) -> Vec<FakeCriuCall> {
         self.lock().calls.clone()
     }
@@ -106,14 +114,14 @@ impl Criu for FakeCriu {
     }
 
     fn dump(&self, req: &DumpRequest<'_>) -> Result<(), Error> {
-        let (error, size) = {
+        let (error, size, odd) = {
             let mut s = self.lock();
             s.calls.push(FakeCriuCall::Dump {
                 pid: req.pid,
                 images_dir: req.images_dir.to_path_buf(),
                 after: req.after,
             });
-            (s.dump_error.clone(), s.image_bytes)
+            (s.dump_error.clone(), s.image_bytes, s.odd_file)
         };
         let log = req.images_dir.join(req.log_file);
         if let Some(line) = error {
@@ -129,6 +137,11 @@ impl Criu for FakeCriu {
         )?;
         write(req.images_dir.join("pages-1.img"), &vec![0xa5; size])?;
         write(log, b"(00.1) Dumping finished successfully (fake)\n")?;
+        if odd {
+            let link = req.images_dir.join("odd.lnk");
+            std::os::unix::fs::symlink("pages-1.img", &link)
+                .map_err(|e| Error::io(format!("creating {}", link.display()), e))?;
+        }
         if req.after == AfterDump::Stop {
             // Like CRIU's leave_stopped: the caller must continue or kill the tree.
             // SAFETY: kill has no memory-safety preconditions.

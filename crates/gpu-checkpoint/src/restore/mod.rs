@@ -292,5 +292,9 @@ impl Drop for WorkDir {
                 self.path.display()
             );
         }
+        // The parent is shared by concurrent restores: removed only when empty.
+        if let Some(parent) = self.path.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
     }
 }
