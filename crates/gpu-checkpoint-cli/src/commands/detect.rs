@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use anyhow::Context as _;
 use gpu_checkpoint::detect::{
     self, findings::human_bytes, DetectOptions, FindingKind, Report, StrategyName,
 };
@@ -57,8 +56,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(pid) => detect::detect_pid(pid, &opts),
         None => detect::detect_all(&opts),
     }
-    .map_err(gpu_checkpoint::Error::from)
-    .context("detect failed")?;
+    .map_err(gpu_checkpoint::Error::from)?;
     for note in &report.notes {
         tracing::info!("{note}");
     }

@@ -97,9 +97,12 @@ pub struct Evidence {
     pub fds: Vec<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// `0xSTART-0xEND`; for several mappings, from the lowest start to the highest end.
+    /// `0xSTART-0xEND` of the mapping, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    /// `0xSTART-0xEND` of each mapping, when there are several.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<String>,
     /// Bytes mapped (summed over `mappings`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
@@ -281,8 +284,7 @@ pub struct ClassifyContext<'a> {
 #[derive(Default)]
 struct Acc {
     fds: Vec<i32>,
-    lo: u64,
-    hi: u64,
+    ranges: Vec<(u64, u64)>,
     size: u64,
     mappings: u32,
     gpu: Option<u32>,
@@ -291,12 +293,19 @@ struct Acc {
 
 impl Acc {
     fn add_map(&mut self, m: &MapEntry) {
-        if self.mappings == 0 || m.start < self.lo {
-            self.lo = m.start;
-        }
-        self.hi = self.hi.max(m.end);
+        self.ranges.push((m.start, m.end));
         self.size += m.size();
         self.mappings += 1;
+    }
+
+    /// (`address`, `ranges`) of the evidence: one range, or each of several.
+    fn address(&self) -> (Option<String>, Vec<String>) {
+        let fmt = |(a, b): &(u64, u64)| format!("{a:#x}-{b:#x}");
+        match self.ranges.as_slice() {
+            [] => (None, Vec::new()),
+            [one] => (Some(fmt(one)), Vec::new()),
+            many => (None, many.iter().map(fmt).collect()),
+        }
     }
 }
 
@@ -414,12 +423,14 @@ pub fn classify(
     for ((kind, path), a) in acc {
         let mapped = a.mappings > 0;
         let detail = describe(kind, &path, &a);
+        let (address, ranges) = a.address();
         out.push(finding(
             kind,
             Evidence {
                 detail,
                 fds: a.fds,
-                address: mapped.then(|| format!("{:#x}-{:#x}", a.lo, a.hi)),
+                address,
+                ranges,
                 size: mapped.then_some(a.size),
                 mappings: mapped.then_some(a.mappings),
                 gpu: a.gpu,
@@ -485,7 +496,7 @@ pub fn classify(
         out.push(finding(
             kind,
             Evidence {
-                detail: format!("variable {name} is set"),
+                detail: format!("{name}={value}"),
                 variable: variable.clone(),
                 ..Default::default()
             },
@@ -521,7 +532,8 @@ pub fn classify(
                     detail: format!(
                         "shared segment {path} mapped by a GPU process (may carry IPC handles)"
                     ),
-                    address: Some(format!("{:#x}-{:#x}", a.lo, a.hi)),
+                    address: a.address().0,
+                    ranges: a.address().1,
                     size: Some(a.size),
                     mappings: Some(a.mappings),
                     path: Some(path),
@@ -573,20 +585,27 @@ fn describe(kind: FindingKind, path: &str, a: &Acc) -> String {
     let fds = match a.fds.as_slice() {
         [] => String::new(),
         [fd] => format!("fd {fd}"),
+        fds if fds.len() <= 4 => format!(
+            "fds {}",
+            fds.iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         fds => format!("{} fds", fds.len()),
     };
-    let maps = if a.mappings > 0 {
-        format!(
-            "{} mapping{} of {}, {} at {:#x}-{:#x}",
-            a.mappings,
-            if a.mappings == 1 { "" } else { "s" },
-            path,
+    let maps = match a.ranges.as_slice() {
+        [] => String::new(),
+        [(lo, hi)] => format!(
+            "1 mapping of {path}, {} at {lo:#x}-{hi:#x}",
+            human_bytes(a.size)
+        ),
+        many => format!(
+            "{} mappings of {path}, {} in all, lowest at {:#x}",
+            many.len(),
             human_bytes(a.size),
-            a.lo,
-            a.hi
-        )
-    } else {
-        String::new()
+            many.iter().map(|r| r.0).min().unwrap_or(0)
+        ),
     };
     let what = match kind {
         FindingKind::NvidiaCtl => "NVIDIA control device open",

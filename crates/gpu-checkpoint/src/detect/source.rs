@@ -103,7 +103,7 @@ impl ProcRoot {
     pub fn read_optional(&self, pid: i32, name: &str, buf: &mut Vec<u8>) -> Result<bool, Error> {
         match self.read_into(pid, name, buf) {
             Ok(()) => Ok(true),
-            Err(Error::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(Error::Malformed { line: None, .. }) => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -113,6 +113,10 @@ impl ProcRoot {
         let dir = self.pid_file(pid, "fd");
         let rd = match fs::read_dir(&dir) {
             Ok(rd) => rd,
+            // git keeps no empty folders: a captured process without fds has no fd folder.
+            Err(e) if e.kind() == io::ErrorKind::NotFound && self.pid_dir(pid).is_dir() => {
+                return Ok(Vec::new())
+            }
             Err(e) => return Err(self.pid_error(pid, dir, e)),
         };
         let mut out = Vec::new();
@@ -159,6 +163,16 @@ impl ProcRoot {
             || (e.kind() == io::ErrorKind::NotFound && !self.pid_dir(pid).is_dir());
         if gone {
             Error::NoSuchProcess { pid, path }
+        } else if e.kind() == io::ErrorKind::NotFound {
+            // The process folder is there but a file the kernel always provides is not: an incomplete
+            // captured tree. Optional files are handled by `read_optional`.
+            Error::Malformed {
+                path,
+                line: None,
+                reason:
+                    "missing (an incomplete /proc tree? capture it with scripts/capture-proc.sh)"
+                        .into(),
+            }
         } else {
             self.io_error(&path, e)
         }

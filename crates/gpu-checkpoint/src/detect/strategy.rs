@@ -138,21 +138,23 @@ pub fn decide_process(
         })
     };
 
+    // One blocker per kind, its message joining the evidence of every finding behind it.
+    let evidence = |pred: &dyn Fn(&Finding) -> bool| -> Option<String> {
+        let details: Vec<&str> = mine()
+            .filter(|f| pred(f))
+            .map(|f| f.evidence.detail.as_str())
+            .collect();
+        (!details.is_empty()).then(|| details.join("; "))
+    };
+
     // Devices CRIU cannot dump, GPU or not.
-    for f in mine().filter(|f| f.kind == FindingKind::PciBar) {
-        block(
-            BlockerKind::PciBar,
-            format!("PCIe BAR mapped directly: {}", f.evidence.detail),
-            "unmap the BAR (or stop the process using it) before checkpointing. No driver can checkpoint \
-             raw BAR mappings, and \"BAR sliding\" (moving the BAR0 PRAMIN window over VRAM) cannot restore \
-             state either: it only reads raw VRAM, slowly and racing the driver, while page tables, channels \
-             and engine contexts are re-created elsewhere by a new driver instance",
-        );
+    if let Some(ev) = evidence(&|f| f.kind == FindingKind::PciBar) {
+        block(BlockerKind::PciBar, ev, PCI_BAR_REMEDY);
     }
-    for f in mine().filter(|f| f.kind == FindingKind::Rdma) {
+    if let Some(ev) = evidence(&|f| f.kind == FindingKind::Rdma) {
         block(
             BlockerKind::Rdma,
-            format!("RDMA device in use: {}", f.evidence.detail),
+            ev,
             "CRIU cannot checkpoint RDMA verbs state: close the RDMA resources first (e.g. NCCL_IB_DISABLE=1 \
              for a single-node job), or checkpoint at the application level",
         );
@@ -176,30 +178,26 @@ pub fn decide_process(
             );
         }
         let ipc_ok = scope.tree && scope.driver_major.is_some_and(|d| d >= MIN_DRIVER_IPC);
-        for f in mine().filter(|f| is_ipc_channel(f)) {
-            if !ipc_ok {
-                block(
-                    BlockerKind::CudaIpc,
-                    format!("CUDA IPC between processes: {}", f.evidence.detail),
-                    "drivers before 610 cannot checkpoint CUDA IPC; with driver >= 610, checkpoint the \
-                     whole job at once (--tree on its top process) and set NCCL_CUMEM_ENABLE=0",
-                );
-            }
+        if let Some(ev) = evidence(&is_ipc_channel).filter(|_| !ipc_ok) {
+            block(
+                BlockerKind::CudaIpc,
+                format!("CUDA IPC between processes: {ev}"),
+                "drivers before 610 cannot checkpoint CUDA IPC; with driver >= 610, checkpoint the \
+                 whole job at once (--tree on its top process) and set NCCL_CUMEM_ENABLE=0",
+            );
         }
-        let migs: Vec<&Finding> = mine().filter(|f| f.kind == FindingKind::Mig).collect();
-        if let Some(f) = migs.first() {
+        if let Some(ev) = evidence(&|f| f.kind == FindingKind::Mig) {
             block(
                 BlockerKind::Mig,
-                format!("MIG in use: {}", f.evidence.detail),
-                "the CUDA checkpoint is not supported on MIG instances by the driver: run the job on a \
+                ev,
+                "the driver does not support checkpointing processes on MIG instances: run the job on a \
                  whole GPU (MIG disabled) to checkpoint it",
             );
         }
-        let mps: Vec<&Finding> = mine().filter(|f| f.kind == FindingKind::Mps).collect();
-        if let Some(f) = mps.first() {
+        if let Some(ev) = evidence(&|f| f.kind == FindingKind::Mps) {
             block(
                 BlockerKind::Mps,
-                format!("MPS client or daemon: {}", f.evidence.detail),
+                format!("MPS client or daemon: {ev}"),
                 "the CUDA checkpoint does not support MPS: run the job outside MPS (unset CUDA_MPS_* and \
                  stop the MPS daemon for its GPUs)",
             );
@@ -208,7 +206,7 @@ pub fn decide_process(
             if let Some(d) = scope.driver_major.filter(|d| *d < MIN_DRIVER_CLI) {
                 block(
                     BlockerKind::DriverTooOld,
-                    format!("NVIDIA driver {d} has no checkpoint support"),
+                    format!("NVIDIA driver {d} has no checkpoint support (550 is the first)"),
                     "upgrade the NVIDIA driver to >= 570 (in-process API; 550-569 work through the \
                      cuda-checkpoint binary)",
                 );
@@ -234,6 +232,14 @@ pub fn decide_process(
     };
     (name, blockers, simulated)
 }
+
+/// The remedy of a `pci-bar` blocker. It says plainly that "BAR sliding" is no way out: the seeds of this
+/// project proposed it as a universal fallback, and users will ask.
+pub const PCI_BAR_REMEDY: &str = "unmap the BAR (or stop the process that maps it) before checkpointing: \
+     neither CRIU nor the CUDA checkpoint can save a raw BAR mapping. \"BAR sliding\" (moving the BAR0 \
+     PRAMIN window across VRAM) is no fallback: it only reads raw VRAM, at MB/s and racing the driver, and \
+     cannot restore state, because page tables, channels and engine contexts are re-created elsewhere by a \
+     new driver instance";
 
 /// Segments through which GPU processes exchange IPC handles. Other shared segments of a GPU process
 /// are reported but do not block: CRIU dumps shared memory itself.
