@@ -62,6 +62,9 @@ impl GpuHook for RecordingGpu {
         self.record("thaw");
         Ok(Value::Null)
     }
+    fn committed(&mut self) {
+        self.record("committed");
+    }
     fn prepare_restore(&mut self, record: &Value) -> crate::Result<()> {
         self.record("prepare");
         assert!(
@@ -170,8 +173,8 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
     let out = s.checkpoint(&mut gpu, &opts).unwrap();
     assert_eq!(
         gpu.events(),
-        vec![("freeze".to_string(), 0)],
-        "no thaw: the tree is killed"
+        vec![("freeze".to_string(), 0), ("committed".to_string(), 1)],
+        "no thaw: the checkpoint is durable (after the dump), then the tree is killed"
     );
     assert_eq!(
         s.criu.calls(),
@@ -350,7 +353,10 @@ fn failed_gpu_restore_kills_the_restored_tree() {
     s.criu.restore_as(copy.pid());
     gpu.fail_finish = true;
     s.restore(&mut gpu, &id).unwrap_err();
-    assert_eq!(names(&gpu.events()), ["freeze", "prepare", "finish"]);
+    assert_eq!(
+        names(&gpu.events()),
+        ["freeze", "committed", "prepare", "finish"]
+    );
     assert!(!copy.running(), "the half-restored copy must not run on");
     assert!(s.store.get(&id).is_ok());
 
