@@ -170,6 +170,14 @@ fn leave_running_keeps_the_tree_computing_and_the_checkpoint_restores() {
     let tree = SimProcess::start(&["--mib", "8", "--children", "1"]);
     let ck = checkpoint(tree.pid, &store, &["--leave-running"]);
     assert_eq!(ck["stopped"], false);
+    // The manifest has the GPU restore + unlock that followed the dump, per process.
+    let rec: GpuRecord = serde_json::from_value(ck["gpu"].clone()).unwrap();
+    let thaw = rec.thaw.expect("thaw record");
+    assert_eq!(thaw.len(), 2);
+    for p in &thaw {
+        let ops: Vec<&str> = p.steps.iter().map(|s| s.op.key()).collect();
+        assert_eq!(ops, ["restore", "unlock"], "pid {}", p.pid);
+    }
     assert_healthy(&tree.all_pids());
     let at_checkpoint = steps(tree.pid);
 

@@ -187,7 +187,7 @@ impl Flow<'_> {
 
         // From here on every failure must put the tree back the way it was.
         let t = Instant::now();
-        let gpu_record = match self.gpu.freeze(&FreezeContext {
+        let mut gpu_record = match self.gpu.freeze(&FreezeContext {
             root_pid: pid,
             pids: &detected_pids,
             report: &report,
@@ -244,9 +244,17 @@ impl Flow<'_> {
         let mut thawed = false;
         if opts.leave_running {
             // GPU work resumes while the images are stored.
-            if let Err(e) = self.gpu.thaw() {
-                discard(ingest);
-                return Err(e);
+            match self.gpu.thaw() {
+                // The GPU restore + unlock timings belong with the lock + checkpoint ones.
+                Ok(thaw) => {
+                    if let (Some(record), false) = (gpu_record.as_object_mut(), thaw.is_null()) {
+                        record.insert("thaw".into(), thaw);
+                    }
+                }
+                Err(e) => {
+                    discard(ingest);
+                    return Err(e);
+                }
             }
             thawed = true;
         }

@@ -305,9 +305,10 @@ impl Frozen {
     }
 
     /// Restores and unlocks every process (after a `--leave-running` dump, or when the dump failed).
+    /// Returns the records of these restore and unlock calls.
     pub fn thaw(mut self) -> std::result::Result<Vec<ProcessRecord>, (Error, Vec<ProcessRecord>)> {
         let procs = std::mem::take(&mut self.procs);
-        let mut records = std::mem::take(&mut self.records);
+        let mut records = Vec::new();
         let errors = undo_checkpointed(procs, &[], &mut records, false);
         if errors.is_empty() {
             Ok(records)
@@ -424,11 +425,16 @@ mod tests {
         let (d, dd) = driver(&pids);
         let f = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap();
         assert_eq!(states(&d, &pids), vec![ProcessState::Checkpointed; 3]);
+        for r in f.records() {
+            let ops: Vec<Op> = r.steps.iter().map(|s| s.op).collect();
+            assert_eq!(ops, [Op::Lock, Op::Checkpoint]);
+        }
         let recs = f.thaw().unwrap();
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
+        assert_eq!(recs.len(), 3);
         for r in &recs {
             let ops: Vec<Op> = r.steps.iter().map(|s| s.op).collect();
-            assert_eq!(ops, [Op::Lock, Op::Checkpoint, Op::Restore, Op::Unlock]);
+            assert_eq!(ops, [Op::Restore, Op::Unlock]);
         }
     }
 

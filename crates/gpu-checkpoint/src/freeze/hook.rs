@@ -131,7 +131,7 @@ impl GpuHook for FreezeHook {
             None => Ok(Value::Null),
             Some(step) => {
                 let records = step.thaw()?;
-                Ok(json!({ "thawed": records }))
+                serde_json::to_value(records).map_err(|e| Error::Record(e.to_string()).into())
             }
         }
     }

@@ -45,6 +45,9 @@ pub struct GpuRecord {
     /// Processes of the tree left alone (no CUDA context).
     pub skipped: Vec<Skipped>,
     pub timings: StepTimings,
+    /// With `--leave-running`: the GPU restore + unlock right after the dump, per process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thaw: Option<Vec<ProcessRecord>>,
 }
 
 impl GpuRecord {
@@ -141,6 +144,7 @@ impl GpuStep {
                 })
                 .collect(),
             skipped: plan.skipped,
+            thaw: None,
             timings: StepTimings {
                 plan_ms,
                 freeze_ms,
@@ -298,6 +302,7 @@ mod tests {
                 steps: vec![],
             }],
             skipped: vec![],
+            thaw: None,
             timings: StepTimings::default(),
         }
     }

@@ -79,6 +79,19 @@ pub enum Op {
 }
 
 impl Op {
+    /// The name used in JSON (`lock`, `restore-tid`, ...).
+    pub fn key(self) -> &'static str {
+        match self {
+            Op::State => "state",
+            Op::Lock => "lock",
+            Op::Checkpoint => "checkpoint",
+            Op::Restore => "restore",
+            Op::Unlock => "unlock",
+            Op::RestoreTid => "restore-tid",
+        }
+    }
+
+    /// The operation in words, for messages.
     pub fn as_str(self) -> &'static str {
         match self {
             Op::State => "state query",
