@@ -316,3 +316,47 @@ fn restore_checks_the_gpus_and_follows_a_device_map() {
     assert_eq!(status(pid)["uuids"], sim::sim_gpu_uuid(1).to_string());
     assert_healthy(&[pid]);
 }
+
+/// Ctrl-C in the middle of a checkpoint (SIGINT to the command's process group, CRIU included): either
+/// the checkpoint completed (listed, tree stopped) or it was undone (nothing listed, every process
+/// running with its device memory). Never processes left without their GPU state.
+#[test]
+fn an_interrupt_never_strands_gpu_state() {
+    use std::os::unix::process::CommandExt;
+    let Some((_dir, store)) = setup() else { return };
+    for delay_ms in [150u64, 400] {
+        let tree = SimProcess::start(&["--mib", "64", "--children", "1"]);
+        let args = checkpoint_args(tree.pid, &store, &[]);
+        let mut child = Command::new(gpu_checkpoint())
+            .args(&args)
+            .process_group(0)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        // SAFETY: signalling the process group of the command this test started.
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) };
+        let _ = child.wait();
+        let listed_now = listed(&store);
+        eprintln!(
+            "interrupt after {delay_ms} ms: {}",
+            if listed_now.is_empty() {
+                "undone"
+            } else {
+                "completed"
+            }
+        );
+        if listed_now.is_empty() {
+            assert_healthy(&tree.all_pids());
+        } else {
+            wait_gone(&tree.all_pids());
+            let id = listed_now[0]["id"].as_str().unwrap().to_string();
+            let pid = restore(&id, &store, &[]);
+            assert_healthy(&tree.all_pids());
+            assert_eq!(pid, tree.pid);
+            let o = run(&["delete", &id, "--storage", store.to_str().unwrap()]);
+            assert!(o.status.success(), "{}", text(&o));
+        }
+    }
+}

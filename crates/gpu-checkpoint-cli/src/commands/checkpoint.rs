@@ -71,7 +71,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     opts.shell_job = args.shell_job;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim;
-    let out = flow.checkpoint(&opts)?;
+    let result = flow.checkpoint(&opts);
+    if gpu_checkpoint::freeze::interrupt::interrupted() {
+        eprintln!(
+            "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"
+        );
+    }
+    let out = result?;
 
     let manifest_path = store.manifest_path(&out.info.id);
     match args.store.format {

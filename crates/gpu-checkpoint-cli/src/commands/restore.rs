@@ -62,7 +62,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         store: &store,
         progress: &progress,
     };
-    let out = flow.restore(&target)?;
+    let result = flow.restore(&target);
+    if gpu_checkpoint::freeze::interrupt::interrupted() {
+        eprintln!(
+            "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"
+        );
+    }
+    let out = result?;
     match args.store.format {
         Format::Json => {
             let v = json!({

@@ -4,6 +4,7 @@
 //! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
 
 use super::group::GroupOptions;
+use super::interrupt::InterruptGuard;
 use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
 use super::{Backend, Error};
@@ -37,6 +38,8 @@ pub struct FreezeHook {
     /// Decided by `prepare_restore`, used by `finish_restore`.
     pairs: Vec<GpuPair>,
     name: String,
+    /// Held while processes are without their GPU state: a Ctrl-C then waits for the undo.
+    guard: Option<InterruptGuard>,
 }
 
 impl FreezeHook {
@@ -46,6 +49,7 @@ impl FreezeHook {
             opts,
             step: None,
             pairs: Vec::new(),
+            guard: None,
         }
     }
 
@@ -122,7 +126,9 @@ impl GpuHook for FreezeHook {
             return Ok(Value::Null);
         }
         let backend = self.opts.backend;
+        let guard = InterruptGuard::new();
         let rec = self.step(backend)?.freeze(&candidates)?;
+        self.guard = Some(guard);
         serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()).into())
     }
 
@@ -130,7 +136,9 @@ impl GpuHook for FreezeHook {
         match self.step.as_mut() {
             None => Ok(Value::Null),
             Some(step) => {
-                let records = step.thaw()?;
+                let records = step.thaw();
+                self.guard = None;
+                let records = records?;
                 serde_json::to_value(records).map_err(|e| Error::Record(e.to_string()).into())
             }
         }
@@ -140,6 +148,7 @@ impl GpuHook for FreezeHook {
         if let Some(step) = self.step.as_mut() {
             step.committed();
         }
+        self.guard = None;
     }
 
     fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::Error> {
@@ -153,6 +162,8 @@ impl GpuHook for FreezeHook {
         let backend = self.restore_backend(&rec)?;
         let map = self.opts.device_map.clone();
         self.pairs = self.step(backend)?.prepare_restore(&rec, map.as_ref())?;
+        // From the CRIU restore until the GPU restore, a restored copy would be stuck without it.
+        self.guard = Some(InterruptGuard::new());
         Ok(())
     }
 
@@ -170,7 +181,9 @@ impl GpuHook for FreezeHook {
         }
         let backend = self.restore_backend(&rec)?;
         let pairs = self.pairs.clone();
-        let records = self.step(backend)?.finish_restore(&rec, &pairs)?;
+        let records = self.step(backend)?.finish_restore(&rec, &pairs);
+        self.guard = None;
+        let records = records?;
         Ok(json!({
             "backend": self.name,
             "pairs": pairs,

@@ -17,6 +17,7 @@ pub mod cuda_driver;
 pub mod fake;
 pub mod group;
 pub mod hook;
+pub mod interrupt;
 pub mod lifecycle;
 pub mod sim;
 pub mod step;
