@@ -191,3 +191,107 @@ impl GpuHook for FreezeHook {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::Report;
+
+    fn report(procs: &[(i32, &str, bool)]) -> Report {
+        let processes: Vec<Value> = procs
+            .iter()
+            .map(|(pid, strategy, simulated)| {
+                json!({"pid": pid, "comm": "x", "ppid": 1, "strategy": strategy, "simulated": simulated})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "schema_version": 1, "pid": procs[0].0, "gpu": true, "processes": processes,
+            "findings": [], "strategy": {"name": "cuda-driver", "blockers": []},
+            "driver_version": null, "elapsed_ms": 0.0
+        }))
+        .unwrap()
+    }
+
+    fn freeze(hook: &mut FreezeHook, r: &Report) -> Result<Value, crate::Error> {
+        let pids: Vec<i32> = r.processes.iter().map(|p| p.pid).collect();
+        hook.freeze(&FreezeContext {
+            root_pid: pids[0],
+            pids: &pids,
+            report: r,
+            leave_running: false,
+        })
+    }
+
+    fn sim_hook() -> FreezeHook {
+        FreezeHook::new(HookOptions {
+            backend: Backend::Sim,
+            ..HookOptions::default()
+        })
+    }
+
+    #[test]
+    fn cpu_only_trees_need_no_driver() {
+        // `auto` would fail to open on this machine; a tree without GPU state never asks.
+        let mut hook = FreezeHook::new(HookOptions::default());
+        let v = freeze(&mut hook, &report(&[(1, "none", false)])).unwrap();
+        assert!(v.is_null());
+        assert!(hook.step.is_none());
+        hook.prepare_restore(&Value::Null).unwrap();
+    }
+
+    #[test]
+    fn the_simulator_never_stands_in_for_a_real_gpu() {
+        let e = freeze(
+            &mut sim_hook(),
+            &report(&[(1, "cuda-driver", false), (2, "cuda-driver", true)]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("real NVIDIA GPU state"), "{e}");
+        assert_eq!(e.exit_status(), crate::ExitStatus::Usage);
+    }
+
+    #[test]
+    fn amd_gpus_are_refused() {
+        let e = freeze(&mut sim_hook(), &report(&[(1, "amdgpu", false)])).unwrap_err();
+        assert_eq!(e.exit_status(), crate::ExitStatus::Unsupported, "{e}");
+    }
+
+    #[test]
+    fn restore_backend_must_match_how_the_checkpoint_was_taken() {
+        let rec = |backend: Backend| GpuRecord {
+            schema: RECORD_SCHEMA,
+            backend,
+            driver_version: None,
+            gpus: vec![],
+            lock_timeout_ms: None,
+            processes: vec![],
+            skipped: vec![],
+            timings: Default::default(),
+            thaw: None,
+        };
+        let with = |b: Backend| {
+            FreezeHook::new(HookOptions {
+                backend: b,
+                ..HookOptions::default()
+            })
+        };
+        assert!(with(Backend::Auto)
+            .restore_backend(&rec(Backend::Sim))
+            .is_err());
+        assert!(with(Backend::CudaDriver)
+            .restore_backend(&rec(Backend::Sim))
+            .is_err());
+        assert!(with(Backend::Sim)
+            .restore_backend(&rec(Backend::Sim))
+            .is_ok());
+        assert!(with(Backend::Sim)
+            .restore_backend(&rec(Backend::CudaDriver))
+            .is_err());
+        assert!(with(Backend::Auto)
+            .restore_backend(&rec(Backend::CudaCli))
+            .is_ok());
+        // A record from a newer gpu-checkpoint is refused, not misread.
+        let newer = json!({"schema": RECORD_SCHEMA + 1});
+        assert!(matches!(FreezeHook::record(&newer), Err(Error::Record(_))));
+    }
+}
