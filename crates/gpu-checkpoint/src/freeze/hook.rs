@@ -3,13 +3,13 @@
 //! The driver is opened only when a tree (or a checkpoint) actually holds GPU state, so that checkpoints
 //! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
 
-use super::group::GroupOptions;
+use super::group::{GroupOptions, Skipped};
 use super::interrupt::InterruptGuard;
 use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
 use super::{Backend, Error};
 use crate::checkpoint::{FreezeContext, GpuHook, RestoredTree};
-use crate::detect::StrategyName;
+use crate::detect::{FindingKind, Report, StrategyName};
 use serde_json::{json, Value};
 
 /// Options of the GPU step, from the command line.
@@ -95,6 +95,23 @@ impl FreezeHook {
     }
 }
 
+/// Whether detect saw a CUDA context in `pid`: GPU memory (or the context's BAR window) of a
+/// `/dev/nvidiaN` mapped, or the many `/dev/nvidiactl` mappings a context makes. On driver 580 an
+/// NVML-only process (nvidia-smi) also answers the state query with RUNNING and accepts a lock, so the
+/// query alone cannot tell (docs/hardware.md); such a process maps at most one page of /dev/nvidiactl.
+fn has_cuda_context(report: &Report, pid: i32) -> bool {
+    report.findings_of(pid).any(|f| {
+        f.kind == FindingKind::DeviceMapping
+            && match f.evidence.path.as_deref() {
+                Some("/dev/nvidiactl") => f.evidence.mappings.unwrap_or(1) > 4,
+                Some(p) => p
+                    .strip_prefix("/dev/nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
+                None => false,
+            }
+    })
+}
+
 impl GpuHook for FreezeHook {
     fn name(&self) -> &str {
         &self.name
@@ -102,6 +119,7 @@ impl GpuHook for FreezeHook {
 
     fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::Error> {
         let mut candidates = Vec::new();
+        let mut skipped = Vec::new();
         for p in &ctx.report.processes {
             match p.strategy {
                 StrategyName::None => {}
@@ -115,7 +133,16 @@ impl GpuHook for FreezeHook {
                         ))
                         .into());
                     }
-                    candidates.push(p.pid);
+                    if p.simulated || has_cuda_context(ctx.report, p.pid) {
+                        candidates.push(p.pid);
+                    } else {
+                        skipped.push(Skipped {
+                            pid: p.pid,
+                            reason: "NVIDIA device files open but no GPU memory mapped: no CUDA context \
+                                     (an NVML-only process such as nvidia-smi, or libcuda loaded but unused)"
+                                .into(),
+                        });
+                    }
                 }
                 strategy => {
                     return Err(crate::checkpoint::Error::NoGpuStep { strategy }.into());
@@ -123,12 +150,31 @@ impl GpuHook for FreezeHook {
             }
         }
         if candidates.is_empty() {
-            return Ok(Value::Null);
+            if skipped.is_empty() {
+                return Ok(Value::Null);
+            }
+            // Nothing to freeze, but say who was left alone (without opening any driver).
+            for s in &skipped {
+                tracing::info!("pid {} left alone: {}", s.pid, s.reason);
+            }
+            let rec = GpuRecord {
+                schema: RECORD_SCHEMA,
+                backend: self.opts.backend,
+                driver_version: None,
+                gpus: Vec::new(),
+                lock_timeout_ms: None,
+                processes: Vec::new(),
+                skipped,
+                timings: Default::default(),
+                thaw: None,
+            };
+            return serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()).into());
         }
         let backend = self.opts.backend;
         let guard = InterruptGuard::new();
-        let rec = self.step(backend)?.freeze(&candidates)?;
+        let mut rec = self.step(backend)?.freeze(&candidates)?;
         self.guard = Some(guard);
+        rec.skipped.splice(0..0, skipped);
         serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()).into())
     }
 
@@ -198,6 +244,15 @@ mod tests {
     use crate::detect::Report;
 
     fn report(procs: &[(i32, &str, bool)]) -> Report {
+        report_with(procs, vec![])
+    }
+
+    fn mapping(pid: i32, path: &str, mappings: u32) -> Value {
+        json!({"kind": "device-mapping", "pid": pid,
+               "evidence": {"detail": "x", "path": path, "mappings": mappings}})
+    }
+
+    fn report_with(procs: &[(i32, &str, bool)], findings: Vec<Value>) -> Report {
         let processes: Vec<Value> = procs
             .iter()
             .map(|(pid, strategy, simulated)| {
@@ -206,7 +261,7 @@ mod tests {
             .collect();
         serde_json::from_value(json!({
             "schema_version": 1, "pid": procs[0].0, "gpu": true, "processes": processes,
-            "findings": [], "strategy": {"name": "cuda-driver", "blockers": []},
+            "findings": findings, "strategy": {"name": "cuda-driver", "blockers": []},
             "driver_version": null, "elapsed_ms": 0.0
         }))
         .unwrap()
@@ -248,6 +303,47 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("real NVIDIA GPU state"), "{e}");
         assert_eq!(e.exit_status(), crate::ExitStatus::Usage);
+    }
+
+    #[test]
+    fn only_processes_with_a_cuda_context_are_frozen() {
+        // Real GPU state through the simulator is refused before anything is touched, so use the
+        // context check directly: a CUDA process maps /dev/nvidia0 and many /dev/nvidiactl pages,
+        // nvidia-smi one /dev/nvidiactl page.
+        let r = report_with(
+            &[
+                (1, "cuda-driver", false),
+                (2, "cuda-driver", false),
+                (3, "cuda-driver", false),
+            ],
+            vec![
+                mapping(1, "/dev/nvidia0", 3),
+                mapping(2, "/dev/nvidiactl", 1),
+                mapping(3, "/dev/nvidiactl", 27),
+            ],
+        );
+        assert!(has_cuda_context(&r, 1));
+        assert!(!has_cuda_context(&r, 2), "NVML-only");
+        assert!(has_cuda_context(&r, 3));
+        let r = report_with(
+            &[(4, "cuda-driver", false)],
+            vec![mapping(4, "/dev/nvidia-uvm", 1)],
+        );
+        assert!(!has_cuda_context(&r, 4));
+        // With only NVML-only processes nothing is frozen and no driver is opened.
+        let mut hook = FreezeHook::new(HookOptions::default());
+        let r = report_with(
+            &[(2, "cuda-driver", false)],
+            vec![mapping(2, "/dev/nvidiactl", 1)],
+        );
+        let v = freeze(&mut hook, &r).unwrap();
+        let rec: GpuRecord = serde_json::from_value(v.clone()).unwrap();
+        assert!(rec.processes.is_empty());
+        assert_eq!(rec.skipped[0].pid, 2, "left alone and reported");
+        assert!(hook.step.is_none());
+        // Its restore needs no driver either.
+        hook.prepare_restore(&v).unwrap();
+        assert!(hook.step.is_none());
     }
 
     #[test]
