@@ -1,8 +1,190 @@
-//! `gpu-checkpoint detect`
+//! `gpu-checkpoint detect`: find the GPU state of a process (tree) or of the whole node, and say how it
+//! can be checkpointed. The library does the work; this file parses arguments and prints.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use gpu_checkpoint::detect::{
+    self, findings::human_bytes, DetectOptions, FindingKind, Report, StrategyName,
+};
+
+use super::Format;
 
 #[derive(clap::Args)]
-pub struct Args {}
+#[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "all"])))]
+pub struct Args {
+    /// The process to inspect.
+    #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..))]
+    pub pid: Option<i32>,
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`detect` is not built yet")
+    /// Include every descendant of --pid (checkpoints act on process trees).
+    #[arg(long, requires = "pid")]
+    pub tree: bool,
+
+    /// Every process on this node that holds GPU state (NVML when present, and a /proc scan).
+    #[arg(long, conflicts_with_all = ["pid", "tree"])]
+    pub all: bool,
+
+    /// Output format. JSON is stable (schema_version 1) and documented in docs/detect.md.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+
+    /// Show everything in the text report: every finding with its evidence, blockers, notes.
+    #[arg(long)]
+    pub verbose: bool,
+
+    /// Read a /proc tree captured with scripts/capture-proc.sh instead of this machine's /proc.
+    #[arg(long, value_name = "DIR", default_value = "/proc")]
+    pub proc_root: PathBuf,
+
+    /// Recognise the GPU simulator's devices. For tests and demos only: it is never a real GPU.
+    #[arg(long)]
+    pub simulator: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let opts = DetectOptions {
+        proc_root: args.proc_root.clone(),
+        tree: args.tree,
+        // NVML costs a driver attach (tens of ms or more): ask it for the node-wide view, where it finds
+        // processes /proc cannot attribute; a single pid's /proc is authoritative.
+        nvml: args.all,
+        simulator: args.simulator,
+    };
+    let report = match args.pid {
+        Some(pid) => detect::detect_pid(pid, &opts),
+        None => detect::detect_all(&opts),
+    }
+    .map_err(gpu_checkpoint::Error::from)?;
+    for note in &report.notes {
+        tracing::info!("{note}");
+    }
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Text => print!("{}", render_text(&report, args.verbose)),
+    }
+    Ok(())
+}
+
+fn strategy_meaning(name: StrategyName, simulated: bool) -> &'static str {
+    match name {
+        StrategyName::None => "no GPU state: CRIU alone",
+        StrategyName::CudaDriver if simulated => "CUDA driver checkpoint API (simulated GPU)",
+        StrategyName::CudaDriver => "CUDA driver checkpoint API, in process (driver >= 570)",
+        StrategyName::CudaCli => "the cuda-checkpoint binary (drivers 550-569)",
+        StrategyName::Amdgpu => "CRIU's amdgpu plugin",
+        StrategyName::Unsupported => "cannot be checkpointed safely; see the blockers",
+    }
+}
+
+/// A short human report; everything with `verbose`.
+pub fn render_text(r: &Report, verbose: bool) -> String {
+    let mut s = String::new();
+    let scope = match r.pid {
+        Some(pid) if r.processes.len() > 1 => {
+            format!("pid {pid} and {} descendant(s)", r.processes.len() - 1)
+        }
+        Some(pid) => format!("pid {pid}"),
+        None => format!(
+            "{} process(es) with GPU state on this node",
+            r.processes.len()
+        ),
+    };
+    let _ = writeln!(
+        s,
+        "{scope}: strategy {} ({})",
+        r.strategy.name,
+        strategy_meaning(r.strategy.name, r.simulated())
+    );
+    for b in &r.strategy.blockers {
+        let _ = writeln!(s, "  blocker {} (pid {}): {}", b.kind, b.pid, b.message);
+        let _ = writeln!(s, "    remedy: {}", b.remedy);
+    }
+    for p in &r.processes {
+        let mut line = format!(
+            "  {:>7} {:<15} {:<11} {}",
+            p.pid,
+            p.comm,
+            p.strategy.as_str(),
+            summarize(r, p.pid)
+        );
+        if p.simulated {
+            line.push_str(" (simulated GPU)");
+        }
+        let _ = writeln!(s, "{}", line.trim_end());
+        if verbose {
+            let _ = writeln!(s, "          ppid {}", p.ppid);
+            if let Some(cg) = &p.cgroup {
+                let _ = writeln!(
+                    s,
+                    "          cgroup {cg}{}",
+                    p.container_id
+                        .as_ref()
+                        .map(|c| format!(" (container {c})"))
+                        .unwrap_or_default()
+                );
+            }
+            if !p.nspid.is_empty() {
+                let _ = writeln!(s, "          pid in nested namespaces: {:?}", p.nspid);
+            }
+            for f in r.findings_of(p.pid) {
+                let _ = writeln!(
+                    s,
+                    "          {:<15} {}{}",
+                    f.kind.as_str(),
+                    f.evidence.detail,
+                    if f.evidence.simulated {
+                        " [simulated]"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+    }
+    let driver = r.driver_version.as_deref().unwrap_or("unknown");
+    let _ = writeln!(
+        s,
+        "NVIDIA driver {driver}; GPU state in scope: {}; {:.2} ms",
+        if r.gpu { "yes" } else { "no" },
+        r.elapsed_ms
+    );
+    if verbose {
+        for n in &r.notes {
+            let _ = writeln!(s, "note: {n}");
+        }
+    } else if !r.findings.is_empty() {
+        let _ = writeln!(s, "(--verbose shows every finding and its evidence)");
+    }
+    s
+}
+
+/// `nvidia-ctl, nvidia-device x2, device-mapping 1.1 GiB, cuda-library` for one process.
+fn summarize(r: &Report, pid: i32) -> String {
+    let mut by_kind: BTreeMap<FindingKind, (usize, u64)> = BTreeMap::new();
+    for f in r.findings_of(pid) {
+        let e = by_kind.entry(f.kind).or_default();
+        e.0 += 1;
+        if f.evidence.mappings.is_some() {
+            e.1 += f.evidence.size.unwrap_or(0);
+        }
+    }
+    if by_kind.is_empty() {
+        return "no GPU state".to_string();
+    }
+    by_kind
+        .into_iter()
+        .map(|(k, (n, bytes))| {
+            let mut t = k.as_str().to_string();
+            if n > 1 {
+                let _ = write!(t, " x{n}");
+            }
+            if bytes > 0 {
+                let _ = write!(t, " {}", human_bytes(bytes));
+            }
+            t
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -1,15 +1,95 @@
-//! Stage 1: read /proc (maps, fds, environ, threads, cgroups) and NVML; classify GPU state; decide a strategy.
+//! Stage 1: read /proc (maps, fds, environ, threads, cgroups) and NVML; classify GPU state; decide a
+//! strategy, or refuse with blockers and remedies.
+//!
+//! - [`source`]: the /proc root (live or a captured tree, one code path)
+//! - [`parse`]: parsers for maps, stat, status, environ, cgroup, net/unix, the driver version
+//! - [`process`]: reading one process into a [`process::ProcessSnapshot`]
+//! - [`findings`]: classifying a snapshot into [`Finding`]s
+//! - [`strategy`]: deciding a [`StrategyName`] per process and for the scope, with [`Blocker`]s
+//! - [`nvml`]: NVML behind the [`nvml::GpuInventory`] trait
+//! - [`report`]: the [`Report`] printed as JSON and embedded in checkpoint manifests
+//!
+//! See `docs/detect.md` for the user-facing description and the measured latency.
 
-use crate::error::ExitStatus;
+mod error;
+pub mod findings;
+pub mod nvml;
+pub mod parse;
+pub mod process;
+pub mod report;
+mod scan;
+pub mod source;
+pub mod strategy;
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("{0}")]
-    Other(String),
+use std::path::PathBuf;
+
+pub use error::Error;
+pub use findings::{Evidence, Finding, FindingKind};
+pub use report::{ProcessReport, Report, SCHEMA_VERSION};
+pub use strategy::{Blocker, BlockerKind, StrategyDecision, StrategyName};
+
+use nvml::GpuInventory;
+
+/// What to look at and how.
+#[derive(Clone, Debug)]
+pub struct DetectOptions {
+    /// The /proc tree to read: the live `/proc` (default) or a captured tree.
+    pub proc_root: PathBuf,
+    /// Include every descendant of the process (checkpoints act on trees).
+    pub tree: bool,
+    /// Ask NVML too. Only used on the live `/proc`; NVML's absence is a note, not an error.
+    pub nvml: bool,
+    /// Recognise the GPU simulator's devices. Tests and demos only: off by default, and never implied.
+    pub simulator: bool,
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
-        ExitStatus::Failure
+impl Default for DetectOptions {
+    fn default() -> Self {
+        DetectOptions {
+            proc_root: PathBuf::from("/proc"),
+            tree: false,
+            nvml: false,
+            simulator: false,
+        }
+    }
+}
+
+/// Detects the GPU state of one process (and its descendants with `opts.tree`).
+///
+/// Errors: the process does not exist or is a kernel thread or a thread id, its files are unreadable,
+/// or `proc_root` is not a /proc tree. Descendants that exit during the scan are left out silently.
+pub fn detect_pid(pid: i32, opts: &DetectOptions) -> Result<Report, Error> {
+    let (inventory, note) = load_inventory(opts);
+    let mut report = detect_pid_with(pid, opts, inventory.as_deref())?;
+    report.notes.splice(0..0, note);
+    Ok(report)
+}
+
+/// Detects every process on the node that holds GPU state: NVML's compute processes (live /proc only)
+/// and every process whose fds or maps name a GPU device.
+pub fn detect_all(opts: &DetectOptions) -> Result<Report, Error> {
+    let (inventory, note) = load_inventory(opts);
+    let mut report = detect_all_with(opts, inventory.as_deref())?;
+    report.notes.splice(0..0, note);
+    Ok(report)
+}
+
+pub use scan::{detect_all_with, detect_pid_with};
+
+/// Loads NVML when asked and when reading the live /proc (a captured tree's processes are not this
+/// machine's). Its absence is normal: a note, not an error.
+fn load_inventory(opts: &DetectOptions) -> (Option<Box<dyn GpuInventory>>, Option<String>) {
+    if !opts.nvml {
+        return (None, None);
+    }
+    if opts.proc_root != std::path::Path::new("/proc") {
+        return (
+            None,
+            Some("NVML not asked: --proc-root is not this machine's /proc".into()),
+        );
+    }
+    match nvml::NvmlInventory::load() {
+        Ok(n) => (Some(Box::new(n)), None),
+        Err(note) => (None, Some(note)),
     }
 }

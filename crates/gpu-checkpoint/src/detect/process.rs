@@ -1,0 +1,127 @@
+//! Reading one process: the raw facts detection classifies (maps, fds, GPU variables, threads, cgroup).
+
+use super::parse::{self, MapEntry, Stat};
+use super::source::ProcRoot;
+use super::Error;
+
+/// Everything detection read about one process.
+#[derive(Debug, Clone)]
+pub struct ProcessSnapshot {
+    pub pid: i32,
+    pub stat: Stat,
+    /// `NSpid` from status: this pid in each nested PID namespace (empty when unknown).
+    pub nspid: Vec<i32>,
+    pub maps: Vec<MapEntry>,
+    pub fds: Vec<(i32, String)>,
+    /// GPU-related variables only (see [`parse::GPU_ENV_PREFIXES`]).
+    pub env: Vec<(String, String)>,
+    pub cgroup: Option<String>,
+}
+
+/// Reuses read buffers across processes: a node scan reads thousands of small files.
+#[derive(Default)]
+pub struct Reader {
+    buf: Vec<u8>,
+}
+
+impl Reader {
+    /// `stat` only: cheap, for tree walks and kernel-thread checks.
+    pub fn stat(&mut self, root: &ProcRoot, pid: i32) -> Result<Stat, Error> {
+        root.read_into(pid, "stat", &mut self.buf)?;
+        parse::parse_stat(&self.buf, &root.pid_file(pid, "stat"))
+    }
+
+    /// Reads every file detection needs. Rejects kernel threads and thread ids (their /proc folders
+    /// exist but they are not processes one can checkpoint).
+    pub fn snapshot(&mut self, root: &ProcRoot, pid: i32) -> Result<ProcessSnapshot, Error> {
+        let stat = self.stat(root, pid)?;
+        if stat.is_kernel_thread() {
+            return Err(Error::KernelThread {
+                pid,
+                comm: stat.comm,
+            });
+        }
+        let mut nspid = Vec::new();
+        if root.read_optional(pid, "status", &mut self.buf)? {
+            if let Some(tgid) = tgid(&self.buf) {
+                if tgid != pid {
+                    return Err(Error::Thread { tid: pid, tgid });
+                }
+            }
+            nspid = parse::parse_nspid(&self.buf);
+        }
+        root.read_into(pid, "maps", &mut self.buf)?;
+        let maps = parse::parse_maps(&self.buf, &root.pid_file(pid, "maps"))?;
+        let fds = root.fds(pid)?;
+        let env = if root.read_optional(pid, "environ", &mut self.buf)? {
+            parse::parse_gpu_environ(&self.buf)
+        } else {
+            Vec::new()
+        };
+        let cgroup = if root.read_optional(pid, "cgroup", &mut self.buf)? {
+            parse::parse_cgroup(&self.buf)
+        } else {
+            None
+        };
+        Ok(ProcessSnapshot {
+            pid,
+            stat,
+            nspid,
+            maps,
+            fds,
+            env,
+            cgroup,
+        })
+    }
+
+    /// `(tid, comm)` of every thread; threads that exit meanwhile are left out.
+    pub fn threads(&mut self, root: &ProcRoot, pid: i32) -> Vec<(i32, String)> {
+        root.tids(pid)
+            .into_iter()
+            .filter_map(|tid| {
+                root.read_optional(pid, &format!("task/{tid}/comm"), &mut self.buf)
+                    .ok()
+                    .filter(|found| *found)
+                    .map(|_| {
+                        (
+                            tid,
+                            String::from_utf8_lossy(&self.buf).trim_end().to_string(),
+                        )
+                    })
+            })
+            .collect()
+    }
+
+    /// Direct children of `pid` from `task/*/children` (the live /proc), or `None` when the tree has no
+    /// such files (captures): the caller then derives children from every process's ppid.
+    pub fn children(&mut self, root: &ProcRoot, pid: i32) -> Option<Vec<i32>> {
+        let mut found = false;
+        let mut out = Vec::new();
+        for tid in root.tids(pid) {
+            if let Ok(true) =
+                root.read_optional(pid, &format!("task/{tid}/children"), &mut self.buf)
+            {
+                found = true;
+                out.extend(
+                    String::from_utf8_lossy(&self.buf)
+                        .split_ascii_whitespace()
+                        .filter_map(|s| s.parse::<i32>().ok()),
+                );
+            }
+        }
+        found.then_some(out)
+    }
+
+    /// Reads `maps` raw into the internal buffer and returns it (for the cheap node scan).
+    pub fn raw<'a>(&'a mut self, root: &ProcRoot, pid: i32, name: &str) -> Result<&'a [u8], Error> {
+        root.read_into(pid, name, &mut self.buf)?;
+        Ok(&self.buf)
+    }
+}
+
+fn tgid(status: &[u8]) -> Option<i32> {
+    String::from_utf8_lossy(status)
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}

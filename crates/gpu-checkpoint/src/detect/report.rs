@@ -1,0 +1,68 @@
+//! The report: what `detect` prints as JSON and what the checkpoint manifest embeds. Users script against
+//! it: fields are only ever added, and `schema_version` says which shape this is.
+
+use serde::{Deserialize, Serialize};
+
+use super::findings::Finding;
+use super::strategy::{StrategyDecision, StrategyName};
+
+/// Version of the report's JSON shape.
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Report {
+    /// Always [`SCHEMA_VERSION`] for reports written by this version.
+    pub schema_version: u32,
+    /// The process asked about (`--pid`), or null for `--all`.
+    pub pid: Option<i32>,
+    /// Any GPU state in scope.
+    pub gpu: bool,
+    pub processes: Vec<ProcessReport>,
+    pub findings: Vec<Finding>,
+    /// The strategy for the whole scope, with every process's blockers.
+    pub strategy: StrategyDecision,
+    /// NVIDIA driver version (`570.86.15`), or null when unknown.
+    pub driver_version: Option<String>,
+    /// Time detection took.
+    pub elapsed_ms: f64,
+    /// Remarks for the human reader (NVML absent, processes skipped); not part of the JSON.
+    #[serde(skip)]
+    pub notes: Vec<String>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ProcessReport {
+    pub pid: i32,
+    pub comm: String,
+    pub ppid: i32,
+    pub strategy: StrategyName,
+    /// The GPU this process uses is the GPU simulator (tests and demos only). Absent when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub simulated: bool,
+    /// cgroup path (v2, or the first hierarchy's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// Container id found in the cgroup path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+    /// The pid in each nested PID namespace, outermost first (present when the process is in a child
+    /// namespace, e.g. a container).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nspid: Vec<i32>,
+}
+
+impl Report {
+    /// Findings of one process.
+    pub fn findings_of(&self, pid: i32) -> impl Iterator<Item = &Finding> {
+        self.findings.iter().filter(move |f| f.pid == pid)
+    }
+
+    /// True when any process in scope uses the GPU simulator.
+    pub fn simulated(&self) -> bool {
+        self.processes.iter().any(|p| p.simulated)
+    }
+}
