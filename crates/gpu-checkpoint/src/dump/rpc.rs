@@ -32,17 +32,25 @@ const MAX_MESSAGE: usize = 1 << 20;
 #[derive(Debug, Clone)]
 pub struct CriuRpc {
     path: PathBuf,
+    /// The version discovery already read (`criu --version`), saving a `swrk` round trip per checkpoint.
+    known_version: Option<CriuVersion>,
 }
 
 impl CriuRpc {
     /// A client for the CRIU binary (or wrapper script) at `path`.
     pub fn new(path: impl Into<PathBuf>) -> Self {
-        CriuRpc { path: path.into() }
+        CriuRpc {
+            path: path.into(),
+            known_version: None,
+        }
     }
 
     /// A client for a CRIU found by [`super::discover`].
     pub fn from_found(found: &FoundCriu) -> Self {
-        CriuRpc::new(found.path.clone())
+        CriuRpc {
+            path: found.path.clone(),
+            known_version: Some(found.version),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -251,6 +259,9 @@ impl Criu for CriuRpc {
     }
 
     fn version(&self) -> Result<CriuVersion, Error> {
+        if let Some(v) = self.known_version {
+            return Ok(v);
+        }
         let resp = self.call(
             Op::Version,
             request(rpc::Criu_req_type::VERSION, None),

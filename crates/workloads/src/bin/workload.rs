@@ -9,7 +9,8 @@
 //!   `--unix PATH` (same answer), and a UNIX socketpair ping-pong between two threads
 //! - `files`    `--dir D`: a shared file mapping, a private read-only file mapping, and an append-only log
 //!   written through one open descriptor
-//! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum in a loop
+//! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum every
+//!   `--verify-ms MS` (default 200; 0: never, the process then idles, as the benchmark wants)
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -385,6 +386,7 @@ fn memory(opts: &Opts) -> Result<(), String> {
     };
     let sum = bytes(&buf);
     let (mut verified, mut bad) = (0u64, 0u64);
+    let every = opts.num("verify-ms", 200)?;
     loop {
         put(
             &s,
@@ -395,7 +397,12 @@ fn memory(opts: &Opts) -> Result<(), String> {
                 &sum.to_hex()[..16]
             ),
         )?;
-        sleep_ms(200);
+        if every == 0 {
+            // Idle, holding the memory: nothing competes with the checkpoint for the CPU.
+            sleep_ms(60_000);
+            continue;
+        }
+        sleep_ms(every);
         if bytes(&buf) == sum {
             verified += 1;
         } else {
