@@ -200,6 +200,32 @@ fn unix_and_tcp_listening_sockets_work_after_restore() {
 }
 
 #[test]
+fn established_tcp_connection_survives_with_tcp_established() {
+    let Some((dir, store)) = scene() else { return };
+    let sock = dir.path().join("wl.sock");
+    let w = Workload::start(
+        "sockets",
+        dir.path(),
+        &["--unix", sock.to_str().unwrap(), "--tcp-pair", "1"],
+    );
+    w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "tcp_rounds") >= 3);
+    let ck = checkpoint(w.pid, &store, &["--tcp-established"]);
+    assert!(!w.alive());
+    let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
+    let r0 = num(&before[0], "tcp_rounds");
+    wait_pid_free(w.pid);
+    assert_eq!(restore(ck["id"].as_str().unwrap(), &store), w.pid);
+    let after = w.wait_state("the connection carrying on", |r| {
+        num(&r[0], "tcp_rounds") > r0 + 5
+    });
+    assert_eq!(num(&after[0], "errors"), 0);
+    assert_eq!(
+        num(&after[0], "tcp_value"),
+        chain(7, num(&after[0], "tcp_rounds"))
+    );
+}
+
+#[test]
 fn file_mappings_and_open_files_continue() {
     let Some((dir, store)) = scene() else { return };
     let data = dir.path().join("data");
