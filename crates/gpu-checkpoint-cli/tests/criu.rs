@@ -67,7 +67,9 @@ fn counter_continues_and_restores_twice() {
     let seq0 = num(&before[0], "seq");
     assert_eq!(num(&before[0], "value"), chain(1, seq0));
     // The restored copy goes on from the checkpoint, with the value chain its memory carried.
-    let after = w.wait_state("progress after restore", |r| num(&r[0], "seq") > seq0 + 5);
+    // Far enough past the checkpoint that a second copy, restarting from it, needs a while (50 ticks,
+    // about a second) to get here: values below this one then come from that copy alone.
+    let after = w.wait_state("progress after restore", |r| num(&r[0], "seq") > seq0 + 50);
     let seq1 = num(&after[0], "seq");
     assert_eq!(num(&after[0], "value"), chain(1, seq1), "{after:?}");
     assert_eq!(num(&after[0], "pid"), w.pid as u64);
@@ -292,9 +294,8 @@ fn leave_running_keeps_the_original_and_the_copy_works_after_it_exits() {
         &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
         "seq",
     );
-    let r = w.wait_state("the original going on", |r| num(&r[0], "seq") > seq_ck + 10);
+    w.wait_state("the original going on", |r| num(&r[0], "seq") > seq_ck + 50);
     assert!(w.alive() && !w.stopped());
-    let seq_orig = num(&r[0], "seq");
 
     // While the original runs, its PID is taken: restore refuses and says by whom.
     let err = fails_with(
@@ -307,19 +308,20 @@ fn leave_running_keeps_the_original_and_the_copy_works_after_it_exits() {
     );
 
     w.kill_and_wait_free();
+    let seq_orig = num(
+        &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+        "seq",
+    );
     let pid = restore("periodic", &store);
     assert_eq!(pid, w.pid);
-    // The copy starts from the checkpoint, not from where the original ended.
+    // The copy starts from the checkpoint, not from where the original ended: it writes values the
+    // original passed long ago (the original's last one stays in the file until then).
     let after = w.wait_state("the copy ticking", |r| {
         let s = num(&r[0], "seq");
-        s > seq_ck && s != seq_orig
+        s > seq_ck && s < seq_orig
     });
     let s = num(&after[0], "seq");
     assert_eq!(num(&after[0], "value"), chain(1, s));
-    assert!(
-        s < seq_orig + 50,
-        "restarted near the checkpoint ({seq_ck}), at {s}"
-    );
 }
 
 /// The process is running normally (not stopped, still ticking) and the store lists no checkpoint and
