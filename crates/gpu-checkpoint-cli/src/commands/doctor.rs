@@ -54,9 +54,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Some(e.to_string()),
         ),
     };
-    let problem = problem.or_else(|| {
-        (!root).then(|| "not running as root: checkpoint and restore need root".to_string())
-    });
+    // Not being root also makes `criu check` fail: say the cause, not the symptom.
+    let problem = if criu["found"] == json!(true) && !root {
+        Some("not running as root: checkpoint and restore need root".to_string())
+    } else {
+        problem
+    };
     let report = json!({
         "host": host,
         "root": root,

@@ -367,3 +367,22 @@ fn failed_gpu_restore_kills_the_restored_tree() {
     assert_eq!(out.pid, copy2.pid());
     assert!(out.log.is_some_and(|l| l.exists()));
 }
+
+#[test]
+fn a_store_manifest_that_is_not_a_checkpoint_of_ours_is_refused() {
+    let s = Scene::new();
+    let ingest = s.store.begin(Some("foreign")).unwrap();
+    std::fs::write(ingest.staging_dir().join("x.img"), b"x").unwrap();
+    ingest
+        .commit(json!({"made_by": "someone else"}), &NoProgress)
+        .unwrap();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = s.restore(&mut gpu, "foreign").unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid, "{err}");
+    assert!(
+        err.to_string()
+            .contains("not a gpu-checkpoint checkpoint manifest"),
+        "{err}"
+    );
+    assert!(s.criu.calls().is_empty() && gpu.events().is_empty());
+}

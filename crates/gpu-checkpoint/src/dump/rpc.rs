@@ -32,17 +32,25 @@ const MAX_MESSAGE: usize = 1 << 20;
 #[derive(Debug, Clone)]
 pub struct CriuRpc {
     path: PathBuf,
+    /// The version discovery already read (`criu --version`), saving a `swrk` round trip per checkpoint.
+    known_version: Option<CriuVersion>,
 }
 
 impl CriuRpc {
     /// A client for the CRIU binary (or wrapper script) at `path`.
     pub fn new(path: impl Into<PathBuf>) -> Self {
-        CriuRpc { path: path.into() }
+        CriuRpc {
+            path: path.into(),
+            known_version: None,
+        }
     }
 
     /// A client for a CRIU found by [`super::discover`].
     pub fn from_found(found: &FoundCriu) -> Self {
-        CriuRpc::new(found.path.clone())
+        CriuRpc {
+            path: found.path.clone(),
+            known_version: Some(found.version),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -228,12 +236,28 @@ fn open_dir(path: &Path) -> Result<File, Error> {
     File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))
 }
 
-fn base_opts(images: &File, log_file: &str) -> rpc::Criu_opts {
+fn base_opts(images: &File, log_file: &str, tcp_established: bool) -> rpc::Criu_opts {
     let mut opts = rpc::Criu_opts::new();
     opts.set_images_dir_fd(images.as_raw_fd());
     opts.set_log_level(LOG_LEVEL);
     opts.set_log_file(log_file.to_string());
+    if tcp_established {
+        opts.set_tcp_established(true);
+        opts.set_network_lock(network_lock());
+    }
     opts
+}
+
+/// How CRIU keeps established TCP connections quiet while it dumps and restores them. The RPC's default
+/// is iptables, which it runs as an external command that many hosts lack; nftables goes through
+/// libnftables, which the project's CRIU carries. `GPU_CHECKPOINT_NETWORK_LOCK=iptables|nftables|skip`
+/// overrides it (e.g. for a CRIU of one's own built without nftables).
+fn network_lock() -> rpc::Criu_network_lock_method {
+    match std::env::var("GPU_CHECKPOINT_NETWORK_LOCK").as_deref() {
+        Ok("iptables") => rpc::Criu_network_lock_method::IPTABLES,
+        Ok("skip") => rpc::Criu_network_lock_method::SKIP,
+        _ => rpc::Criu_network_lock_method::NFTABLES,
+    }
 }
 
 fn request(kind: rpc::Criu_req_type, opts: Option<rpc::Criu_opts>) -> rpc::Criu_req {
@@ -251,6 +275,9 @@ impl Criu for CriuRpc {
     }
 
     fn version(&self) -> Result<CriuVersion, Error> {
+        if let Some(v) = self.known_version {
+            return Ok(v);
+        }
         let resp = self.call(
             Op::Version,
             request(rpc::Criu_req_type::VERSION, None),
@@ -297,13 +324,12 @@ impl Criu for CriuRpc {
 
     fn dump(&self, req: &DumpRequest<'_>) -> Result<(), Error> {
         let images = open_dir(req.images_dir)?;
-        let mut opts = base_opts(&images, req.log_file);
+        let mut opts = base_opts(&images, req.log_file, req.tcp_established);
         opts.set_pid(req.pid);
         match req.after {
             AfterDump::KeepRunning => opts.set_leave_running(true),
             AfterDump::Stop => opts.set_leave_stopped(true),
         }
-        opts.set_tcp_established(req.tcp_established);
         opts.set_shell_job(req.shell_job);
         let log = req.images_dir.join(req.log_file);
         self.call(
@@ -317,8 +343,7 @@ impl Criu for CriuRpc {
 
     fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
         let images = open_dir(req.images_dir)?;
-        let mut opts = base_opts(&images, req.log_file);
-        opts.set_tcp_established(req.tcp_established);
+        let mut opts = base_opts(&images, req.log_file, req.tcp_established);
         opts.set_shell_job(req.shell_job);
         // Not `rst_sibling`: the tree becomes a child of `criu swrk`, which exits after the restore, so the
         // tree is re-parented to init (detached) instead of to us.

@@ -6,10 +6,13 @@
 //! - `threads`  `--threads N` threads, one chain each                        records: thread seq value
 //! - `pipes`    `--children N` forked children answering over pipes         records: child pid rounds value errors
 //! - `sockets`  a listening TCP socket on 127.0.0.1 (answers `seq value`), a listening UNIX socket at
-//!   `--unix PATH` (same answer), and a UNIX socketpair ping-pong between two threads
+//!   `--unix PATH` (same answer), and a UNIX socketpair ping-pong between two threads; with
+//!   `--tcp-pair 1` also an established loopback TCP connection with the same ping-pong (checkpointing it
+//!   needs `--tcp-established`)
 //! - `files`    `--dir D`: a shared file mapping, a private read-only file mapping, and an append-only log
 //!   written through one open descriptor
-//! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum in a loop
+//! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum every
+//!   `--verify-ms MS` (default 200; 0: never, the process then idles, as the benchmark wants)
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -259,19 +262,35 @@ fn sockets(opts: &Opts) -> Result<(), String> {
             }
         }
     });
+    // An established TCP connection to ourselves, echoing like the socketpair.
+    let mut tcp_pair = if opts.num("tcp-pair", 0)? == 1 {
+        let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("tcp bind: {e}"))?;
+        let client = std::net::TcpStream::connect(l.local_addr().map_err(|e| e.to_string())?)
+            .map_err(|e| format!("tcp connect: {e}"))?;
+        let (server, _) = l.accept().map_err(|e| format!("tcp accept: {e}"))?;
+        echo_steps(server);
+        Some((client, 0u64, 7u64))
+    } else {
+        None
+    };
     let (mut rounds, mut pair_value, mut errors) = (0u64, 5u64, 0u64);
     loop {
-        a.write_all(&pair_value.to_le_bytes())
-            .map_err(|e| format!("socketpair write: {e}"))?;
-        let mut buf = [0u8; 8];
-        a.read_exact(&mut buf)
-            .map_err(|e| format!("socketpair read: {e}"))?;
-        let got = u64::from_le_bytes(buf);
+        let got = ping(&mut a, pair_value).map_err(|e| format!("socketpair: {e}"))?;
         if got != step(pair_value) {
             errors += 1;
         }
         pair_value = got;
         rounds += 1;
+        let mut tcp_fields = String::new();
+        if let Some((c, tcp_rounds, tcp_value)) = tcp_pair.as_mut() {
+            let got = ping(c, *tcp_value).map_err(|e| format!("tcp pair: {e}"))?;
+            if got != step(*tcp_value) {
+                errors += 1;
+            }
+            *tcp_value = got;
+            *tcp_rounds += 1;
+            tcp_fields = format!(" tcp_rounds={tcp_rounds} tcp_value={tcp_value:#x}");
+        }
         let n = seq.fetch_add(1, Ordering::SeqCst) + 1;
         let v = step(value.load(Ordering::SeqCst));
         value.store(v, Ordering::SeqCst);
@@ -279,12 +298,34 @@ fn sockets(opts: &Opts) -> Result<(), String> {
             &s,
             0,
             &format!(
-                "pid={} seq={n} value={v:#x} port={port} pair_rounds={rounds} pair_value={pair_value:#x} errors={errors}",
+                "pid={} seq={n} value={v:#x} port={port} pair_rounds={rounds} pair_value={pair_value:#x} errors={errors}{tcp_fields}",
                 pid()
             ),
         )?;
         sleep_ms(TICK_MS);
     }
+}
+
+/// Answers every 8-byte value read from `s` with `step(value)`, on a thread of its own.
+fn echo_steps<S: Read + Write + Send + 'static>(mut s: S) {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8];
+        while s.read_exact(&mut buf).is_ok() {
+            if s.write_all(&step(u64::from_le_bytes(buf)).to_le_bytes())
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+}
+
+/// Sends `v` and reads the answer.
+fn ping<S: Read + Write>(s: &mut S, v: u64) -> std::io::Result<u64> {
+    s.write_all(&v.to_le_bytes())?;
+    let mut buf = [0u8; 8];
+    s.read_exact(&mut buf)?;
+    Ok(u64::from_le_bytes(buf))
 }
 
 /// File-backed mappings and open files, in `--dir D`:
@@ -385,6 +426,7 @@ fn memory(opts: &Opts) -> Result<(), String> {
     };
     let sum = bytes(&buf);
     let (mut verified, mut bad) = (0u64, 0u64);
+    let every = opts.num("verify-ms", 200)?;
     loop {
         put(
             &s,
@@ -395,7 +437,12 @@ fn memory(opts: &Opts) -> Result<(), String> {
                 &sum.to_hex()[..16]
             ),
         )?;
-        sleep_ms(200);
+        if every == 0 {
+            // Idle, holding the memory: nothing competes with the checkpoint for the CPU.
+            sleep_ms(60_000);
+            continue;
+        }
+        sleep_ms(every);
         if bytes(&buf) == sum {
             verified += 1;
         } else {
