@@ -4,6 +4,8 @@
 //! The workloads are this test binary itself, re-executed with `DETECT_LIVE_CHILD=<spec>` (see
 //! [`live_child`]): no tool outside the repository is needed.
 
+#![cfg(target_os = "linux")]
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
 use std::process::{Child, ChildStdin, Command, Stdio};

@@ -4,6 +4,8 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use super::findings::{
     classify, classify_path, ClassifyContext, PathClass, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX,
 };
@@ -85,11 +87,22 @@ pub fn detect_all_with(
 
     let mut pids = root.pids()?;
     pids.sort_unstable();
+    // The cheap filter over every process is most of the cost of a node scan, and each process is
+    // independent: spread it over the cores (one read buffer per worker).
+    let filtered: Vec<(i32, Result<bool, Error>)> = pids
+        .par_iter()
+        .map_init(Reader::default, |reader, &pid| {
+            (
+                pid,
+                is_candidate(&root, reader, pid, opts.simulator, &sim_sockets),
+            )
+        })
+        .collect();
     let mut analysed = Vec::new();
     let mut denied = 0usize;
-    for pid in pids {
+    for (pid, filter) in filtered {
         let candidate = nvml.contains_key(&pid)
-            || match is_candidate(&root, &mut reader, pid, opts.simulator, &sim_sockets) {
+            || match filter {
                 Ok(c) => c,
                 Err(Error::PermissionDenied { .. }) => {
                     denied += 1;
