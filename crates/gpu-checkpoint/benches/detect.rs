@@ -28,7 +28,7 @@ mod linux {
     use std::process::{Child, Command, Stdio};
     use std::time::Instant;
 
-    use gpu_checkpoint::detect::findings::{classify_path, PathClass};
+    use gpu_checkpoint::detect::findings::classify_path;
     use gpu_checkpoint::detect::{detect_all, detect_pid, DetectOptions};
 
     struct Stats {
@@ -111,19 +111,7 @@ mod linux {
     fn procfs_all(root: &Path) -> usize {
         let o = opts(root, false);
         let mut gpu = 0;
-        let device = |p: &str| {
-            matches!(
-                classify_path(p),
-                PathClass::NvidiaCtl
-                    | PathClass::NvidiaGpu(_)
-                    | PathClass::NvidiaOther
-                    | PathClass::NvidiaUvm
-                    | PathClass::NvidiaCaps
-                    | PathClass::Kfd
-                    | PathClass::Rdma
-                    | PathClass::PciBar
-            )
-        };
+        let device = |p: &str| classify_path(p).is_device();
         for p in procfs::process::all_processes_with_root(root)
             .unwrap()
             .filter_map(|p| p.ok())

@@ -199,6 +199,24 @@ pub enum PathClass {
     Other,
 }
 
+impl PathClass {
+    /// A device file whose mere presence (open or mapped) makes a process worth a full read in a node
+    /// scan. Render nodes are left out: alone they are any GPU's (they count next to `/dev/kfd`).
+    pub fn is_device(self) -> bool {
+        matches!(
+            self,
+            PathClass::NvidiaCtl
+                | PathClass::NvidiaGpu(_)
+                | PathClass::NvidiaOther
+                | PathClass::NvidiaUvm
+                | PathClass::NvidiaCaps
+                | PathClass::Kfd
+                | PathClass::Rdma
+                | PathClass::PciBar
+        )
+    }
+}
+
 /// Classifies a device or file path (from maps or an fd link).
 pub fn classify_path(path: &str) -> PathClass {
     if let Some(rest) = path.strip_prefix("/dev/nvidia") {

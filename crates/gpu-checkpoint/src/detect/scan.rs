@@ -7,7 +7,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::findings::{
-    classify, classify_path, ClassifyContext, PathClass, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX,
+    classify, classify_path, ClassifyContext, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX,
 };
 use super::nvml::GpuInventory;
 use super::parse::{self, socket_inode};
@@ -166,23 +166,10 @@ fn is_candidate(
             return Ok(true);
         }
     }
-    for (_, target) in root.fds(pid)? {
-        match classify_path(&target) {
-            PathClass::NvidiaCtl
-            | PathClass::NvidiaGpu(_)
-            | PathClass::NvidiaOther
-            | PathClass::NvidiaUvm
-            | PathClass::NvidiaCaps
-            | PathClass::Kfd
-            | PathClass::Rdma
-            | PathClass::PciBar => return Ok(true),
-            _ if simulator && socket_inode(&target).is_some_and(|i| sim_sockets.contains(&i)) => {
-                return Ok(true)
-            }
-            _ => {}
-        }
-    }
-    Ok(false)
+    Ok(root.fds(pid)?.iter().any(|(_, target)| {
+        classify_path(target).is_device()
+            || (simulator && socket_inode(target).is_some_and(|i| sim_sockets.contains(&i)))
+    }))
 }
 
 /// Findings of one process: /proc classification plus what NVML said about it.
