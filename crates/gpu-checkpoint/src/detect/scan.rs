@@ -401,7 +401,7 @@ impl<'a> Sockets<'a> {
     fn path(&self, pid: i32, inode: u64) -> Option<String> {
         self.load();
         if let Some(p) = self.table.borrow().as_ref().and_then(|t| t.get(&inode)) {
-            return Some(p.clone());
+            return (!p.is_empty()).then(|| p.clone());
         }
         if !self.merged.borrow_mut().insert(pid) {
             return None;
@@ -413,7 +413,7 @@ impl<'a> Sockets<'a> {
             for s in parse::parse_net_unix(&buf) {
                 t.entry(s.inode).or_insert(s.path);
             }
-            return t.get(&inode).cloned();
+            return t.get(&inode).filter(|p| !p.is_empty()).cloned();
         }
         None
     }
