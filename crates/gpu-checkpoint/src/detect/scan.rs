@@ -87,6 +87,11 @@ pub fn detect_all_with(
 
     let mut pids = root.pids()?;
     pids.sort_unstable();
+    // On the live /proc, leave ourselves out: asking NVML opened /dev/nvidiactl in this very process.
+    if opts.proc_root == std::path::Path::new("/proc") {
+        let me = std::process::id() as i32;
+        pids.retain(|&p| p != me);
+    }
     // The cheap filter over every process is most of the cost of a node scan, and each process is
     // independent: spread it over the cores (one read buffer per worker).
     let filtered: Vec<(i32, Result<bool, Error>)> = pids
