@@ -78,6 +78,7 @@ const CASES: &[Case] = &[
     Case { dir: "proc/tree", pid: 8001, tree: true, simulator: false, strategy: "cuda-driver", kinds: CUDA, blockers: &[] },
     Case { dir: "proc/tree", pid: 8000, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/tree-vanished", pid: 8500, tree: true, simulator: false, strategy: "cuda-driver", kinds: CUDA, blockers: &[] },
+    Case { dir: "proc/rdma-only", pid: 9200, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!("rdma"), blockers: &["rdma"] },
     Case { dir: "proc/simulator", pid: 9000, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("device-mapping", "cuda-library"), blockers: &[] },
     Case { dir: "proc/simulator", pid: 9000, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("cuda-library"), blockers: &[] },
@@ -142,9 +143,10 @@ fn fixture_cases() {
                 ));
             }
         }
-        // In these fixtures GPU state and a GPU strategy go together (no process is refused for RDMA
-        // or a BAR alone).
-        if r.gpu != (case.strategy != "none") {
+        // GPU state and a strategy other than `none` go together, except for RDMA without a GPU: refused
+        // (CRIU cannot dump it) but not GPU state.
+        let gpu_expected = case.strategy != "none" && case.kinds != ["rdma"];
+        if r.gpu != gpu_expected {
             failures.push(format!("{what}: gpu = {}", r.gpu));
         }
     }
@@ -376,6 +378,10 @@ fn all_lists_only_processes_with_gpu_state() {
     let pids: Vec<i32> = r.processes.iter().map(|p| p.pid).collect();
     assert_eq!(pids, vec![8001, 8002]);
     assert_eq!(r.strategy.name.as_str(), "unsupported");
+
+    let rdma = detect_all_with(&opts("proc/rdma-only", false, false), None).unwrap();
+    assert!(rdma.processes.is_empty(), "RDMA alone is not GPU state");
+    assert!(!rdma.gpu);
 
     let sim = |on| detect_all_with(&opts("proc/simulator-checkpointed", false, on), None).unwrap();
     assert_eq!(

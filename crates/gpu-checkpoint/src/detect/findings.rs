@@ -140,8 +140,11 @@ impl Finding {
             | FindingKind::NvidiaUvm
             | FindingKind::ManagedMemory
             | FindingKind::DeviceMapping
-            | FindingKind::PciBar
-            | FindingKind::Rdma => true,
+            // A BAR mapped from user space may well be a GPU's (the "BAR sliding" tools do exactly that).
+            | FindingKind::PciBar => true,
+            // RDMA blocks a checkpoint (see strategy) but is not GPU state: an MPI job without GPUs is
+            // not what `--all` lists.
+            FindingKind::Rdma => false,
             // /dev/nvidia-caps open, not a MIG- id in a variable.
             FindingKind::Mig => e.path.is_some(),
             // Listed by NVML (no library), not merely libnvidia-ml loaded.
