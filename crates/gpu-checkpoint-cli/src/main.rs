@@ -2,6 +2,7 @@
 //! codes. All real work happens in the `gpu_checkpoint` library.
 
 mod commands;
+mod progress;
 
 use clap::{Parser, Subcommand};
 use gpu_checkpoint::ExitStatus;
@@ -99,4 +100,52 @@ fn report(err: &anyhow::Error) -> ExitStatus {
         }
     }
     ExitStatus::Failure
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn gpu_options_parse() {
+        use clap::Parser;
+        let cli = super::Cli::try_parse_from([
+            "gpu-checkpoint",
+            "checkpoint",
+            "--pid",
+            "5",
+            "--storage",
+            "/x",
+            "--gpu-backend",
+            "sim",
+            "--lock-timeout",
+            "250ms",
+        ])
+        .unwrap();
+        let super::Command::Checkpoint(a) = cli.command else {
+            panic!("checkpoint")
+        };
+        assert_eq!(
+            a.lock_timeout.0,
+            Some(std::time::Duration::from_millis(250))
+        );
+        let cli = super::Cli::try_parse_from([
+            "gpu-checkpoint",
+            "restore",
+            "ID",
+            "--storage",
+            "/x",
+            "--device-map",
+            "0=1",
+        ])
+        .unwrap();
+        let super::Command::Restore(a) = cli.command else {
+            panic!("restore")
+        };
+        assert_eq!(a.device_map.as_deref(), Some("0=1"));
+    }
 }

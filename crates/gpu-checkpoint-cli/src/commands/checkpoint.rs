@@ -1,8 +1,159 @@
-//! `gpu-checkpoint checkpoint`
+//! `gpu-checkpoint checkpoint`: checkpoint a running process tree into a store.
+
+use std::path::PathBuf;
+
+use gpu_checkpoint::checkpoint::{CheckpointOptions, Flow};
+use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::store::{Store, StoreOptions};
+use serde_json::json;
+
+use super::cuda::{parse_timeout, GpuArgs, Timeout};
+use super::list::StoreArgs;
+use super::Format;
+use crate::progress::{bytes, Bar};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Root of the process tree to checkpoint.
+    #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..))]
+    pub pid: i32,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Keep the tree running after the checkpoint (default: stop it once the checkpoint is durable).
+    #[arg(long)]
+    pub leave_running: bool,
+    /// A name for the checkpoint (restore accepts it in place of the id: its newest checkpoint).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Checkpoint established TCP connections (CRIU's --tcp-established).
+    #[arg(long)]
+    pub tcp_established: bool,
+    /// The tree was started from a shell and shares its terminal/session (CRIU's --shell-job).
+    #[arg(long)]
+    pub shell_job: bool,
+    /// The CRIU binary to use (default: $GPU_CHECKPOINT_CRIU, then `criu` on PATH if >= 4.0, then the
+    /// project's own from scripts/install-criu.sh).
+    #[arg(long, value_name = "PATH")]
+    pub criu: Option<PathBuf>,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+    /// How long locking a CUDA process may wait for its submitted GPU work (10s, 500ms; 0: no limit).
+    /// On expiry every process is unlocked and keeps running.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
+    pub lock_timeout: Timeout,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`checkpoint` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let found = discover(args.criu.as_deref()).map_err(gpu_checkpoint::Error::from)?;
+    let criu = CriuRpc::from_found(&found);
+    let store = Store::open(&args.store.storage, StoreOptions::default())
+        .map_err(gpu_checkpoint::Error::from)?;
+    let progress = Bar::new(args.store.format == Format::Text);
+    let backend: Backend = args.gpu.gpu_backend.into();
+    let mut gpu = FreezeHook::new(HookOptions {
+        backend,
+        group: GroupOptions {
+            lock_timeout: args.lock_timeout.0,
+        },
+        device_map: None,
+    });
+    let mut flow = Flow {
+        criu: &criu,
+        gpu: &mut gpu,
+        store: &store,
+        progress: &progress,
+    };
+    let mut opts = CheckpointOptions::new(args.pid);
+    opts.name = args.name;
+    opts.leave_running = args.leave_running;
+    opts.tcp_established = args.tcp_established;
+    opts.shell_job = args.shell_job;
+    // The simulator is recognised only when asked for, never silently.
+    opts.detect.simulator = backend == Backend::Sim;
+    let result = flow.checkpoint(&opts);
+    if gpu_checkpoint::freeze::interrupt::interrupted() {
+        eprintln!(
+            "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"
+        );
+    }
+    let out = result?;
+
+    let manifest_path = store.manifest_path(&out.info.id);
+    match args.store.format {
+        Format::Json => {
+            let v = json!({
+                "id": out.info.id,
+                "name": out.info.name,
+                "pid": args.pid,
+                "processes": out.manifest.process_tree.len(),
+                "strategy": out.manifest.strategy,
+                "stopped": out.stopped,
+                "manifest": manifest_path,
+                "timings_ms": out.timings,
+                "gpu": out.manifest.gpu,
+                "sizes": out.manifest.sizes,
+                "stats": out.info.stats,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Format::Text => {
+            let t = &out.timings;
+            let s = &out.info.stats;
+            println!("{}", out.info.id);
+            eprintln!(
+                "checkpoint {}{} of pid {} ({} process{}, strategy {}): {} of images, {} stored ({} new)",
+                out.info.id,
+                out.info
+                    .name
+                    .as_deref()
+                    .map(|n| format!(" ({n})"))
+                    .unwrap_or_default(),
+                args.pid,
+                out.manifest.process_tree.len(),
+                if out.manifest.process_tree.len() == 1 { "" } else { "es" },
+                out.manifest.strategy,
+                bytes(out.manifest.sizes.image_bytes),
+                bytes(s.stored_bytes),
+                bytes(s.new_bytes),
+            );
+            eprintln!(
+                "  detect {:.0} ms, freeze {:.0} ms, dump {:.0} ms, write {:.0} ms, stop {:.0} ms; total {:.0} ms",
+                t.detect, t.freeze, t.dump, t.write, t.stop, t.total
+            );
+            if let Some(line) = gpu_summary(&out.manifest.gpu) {
+                eprintln!("  {line}");
+            }
+            eprintln!(
+                "  the process tree {}; manifest {}",
+                if out.stopped {
+                    "was stopped"
+                } else {
+                    "keeps running"
+                },
+                manifest_path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One line about the GPU step, from the manifest's `gpu` record.
+fn gpu_summary(gpu: &serde_json::Value) -> Option<String> {
+    let rec: gpu_checkpoint::freeze::GpuRecord = serde_json::from_value(gpu.clone()).ok()?;
+    let skipped = if rec.skipped.is_empty() {
+        String::new()
+    } else {
+        format!(", {} left alone (no CUDA context)", rec.skipped.len())
+    };
+    Some(format!(
+        "gpu: {} CUDA process(es) via {} ({}): lock {:.0} ms, GPU checkpoint {:.0} ms{skipped}",
+        rec.processes.len(),
+        rec.backend,
+        rec.driver_version
+            .as_deref()
+            .unwrap_or("driver version unknown"),
+        rec.timings.lock_ms,
+        rec.timings.checkpoint_ms,
+    ))
 }

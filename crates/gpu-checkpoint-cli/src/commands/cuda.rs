@@ -1,14 +1,400 @@
-//! `gpu-checkpoint cuda ...`: cuda-checkpoint parity.
+//! `gpu-checkpoint cuda ...`: cuda-checkpoint parity, on any backend, with per-call timings.
+//!
+//! Semantics follow NVIDIA's utility: `state` prints the state word; `lock`, `checkpoint`, `restore`,
+//! `unlock` make one driver transition each and fail like the driver (a failed `checkpoint` leaves the
+//! process LOCKED); `toggle` goes RUNNING -> LOCKED -> CHECKPOINTED or CHECKPOINTED -> LOCKED -> RUNNING, and
+//! unlike the utility, a toggle that fails half-way puts the process back where it was.
 
-#[derive(clap::Subcommand)]
-pub enum Command {
-    /// Print the CUDA checkpoint state of a process.
-    State {
-        #[arg(long)]
-        pid: i32,
-    },
+use super::Format;
+use anyhow::Context;
+use gpu_checkpoint::freeze::{
+    self, Backend, DeviceMap, DeviceRef, GpuDriver, GpuPair, Op, ProcessState,
+};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// `--gpu-backend`: which GPU driver boundary to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendArg {
+    /// cuda-driver when libcuda has the checkpoint API (driver >= 570), else cuda-cli when
+    /// `cuda-checkpoint` is on PATH. Never the simulator.
+    #[default]
+    Auto,
+    /// The CUDA driver API, in-process (libcuda.so.1, driver >= 570).
+    CudaDriver,
+    /// NVIDIA's `cuda-checkpoint` binary (drivers 550-569).
+    CudaCli,
+    /// The SIMULATED GPU of `gpu-sim-workload` (tests and demos only).
+    Sim,
 }
 
-pub fn run(_cmd: Command) -> anyhow::Result<()> {
-    anyhow::bail!("`cuda` is not built yet")
+impl From<BackendArg> for Backend {
+    fn from(b: BackendArg) -> Backend {
+        match b {
+            BackendArg::Auto => Backend::Auto,
+            BackendArg::CudaDriver => Backend::CudaDriver,
+            BackendArg::CudaCli => Backend::CudaCli,
+            BackendArg::Sim => Backend::Sim,
+        }
+    }
+}
+
+/// A `--lock-timeout`; `None` means no limit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timeout(pub Option<Duration>);
+
+/// Parses `--lock-timeout`: `10s`, `500ms`, `1.5` (seconds), or `0` for no limit.
+pub fn parse_timeout(s: &str) -> Result<Timeout, String> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration (10s, 500ms, 1.5)"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("`{s}` is not a duration (10s, 500ms, 1.5)"));
+    }
+    Ok(Timeout(
+        (v > 0.0).then(|| Duration::from_secs_f64(v * scale)),
+    ))
+}
+
+/// `--gpu-backend` and `--lock-timeout` for the checkpoint and restore commands.
+#[derive(clap::Args, Debug)]
+pub struct GpuArgs {
+    /// GPU checkpoint backend (only used when the tree holds GPU state).
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
+    pub gpu_backend: BackendArg,
+}
+
+/// Options every `cuda` subcommand takes.
+#[derive(clap::Args, Debug)]
+pub struct Common {
+    /// The process.
+    #[arg(long)]
+    pub pid: i32,
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
+    pub gpu_backend: BackendArg,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Print the CUDA checkpoint state of a process (running, locked, checkpointed, failed).
+    State(Common),
+    /// RUNNING -> LOCKED: block new CUDA calls and wait for submitted work.
+    Lock {
+        #[command(flatten)]
+        common: Common,
+        /// Give up after this many milliseconds (the process keeps running); 0 or absent: no limit.
+        #[arg(long, value_name = "MS")]
+        timeout: Option<u64>,
+    },
+    /// LOCKED -> CHECKPOINTED: move device memory into host memory and release the GPU.
+    Checkpoint(Common),
+    /// CHECKPOINTED -> LOCKED: bring device memory back (optionally onto other GPUs).
+    Restore {
+        #[command(flatten)]
+        common: Common,
+        /// OLD=NEW,... GPU indices or UUIDs (GPU-xxxxxxxx-...); needs driver >= 580.
+        #[arg(long, value_name = "OLD=NEW,...")]
+        device_map: Option<String>,
+    },
+    /// LOCKED -> RUNNING.
+    Unlock(Common),
+    /// RUNNING -> CHECKPOINTED (lock + checkpoint) or CHECKPOINTED -> RUNNING (restore + unlock).
+    Toggle {
+        #[command(flatten)]
+        common: Common,
+        /// Lock timeout in milliseconds when toggling a running process.
+        #[arg(long, value_name = "MS")]
+        timeout: Option<u64>,
+        #[arg(long, value_name = "OLD=NEW,...")]
+        device_map: Option<String>,
+    },
+    /// Print the thread id of the CUDA restore thread inside the process.
+    RestoreTid(Common),
+}
+
+/// One driver call and how long it took.
+#[derive(Serialize, Debug)]
+struct Call {
+    op: Op,
+    ok: bool,
+    ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    pid: i32,
+    backend: Backend,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    driver_version: Option<String>,
+    action: &'static str,
+    ok: bool,
+    /// The state after the action (a separate, timed query).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state: Option<ProcessState>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    restore_tid: Option<i32>,
+    calls: Vec<Call>,
+    /// cuda-driver only: dlopen, symbol resolution and cuInit times.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    setup: Option<freeze::SetupTimings>,
+    open_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+struct Session {
+    driver: std::sync::Arc<dyn GpuDriver>,
+    report: Report,
+}
+
+impl Session {
+    fn open(c: &Common, action: &'static str) -> anyhow::Result<Self> {
+        if c.pid <= 0 {
+            return Err(super::usage(format!(
+                "--pid {} is not a process id (a CUDA checkpoint acts on one process)",
+                c.pid
+            )));
+        }
+        let t = Instant::now();
+        let backend: Backend = c.gpu_backend.into();
+        let driver = freeze::open(backend).map_err(gpu_checkpoint::Error::from)?;
+        let open_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let mut s = Session {
+            driver,
+            report: Report {
+                pid: c.pid,
+                backend,
+                driver_version: None,
+                action,
+                ok: false,
+                state: None,
+                restore_tid: None,
+                calls: Vec::new(),
+                setup: None,
+                open_ms,
+                error: None,
+            },
+        };
+        s.report.backend = s.driver().backend();
+        s.report.driver_version = s.driver().driver_version();
+        tracing::info!(
+            "backend {} ({}) opened in {open_ms:.1} ms",
+            s.report.backend,
+            s.report
+                .driver_version
+                .as_deref()
+                .unwrap_or("version unknown")
+        );
+        freeze::ensure_process(c.pid).map_err(gpu_checkpoint::Error::from)?;
+        Ok(s)
+    }
+
+    fn driver(&self) -> &dyn GpuDriver {
+        self.driver.as_ref()
+    }
+
+    /// Runs and times one driver call.
+    fn call<T>(
+        &mut self,
+        op: Op,
+        f: impl FnOnce(&dyn GpuDriver) -> freeze::Result<T>,
+    ) -> freeze::Result<T> {
+        let t = Instant::now();
+        let r = f(self.driver());
+        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        tracing::info!(
+            "{op} of pid {}: {} in {ms:.3} ms",
+            self.report.pid,
+            if r.is_ok() { "ok" } else { "failed" }
+        );
+        self.report.calls.push(Call {
+            op,
+            ok: r.is_ok(),
+            ms,
+            error: r.as_ref().err().map(|e| e.to_string()),
+        });
+        r
+    }
+
+    fn pairs(&mut self, map: Option<&str>) -> anyhow::Result<Vec<GpuPair>> {
+        let Some(map) = map else {
+            return Ok(Vec::new());
+        };
+        let map: DeviceMap = map.parse().map_err(gpu_checkpoint::Error::from)?;
+        // Indices need this node's GPU list; UUIDs do not (so no NVML needed for them).
+        let needs_list = map
+            .0
+            .iter()
+            .any(|(a, b)| matches!(a, DeviceRef::Index(_)) || matches!(b, DeviceRef::Index(_)));
+        let gpus = if needs_list {
+            self.driver()
+                .gpus()
+                .map_err(gpu_checkpoint::Error::from)
+                .context("listing this node's GPUs to resolve --device-map indices")?
+        } else {
+            Vec::new()
+        };
+        Ok(map
+            .resolve(&gpus, &gpus)
+            .map_err(gpu_checkpoint::Error::from)?)
+    }
+
+    fn finish(mut self, format: Format, result: freeze::Result<()>) -> anyhow::Result<()> {
+        self.report.setup = self.driver.setup_timings();
+        self.report.ok = result.is_ok();
+        if result.is_ok() && self.report.state.is_none() && self.report.action != "restore-tid" {
+            let pid = self.report.pid;
+            self.report.state = self.call(Op::State, |d| d.state(pid)).ok();
+        }
+        self.report.error = result.as_ref().err().map(|e| e.to_string());
+        match format {
+            Format::Json => println!("{}", serde_json::to_string_pretty(&self.report)?),
+            Format::Text => {
+                if self.report.action == "state" {
+                    if let Some(s) = self.report.state {
+                        println!("{s}");
+                    }
+                } else if let Some(tid) = self.report.restore_tid {
+                    println!("{tid}");
+                }
+                let total: f64 = self.report.calls.iter().map(|c| c.ms).sum();
+                tracing::info!("driver calls took {total:.3} ms in all");
+            }
+        }
+        result.map_err(|e| gpu_checkpoint::Error::from(e).into())
+    }
+}
+
+fn timeout(ms: Option<u64>) -> Option<Duration> {
+    ms.filter(|&m| m > 0).map(Duration::from_millis)
+}
+
+pub fn run(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::State(c) => {
+            let mut s = Session::open(&c, "state")?;
+            let pid = c.pid;
+            let r = s.call(Op::State, |d| d.state(pid));
+            if let Ok(st) = &r {
+                s.report.state = Some(*st);
+            }
+            s.finish(c.format, r.map(drop))
+        }
+        Command::Lock {
+            common: c,
+            timeout: t,
+        } => {
+            let mut s = Session::open(&c, "lock")?;
+            let r = s.call(Op::Lock, |d| d.lock(c.pid, timeout(t)));
+            s.finish(c.format, r)
+        }
+        Command::Checkpoint(c) => {
+            let mut s = Session::open(&c, "checkpoint")?;
+            let r = s.call(Op::Checkpoint, |d| d.checkpoint(c.pid));
+            s.finish(c.format, r)
+        }
+        Command::Restore {
+            common: c,
+            device_map,
+        } => {
+            let mut s = Session::open(&c, "restore")?;
+            let pairs = s.pairs(device_map.as_deref())?;
+            let r = s.call(Op::Restore, |d| d.restore(c.pid, &pairs));
+            s.finish(c.format, r)
+        }
+        Command::Unlock(c) => {
+            let mut s = Session::open(&c, "unlock")?;
+            let r = s.call(Op::Unlock, |d| d.unlock(c.pid));
+            s.finish(c.format, r)
+        }
+        Command::RestoreTid(c) => {
+            let mut s = Session::open(&c, "restore-tid")?;
+            let r = s.call(Op::RestoreTid, |d| d.restore_thread_id(c.pid));
+            if let Ok(tid) = &r {
+                s.report.restore_tid = Some(*tid);
+            }
+            s.finish(c.format, r.map(drop))
+        }
+        Command::Toggle {
+            common: c,
+            timeout: t,
+            device_map,
+        } => {
+            let mut s = Session::open(&c, "toggle")?;
+            let pairs = s.pairs(device_map.as_deref())?;
+            let r = toggle(&mut s, c.pid, timeout(t), &pairs);
+            s.finish(c.format, r)
+        }
+    }
+}
+
+/// RUNNING -> CHECKPOINTED or CHECKPOINTED -> RUNNING; a failure half-way is undone.
+fn toggle(
+    s: &mut Session,
+    pid: i32,
+    timeout: Option<Duration>,
+    pairs: &[GpuPair],
+) -> freeze::Result<()> {
+    match s.call(Op::State, |d| d.state(pid))? {
+        ProcessState::Running => {
+            s.call(Op::Lock, |d| d.lock(pid, timeout))?;
+            if let Err(e) = s.call(Op::Checkpoint, |d| d.checkpoint(pid)) {
+                // Keep the process running: this is where NVIDIA's utility leaves it locked.
+                if let Err(u) = s.call(Op::Unlock, |d| d.unlock(pid)) {
+                    return Err(freeze::Error::Many(vec![e, u]));
+                }
+                return Err(e);
+            }
+            Ok(())
+        }
+        ProcessState::Checkpointed => {
+            s.call(Op::Restore, |d| d.restore(pid, pairs))?;
+            s.call(Op::Unlock, |d| d.unlock(pid))
+        }
+        other => Err(freeze::Error::Cuda {
+            op: Op::State,
+            pid,
+            code: freeze::CuError::IllegalState,
+            detail: Some(format!(
+                "toggle needs a running or checkpointed process; it is {other} (use `cuda unlock` or `cuda restore`)"
+            )),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_timeouts_parse() {
+        assert_eq!(
+            parse_timeout("10s"),
+            Ok(Timeout(Some(Duration::from_secs(10))))
+        );
+        assert_eq!(
+            parse_timeout("250ms"),
+            Ok(Timeout(Some(Duration::from_millis(250))))
+        );
+        assert_eq!(
+            parse_timeout("1.5"),
+            Ok(Timeout(Some(Duration::from_millis(1500))))
+        );
+        assert_eq!(parse_timeout("0"), Ok(Timeout(None)));
+        assert!(parse_timeout("-1s").is_err());
+        assert!(parse_timeout("soon").is_err());
+    }
 }

@@ -1,8 +1,156 @@
-//! `gpu-checkpoint doctor`
+//! `gpu-checkpoint doctor`: what this machine has for checkpointing: CRIU (where, which version, how it
+//! was found) and `criu check`'s verdict, the kernel, whether we run as root, and the GPU checkpoint
+//! backends (a machine without a GPU is fine: CPU-only trees need none).
+
+use std::path::PathBuf;
+
+use gpu_checkpoint::checkpoint::HostInfo;
+use gpu_checkpoint::dump::{discover, Criu, CriuRpc};
+use gpu_checkpoint::ExitStatus;
+use serde_json::json;
+
+use super::{Exit, Format};
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The CRIU binary to check (default: the one checkpoint would use).
+    #[arg(long, value_name = "PATH")]
+    pub criu: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`doctor` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let host = HostInfo::current();
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let (criu, problem) = match discover(args.criu.as_deref()) {
+        Ok(found) => {
+            let check = CriuRpc::from_found(&found).check();
+            let (verdict, problem) = match &check {
+                Ok(c) if c.ok => (json!({"ok": true, "output": c.output}), None),
+                Ok(c) => (
+                    json!({"ok": false, "output": c.output}),
+                    Some("`criu check` failed: this kernel lacks features CRIU needs".to_string()),
+                ),
+                Err(e) => (
+                    json!({"ok": false, "error": e.to_string()}),
+                    Some(e.to_string()),
+                ),
+            };
+            (
+                json!({
+                    "found": true,
+                    "path": found.path,
+                    "source": found.source,
+                    "version": found.version.to_string(),
+                    "check": verdict,
+                }),
+                problem,
+            )
+        }
+        Err(e) => (
+            json!({"found": false, "error": e.to_string()}),
+            Some(e.to_string()),
+        ),
+    };
+    let problem = problem.or_else(|| {
+        (!root).then(|| "not running as root: checkpoint and restore need root".to_string())
+    });
+    let report = json!({
+        "host": host,
+        "root": root,
+        "criu": criu,
+        "gpu": gpu_checkpoint::freeze::probe(),
+        "ok": problem.is_none(),
+    });
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Text => print_text(&report),
+    }
+    match problem {
+        None => Ok(()),
+        Some(p) => {
+            let status = if criu["found"] == json!(false) {
+                ExitStatus::ToolMissing
+            } else if !root {
+                ExitStatus::PermissionDenied
+            } else {
+                ExitStatus::Failure
+            };
+            Err(Exit(status, p).into())
+        }
+    }
+}
+
+fn print_text(r: &serde_json::Value) {
+    let s = |v: &serde_json::Value| v.as_str().unwrap_or("?").to_string();
+    println!(
+        "host        {} (kernel {}, {})",
+        s(&r["host"]["hostname"]),
+        s(&r["host"]["kernel"]),
+        s(&r["host"]["arch"])
+    );
+    println!(
+        "root        {}",
+        if r["root"] == json!(true) {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    let c = &r["criu"];
+    if c["found"] == json!(true) {
+        println!(
+            "criu        {} (version {}, found via {})",
+            s(&c["path"]),
+            s(&c["version"]),
+            s(&c["source"])
+        );
+        let check = &c["check"];
+        let verdict = if check["ok"] == json!(true) {
+            "ok"
+        } else {
+            "FAILED"
+        };
+        println!("criu check  {verdict}");
+        let text = check["output"]
+            .as_str()
+            .or(check["error"].as_str())
+            .unwrap_or("");
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            println!("            {line}");
+        }
+    } else {
+        println!("criu        not found: {}", s(&c["error"]));
+    }
+    let g = &r["gpu"];
+    match (&g["cuda_driver"]["Ok"], &g["cuda_driver"]["Err"]) {
+        (serde_json::Value::String(v), _) => {
+            println!("cuda-driver {v} (checkpoint API in libcuda)")
+        }
+        (_, e) => println!("cuda-driver unavailable: {}", s(e)),
+    }
+    match g["cuda_cli"].as_str() {
+        Some(p) => println!("cuda-cli    {p}"),
+        None => println!("cuda-cli    no cuda-checkpoint on PATH"),
+    }
+    if let Some(d) = g["nvml_driver"].as_str() {
+        println!("driver      {d}");
+    }
+    for gpu in g["gpus"].as_array().into_iter().flatten() {
+        println!(
+            "gpu {}       {} {} ({} bytes)",
+            gpu["index"],
+            s(&gpu["model"]),
+            s(&gpu["uuid"]),
+            gpu["memory_bytes"]
+        );
+    }
+    println!(
+        "gpu backend auto -> {}",
+        g["auto"]
+            .as_str()
+            .unwrap_or("none (CPU-only checkpoints work; GPU trees need a driver >= 550)")
+    );
 }

@@ -1,8 +1,80 @@
 //! `gpu-checkpoint inspect`
 
-#[derive(clap::Args)]
-pub struct Args {}
+use super::list::StoreArgs;
+use super::Format;
+use crate::progress::{bytes, millis};
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`inspect` is not built yet")
+#[derive(clap::Args)]
+pub struct Args {
+    /// Checkpoint id, or name (its newest checkpoint).
+    pub checkpoint: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let store = args.store.open()?;
+    let info = store
+        .get(&args.checkpoint)
+        .map_err(gpu_checkpoint::Error::from)?;
+    let manifest = store.manifest_path(&info.id);
+    match args.store.format {
+        Format::Json => {
+            let mut v = serde_json::to_value(&info)?;
+            v["manifest"] = serde_json::Value::String(manifest.display().to_string());
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Format::Text => {
+            let s = &info.stats;
+            println!("checkpoint   {}", info.id);
+            println!("name         {}", info.name.as_deref().unwrap_or("-"));
+            println!("created      {}", info.created);
+            println!("manifest     {}", manifest.display());
+            println!(
+                "logical      {} in {} files, {} chunks ({} zero)",
+                bytes(s.logical_bytes),
+                s.files,
+                s.chunks,
+                bytes(s.zero_bytes)
+            );
+            println!(
+                "stored       {} ({} distinct chunks; {} new chunks, {} written by this checkpoint)",
+                bytes(s.stored_bytes),
+                s.unique_chunks,
+                s.new_chunks,
+                bytes(s.new_bytes)
+            );
+            println!(
+                "ratios       dedup {:.2}x, compression {:.2}x, overall {:.2}x",
+                s.dedup_ratio, s.compression_ratio, s.reduction_ratio
+            );
+            println!(
+                "ingest       {} (sync {})",
+                millis(s.ingest_ms),
+                millis(s.sync_ms)
+            );
+            let c = &info.chunking;
+            println!(
+                "chunking     {} {}/{}/{} bytes, {}, {} level {}",
+                c.algorithm, c.min_size, c.avg_size, c.max_size, c.hash, c.compression, c.level
+            );
+            if !info.metadata.is_null() {
+                println!(
+                    "metadata     {}",
+                    serde_json::to_string_pretty(&info.metadata)?.replace('\n', "\n             ")
+                );
+            }
+            println!("files");
+            for f in &info.files {
+                println!(
+                    "  {:<40} {:>10} {:>5} chunks  mode {:o}",
+                    f.path,
+                    bytes(f.size),
+                    f.chunks.len(),
+                    f.mode
+                );
+            }
+        }
+    }
+    Ok(())
 }

@@ -1,8 +1,131 @@
 //! `gpu-checkpoint list`
 
-#[derive(clap::Args)]
-pub struct Args {}
+use std::path::PathBuf;
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`list` is not built yet")
+use anyhow::Context;
+use gpu_checkpoint::store::{CheckpointInfo, ListEntry, Store, StoreOptions};
+use serde::Serialize;
+
+use super::Format;
+use crate::progress::{bytes, millis};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+/// One `list --format json` element: the manifest without its file and chunk lists.
+#[derive(Serialize)]
+struct Summary<'a> {
+    id: &'a str,
+    name: Option<&'a str>,
+    created: &'a str,
+    manifest: PathBuf,
+    stats: &'a gpu_checkpoint::store::IngestStats,
+    metadata: &'a serde_json::Value,
+}
+
+#[derive(Serialize)]
+struct Damaged<'a> {
+    id: &'a str,
+    damaged: &'a str,
+}
+
+/// The options every store command shares.
+#[derive(clap::Args)]
+pub struct StoreArgs {
+    /// The checkpoint store (a folder).
+    #[arg(long, env = "GPU_CHECKPOINT_STORAGE")]
+    pub storage: PathBuf,
+    /// `json` prints results as JSON on stdout and nothing else.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+impl StoreArgs {
+    /// Opens an existing store for the read-side commands (list, inspect, delete, verify, gc): a missing
+    /// folder is "no such checkpoint" rather than a new empty store.
+    pub fn open(&self) -> anyhow::Result<Store> {
+        open_store(&self.storage)
+    }
+}
+
+fn open_store(storage: &std::path::Path) -> anyhow::Result<Store> {
+    if !storage.is_dir() {
+        return Err(
+            gpu_checkpoint::Error::from(gpu_checkpoint::store::Error::NotFound {
+                what: "any checkpoint (no store here)".into(),
+                storage: storage.to_path_buf(),
+            })
+            .into(),
+        );
+    }
+    Store::open(storage, StoreOptions::default())
+        .map_err(gpu_checkpoint::Error::from)
+        .with_context(|| format!("cannot open store {}", storage.display()))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let store = args.store.open()?;
+    let entries = store.list_entries().map_err(gpu_checkpoint::Error::from)?;
+    match args.store.format {
+        Format::Json => {
+            let values: Vec<serde_json::Value> = entries
+                .iter()
+                .map(|e| match e {
+                    ListEntry::Ok(i) => serde_json::to_value(summary(&store, i)),
+                    ListEntry::Damaged { id, reason } => serde_json::to_value(Damaged {
+                        id,
+                        damaged: reason,
+                    }),
+                })
+                .collect::<Result<_, _>>()?;
+            println!("{}", serde_json::to_string_pretty(&values)?);
+        }
+        Format::Text => {
+            if entries.is_empty() {
+                println!("no checkpoints in {}", store.location().display());
+                return Ok(());
+            }
+            println!(
+                "{:<22} {:<16} {:<24} {:>10} {:>10} {:>10} {:>6} {:>6} {:>8}",
+                "ID", "NAME", "CREATED", "LOGICAL", "STORED", "NEW", "DEDUP", "COMPR", "INGEST"
+            );
+            for e in &entries {
+                match e {
+                    ListEntry::Ok(i) => {
+                        let s = &i.stats;
+                        println!(
+                            "{:<22} {:<16} {:<24} {:>10} {:>10} {:>10} {:>5.2}x {:>5.2}x {:>8}",
+                            i.id,
+                            i.name.as_deref().unwrap_or("-"),
+                            i.created,
+                            bytes(s.logical_bytes),
+                            bytes(s.stored_bytes),
+                            bytes(s.new_bytes),
+                            s.dedup_ratio,
+                            s.compression_ratio,
+                            millis(s.ingest_ms)
+                        );
+                    }
+                    ListEntry::Damaged { id, reason } => {
+                        println!("{id:<22} DAMAGED: {reason}");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn summary<'a>(store: &Store, i: &'a CheckpointInfo) -> Summary<'a> {
+    Summary {
+        id: &i.id,
+        name: i.name.as_deref(),
+        created: &i.created,
+        manifest: store.manifest_path(&i.id),
+        stats: &i.stats,
+        metadata: &i.metadata,
+    }
 }

@@ -1,8 +1,94 @@
-//! `gpu-checkpoint restore`
+//! `gpu-checkpoint restore`: restore a checkpoint detached and print the restored PID.
+
+use std::path::PathBuf;
+
+use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::freeze::{DeviceMap, FreezeHook, HookOptions};
+use gpu_checkpoint::restore::{Flow, Target};
+use serde_json::json;
+
+use super::cuda::GpuArgs;
+use super::list::StoreArgs;
+use super::{usage, Format};
+use crate::progress::Bar;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Checkpoint id, or name (its newest checkpoint).
+    #[arg(required_unless_present = "metadata", conflicts_with = "metadata")]
+    pub checkpoint: Option<String>,
+    /// The checkpoint's manifest file in the store (as `inspect` shows it) instead of its id.
+    #[arg(long, value_name = "PATH")]
+    pub metadata: Option<PathBuf>,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// The CRIU binary to use (default: $GPU_CHECKPOINT_CRIU, then `criu` on PATH if >= 4.0, then the
+    /// project's own from scripts/install-criu.sh).
+    #[arg(long, value_name = "PATH")]
+    pub criu: Option<PathBuf>,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+    /// Restore GPU state onto other GPUs: OLD=NEW,... (indices or GPU-... UUIDs; old indices are the
+    /// checkpoint's, new ones this node's). Without it, this node must have the same GPU count and models.
+    #[arg(long, value_name = "OLD=NEW,...")]
+    pub device_map: Option<String>,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`restore` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let target = match (args.checkpoint, args.metadata) {
+        (Some(c), None) => Target::Checkpoint(c),
+        (None, Some(m)) => Target::Manifest(m),
+        _ => return Err(usage("give a CHECKPOINT or --metadata PATH, not both")),
+    };
+    let found = discover(args.criu.as_deref()).map_err(gpu_checkpoint::Error::from)?;
+    let criu = CriuRpc::from_found(&found);
+    let store = args.store.open()?;
+    let progress = Bar::new(args.store.format == Format::Text);
+    let device_map = match args.device_map.as_deref() {
+        None => None,
+        Some(m) => Some(
+            m.parse::<DeviceMap>()
+                .map_err(gpu_checkpoint::Error::from)?,
+        ),
+    };
+    let mut gpu = FreezeHook::new(HookOptions {
+        backend: args.gpu.gpu_backend.into(),
+        device_map,
+        ..HookOptions::default()
+    });
+    let mut flow = Flow {
+        criu: &criu,
+        gpu: &mut gpu,
+        store: &store,
+        progress: &progress,
+    };
+    let result = flow.restore(&target);
+    if gpu_checkpoint::freeze::interrupt::interrupted() {
+        eprintln!(
+            "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"
+        );
+    }
+    let out = result?;
+    match args.store.format {
+        Format::Json => {
+            let v = json!({
+                "id": out.id,
+                "pid": out.pid,
+                "timings_ms": out.timings,
+                "log": out.log,
+                "gpu": out.gpu,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Format::Text => {
+            // stdout carries the PID alone, for `pid=$(gpu-checkpoint restore ...)`.
+            println!("{}", out.pid);
+            let t = &out.timings;
+            eprintln!(
+                "restored checkpoint {} as pid {}: fetch {:.0} ms, restore {:.0} ms, gpu {:.0} ms; total {:.0} ms",
+                out.id, out.pid, t.fetch, t.restore, t.gpu, t.total
+            );
+        }
+    }
+    Ok(())
 }

@@ -1,8 +1,40 @@
 //! `gpu-checkpoint verify`
 
-#[derive(clap::Args)]
-pub struct Args {}
+use super::list::StoreArgs;
+use super::Format;
+use crate::progress::{bytes, millis, Bar};
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`verify` is not built yet")
+#[derive(clap::Args)]
+pub struct Args {
+    /// Checkpoint id or name; without it, every checkpoint in the store.
+    pub checkpoint: Option<String>,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let store = args.store.open()?;
+    let bar = Bar::new(args.store.format == Format::Text);
+    let report = store
+        .verify(args.checkpoint.as_deref(), &bar)
+        .map_err(gpu_checkpoint::Error::from)?;
+    match args.store.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Text => {
+            for p in &report.problems {
+                println!("DAMAGED {p}");
+            }
+            println!(
+                "{}: {} checkpoint(s), {} distinct chunks, {} checked ({} read) in {}",
+                if report.is_ok() { "OK" } else { "FAILED" },
+                report.checkpoints.len(),
+                report.chunks_checked,
+                bytes(report.bytes_checked),
+                bytes(report.stored_bytes_read),
+                millis(report.elapsed_ms)
+            );
+        }
+    }
+    report.into_result().map_err(gpu_checkpoint::Error::from)?;
+    Ok(())
 }

@@ -1,15 +1,253 @@
 //! Stage 3: dump and restore the CPU side of a process tree with CRIU (>= 4.0) over its RPC.
+//!
+//! [`Criu`] is the boundary: [`CriuRpc`] talks to a real CRIU through `criu swrk <fd>` (the same service
+//! protocol libcriu, runc and Podman use); [`FakeCriu`] stands in for it in unit tests of the flows.
+//! [`discover`] finds a CRIU that is new enough (`--criu`, `GPU_CHECKPOINT_CRIU`, `PATH`, the project's own
+//! prefix filled by `scripts/install-criu.sh`).
+//!
+//! Every operation keeps CRIU's log (debug level) in a file the caller names; when CRIU fails the error
+//! carries the log's `Error (...)` lines and its path, because CRIU's own answer over the RPC is only an errno.
+
+mod discover;
+mod fake;
+mod log;
+mod rpc;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
 
 use crate::error::ExitStatus;
 
+pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
+pub use fake::{FakeCriu, FakeCriuCall};
+pub use log::{error_lines, log_error_lines};
+pub use rpc::CriuRpc;
+
+/// The oldest CRIU we accept: 3.x cannot restore on recent kernels (vDSO) and lacks the tree handling
+/// GPU processes need.
+pub const MIN_VERSION: CriuVersion = CriuVersion {
+    major: 4,
+    minor: 0,
+    sublevel: 0,
+};
+
+/// A CRIU release number.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub struct CriuVersion {
+    pub major: u32,
+    pub minor: u32,
+    pub sublevel: u32,
+}
+
+impl fmt::Display for CriuVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.sublevel)
+    }
+}
+
+/// What CRIU does with the tree once its images are written. CRIU's third choice, killing the tree, is
+/// deliberately not offered: the flow kills only after the checkpoint is durable in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AfterDump {
+    /// The tree resumes right away (`leave_running`): periodic checkpoints of a job that goes on.
+    KeepRunning,
+    /// The tree stays stopped (SIGSTOP, `leave_stopped`) so that it does nothing the checkpoint would not
+    /// contain, until the caller kills it (checkpoint durable) or continues it (checkpoint failed).
+    Stop,
+}
+
+/// One dump of the process tree rooted at `pid` into `images_dir`.
+#[derive(Debug, Clone)]
+pub struct DumpRequest<'a> {
+    pub pid: i32,
+    /// Where CRIU writes its images (and the log, and `stats-dump`).
+    pub images_dir: &'a Path,
+    /// Name of CRIU's log file, created inside `images_dir` (CRIU allows no sub-folders here).
+    pub log_file: &'a str,
+    pub after: AfterDump,
+    /// Checkpoint established TCP connections (CRIU's `--tcp-established`).
+    pub tcp_established: bool,
+    /// The tree is a shell job: its session/terminal belong to someone else (`--shell-job`).
+    pub shell_job: bool,
+}
+
+/// One restore of the images in `images_dir`; the tree is restored detached (re-parented to init).
+#[derive(Debug, Clone)]
+pub struct RestoreRequest<'a> {
+    pub images_dir: &'a Path,
+    /// Name of CRIU's log file, created inside `images_dir`.
+    pub log_file: &'a str,
+    pub tcp_established: bool,
+    pub shell_job: bool,
+}
+
+/// What `criu check` said about this kernel.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CheckOutcome {
+    /// `criu check` exited 0 ("Looks good").
+    pub ok: bool,
+    /// Its output (stdout and stderr).
+    pub output: String,
+}
+
+/// The boundary to CRIU. Implementations: [`CriuRpc`] (real) and [`FakeCriu`] (tests).
+pub trait Criu: Send + Sync {
+    /// The CRIU binary (or a description of the fake), for messages and the manifest.
+    fn describe(&self) -> String;
+    /// CRIU's version, as CRIU itself reports it.
+    fn version(&self) -> Result<CriuVersion, Error>;
+    /// Fails when this process may not checkpoint or restore (CRIU needs root); called before anything
+    /// is touched.
+    fn check_permitted(&self) -> Result<(), Error>;
+    /// Runs `criu check` (kernel features CRIU needs).
+    fn check(&self) -> Result<CheckOutcome, Error>;
+    /// Dumps the tree. On error the tree is left running (CRIU resumes every task it seized).
+    fn dump(&self, req: &DumpRequest<'_>) -> Result<(), Error>;
+    /// Restores the tree detached and returns the PID of its root.
+    fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error>;
+}
+
+/// Which CRIU operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Version,
+    Check,
+    Dump,
+    Restore,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Version => "version",
+            Op::Check => "check",
+            Op::Dump => "dump",
+            Op::Restore => "restore",
+        })
+    }
+}
+
+/// A failed CRIU operation, with what CRIU said.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub op: Op,
+    /// The errno CRIU reported over the RPC, when it reported one.
+    pub errno: Option<i32>,
+    /// CRIU's own error message over the RPC (CRIU >= 3.15), when it sent one.
+    pub message: Option<String>,
+    /// The `Error (...)` lines of CRIU's log (the last few).
+    pub error_lines: Vec<String>,
+    /// Where the log is; the checkpoint flow moves it out of the staging folder before reporting.
+    pub log: Option<PathBuf>,
+    /// What the failure means, for the exit code.
+    pub kind: FailureKind,
+}
+
+/// The class of a CRIU failure, read from the errno and the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    NoSuchProcess,
+    PermissionDenied,
+    /// The images folder ran out of space (or quota).
+    StorageFull,
+    /// Restore: a PID of the tree is taken by another process.
+    PidInUse,
+    Other,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CRIU {} failed", self.op)?;
+        // The log's error lines include CRIU's message (its first error), in context.
+        if !self.error_lines.is_empty() {
+        } else if let Some(msg) = self.message.as_deref().filter(|m| !m.is_empty()) {
+            write!(f, ": {msg}")?;
+        } else if let Some(errno) = self.errno.filter(|e| *e != 0) {
+            write!(f, ": {}", std::io::Error::from_raw_os_error(errno))?;
+        }
+        for line in &self.error_lines {
+            write!(f, "\n  {line}")?;
+        }
+        if let Some(log) = &self.log {
+            write!(f, "\n  CRIU log: {}", log.display())?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("CRIU not found (tried: {}); run scripts/install-criu.sh, or pass --criu PATH / set {ENV_CRIU} to a CRIU >= {MIN_VERSION}", tried.join("; "))]
+    NotFound { tried: Vec<String> },
+    #[error("CRIU at {} is version {version}; gpu-checkpoint needs CRIU >= {MIN_VERSION} (run scripts/install-criu.sh for a private copy)", path.display())]
+    TooOld { path: PathBuf, version: CriuVersion },
+    #[error("checkpoint and restore need root (CRIU ptraces and re-creates processes); run gpu-checkpoint as root")]
+    NotRoot,
+    #[error("cannot run CRIU at {}: {source}", path.display())]
+    Spawn {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{0}")]
-    Other(String),
+    Failed(Failure),
+    #[error("talking to CRIU ({} swrk): {detail}", path.display())]
+    Protocol { path: PathBuf, detail: String },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
     pub fn exit_status(&self) -> ExitStatus {
-        ExitStatus::Failure
+        match self {
+            Error::NotFound { .. } | Error::TooOld { .. } => ExitStatus::ToolMissing,
+            Error::NotRoot => ExitStatus::PermissionDenied,
+            Error::Spawn { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound => ExitStatus::ToolMissing,
+                _ => crate::error::io_exit_status(source),
+            },
+            Error::Failed(f) => match f.kind {
+                FailureKind::NoSuchProcess => ExitStatus::NoSuchProcess,
+                FailureKind::PermissionDenied => ExitStatus::PermissionDenied,
+                FailureKind::StorageFull => ExitStatus::Storage,
+                FailureKind::PidInUse => ExitStatus::Conflict,
+                FailureKind::Other => ExitStatus::Failure,
+            },
+            Error::Protocol { .. } => ExitStatus::Failure,
+            Error::Io { source, .. } => match source.raw_os_error() {
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EROFS) => ExitStatus::Storage,
+                _ => crate::error::io_exit_status(source),
+            },
+        }
+    }
+
+    /// The CRIU failure inside this error, if it is one.
+    pub fn failure(&self) -> Option<&Failure> {
+        match self {
+            Error::Failed(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Points a failure at the log's new place (after the flow moved it out of a folder it removes).
+    pub fn with_log_path(mut self, path: PathBuf) -> Self {
+        if let Error::Failed(f) = &mut self {
+            f.log = Some(path);
+        }
+        self
+    }
+
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
     }
 }

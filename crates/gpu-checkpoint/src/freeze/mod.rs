@@ -1,15 +1,370 @@
-//! Stage 2: freeze GPU state: lock -> checkpoint -> (CPU dump) -> restore -> unlock, through the CUDA driver API, the cuda-checkpoint binary, or the simulator (tests and demos only).
+//! Stage 2: freeze GPU state: lock -> checkpoint -> (CPU dump) -> restore -> unlock.
+//!
+//! One trait, [`GpuDriver`], stands at the boundary with the GPU driver. It has three implementations,
+//! always chosen explicitly ([`Backend`]):
+//!
+//! * [`cuda_driver`]: the CUDA driver checkpoint API (`cuCheckpointProcess*`, driver >= 570), loaded from
+//!   `libcuda.so.1` at run time, so the tool runs (and says what is missing) on machines without a driver;
+//! * [`cuda_cli`]: NVIDIA's `cuda-checkpoint` binary, for drivers 550-569 that lack the API;
+//! * [`sim`]: the simulated GPU of the `gpu-sim-workload` program, for tests and demos only. `auto` never
+//!   picks it.
+//!
+//! [`lifecycle`] encodes a process's GPU state machine in types, and [`group`] drives many processes in
+//! parallel with the undo logic that keeps every process running when any step fails.
+
+pub mod cuda_cli;
+pub mod cuda_driver;
+pub mod fake;
+pub mod group;
+pub mod hook;
+pub mod interrupt;
+pub mod lifecycle;
+pub mod sim;
+pub mod step;
+mod types;
+
+pub use cuda_driver::SetupTimings;
+pub use group::{
+    freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
+};
+pub use hook::{FreezeHook, HookOptions};
+pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
+pub use step::{match_gpus, GpuRecord, GpuStep};
+pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
 
 use crate::error::ExitStatus;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The CUDA driver release that brought the in-process checkpoint API (`cuCheckpointProcess*`).
+pub const MIN_DRIVER_API: &str = "NVIDIA driver >= 570 (CUDA 12.8)";
+/// The release that brought GPU migration (restore onto other GPUs by UUID pairs).
+pub const MIN_DRIVER_MIGRATION: &str = "NVIDIA driver >= 580 (CUDA 13.0)";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{0}")]
-    Other(String),
+    /// The driver (or the simulator, which speaks the same codes) refused or failed an operation.
+    #[error("{op} of pid {pid} failed: {code}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    Cuda {
+        op: Op,
+        pid: i32,
+        code: CuError,
+        detail: Option<String>,
+    },
+    #[error("cannot load {lib}: {reason}; the CUDA checkpoint API needs {MIN_DRIVER_API}")]
+    LibraryMissing { lib: &'static str, reason: String },
+    #[error("{symbol} not found in libcuda (driver API version {version}); it needs {needed}")]
+    SymbolMissing {
+        symbol: &'static str,
+        version: String,
+        needed: &'static str,
+    },
+    #[error("CUDA driver call {call} failed during set-up: {code}")]
+    DriverSetup { call: &'static str, code: CuError },
+    #[error("`cuda-checkpoint` not found on PATH (install it from NVIDIA's cuda-checkpoint repository, or use driver >= 570 with --gpu-backend cuda-driver)")]
+    CliMissing,
+    #[error("`{command}` failed: {reason}")]
+    CliFailed { command: String, reason: String },
+    #[error("no GPU checkpoint backend found: neither libcuda with the checkpoint API ({MIN_DRIVER_API}) nor `cuda-checkpoint` on PATH; {reason}")]
+    NoBackend { reason: String },
+    #[error("pid {pid} is not a simulated GPU process (no control socket @{}): {reason}", sim::socket_name(*pid))]
+    SimUnreachable { pid: i32, reason: String },
+    #[error("simulated GPU protocol error with pid {pid}: {reason}")]
+    SimProtocol { pid: i32, reason: String },
+    #[error("no such process: {pid}")]
+    NoSuchProcess { pid: i32 },
+    #[error("invalid device map: {0}")]
+    DeviceMap(String),
+    #[error("GPU migration (a device map) needs {MIN_DRIVER_MIGRATION}; this driver's API is version {version}")]
+    MigrationUnsupported { version: String },
+    #[error("the GPUs here do not match the checkpoint's: {0}; pass --device-map OLD=NEW,... to choose targets")]
+    GpuMismatch(String),
+    #[error("wrong GPU backend: {0}")]
+    WrongBackend(String),
+    #[error("the checkpoint's GPU record is unreadable: {0}")]
+    Record(String),
+    /// Several processes failed in one group operation; the first error is the headline.
+    #[error("{}", summarize(.0))]
+    Many(Vec<Error>),
+}
+
+fn summarize(errors: &[Error]) -> String {
+    match errors {
+        [] => "no error".into(),
+        [one] => one.to_string(),
+        [first, rest @ ..] => format!("{first} (and {} more: {})", rest.len(), {
+            let v: Vec<String> = rest.iter().map(|e| e.to_string()).collect();
+            v.join("; ")
+        }),
+    }
 }
 
 impl Error {
     pub fn exit_status(&self) -> ExitStatus {
-        ExitStatus::Failure
+        match self {
+            Error::LibraryMissing { .. }
+            | Error::SymbolMissing { .. }
+            | Error::CliMissing
+            | Error::NoBackend { .. }
+            | Error::MigrationUnsupported { .. } => ExitStatus::ToolMissing,
+            Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
+            Error::DeviceMap(_) | Error::WrongBackend(_) => ExitStatus::Usage,
+            Error::GpuMismatch(_) => ExitStatus::Conflict,
+            Error::Record(_) => ExitStatus::CheckpointInvalid,
+            Error::Cuda { code, .. } if code.is_permission() => ExitStatus::PermissionDenied,
+            Error::Many(v) => v.first().map_or(ExitStatus::Failure, Error::exit_status),
+            _ => ExitStatus::Failure,
+        }
+    }
+
+    /// True when the process simply has no CUDA state to checkpoint (it loaded libcuda or NVML but never
+    /// created a context, or it is not a simulated GPU process): such processes are left alone.
+    pub fn is_no_cuda(&self) -> bool {
+        match self {
+            Error::Cuda { code, .. } => code.is_no_cuda(),
+            Error::SimUnreachable { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// The CUDA result code behind this error, if any.
+    pub fn cu_error(&self) -> Option<CuError> {
+        match self {
+            Error::Cuda { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn cuda(op: Op, pid: i32, code: CuError) -> Self {
+        Error::Cuda {
+            op,
+            pid,
+            code,
+            detail: None,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The GPU driver boundary: the per-process checkpoint operations of the CUDA driver.
+///
+/// Every call is synchronous and thread-safe, so that [`group`] can run one per process in parallel.
+/// The state transitions are those of the CUDA driver (RUNNING -> LOCKED -> CHECKPOINTED -> LOCKED ->
+/// RUNNING); [`lifecycle`] wraps them in types.
+pub trait GpuDriver: Send + Sync {
+    /// Which backend this is (`cuda-driver`, `cuda-cli`, `sim`, `fake`).
+    fn backend(&self) -> Backend;
+    /// The driver version as text, when known (for the manifest and for error messages).
+    fn driver_version(&self) -> Option<String>;
+    fn state(&self, pid: i32) -> Result<ProcessState>;
+    /// RUNNING -> LOCKED: blocks new GPU work and waits for submitted work, up to `timeout`
+    /// (`None` = no limit). On expiry the driver answers NOT_READY and the process stays RUNNING.
+    fn lock(&self, pid: i32, timeout: Option<Duration>) -> Result<()>;
+    /// LOCKED -> CHECKPOINTED: device memory moves into host memory, GPU references are released.
+    fn checkpoint(&self, pid: i32) -> Result<()>;
+    /// CHECKPOINTED -> LOCKED, onto the GPUs named by `pairs` (old UUID -> new UUID; empty = same GPUs).
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<()>;
+    /// LOCKED -> RUNNING.
+    fn unlock(&self, pid: i32) -> Result<()>;
+    /// The thread id of the driver's restore thread inside the process.
+    fn restore_thread_id(&self, pid: i32) -> Result<i32>;
+    /// The GPUs this backend sees on this node, in index order.
+    fn gpus(&self) -> Result<Vec<GpuInfo>>;
+    /// The GPUs process `pid` uses, when the backend can tell (NVML's compute processes, the simulator).
+    fn process_gpus(&self, _pid: i32) -> Option<Vec<GpuUuid>> {
+        None
+    }
+    /// What setting the backend up cost (cuda-driver: dlopen, symbol lookup, cuInit).
+    fn setup_timings(&self) -> Option<SetupTimings> {
+        None
+    }
+}
+
+/// The `--gpu-backend` choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Backend {
+    /// cuda-driver when libcuda has the checkpoint API, else cuda-cli when `cuda-checkpoint` is on PATH.
+    /// Never the simulator.
+    Auto,
+    CudaDriver,
+    CudaCli,
+    /// The simulated GPU (tests and demos only).
+    Sim,
+    /// The in-memory test implementation ([`fake`]); only reachable from code.
+    Fake,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::CudaDriver => "cuda-driver",
+            Backend::CudaCli => "cuda-cli",
+            Backend::Sim => "sim",
+            Backend::Fake => "fake",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => Backend::Auto,
+            "cuda-driver" => Backend::CudaDriver,
+            "cuda-cli" => Backend::CudaCli,
+            "sim" => Backend::Sim,
+            other => {
+                return Err(Error::DeviceMap(format!(
+                    "unknown GPU backend `{other}` (auto, cuda-driver, cuda-cli, sim)"
+                )))
+            }
+        })
+    }
+}
+
+/// Opens the chosen backend. `Auto` prefers the in-process driver API and falls back to the
+/// `cuda-checkpoint` binary; it never picks the simulator.
+pub fn open(backend: Backend) -> Result<Arc<dyn GpuDriver>> {
+    match backend {
+        Backend::CudaDriver => Ok(Arc::new(cuda_driver::CudaDriver::open()?)),
+        Backend::CudaCli => Ok(Arc::new(cuda_cli::CudaCli::open()?)),
+        Backend::Sim => Ok(Arc::new(sim::SimDriver::new())),
+        Backend::Fake => Ok(Arc::new(fake::FakeDriver::new())),
+        Backend::Auto => {
+            let driver_err = match cuda_driver::CudaDriver::open() {
+                Ok(d) => return Ok(Arc::new(d)),
+                Err(e) => e,
+            };
+            match cuda_cli::CudaCli::open() {
+                Ok(c) => Ok(Arc::new(c)),
+                Err(cli_err) => Err(Error::NoBackend {
+                    reason: format!("{driver_err}; {cli_err}"),
+                }),
+            }
+        }
+    }
+}
+
+/// What this machine offers for GPU checkpoints (for `gpu-checkpoint doctor`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Probe {
+    /// The in-process API: the CUDA version of libcuda ...
+    pub cuda_driver: Option<String>,
+    /// ... or why it is unusable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_driver_error: Option<String>,
+    /// `cuda-checkpoint` on PATH.
+    pub cuda_cli: Option<std::path::PathBuf>,
+    /// The display driver version from NVML.
+    pub nvml_driver: Option<String>,
+    pub gpus: Vec<GpuInfo>,
+    /// What `--gpu-backend auto` would pick.
+    pub auto: Option<Backend>,
+}
+
+/// Looks for every real backend without touching any process.
+pub fn probe() -> Probe {
+    let (cuda_driver, cuda_driver_error) = match cuda_driver::CudaDriver::open() {
+        Ok(d) => (
+            Some(format!("CUDA {}", cuda_driver::version_text(d.version()))),
+            None,
+        ),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    let cuda_cli = cuda_cli::CudaCli::open()
+        .ok()
+        .map(|c| c.path().to_path_buf());
+    let auto = if cuda_driver.is_some() {
+        Some(Backend::CudaDriver)
+    } else if cuda_cli.is_some() {
+        Some(Backend::CudaCli)
+    } else {
+        None
+    };
+    Probe {
+        cuda_driver,
+        cuda_driver_error,
+        cuda_cli,
+        nvml_driver: cuda_driver::nvml_driver_version(),
+        gpus: cuda_driver::nvml_gpus().unwrap_or_default(),
+        auto,
+    }
+}
+
+/// Checks that `pid` exists before asking a driver about it, so that "no such process" is not
+/// mistaken for "no CUDA state".
+pub fn ensure_process(pid: i32) -> Result<()> {
+    if pid > 0 && std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        Ok(())
+    } else {
+        Err(Error::NoSuchProcess { pid })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names_round_trip_and_auto_is_not_sim() {
+        for b in [
+            Backend::Auto,
+            Backend::CudaDriver,
+            Backend::CudaCli,
+            Backend::Sim,
+        ] {
+            assert_eq!(b.as_str().parse::<Backend>().unwrap(), b);
+        }
+        assert!("fake".parse::<Backend>().is_err());
+        assert!("gpu".parse::<Backend>().is_err());
+    }
+
+    #[test]
+    fn exit_statuses() {
+        assert_eq!(Error::CliMissing.exit_status(), ExitStatus::ToolMissing);
+        assert_eq!(
+            Error::NoSuchProcess { pid: 1 }.exit_status(),
+            ExitStatus::NoSuchProcess
+        );
+        assert_eq!(
+            Error::GpuMismatch("x".into()).exit_status(),
+            ExitStatus::Conflict
+        );
+        let e = Error::cuda(Op::Lock, 5, CuError::NotReady);
+        assert_eq!(e.exit_status(), ExitStatus::Failure);
+        assert!(e.to_string().contains("lock of pid 5"), "{e}");
+        assert!(Error::cuda(Op::State, 5, CuError::NotInitialized).is_no_cuda());
+        assert!(!Error::cuda(Op::State, 5, CuError::IllegalState).is_no_cuda());
+    }
+
+    #[test]
+    fn many_errors_summarize_all() {
+        let e = Error::Many(vec![
+            Error::cuda(Op::Lock, 1, CuError::NotReady),
+            Error::cuda(Op::Lock, 2, CuError::IllegalState),
+        ]);
+        let s = e.to_string();
+        assert!(
+            s.contains("pid 1") && s.contains("pid 2") && s.contains("1 more"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn ensure_process_finds_self_not_garbage() {
+        ensure_process(std::process::id() as i32).unwrap();
+        assert!(matches!(
+            ensure_process(-4),
+            Err(Error::NoSuchProcess { .. })
+        ));
     }
 }

@@ -1,15 +1,300 @@
 //! Stage 5: the restore flow: fetch + verify, CRIU restore, GPU restore (optionally onto other GPUs) + unlock.
+//!
+//! Order, and why:
+//! 1. Find the checkpoint (id, name, or the path of its manifest) and read its manifest.
+//! 2. Refuse early when a PID of the tree is taken: CRIU restores every process under its original PID.
+//!    A zombie holding one is waited for a little (its parent may be about to reap it; init does so
+//!    lazily on some systems), anything else is a conflict naming the PID and its holder.
+//! 3. The GPU step checks this node can take the GPU state ([`GpuHook::prepare_restore`]).
+//! 4. The store materializes the images into a private temporary folder, verifying every chunk.
+//! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores + unlocks its GPU
+//!    state, and if that fails the restored tree is killed.
+//! 6. CRIU's restore log is kept in the store's `logs/` folder; the temporary folder is removed.
+//!
+//! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
+//! restored again once the first copy has exited.
 
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The flows share their view of the outside world: CRIU, the GPU step, the store, progress.
+pub use crate::checkpoint::Flow;
+use crate::checkpoint::{save_log, tree, CheckpointManifest, RestoredTree};
+use crate::dump::{FailureKind, RestoreRequest};
 use crate::error::ExitStatus;
+use crate::store::{CheckpointInfo, Store};
+
+/// Name of CRIU's restore log in the images folder (and, prefixed with the id, in `logs/`).
+pub const RESTORE_LOG: &str = "restore.log";
+
+/// How long a zombie holding one of the tree's PIDs may take to be reaped before we call it a conflict.
+const ZOMBIE_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{0}")]
-    Other(String),
+    #[error("cannot restore checkpoint {id}: PID {pid} is in use by {holder}{}", if *zombie { " (a zombie its parent has not reaped)" } else { "" })]
+    PidInUse {
+        id: String,
+        pid: i32,
+        /// `comm (pid N, parent M)` of the process holding the PID.
+        holder: String,
+        zombie: bool,
+    },
+    #[error("checkpoint {id}: {reason}")]
+    BadManifest { id: String, reason: String },
+    #[error("the checkpoint holds GPU state but no GPU step is available in this build")]
+    NoGpuStep,
+    #[error("cannot create a work folder for the images: {} ({source})", path.display())]
+    WorkDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl Error {
     pub fn exit_status(&self) -> ExitStatus {
-        ExitStatus::Failure
+        match self {
+            Error::PidInUse { .. } => ExitStatus::Conflict,
+            Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
+            Error::NoGpuStep => ExitStatus::Unsupported,
+            Error::WorkDir { source, .. } => match source.raw_os_error() {
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EROFS) => ExitStatus::Storage,
+                _ => crate::error::io_exit_status(source),
+            },
+        }
+    }
+}
+
+/// Which checkpoint to restore.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// An id, or a name (its newest checkpoint).
+    Checkpoint(String),
+    /// The path of a checkpoint's manifest in the store (`restore --metadata PATH`).
+    Manifest(PathBuf),
+}
+
+/// Timings of one restore, in milliseconds.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Timings {
+    /// Reading and verifying the images out of the store.
+    pub fetch: f64,
+    /// CRIU's restore.
+    pub restore: f64,
+    /// The GPU step (restore + unlock); 0 without GPU state.
+    pub gpu: f64,
+    pub total: f64,
+}
+
+/// A finished restore.
+#[derive(Debug, Clone)]
+pub struct RestoreOutcome {
+    pub id: String,
+    /// The restored root's PID.
+    pub pid: i32,
+    /// CRIU's restore log, kept.
+    pub log: Option<PathBuf>,
+    pub timings: Timings,
+    pub gpu: serde_json::Value,
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}
+
+impl Flow<'_> {
+    /// Finds the checkpoint `target` names.
+    pub fn find(&self, target: &Target) -> crate::Result<(CheckpointInfo, CheckpointManifest)> {
+        let info = match target {
+            Target::Checkpoint(id) => self.store.get(id)?,
+            Target::Manifest(path) => self.store.get_by_manifest_path(path)?,
+        };
+        let manifest = CheckpointManifest::from_metadata(&info.metadata).map_err(|reason| {
+            Error::BadManifest {
+                id: info.id.clone(),
+                reason,
+            }
+        })?;
+        Ok((info, manifest))
+    }
+
+    /// Restores a checkpoint; see the module documentation for the order.
+    pub fn restore(&mut self, target: &Target) -> crate::Result<RestoreOutcome> {
+        let started = Instant::now();
+        self.criu.check_permitted()?;
+        let (info, manifest) = self.find(target)?;
+        let pids = manifest.pids();
+        check_pids_free(&info.id, &pids)?;
+        self.gpu.prepare_restore(&manifest.gpu)?;
+
+        let work = WorkDir::create(self.store.location(), &info.id)?;
+        let t = Instant::now();
+        self.store
+            .materialize(&info.id, work.path(), self.progress)?;
+        let fetch = ms(t);
+
+        let t = Instant::now();
+        let restored = self.criu.restore(&RestoreRequest {
+            images_dir: work.path(),
+            log_file: RESTORE_LOG,
+            tcp_established: manifest.options.tcp_established,
+            shell_job: manifest.options.shell_job,
+        });
+        let restore_ms = ms(t);
+        let log = keep_log(self.store, &info.id, work.path());
+        let pid = match restored {
+            Ok(pid) => pid,
+            Err(e) => {
+                let e = match &log {
+                    Some(l) => e.with_log_path(l.clone()),
+                    None => e,
+                };
+                // A PID taken between our check and CRIU's fork: say by whom.
+                if e.failure().map(|f| f.kind) == Some(FailureKind::PidInUse) {
+                    if let Err(conflict) = check_pids_free_now(&info.id, &pids) {
+                        tracing::debug!("CRIU: {e}");
+                        return Err(conflict.into());
+                    }
+                }
+                return Err(e.into());
+            }
+        };
+
+        let t = Instant::now();
+        let gpu = match self.gpu.finish_restore(
+            &manifest.gpu,
+            &RestoredTree {
+                root_pid: pid,
+                pids: &pids,
+            },
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                // A copy whose GPU state did not come back must not run on.
+                let left = tree::kill_tree(&tree_of(pid, &pids), Duration::from_secs(10));
+                if !left.is_empty() {
+                    tracing::error!("restored processes {left:?} could not be stopped");
+                }
+                return Err(e);
+            }
+        };
+        let gpu_ms = ms(t);
+        Ok(RestoreOutcome {
+            id: info.id,
+            pid,
+            log,
+            timings: Timings {
+                fetch,
+                restore: restore_ms,
+                gpu: gpu_ms,
+                total: ms(started),
+            },
+            gpu,
+        })
+    }
+}
+
+/// The restored tree as it runs now, plus the recorded PIDs (a process may have exited already).
+fn tree_of(root: i32, recorded: &[i32]) -> Vec<i32> {
+    let mut pids: Vec<i32> = tree::process_tree(root).iter().map(|p| p.pid).collect();
+    for p in recorded {
+        if !pids.contains(p) {
+            pids.push(*p);
+        }
+    }
+    pids
+}
+
+/// Copies CRIU's restore log into the store's `logs/` folder as `ID.restore-<unix ms>.log`.
+fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
+    let src = work.join(RESTORE_LOG);
+    if !src.exists() {
+        return None;
+    }
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    save_log(store.location(), &src, &format!("{id}.restore-{stamp}.log"))
+}
+
+/// Fails when a PID of the tree is held by a live process, after giving zombies [`ZOMBIE_WAIT`] to be
+/// reaped.
+fn check_pids_free(id: &str, pids: &[i32]) -> Result<(), Error> {
+    let zombies = || {
+        pids.iter()
+            .copied()
+            .filter(|p| tree::stat(*p).is_some_and(|s| s.is_zombie()))
+            .collect::<Vec<_>>()
+    };
+    if !zombies().is_empty() {
+        tree::wait_until(ZOMBIE_WAIT, zombies);
+    }
+    check_pids_free_now(id, pids)
+}
+
+fn check_pids_free_now(id: &str, pids: &[i32]) -> Result<(), Error> {
+    for &pid in pids {
+        if let Some(s) = tree::stat(pid) {
+            return Err(Error::PidInUse {
+                id: id.to_string(),
+                pid,
+                holder: format!("{} (pid {pid}, parent {})", s.comm, s.ppid),
+                zombie: s.is_zombie(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A private folder for the materialized images, removed on drop. It lives in the store's folder when
+/// possible (same disk as the chunks, no tmpfs filling RAM with a copy of the process), else in the
+/// temporary folder (read-only store).
+struct WorkDir {
+    path: PathBuf,
+}
+
+impl WorkDir {
+    fn create(storage: &Path, id: &str) -> Result<WorkDir, Error> {
+        let name = format!("{id}.{}", std::process::id());
+        let candidates = [
+            storage.join("restore-work").join(&name),
+            std::env::temp_dir()
+                .join("gpu-checkpoint-restore")
+                .join(&name),
+        ];
+        let [first, second] = candidates;
+        let _ = std::fs::remove_dir_all(&first);
+        if crate::util::create_private_dir_all(&first).is_ok() {
+            return Ok(WorkDir { path: first });
+        }
+        let _ = std::fs::remove_dir_all(&second);
+        match crate::util::create_private_dir_all(&second) {
+            Ok(()) => Ok(WorkDir { path: second }),
+            Err(source) => Err(Error::WorkDir {
+                path: second,
+                source,
+            }),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            tracing::warn!(
+                "could not remove the restore work folder {}: {e}",
+                self.path.display()
+            );
+        }
+        // The parent is shared by concurrent restores: removed only when empty.
+        if let Some(parent) = self.path.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
     }
 }

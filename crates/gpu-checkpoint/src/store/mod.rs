@@ -1,15 +1,485 @@
 //! Stage 4: the checkpoint store: chunked, compressed, content-addressed, verified images.
+//!
+//! A checkpoint's image files are cut into content-defined chunks (FastCDC), named by BLAKE3, compressed
+//! with zstd and written once into a store shared by all checkpoints; a per-checkpoint manifest lists the
+//! files and their chunks. See `docs/store.md` for the format and the guarantees.
+//!
+//! ```no_run
+//! use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
+//! # fn main() -> Result<(), gpu_checkpoint::store::Error> {
+//! let store = Store::open("/var/lib/ckpt".as_ref(), StoreOptions::default())?;
+//! store.check_writable()?;
+//! let ingest = store.begin(Some("job"))?;
+//! // ... CRIU writes its images into ingest.staging_dir() ...
+//! let info = ingest.commit(serde_json::json!({"pid": 42}), &NoProgress)?;
+//! store.materialize(&info.id, "/tmp/restore-images".as_ref(), &NoProgress)?;
+//! # Ok(()) }
+//! ```
 
-use crate::error::ExitStatus;
+pub mod backend;
+pub mod chunk;
+pub mod chunker;
+mod error;
+mod gc;
+mod ingest;
+pub mod manifest;
+mod materialize;
+mod verify;
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("{0}")]
-    Other(String),
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use backend::{Backend, LocalBackend, LockMode, MemoryBackend};
+pub use chunker::ChunkParams;
+pub use error::{Error, Result};
+pub use gc::GcReport;
+pub use ingest::{memory_budget, Ingest, Plan};
+pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
+pub use materialize::MaterializeStats;
+pub use verify::{VerifyProblem, VerifyReport};
+
+/// Tuning of a store handle. Nothing here changes what is stored in a way that breaks reading.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// zstd level for new chunks (1 = fastest; see `docs/store.md` for the measurements behind the default).
+    pub zstd_level: i32,
+    /// Worker threads for hashing, compression and parallel reads; 0 = one per core.
+    pub threads: usize,
+    /// Content-defined chunking sizes for new checkpoints.
+    pub chunking: ChunkParams,
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
-        ExitStatus::Failure
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            zstd_level: 1,
+            threads: 0,
+            chunking: ChunkParams::default(),
+        }
+    }
+}
+
+impl StoreOptions {
+    fn effective_threads(&self) -> usize {
+        if self.threads > 0 {
+            self.threads
+        } else {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        }
+    }
+}
+
+/// Reports the progress of a long operation (ingest, materialize, verify) in bytes. The CLI implements it
+/// with a progress bar; the library never prints.
+pub trait Progress: Sync {
+    /// A phase begins; `total_bytes` is what `advance` will add up to.
+    fn start(&self, phase: &str, total_bytes: u64);
+    /// `bytes` more of the current phase are done (called from worker threads).
+    fn advance(&self, bytes: u64);
+    /// The current phase is over.
+    fn finish(&self);
+}
+
+/// A [`Progress`] that shows nothing.
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn start(&self, _phase: &str, _total_bytes: u64) {}
+    fn advance(&self, _bytes: u64) {}
+    fn finish(&self) {}
+}
+
+pub(crate) struct Inner {
+    backend: Arc<dyn Backend>,
+    opts: StoreOptions,
+}
+
+/// A checkpoint store. Cheap to clone; safe to use from many threads and processes at once.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+/// A `list` entry: a committed checkpoint, or a manifest that failed its checks.
+#[derive(Clone, Debug)]
+pub enum ListEntry {
+    Ok(Box<CheckpointInfo>),
+    Damaged { id: String, reason: String },
+}
+
+impl Store {
+    /// Opens the store at `path` (local filesystem), creating its layout (0700) if the folder is missing or
+    /// empty, and validating the format version of an existing one.
+    pub fn open(path: &Path, opts: StoreOptions) -> Result<Store> {
+        Store::with_backend(Arc::new(LocalBackend::new(path)), opts)
+    }
+
+    /// Opens a store on any backend (the in-memory one in tests; object stores later).
+    pub fn with_backend(backend: Arc<dyn Backend>, opts: StoreOptions) -> Result<Store> {
+        opts.chunking.validate().map_err(Error::Invalid)?;
+        backend.init()?;
+        Ok(Store {
+            inner: Arc::new(Inner { backend, opts }),
+        })
+    }
+
+    /// The backend (tests use it to damage things on purpose).
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.inner.backend
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.inner.opts
+    }
+
+    /// Where the store lives.
+    pub fn location(&self) -> &Path {
+        self.inner.backend.location()
+    }
+
+    /// Fails with exit status 6 if the store cannot be written now. Call it before touching a process.
+    pub fn check_writable(&self) -> Result<()> {
+        self.inner.backend.check_writable()
+    }
+
+    /// Starts a new checkpoint: allocates its id (UTC time + random suffix, unique, sortable by time) and a
+    /// private staging folder on the store's filesystem. Holds the store lock shared until the ingest ends,
+    /// so `gc` cannot run meanwhile.
+    pub fn begin(&self, name: Option<&str>) -> Result<Ingest> {
+        if let Some(n) = name {
+            validate_name(n)?;
+        }
+        let lock = self.inner.backend.lock(LockMode::Shared)?;
+        let root = self.inner.backend.staging_root();
+        for _ in 0..64 {
+            let now = std::time::SystemTime::now();
+            let id = format!("{}-{:04x}", time::id_stamp(now), random_u16());
+            if self.inner.backend.get_manifest(&id)?.is_some() {
+                continue;
+            }
+            let staging = root.join(&id);
+            use std::os::unix::fs::DirBuilderExt;
+            match std::fs::DirBuilder::new()
+                .mode(crate::util::DIR_MODE)
+                .create(&staging)
+            {
+                Ok(()) => {
+                    return Ok(Ingest::new(
+                        self.inner.clone(),
+                        id,
+                        name.map(str::to_owned),
+                        time::rfc3339(now),
+                        staging,
+                        lock,
+                    ))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => {
+                    return Err(Error::Unwritable {
+                        path: staging,
+                        source: e,
+                    })
+                }
+            }
+        }
+        Err(Error::Conflict(
+            "could not allocate a unique checkpoint id (64 collisions)".into(),
+        ))
+    }
+
+    /// Every committed checkpoint, oldest first. Damaged manifests are skipped (with a warning in the log);
+    /// [`Store::list_entries`] shows them and `verify` reports them.
+    pub fn list(&self) -> Result<Vec<CheckpointInfo>> {
+        Ok(self
+            .list_entries()?
+            .into_iter()
+            .filter_map(|e| match e {
+                ListEntry::Ok(i) => Some(*i),
+                ListEntry::Damaged { id, reason } => {
+                    tracing::warn!("checkpoint {id}: damaged manifest: {reason}");
+                    None
+                }
+            })
+            .collect())
+    }
+
+    /// Every manifest, valid or not, oldest first.
+    pub fn list_entries(&self) -> Result<Vec<ListEntry>> {
+        let mut out: Vec<(String, String, ListEntry)> = Vec::new();
+        for id in self.inner.backend.list_manifests()? {
+            match self.load(&id) {
+                Ok(info) => out.push((info.created.clone(), id, ListEntry::Ok(Box::new(info)))),
+                // Removed between listing and reading (concurrent delete): not a checkpoint any more.
+                Err(Error::NotFound { .. }) => {}
+                Err(Error::DamagedManifest { reason, .. }) => {
+                    out.push((String::new(), id.clone(), ListEntry::Damaged { id, reason }))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        out.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        Ok(out.into_iter().map(|e| e.2).collect())
+    }
+
+    /// A checkpoint by id, or by name (its newest checkpoint), with its manifest checked. Not found or
+    /// damaged: exit status 7.
+    pub fn get(&self, id_or_name: &str) -> Result<CheckpointInfo> {
+        if is_plain_id(id_or_name) {
+            match self.load(id_or_name) {
+                Err(Error::NotFound { .. }) => {}
+                other => return other,
+            }
+        }
+        let newest = self
+            .list()?
+            .into_iter()
+            .rfind(|i| i.name.as_deref() == Some(id_or_name));
+        newest.ok_or_else(|| Error::NotFound {
+            what: id_or_name.to_owned(),
+            storage: self.location().to_path_buf(),
+        })
+    }
+
+    /// Where a checkpoint's manifest lives (for `restore --metadata PATH`).
+    pub fn manifest_path(&self, id: &str) -> PathBuf {
+        self.inner.backend.manifest_path(id)
+    }
+
+    /// Loads the checkpoint whose manifest is at `path` (which must be inside this store).
+    pub fn get_by_manifest_path(&self, path: &Path) -> Result<CheckpointInfo> {
+        let id = self
+            .inner
+            .backend
+            .manifest_id_from_path(path)
+            .filter(|id| is_plain_id(id))
+            .ok_or_else(|| Error::NotFound {
+                what: path.display().to_string(),
+                storage: self.location().to_path_buf(),
+            })?;
+        let info = self.load(&id)?;
+        // The file must be the very manifest of this store, not a copy elsewhere with the same name.
+        let ours = self.manifest_path(&id);
+        let same = match (std::fs::canonicalize(path), std::fs::canonicalize(&ours)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => path == ours,
+        };
+        if !same {
+            return Err(Error::NotFound {
+                what: format!(
+                    "{} (not a manifest of this store; expected {})",
+                    path.display(),
+                    ours.display()
+                ),
+                storage: self.location().to_path_buf(),
+            });
+        }
+        Ok(info)
+    }
+
+    /// Writes checkpoint `id`'s image files into `dest` (created 0700 if missing), reading chunks in
+    /// parallel and verifying each before writing it. On error nothing is left in `dest`; the error names
+    /// checkpoint, file and chunk.
+    pub fn materialize(
+        &self,
+        id: &str,
+        dest: &Path,
+        progress: &dyn Progress,
+    ) -> Result<MaterializeStats> {
+        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let info = self.get(id)?;
+        materialize::materialize(&self.inner, &info, dest, progress)
+    }
+
+    /// Deletes a checkpoint (its manifest). Its chunks stay until `gc`, since other checkpoints may share them.
+    pub fn delete(&self, id: &str) -> Result<()> {
+        let info = self.get(id)?;
+        if !self.inner.backend.delete_manifest(&info.id)? {
+            return Err(Error::NotFound {
+                what: id.to_owned(),
+                storage: self.location().to_path_buf(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Deletes a manifest even if it is damaged (by exact id).
+    pub fn delete_damaged(&self, id: &str) -> Result<bool> {
+        if !is_plain_id(id) {
+            return Ok(false);
+        }
+        self.inner.backend.delete_manifest(id)
+    }
+
+    /// Re-reads and checks one checkpoint (`Some`) or the whole store (`None`). Problems are listed in the
+    /// report (use [`VerifyReport::into_result`] to turn them into an error); only a missing checkpoint or
+    /// an unreadable store is an `Err`.
+    pub fn verify(&self, id: Option<&str>, progress: &dyn Progress) -> Result<VerifyReport> {
+        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let checkpoints = match id {
+            Some(id) => match self.get(id) {
+                Ok(info) => vec![Ok(info)],
+                Err(Error::DamagedManifest {
+                    checkpoint, reason, ..
+                }) => vec![Err((checkpoint, format!("damaged manifest: {reason}")))],
+                Err(e) => return Err(e),
+            },
+            None => self
+                .list_entries()?
+                .into_iter()
+                .map(|e| match e {
+                    ListEntry::Ok(i) => Ok(*i),
+                    ListEntry::Damaged { id, reason } => {
+                        Err((id, format!("damaged manifest: {reason}")))
+                    }
+                })
+                .collect(),
+        };
+        verify::verify(&self.inner, checkpoints, progress)
+    }
+
+    /// Removes chunks no checkpoint references, and staging folders of dead writers. Waits for checkpoints
+    /// being written to finish (they hold the store lock) so it never deletes what they need.
+    pub fn gc(&self) -> Result<GcReport> {
+        gc::gc(&self.inner)
+    }
+
+    fn load(&self, id: &str) -> Result<CheckpointInfo> {
+        let path = self.manifest_path(id);
+        let bytes = self
+            .inner
+            .backend
+            .get_manifest(id)?
+            .ok_or_else(|| Error::NotFound {
+                what: id.to_owned(),
+                storage: self.location().to_path_buf(),
+            })?;
+        let info = manifest::decode(&bytes).map_err(|reason| Error::DamagedManifest {
+            checkpoint: id.to_owned(),
+            path: path.clone(),
+            reason,
+        })?;
+        if info.id != id {
+            return Err(Error::DamagedManifest {
+                checkpoint: id.to_owned(),
+                path,
+                reason: format!("it describes checkpoint {}", info.id),
+            });
+        }
+        Ok(info)
+    }
+}
+
+/// Names are for humans and scripts: letters, digits, `.`, `_`, `-`; 1 to 128 characters.
+fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "bad checkpoint name {name:?}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.'"
+        )))
+    }
+}
+
+/// Ids are used as file names: never accept one that could walk out of the manifests folder.
+fn is_plain_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && !s.starts_with('.')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn random_u16() -> u16 {
+    let mut b = [0u8; 2];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), libc::GRND_NONBLOCK) };
+    if n == 2 {
+        return u16::from_le_bytes(b);
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    (t ^ std::process::id().rotate_left(16)) as u16
+}
+
+/// UTC time formatting without a date-time dependency.
+mod time {
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    /// (year, month, day, hour, minute, second, millisecond) in UTC.
+    fn civil(t: SystemTime) -> (i64, u32, u32, u32, u32, u32, u32) {
+        let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+        let secs = d.as_secs() as i64;
+        let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+        // Days since 1970-01-01 to a proleptic Gregorian date (H. Hinnant's civil_from_days).
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z.rem_euclid(146_097);
+        let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+        let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+        let year = yoe + era * 400 + i64::from(month <= 2);
+        (
+            year,
+            month,
+            day,
+            (rem / 3600) as u32,
+            (rem % 3600 / 60) as u32,
+            (rem % 60) as u32,
+            d.subsec_millis(),
+        )
+    }
+
+    /// `2026-11-20T23:35:01.123Z`
+    pub fn rfc3339(t: SystemTime) -> String {
+        let (y, mo, d, h, mi, s, ms) = civil(t);
+        format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{ms:03}Z")
+    }
+
+    /// `20261120T233501Z`
+    pub fn id_stamp(t: SystemTime) -> String {
+        let (y, mo, d, h, mi, s, _) = civil(t);
+        format!("{y:04}{mo:02}{d:02}T{h:02}{mi:02}{s:02}Z")
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::time::Duration;
+
+        #[test]
+        fn known_dates() {
+            let t = UNIX_EPOCH + Duration::from_millis(1_795_217_701_123);
+            assert_eq!(rfc3339(t), "2026-11-20T23:35:01.123Z");
+            assert_eq!(id_stamp(t), "20261120T233501Z");
+            assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+            let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
+            assert_eq!(id_stamp(leap), "20000229T000000Z");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_ids_cannot_escape() {
+        assert!(validate_name("job-1.v2_x").is_ok());
+        for bad in ["", "../x", "a/b", ".hidden", "sp ace"] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+            assert!(!is_plain_id(bad), "{bad:?}");
+        }
     }
 }

@@ -1,0 +1,268 @@
+//! Shared by the CLI tests that drive real CRIU: finding CRIU and the workload binary, starting
+//! workloads, running `gpu-checkpoint`, reading state files.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use gpu_checkpoint::checkpoint::tree;
+use gpu_checkpoint_workloads::{read_state, Record};
+
+/// The `gpu-checkpoint` binary under test.
+pub fn gc_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+}
+
+/// Whether tests needing root and CRIU can run. In CI (`CI=true`) their absence fails the test; locally
+/// the test is skipped with the reason printed.
+pub fn criu_ready() -> bool {
+    static READY: OnceLock<Result<(), String>> = OnceLock::new();
+    let ready = READY.get_or_init(|| {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not running as root".into());
+        }
+        gpu_checkpoint::dump::discover(None)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    match ready {
+        Ok(()) => true,
+        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("CRIU tests cannot run in CI: {why} (scripts/test.sh installs CRIU; CI runs as root)")
+        }
+        Err(why) => {
+            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the CRIU tests");
+            false
+        }
+    }
+}
+
+/// The workload binary, built next to `gpu-checkpoint` (another crate's binaries are not visible to
+/// this crate's tests, so we ask cargo for it: a no-op when it is up to date).
+pub fn workload_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let dir = gc_bin().parent().expect("target dir").to_path_buf();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args([
+            "build",
+            "-q",
+            "-p",
+            "gpu-checkpoint-workloads",
+            "--bin",
+            "workload",
+        ]);
+        if dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        let st = cmd.status().expect("run cargo to build the workload");
+        assert!(st.success(), "building the workload failed: {st}");
+        let bin = dir.join("workload");
+        assert!(bin.exists(), "{} missing after cargo build", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// A running workload; killed (with its tree) on drop.
+pub struct Workload {
+    pub pid: i32,
+    pub state: PathBuf,
+}
+
+impl Workload {
+    /// Starts `workload KIND --state DIR/state --detach ARGS...`.
+    pub fn start(kind: &str, dir: &Path, args: &[&str]) -> Workload {
+        let state = dir.join(format!("{kind}.state"));
+        let out = Command::new(workload_bin())
+            .arg(kind)
+            .arg("--state")
+            .arg(&state)
+            .arg("--detach")
+            .args(args)
+            .output()
+            .expect("start workload");
+        assert!(out.status.success(), "workload {kind}: {out:?}");
+        let pid: i32 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .expect("workload prints its pid");
+        Workload { pid, state }
+    }
+
+    /// The records of the state file, once it has `n` records that satisfy `ok`.
+    pub fn wait_state(&self, what: &str, ok: impl Fn(&[Record]) -> bool) -> Vec<Record> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(recs) = read_state(&self.state) {
+                if ok(&recs) {
+                    return recs;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; state: {:?}",
+                read_state(&self.state)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn alive(&self) -> bool {
+        tree::is_alive(self.pid)
+    }
+
+    /// Stopped by a signal (CRIU's leave_stopped) rather than running.
+    pub fn stopped(&self) -> bool {
+        tree::stat(self.pid).is_some_and(|s| s.state == 'T')
+    }
+
+    /// Kills the workload's tree and waits until its PID is free (init reaps it).
+    pub fn kill_and_wait_free(&self) {
+        let pids: Vec<i32> = tree::process_tree(self.pid).iter().map(|p| p.pid).collect();
+        tree::kill_tree(&pids, Duration::from_secs(10));
+        wait_pid_free(self.pid);
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let pids: Vec<i32> = tree::process_tree(self.pid).iter().map(|p| p.pid).collect();
+        tree::kill_tree(&pids, Duration::from_secs(5));
+    }
+}
+
+/// Waits until no process (not even a zombie) holds `pid`.
+pub fn wait_pid_free(pid: i32) {
+    let left = tree::wait_until(Duration::from_secs(30), || {
+        if tree::pid_taken(pid) {
+            vec![pid]
+        } else {
+            vec![]
+        }
+    });
+    assert!(left.is_empty(), "pid {pid} still taken");
+}
+
+/// Runs `gpu-checkpoint ARGS...`.
+pub fn gc(args: &[&str]) -> Output {
+    Command::new(gc_bin())
+        .args(args)
+        .output()
+        .expect("run gpu-checkpoint")
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Asserts a successful run and returns its stdout.
+pub fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "gpu-checkpoint failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// Asserts a failed run with exit code `code`.
+pub fn fails_with(out: &Output, code: i32) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "expected exit {code}:\nstdout: {}\nstderr: {}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stderr)
+}
+
+/// `gpu-checkpoint checkpoint --pid PID --storage STORE --format json EXTRA...` -> its JSON.
+pub fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
+    let pid = pid.to_string();
+    let mut args = vec![
+        "checkpoint",
+        "--pid",
+        &pid,
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    let out = ok(&gc(&args));
+    serde_json::from_str(&out).expect("checkpoint prints JSON")
+}
+
+/// `gpu-checkpoint restore TARGET --storage STORE` -> the restored PID.
+pub fn restore(target: &str, store: &Path) -> i32 {
+    let out = ok(&gc(&[
+        "restore",
+        target,
+        "--storage",
+        store.to_str().unwrap(),
+    ]));
+    out.trim().parse().expect("restore prints the PID")
+}
+
+/// The ids `list --format json` shows.
+pub fn list_ids(store: &Path) -> Vec<String> {
+    let out = gc(&[
+        "list",
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list JSON");
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e["id"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Number field of a record.
+pub fn num(rec: &Record, key: &str) -> u64 {
+    gpu_checkpoint_workloads::field_u64(rec, key)
+        .unwrap_or_else(|| panic!("record without {key}: {rec:?}"))
+}
+
+/// A tmpfs mounted on a fresh folder (for disk-full and read-only storage), unmounted on drop.
+pub struct Tmpfs {
+    pub path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    pub fn mount(opts: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mnt");
+        std::fs::create_dir(&path).unwrap();
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+            .arg(&path)
+            .status()
+            .expect("run mount");
+        assert!(st.success(), "mount -t tmpfs -o {opts} failed");
+        Tmpfs { path, _dir: dir }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}

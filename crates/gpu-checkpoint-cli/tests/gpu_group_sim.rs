@@ -1,0 +1,102 @@
+//! The GPU step on a tree of SIMULATED GPU processes: parallel lock + checkpoint, and every failure
+//! leaving every process running with its device memory intact.
+
+mod sim_support;
+
+use gpu_checkpoint::freeze::{
+    self, group, sim, Backend, GpuDriver, GpuStep, GroupOptions, ProcessState,
+};
+use sim_support::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn driver() -> Arc<dyn GpuDriver> {
+    freeze::open(Backend::Sim).unwrap()
+}
+
+fn opts(ms: u64) -> GroupOptions {
+    GroupOptions {
+        lock_timeout: Some(Duration::from_millis(ms)),
+    }
+}
+
+fn assert_all_running(d: &Arc<dyn GpuDriver>, pids: &[i32]) {
+    for &p in pids {
+        assert_eq!(d.state(p).unwrap(), ProcessState::Running, "pid {p}");
+        assert_progress(p);
+        assert_verified(p);
+        assert!(
+            sim::device_file(p, 0).exists(),
+            "pid {p} has its device back"
+        );
+    }
+}
+
+#[test]
+fn a_tree_freezes_and_thaws_in_parallel() {
+    let tree = SimProcess::start(&["--mib", "2", "--children", "2", "--cpu-children", "1"]);
+    let d = driver();
+    let all = tree.all_pids();
+    assert_eq!(all.len(), 4);
+    let mut step = GpuStep::new(Arc::clone(&d), opts(5000));
+    let rec = step.freeze(&all).unwrap();
+    // The CPU-only child is left alone and reported.
+    assert_eq!(rec.processes.len(), 3);
+    assert_eq!(rec.skipped.len(), 1);
+    for p in rec.pids() {
+        assert_eq!(d.state(p).unwrap(), ProcessState::Checkpointed);
+        assert!(!sim::device_file(p, 0).exists());
+    }
+    assert!(rec
+        .processes
+        .iter()
+        .all(|p| p.gpus == vec![sim::sim_gpu_uuid(0)]));
+    assert!(rec.timings.lock_ms > 0.0 && rec.timings.checkpoint_ms > 0.0);
+    step.thaw().unwrap();
+    assert_all_running(&d, &rec.pids());
+}
+
+#[test]
+fn a_lock_timeout_on_one_process_unlocks_the_others() {
+    let tree = SimProcess::start(&["--mib", "1", "--children", "2"]);
+    let d = driver();
+    let pids = tree.all_pids();
+    sim::inject_fault(pids[2], "lock-timeout").unwrap();
+    let e = group::freeze_all(&d, &pids, &opts(300)).unwrap_err();
+    assert!(e.to_string().contains("CUDA_ERROR_NOT_READY"), "{e}");
+    assert!(e.to_string().contains(&format!("pid {}", pids[2])), "{e}");
+    assert_all_running(&d, &pids);
+}
+
+#[test]
+fn a_checkpoint_failure_on_one_process_restores_the_others() {
+    let tree = SimProcess::start(&["--mib", "1", "--children", "2"]);
+    let d = driver();
+    let pids = tree.all_pids();
+    sim::inject_fault(pids[1], "checkpoint").unwrap();
+    let e = group::freeze_all(&d, &pids, &opts(5000)).unwrap_err();
+    assert!(e.to_string().contains("NOT_SUPPORTED"), "{e}");
+    assert_all_running(&d, &pids);
+}
+
+#[test]
+fn restore_after_a_failed_restore_works() {
+    let tree = SimProcess::start(&["--mib", "1", "--children", "1"]);
+    let d = driver();
+    let pids = tree.all_pids();
+    let mut step = GpuStep::new(Arc::clone(&d), opts(5000));
+    let rec = step.freeze(&pids).unwrap();
+    step.committed();
+    sim::inject_fault(pids[1], "restore-oom").unwrap();
+    let e = step.finish_restore(&rec, &[]).unwrap_err();
+    assert!(e.to_string().contains("OUT_OF_MEMORY"), "{e}");
+    // Nothing was unlocked: the one that restored waits locked, the other is still checkpointed.
+    assert_eq!(d.state(pids[0]).unwrap(), ProcessState::Locked);
+    assert_eq!(d.state(pids[1]).unwrap(), ProcessState::Checkpointed);
+    sim::inject_fault(pids[1], "none").unwrap();
+    d.unlock(pids[0]).unwrap();
+    d.lock(pids[0], None).unwrap();
+    d.checkpoint(pids[0]).unwrap();
+    step.finish_restore(&rec, &[]).unwrap();
+    assert_all_running(&d, &pids);
+}

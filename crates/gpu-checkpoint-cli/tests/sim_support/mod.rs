@@ -1,0 +1,193 @@
+//! Helpers for tests that drive the SIMULATED GPU (`gpu-sim-workload`): start simulated GPU processes
+//! detached (re-parented, as CRIU needs), talk to them, and kill them at the end of a test.
+
+#![allow(dead_code)] // each test file uses a different subset
+
+use gpu_checkpoint::freeze::sim;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// The `gpu-checkpoint` binary under test.
+pub fn gpu_checkpoint() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+}
+
+/// `gpu-sim-workload`, built next to `gpu-checkpoint` by `cargo build --workspace` / `cargo test --workspace`.
+pub fn sim_workload() -> PathBuf {
+    let p = gpu_checkpoint()
+        .parent()
+        .expect("binary has a folder")
+        .join("gpu-sim-workload");
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build -p gpu-checkpoint-workloads` (cargo test --workspace builds it)",
+        p.display()
+    );
+    p
+}
+
+/// A simulated GPU process tree started detached; killed (every process) on drop.
+pub struct SimProcess {
+    pub pid: i32,
+    pub children: Vec<i32>,
+}
+
+impl SimProcess {
+    /// Starts `gpu-sim-workload --daemon` with `args`; returns once its control socket answers.
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_env(args, &[])
+    }
+
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let out = Command::new(sim_workload())
+            .arg("--daemon")
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .expect("run gpu-sim-workload");
+        assert!(out.status.success(), "gpu-sim-workload failed: {out:?}");
+        let pid: i32 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .expect("gpu-sim-workload --daemon prints the pid");
+        let st = status(pid);
+        let children = match st.get("children").map(String::as_str) {
+            None | Some("none") => Vec::new(),
+            Some(list) => list.split(',').map(|c| c.parse().unwrap()).collect(),
+        };
+        SimProcess { pid, children }
+    }
+
+    pub fn all_pids(&self) -> Vec<i32> {
+        std::iter::once(self.pid)
+            .chain(self.children.iter().copied())
+            .collect()
+    }
+}
+
+impl Drop for SimProcess {
+    fn drop(&mut self) {
+        for p in self.all_pids() {
+            // SAFETY: signalling processes this test started.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+            for d in 0..4 {
+                let _ = std::fs::remove_file(sim::device_file(p, d));
+            }
+        }
+    }
+}
+
+pub fn status(pid: i32) -> BTreeMap<String, String> {
+    sim::status(pid).unwrap_or_else(|e| panic!("STATUS of {pid}: {e}"))
+}
+
+/// Sum of the workers' steps: grows while the simulated GPU computes.
+pub fn steps(pid: i32) -> u64 {
+    status(pid)["steps"]
+        .split(',')
+        .map(|s| s.parse::<u64>().unwrap())
+        .sum()
+}
+
+/// Asserts the process computes: its step count grows within a few seconds.
+pub fn assert_progress(pid: i32) {
+    let before = steps(pid);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        if steps(pid) > before {
+            return;
+        }
+    }
+    panic!("pid {pid} made no progress from {before} steps");
+}
+
+/// Asserts the device memory holds exactly what the kernels wrote (the simulator recomputes it).
+pub fn assert_verified(pid: i32) {
+    if let Err(e) = sim::verify(pid) {
+        panic!("device memory of {pid} is wrong: {e}");
+    }
+}
+
+/// Runs `gpu-checkpoint` with args.
+pub fn run(args: &[&str]) -> Output {
+    Command::new(gpu_checkpoint())
+        .args(args)
+        .output()
+        .expect("run gpu-checkpoint")
+}
+
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// True when this machine can run CRIU flows (root and CRIU >= 4.0). In CI (`CI=true`) a missing piece
+/// fails the test; locally the test is skipped with the reason printed.
+pub fn criu_ready() -> bool {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    // SAFETY: geteuid cannot fail.
+    let reason = if unsafe { libc::geteuid() } != 0 {
+        Some("not root".to_string())
+    } else {
+        gpu_checkpoint::dump::discover(None)
+            .err()
+            .map(|e| format!("no usable CRIU: {e}"))
+    };
+    match reason {
+        None => true,
+        Some(r) if ci => panic!("CRIU flow test cannot run in CI: {r} (run scripts/setup.sh)"),
+        Some(r) => {
+            eprintln!("SKIPPED: {r} (source scripts/env.sh after scripts/install-criu.sh)");
+            false
+        }
+    }
+}
+
+/// Waits until none of `pids` exists any more (killed, and reaped by init).
+pub fn wait_gone(pids: &[i32]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pids
+        .iter()
+        .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    {
+        assert!(Instant::now() < deadline, "pids {pids:?} still exist");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `gpu-checkpoint` and parses its JSON output; panics with the output on failure.
+pub fn json_ok(args: &[&str]) -> serde_json::Value {
+    let o = run(args);
+    assert!(o.status.success(), "gpu-checkpoint {args:?}: {}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "gpu-checkpoint {args:?} printed no JSON ({e}): {}",
+            text(&o)
+        )
+    })
+}
+
+/// The checkpoints a store lists.
+pub fn listed(store: &std::path::Path) -> Vec<serde_json::Value> {
+    let v = json_ok(&[
+        "list",
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    match v {
+        serde_json::Value::Array(a) => a,
+        serde_json::Value::Object(o) => o
+            .get("checkpoints")
+            .and_then(|c| c.as_array().cloned())
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    }
+}

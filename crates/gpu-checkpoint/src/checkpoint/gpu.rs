@@ -1,0 +1,132 @@
+//! The GPU step of the checkpoint and restore flows, as a hook the flows call at fixed points.
+//!
+//! The flows own the order of operations and the undo on failure; a [`GpuHook`] only knows how to move
+//! GPU state out of and back into processes. [`NoGpu`] is the hook for trees without GPU state (strategy
+//! `none`); the GPU stage (`crate::freeze`) provides the real one.
+//!
+//! Checkpoint, in the order the flow runs it (the hook's calls in bold):
+//!
+//! 1. detect accepts the tree (strategy not `unsupported`); the store is writable; the PID is locked.
+//! 2. **[`GpuHook::freeze`]**: lock every GPU process of the tree, then checkpoint its GPU state into host
+//!    memory. The tree is running. On error the hook has already put back whatever it did (restore +
+//!    unlock the processes it handled), so that every process runs as before; the flow stops there.
+//! 3. CRIU dumps the tree into the store's staging folder, leaving it running (`--leave-running`) or
+//!    stopped (SIGSTOP, default) once the images are written.
+//! 4. With `--leave-running`, right after a successful dump: **[`GpuHook::thaw`]** (GPU restore +
+//!    unlock), so that GPU work resumes while the images are being stored.
+//! 5. The store commits the checkpoint (durable, manifest last).
+//! 6. Default (migration): the tree is killed. Its GPU state lives in the checkpoint; nothing to thaw.
+//!
+//! On a failure after step 2 and before the checkpoint is durable (CRIU dump failed, store write failed):
+//! the flow continues the tree if CRIU left it stopped, then calls **[`GpuHook::thaw`]** (unless step 4
+//! already did), and discards the partial checkpoint. The tree runs as before the checkpoint started.
+//!
+//! Restore:
+//!
+//! 1. **[`GpuHook::prepare_restore`]** with the `gpu` record [`GpuHook::freeze`] returned at checkpoint
+//!    time: check this node can take the GPU state (same GPU count and models, or a device map). Nothing
+//!    has been started yet: an error here leaves nothing to undo.
+//! 2. The images are fetched and verified; CRIU restores the tree. Its GPU processes come back running
+//!    but still locked, their GPU state in host memory.
+//! 3. **[`GpuHook::finish_restore`]**: GPU restore + unlock of each restored GPU process. On error the
+//!    flow kills the restored tree (a half-restored copy must not run) and keeps the checkpoint intact for
+//!    another try.
+
+use serde_json::Value;
+
+use crate::detect::{Report, StrategyName};
+
+/// What [`GpuHook::freeze`] is given.
+#[derive(Debug, Clone, Copy)]
+pub struct FreezeContext<'a> {
+    /// The root of the tree being checkpointed.
+    pub root_pid: i32,
+    /// Every process of the tree at the time of detection.
+    pub pids: &'a [i32],
+    /// The detect report of the tree, with its strategy (never `unsupported` here).
+    pub report: &'a Report,
+    /// The tree keeps running after the checkpoint (`--leave-running`).
+    pub leave_running: bool,
+}
+
+/// What [`GpuHook::finish_restore`] is given.
+#[derive(Debug, Clone, Copy)]
+pub struct RestoredTree<'a> {
+    /// The restored root's PID (CRIU restores every process under its original PID).
+    pub root_pid: i32,
+    /// Every process of the restored tree, as recorded in the checkpoint.
+    pub pids: &'a [i32],
+}
+
+/// The GPU step of the flows; see the module documentation for when each method runs and what it must
+/// undo. Every method may block (GPU calls with timeouts). Errors are library errors
+/// (`crate::Error::Freeze` for the GPU stage's own), and their exit status is the command's.
+pub trait GpuHook {
+    /// The name recorded in the manifest (`none`, `cuda-driver`, `cuda-cli`, `sim`...).
+    fn name(&self) -> &str;
+
+    /// Before the CRIU dump: lock + checkpoint the GPU state of every GPU process of the tree. Returns
+    /// the record kept in the manifest under `gpu` (driver version, GPUs, per-process states and timings);
+    /// [`GpuHook::prepare_restore`] and [`GpuHook::finish_restore`] get it back. On error nothing must be
+    /// left locked or checkpointed.
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::Error>;
+
+    /// After a dump with `--leave-running`, or after any failure following a successful
+    /// [`GpuHook::freeze`]: GPU restore + unlock of the processes `freeze` handled, in the original tree,
+    /// which is running. Called at most once per successful `freeze`. Returns timings for the report.
+    fn thaw(&mut self) -> Result<Value, crate::Error>;
+
+    /// The checkpoint is durable and the tree is about to be stopped (migration): the processes
+    /// [`GpuHook::freeze`] handled stay checkpointed, and nothing must thaw them later.
+    fn committed(&mut self) {}
+
+    /// Before restoring: check this node can take the checkpoint's GPU state (`record` is what
+    /// [`GpuHook::freeze`] returned, `null` for a checkpoint without GPU state).
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::Error>;
+
+    /// After CRIU restored the tree: GPU restore + unlock of its GPU processes. On error the flow kills the
+    /// restored tree. Returns timings for the report.
+    fn finish_restore(
+        &mut self,
+        record: &Value,
+        restored: &RestoredTree<'_>,
+    ) -> Result<Value, crate::Error>;
+}
+
+/// The hook for trees without GPU state: refuses trees that have some (they need a GPU backend), and
+/// does nothing otherwise.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoGpu;
+
+impl GpuHook for NoGpu {
+    fn name(&self) -> &str {
+        "none"
+    }
+
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::Error> {
+        match ctx.report.strategy.name {
+            StrategyName::None => Ok(Value::Null),
+            strategy => Err(super::Error::NoGpuStep { strategy }.into()),
+        }
+    }
+
+    fn thaw(&mut self) -> Result<Value, crate::Error> {
+        Ok(Value::Null)
+    }
+
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::Error> {
+        if record.is_null() {
+            Ok(())
+        } else {
+            Err(crate::restore::Error::NoGpuStep.into())
+        }
+    }
+
+    fn finish_restore(
+        &mut self,
+        _record: &Value,
+        _restored: &RestoredTree<'_>,
+    ) -> Result<Value, crate::Error> {
+        Ok(Value::Null)
+    }
+}

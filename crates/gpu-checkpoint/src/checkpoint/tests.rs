@@ -1,0 +1,369 @@
+//! The flows' ordering and undo, with the fake CRIU, a recording GPU hook, a real store in a temporary
+//! folder, and real (harmless) child processes as the trees.
+
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::dump::{FakeCriu, FakeCriuCall};
+use crate::restore::Target;
+use crate::store::{NoProgress, StoreOptions};
+
+/// A GPU hook that records its calls (and how many CRIU calls had happened at each), and fails on demand.
+struct RecordingGpu {
+    criu: Arc<FakeCriu>,
+    events: Arc<Mutex<Vec<(String, usize)>>>,
+    fail_freeze: bool,
+    fail_finish: bool,
+}
+
+impl RecordingGpu {
+    fn new(criu: &Arc<FakeCriu>) -> Self {
+        RecordingGpu {
+            criu: Arc::clone(criu),
+            events: Arc::default(),
+            fail_freeze: false,
+            fail_finish: false,
+        }
+    }
+
+    fn record(&self, what: &str) {
+        let n = self.criu.calls().len();
+        self.events.lock().unwrap().push((what.to_string(), n));
+    }
+
+    fn events(&self) -> Vec<(String, usize)> {
+        self.events.lock().unwrap().clone()
+    }
+}
+
+fn injected() -> crate::Error {
+    crate::Error::Checkpoint(Error::NoGpuStep {
+        strategy: StrategyName::CudaDriver,
+    })
+}
+
+impl GpuHook for RecordingGpu {
+    fn name(&self) -> &str {
+        "recording"
+    }
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> crate::Result<Value> {
+        self.record("freeze");
+        assert!(ctx.pids.contains(&ctx.root_pid));
+        if self.fail_freeze {
+            return Err(injected());
+        }
+        Ok(json!({"frozen": ctx.root_pid}))
+    }
+    fn thaw(&mut self) -> crate::Result<Value> {
+        self.record("thaw");
+        Ok(Value::Null)
+    }
+    fn committed(&mut self) {
+        self.record("committed");
+    }
+    fn prepare_restore(&mut self, record: &Value) -> crate::Result<()> {
+        self.record("prepare");
+        assert!(
+            record.get("frozen").is_some(),
+            "gets back what freeze returned"
+        );
+        Ok(())
+    }
+    fn finish_restore(&mut self, _record: &Value, tree: &RestoredTree<'_>) -> crate::Result<Value> {
+        self.record("finish");
+        assert!(tree.root_pid > 0);
+        if self.fail_finish {
+            return Err(injected());
+        }
+        Ok(Value::Null)
+    }
+}
+
+/// A child that sleeps; reaped on drop so its PID is freed.
+struct Sleeper(Child);
+
+impl Sleeper {
+    fn start() -> Sleeper {
+        Sleeper(Command::new("sleep").arg("60").spawn().unwrap())
+    }
+    fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+    fn running(&self) -> bool {
+        tree::stat(self.pid()).is_some_and(|s| !s.is_zombie() && s.state != 'T')
+    }
+    fn reap(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        self.reap();
+    }
+}
+
+struct Scene {
+    _dir: tempfile::TempDir,
+    store: Store,
+    criu: Arc<FakeCriu>,
+}
+
+impl Scene {
+    fn new() -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
+        Scene {
+            _dir: dir,
+            store,
+            criu: Arc::new(FakeCriu::new()),
+        }
+    }
+
+    fn checkpoint(
+        &self,
+        gpu: &mut RecordingGpu,
+        opts: &CheckpointOptions,
+    ) -> crate::Result<CheckpointOutcome> {
+        Flow {
+            criu: &*self.criu,
+            gpu,
+            store: &self.store,
+            progress: &NoProgress,
+        }
+        .checkpoint(opts)
+    }
+
+    fn restore(
+        &self,
+        gpu: &mut RecordingGpu,
+        id: &str,
+    ) -> crate::Result<crate::restore::RestoreOutcome> {
+        Flow {
+            criu: &*self.criu,
+            gpu,
+            store: &self.store,
+            progress: &NoProgress,
+        }
+        .restore(&Target::Checkpoint(id.to_string()))
+    }
+
+    fn staging_empty(&self) -> bool {
+        let staging = self.store.location().join("staging");
+        !staging.exists() || std::fs::read_dir(staging).unwrap().next().is_none()
+    }
+}
+
+fn names(events: &[(String, usize)]) -> Vec<&str> {
+    events.iter().map(|e| e.0.as_str()).collect()
+}
+
+#[test]
+fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commit() {
+    let s = Scene::new();
+    let mut p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.name = Some("job".into());
+    let out = s.checkpoint(&mut gpu, &opts).unwrap();
+    assert_eq!(
+        gpu.events(),
+        vec![("freeze".to_string(), 0), ("committed".to_string(), 1)],
+        "no thaw: the checkpoint is durable (after the dump), then the tree is killed"
+    );
+    assert_eq!(
+        s.criu.calls(),
+        vec![FakeCriuCall::Dump {
+            pid: p.pid(),
+            images_dir: s.store.location().join("staging").join(&out.info.id),
+            after: AfterDump::Stop,
+        }]
+    );
+    assert!(out.stopped && !p.running());
+    p.reap();
+    let listed = s.store.list().unwrap();
+    assert_eq!(listed.len(), 1);
+    let m = CheckpointManifest::from_metadata(&listed[0].metadata).unwrap();
+    assert_eq!(m.root_pid, p.pid());
+    assert_eq!(m.gpu_step, "recording");
+    assert_eq!(m.gpu, json!({"frozen": p.pid()}));
+    assert_eq!(m.process_tree[0].comm, "sleep");
+    assert_eq!(m.criu.version.major, 4);
+    assert!(m.sizes.pages_bytes > 0 && m.sizes.image_files >= 3);
+    assert!(listed[0].files.iter().any(|f| f.path == DUMP_LOG));
+    assert!(s.staging_empty());
+}
+
+#[test]
+fn leave_running_thaws_right_after_the_dump_and_keeps_the_tree() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.leave_running = true;
+    let out = s.checkpoint(&mut gpu, &opts).unwrap();
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    assert_eq!(gpu.events()[1].1, 1, "thaw comes after the dump");
+    assert!(!out.stopped && p.running());
+    assert_eq!(s.store.list().unwrap().len(), 1);
+}
+
+#[test]
+fn failed_dump_thaws_keeps_the_tree_running_and_stores_nothing() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    s.criu
+        .fail_dumps("Unable to write pages: No space left on device");
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    assert!(p.running());
+    assert!(s.store.list().unwrap().is_empty());
+    assert!(s.staging_empty());
+    // The log left the staging folder before it went, and the error points at it.
+    let f = match &err {
+        crate::Error::Dump(e) => e.failure().unwrap().clone(),
+        other => panic!("{other}"),
+    };
+    let log = f.log.unwrap();
+    assert!(
+        log.starts_with(logs_dir(s.store.location())),
+        "{}",
+        log.display()
+    );
+    assert!(std::fs::read_to_string(&log)
+        .unwrap()
+        .contains("No space left"));
+    assert!(err.to_string().contains("CRIU log:"));
+}
+
+#[test]
+fn failed_store_write_continues_the_stopped_tree_and_thaws() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    s.criu.leave_odd_file();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
+        .unwrap_err();
+    assert!(matches!(err, crate::Error::Store(_)), "{err}");
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    // The fake left the tree stopped like CRIU's leave_stopped; the flow continued it.
+    assert!(tree::wait_until(Duration::from_secs(5), || {
+        if p.running() {
+            vec![]
+        } else {
+            vec![p.pid()]
+        }
+    })
+    .is_empty());
+    assert!(s.store.list().unwrap().is_empty());
+    assert!(s.staging_empty());
+}
+
+#[test]
+fn failed_freeze_never_dumps() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    gpu.fail_freeze = true;
+    s.checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
+        .unwrap_err();
+    assert!(s.criu.calls().is_empty());
+    assert_eq!(names(&gpu.events()), ["freeze"]);
+    assert!(p.running());
+    assert!(s.store.list().unwrap().is_empty());
+    assert!(s.staging_empty());
+}
+
+#[test]
+fn gone_process_and_busy_pid_are_refused_before_anything() {
+    let s = Scene::new();
+    let mut p = Sleeper::start();
+    let pid = p.pid();
+    let _held = lock_pid(pid).unwrap();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(pid))
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Conflict, "{err}");
+    p.reap();
+    let err = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(pid))
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::NoSuchProcess, "{err}");
+    assert!(gpu.events().is_empty() && s.criu.calls().is_empty());
+}
+
+#[test]
+fn restore_refuses_a_taken_pid_and_a_failed_restore_keeps_the_checkpoint() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.leave_running = true;
+    let id = s.checkpoint(&mut gpu, &opts).unwrap().info.id;
+
+    // The original still runs under the PID.
+    let err = s.restore(&mut gpu, &id).unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Conflict);
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&format!("PID {}", p.pid())) && msg.contains("sleep"),
+        "{msg}"
+    );
+    assert!(p.running());
+    drop(p);
+
+    s.criu.fail_restores("Can't restore: injected");
+    let err = s.restore(&mut gpu, &id).unwrap_err();
+    assert!(err.to_string().contains("injected"), "{err}");
+    assert!(s.store.get(&id).is_ok());
+    assert!(s
+        .store
+        .verify(Some(&id), &NoProgress)
+        .unwrap()
+        .into_result()
+        .is_ok());
+    let work = s.store.location().join("restore-work");
+    assert!(!work.exists() || std::fs::read_dir(work).unwrap().next().is_none());
+}
+
+#[test]
+fn failed_gpu_restore_kills_the_restored_tree() {
+    let s = Scene::new();
+    let mut p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let id = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
+        .unwrap()
+        .info
+        .id;
+    p.reap();
+    // The fake "restores" by naming another live process, which stands for the restored copy.
+    let copy = Sleeper::start();
+    s.criu.restore_as(copy.pid());
+    gpu.fail_finish = true;
+    s.restore(&mut gpu, &id).unwrap_err();
+    assert_eq!(
+        names(&gpu.events()),
+        ["freeze", "committed", "prepare", "finish"]
+    );
+    assert!(!copy.running(), "the half-restored copy must not run on");
+    assert!(s.store.get(&id).is_ok());
+
+    gpu.fail_finish = false;
+    let copy2 = Sleeper::start();
+    s.criu.restore_as(copy2.pid());
+    let out = s.restore(&mut gpu, &id).unwrap();
+    assert_eq!(out.pid, copy2.pid());
+    assert!(out.log.is_some_and(|l| l.exists()));
+}

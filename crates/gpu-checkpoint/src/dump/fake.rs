@@ -1,0 +1,172 @@
+//! A stand-in for CRIU in unit tests of the flows: it writes small fake images and logs, can be told to
+//! fail, and records what it was asked. It never pretends to restore a real process: `restore` returns
+//! the PID the test configured.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use super::log::failure;
+use super::{AfterDump, CheckOutcome, Criu, CriuVersion, DumpRequest, Error, Op, RestoreRequest};
+
+/// One call the fake received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FakeCriuCall {
+    Dump {
+        pid: i32,
+        images_dir: PathBuf,
+        after: AfterDump,
+    },
+    Restore {
+        images_dir: PathBuf,
+    },
+}
+
+/// The fake CRIU (tests only; chosen explicitly, never discovered).
+#[derive(Debug, Default)]
+pub struct FakeCriu {
+    state: Mutex<FakeState>,
+}
+
+#[derive(Debug, Default)]
+struct FakeState {
+    calls: Vec<FakeCriuCall>,
+    dump_error: Option<String>,
+    restore_error: Option<String>,
+    restore_pid: i32,
+    image_bytes: usize,
+    odd_file: bool,
+}
+
+impl FakeCriu {
+    pub fn new() -> Self {
+        let fake = FakeCriu::default();
+        fake.lock().image_bytes = 4096;
+        fake
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        // A test that panicked while holding the lock has failed already; keep the data usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes every dump fail, logging `Error (fake.c:1): <line>`.
+    pub fn fail_dumps(&self, line: &str) -> &Self {
+        self.lock().dump_error = Some(line.to_string());
+        self
+    }
+
+    /// Makes every restore fail, logging `Error (fake.c:1): <line>`.
+    pub fn fail_restores(&self, line: &str) -> &Self {
+        self.lock().restore_error = Some(line.to_string());
+        self
+    }
+
+    /// The PID `restore` answers.
+    pub fn restore_as(&self, pid: i32) -> &Self {
+        self.lock().restore_pid = pid;
+        self
+    }
+
+    /// Size of the fake page image a dump writes.
+    pub fn image_bytes(&self, n: usize) -> &Self {
+        self.lock().image_bytes = n;
+        self
+    }
+
+    /// Makes dumps also leave a symlink among the images, which the store refuses to ingest: a way to
+    /// make the store write fail after a successful dump.
+    pub fn leave_odd_file(&self) -> &Self {
+        self.lock().odd_file = true;
+        self
+    }
+
+    pub fn calls(&self) -> Vec<FakeCriuCall> {
+        self.lock().calls.clone()
+    }
+}
+
+fn write(path: PathBuf, data: &[u8]) -> Result<(), Error> {
+    std::fs::write(&path, data).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+impl Criu for FakeCriu {
+    fn describe(&self) -> String {
+        "fake CRIU (tests)".into()
+    }
+
+    fn version(&self) -> Result<CriuVersion, Error> {
+        Ok(CriuVersion {
+            major: 4,
+            minor: 1,
+            sublevel: 1,
+        })
+    }
+
+    fn check_permitted(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    fn check(&self) -> Result<CheckOutcome, Error> {
+        Ok(CheckOutcome {
+            ok: true,
+            output: "Looks good (fake CRIU).\n".into(),
+        })
+    }
+
+    fn dump(&self, req: &DumpRequest<'_>) -> Result<(), Error> {
+        let (error, size, odd) = {
+            let mut s = self.lock();
+            s.calls.push(FakeCriuCall::Dump {
+                pid: req.pid,
+                images_dir: req.images_dir.to_path_buf(),
+                after: req.after,
+            });
+            (s.dump_error.clone(), s.image_bytes, s.odd_file)
+        };
+        let log = req.images_dir.join(req.log_file);
+        if let Some(line) = error {
+            write(
+                log.clone(),
+                format!("(00.1) Error (fake.c:1): {line}\n").as_bytes(),
+            )?;
+            return Err(Error::Failed(failure(Op::Dump, None, None, Some(&log))));
+        }
+        write(
+            req.images_dir.join(format!("core-{}.img", req.pid)),
+            &req.pid.to_le_bytes(),
+        )?;
+        write(req.images_dir.join("pages-1.img"), &vec![0xa5; size])?;
+        write(log, b"(00.1) Dumping finished successfully (fake)\n")?;
+        if odd {
+            let link = req.images_dir.join("odd.lnk");
+            std::os::unix::fs::symlink("pages-1.img", &link)
+                .map_err(|e| Error::io(format!("creating {}", link.display()), e))?;
+        }
+        if req.after == AfterDump::Stop {
+            // Like CRIU's leave_stopped: the caller must continue or kill the tree.
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(req.pid, libc::SIGSTOP) };
+        }
+        Ok(())
+    }
+
+    fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
+        let (error, pid) = {
+            let mut s = self.lock();
+            s.calls.push(FakeCriuCall::Restore {
+                images_dir: req.images_dir.to_path_buf(),
+            });
+            (s.restore_error.clone(), s.restore_pid)
+        };
+        let log = req.images_dir.join(req.log_file);
+        if let Some(line) = error {
+            write(
+                log.clone(),
+                format!("(00.1) Error (fake.c:1): {line}\n").as_bytes(),
+            )?;
+            return Err(Error::Failed(failure(Op::Restore, None, None, Some(&log))));
+        }
+        write(log, b"(00.1) Restore finished successfully (fake)\n")?;
+        Ok(pid)
+    }
+}

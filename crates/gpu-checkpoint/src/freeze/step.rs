@@ -1,0 +1,382 @@
+//! The GPU step of the checkpoint and restore flows: which processes to freeze, the record kept in the
+//! manifest, and the restore-time check that this node can take the checkpoint's GPU state.
+
+use super::group::{self, Frozen, GroupOptions, Plan, ProcessRecord, Skipped};
+use super::types::{DeviceMap, GpuInfo, GpuPair, GpuUuid, Op};
+use super::{Backend, Error, GpuDriver, Result};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Version of [`GpuRecord`]'s layout; bump on incompatible changes.
+pub const RECORD_SCHEMA: u32 = 1;
+
+/// One CUDA process of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuProcess {
+    pub pid: i32,
+    /// The GPUs it used, when the backend can tell (NVML, or the simulator).
+    #[serde(default)]
+    pub gpus: Vec<GpuUuid>,
+    /// Its GPU transitions at checkpoint time, with timings.
+    pub steps: Vec<group::StepRecord>,
+}
+
+/// Wall-clock times of the GPU step (parallel over processes).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepTimings {
+    pub plan_ms: f64,
+    pub freeze_ms: f64,
+    /// The slowest process's lock and checkpoint.
+    pub lock_ms: f64,
+    pub checkpoint_ms: f64,
+}
+
+/// What the manifest keeps under `gpu`: enough to restore, and to explain what happened.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuRecord {
+    pub schema: u32,
+    pub backend: Backend,
+    pub driver_version: Option<String>,
+    /// This node's GPUs at checkpoint time.
+    pub gpus: Vec<GpuInfo>,
+    pub lock_timeout_ms: Option<u64>,
+    pub processes: Vec<GpuProcess>,
+    /// Processes of the tree left alone (no CUDA context).
+    pub skipped: Vec<Skipped>,
+    pub timings: StepTimings,
+    /// With `--leave-running`: the GPU restore + unlock right after the dump, per process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thaw: Option<Vec<ProcessRecord>>,
+}
+
+impl GpuRecord {
+    pub fn pids(&self) -> Vec<i32> {
+        self.processes.iter().map(|p| p.pid).collect()
+    }
+
+    /// The GPUs the checkpointed processes used: those reported per process, or every GPU of the node
+    /// when the backend could not tell.
+    pub fn used_gpus(&self) -> Vec<&GpuInfo> {
+        let named: Vec<GpuUuid> = self
+            .processes
+            .iter()
+            .flat_map(|p| p.gpus.iter().copied())
+            .collect();
+        if named.is_empty() {
+            return self.gpus.iter().collect();
+        }
+        self.gpus
+            .iter()
+            .filter(|g| named.contains(&g.uuid))
+            .collect()
+    }
+}
+
+fn max_ms(records: &[ProcessRecord], op: Op) -> f64 {
+    records.iter().map(|r| r.ms(op)).fold(0.0, f64::max)
+}
+
+/// The GPU step: owns the driver and, between freeze and thaw, the frozen processes.
+pub struct GpuStep {
+    driver: Arc<dyn GpuDriver>,
+    opts: GroupOptions,
+    frozen: Option<Frozen>,
+}
+
+impl GpuStep {
+    pub fn new(driver: Arc<dyn GpuDriver>, opts: GroupOptions) -> Self {
+        GpuStep {
+            driver,
+            opts,
+            frozen: None,
+        }
+    }
+
+    pub fn driver(&self) -> &Arc<dyn GpuDriver> {
+        &self.driver
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.driver.backend()
+    }
+
+    /// Sorts `candidates` (the tree's processes detect found GPU state in) into CUDA processes and
+    /// processes left alone, then locks and checkpoints the CUDA ones. On error every process runs as
+    /// before (see [`group::freeze_all`]).
+    pub fn freeze(&mut self, candidates: &[i32]) -> Result<GpuRecord> {
+        let t = Instant::now();
+        let plan: Plan = group::plan(self.driver.as_ref(), candidates)?;
+        for s in &plan.skipped {
+            tracing::info!("pid {} has no CUDA state; left alone: {}", s.pid, s.reason);
+        }
+        let plan_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let gpus = self.driver.gpus().unwrap_or_else(|e| {
+            tracing::warn!("cannot list this node's GPUs for the manifest: {e}");
+            Vec::new()
+        });
+        let per_process: Vec<(i32, Vec<GpuUuid>)> = plan
+            .cuda
+            .iter()
+            .map(|&pid| (pid, self.driver.process_gpus(pid).unwrap_or_default()))
+            .collect();
+        let t = Instant::now();
+        let frozen = group::freeze_all(&self.driver, &plan.cuda, &self.opts)?;
+        let freeze_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let records = frozen.records().to_vec();
+        self.frozen = Some(frozen);
+        Ok(GpuRecord {
+            schema: RECORD_SCHEMA,
+            backend: self.driver.backend(),
+            driver_version: self.driver.driver_version(),
+            gpus,
+            lock_timeout_ms: self.opts.lock_timeout.map(|d| d.as_millis() as u64),
+            processes: per_process
+                .into_iter()
+                .map(|(pid, gpus)| GpuProcess {
+                    pid,
+                    gpus,
+                    steps: records
+                        .iter()
+                        .find(|r| r.pid == pid)
+                        .map(|r| r.steps.clone())
+                        .unwrap_or_default(),
+                })
+                .collect(),
+            skipped: plan.skipped,
+            thaw: None,
+            timings: StepTimings {
+                plan_ms,
+                freeze_ms,
+                lock_ms: max_ms(&records, Op::Lock),
+                checkpoint_ms: max_ms(&records, Op::Checkpoint),
+            },
+        })
+    }
+
+    /// GPU restore + unlock of the frozen processes (after a `--leave-running` dump, or on failure).
+    /// Does nothing when nothing is frozen.
+    pub fn thaw(&mut self) -> Result<Vec<ProcessRecord>> {
+        match self.frozen.take() {
+            None => Ok(Vec::new()),
+            Some(f) => f.thaw().map_err(|(e, _)| e),
+        }
+    }
+
+    /// The checkpoint is durable and the tree is about to be stopped: its processes stay CHECKPOINTED.
+    pub fn committed(&mut self) {
+        if let Some(f) = self.frozen.take() {
+            f.finish();
+        }
+    }
+
+    /// Checks that this node can take `record`'s GPU state and returns the GPU pairs to restore with.
+    pub fn prepare_restore(
+        &self,
+        record: &GpuRecord,
+        map: Option<&DeviceMap>,
+    ) -> Result<Vec<GpuPair>> {
+        if record.processes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let node = self.driver.gpus()?;
+        match_gpus(record, &node, map)
+    }
+
+    /// After CRIU restored the tree: restore every process's GPU state, then unlock all. On error
+    /// nothing was unlocked; the caller stops the restored copy.
+    pub fn finish_restore(
+        &self,
+        record: &GpuRecord,
+        pairs: &[GpuPair],
+    ) -> Result<Vec<ProcessRecord>> {
+        group::restore_all(&self.driver, &record.pids(), pairs).map_err(|(e, _)| e)
+    }
+}
+
+fn describe(gpus: &[&GpuInfo]) -> String {
+    if gpus.is_empty() {
+        return "no GPU".into();
+    }
+    let v: Vec<String> = gpus
+        .iter()
+        .map(|g| format!("{} {} ({})", g.index, g.model, g.uuid))
+        .collect();
+    v.join(", ")
+}
+
+/// Decides the GPU pairs for a restore on a node with `node` GPUs.
+///
+/// Without a map: the node must have as many GPUs as the checkpoint's node, of the same models (index
+/// by index); the driver restores onto the same indices, so no pairs are passed. With a map: every GPU
+/// the checkpoint used must be mapped (or be present here under its own UUID), onto a GPU of the same
+/// model with at least as much memory.
+pub fn match_gpus(
+    record: &GpuRecord,
+    node: &[GpuInfo],
+    map: Option<&DeviceMap>,
+) -> Result<Vec<GpuPair>> {
+    let used = record.used_gpus();
+    let Some(map) = map else {
+        let saved: Vec<&GpuInfo> = record.gpus.iter().collect();
+        let here: Vec<&GpuInfo> = node.iter().collect();
+        let same =
+            saved.len() == here.len() && saved.iter().zip(&here).all(|(a, b)| a.model == b.model);
+        if !same {
+            return Err(Error::GpuMismatch(format!(
+                "the checkpoint was taken with {}; this node has {}",
+                describe(&saved),
+                describe(&here)
+            )));
+        }
+        return Ok(Vec::new());
+    };
+    let mut pairs = map.resolve(&record.gpus, node)?;
+    for old in &used {
+        if pairs.iter().any(|p| p.old == old.uuid) {
+            continue;
+        }
+        if node.iter().any(|g| g.uuid == old.uuid) && !pairs.iter().any(|p| p.new == old.uuid) {
+            pairs.push(GpuPair {
+                old: old.uuid,
+                new: old.uuid,
+            });
+        } else {
+            return Err(Error::GpuMismatch(format!(
+                "GPU {} ({}) used by the checkpoint is neither here nor in --device-map",
+                old.uuid, old.model
+            )));
+        }
+    }
+    for p in &pairs {
+        let new = node.iter().find(|g| g.uuid == p.new).ok_or_else(|| {
+            Error::GpuMismatch(format!("target GPU {} is not on this node", p.new))
+        })?;
+        if let Some(old) = record.gpus.iter().find(|g| g.uuid == p.old) {
+            if old.model != new.model {
+                return Err(Error::GpuMismatch(format!(
+                    "{} is a {}, its target {} a {} (restore needs the same chip)",
+                    old.uuid, old.model, new.uuid, new.model
+                )));
+            }
+            if let (Some(a), Some(b)) = (old.memory_bytes, new.memory_bytes) {
+                if b < a {
+                    return Err(Error::GpuMismatch(format!(
+                        "target {} has {b} bytes of memory, less than {} had ({a})",
+                        new.uuid, old.uuid
+                    )));
+                }
+            }
+        }
+    }
+    Ok(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::FakeDriver;
+    use super::super::{CuError, ProcessState};
+    use super::*;
+
+    fn gpu(index: u32, last: u8, model: &str) -> GpuInfo {
+        let mut u = [0u8; 16];
+        u[15] = last;
+        GpuInfo {
+            index,
+            uuid: GpuUuid(u),
+            model: model.into(),
+            memory_bytes: Some(80 << 30),
+        }
+    }
+
+    fn record(gpus: Vec<GpuInfo>, used: Vec<GpuUuid>) -> GpuRecord {
+        GpuRecord {
+            schema: RECORD_SCHEMA,
+            backend: Backend::Fake,
+            driver_version: None,
+            gpus,
+            lock_timeout_ms: Some(10_000),
+            processes: vec![GpuProcess {
+                pid: 1,
+                gpus: used,
+                steps: vec![],
+            }],
+            skipped: vec![],
+            thaw: None,
+            timings: StepTimings::default(),
+        }
+    }
+
+    #[test]
+    fn same_count_and_models_need_no_map() {
+        let r = record(vec![gpu(0, 1, "H200"), gpu(1, 2, "H200")], vec![]);
+        let here = [gpu(0, 9, "H200"), gpu(1, 8, "H200")];
+        assert_eq!(match_gpus(&r, &here, None).unwrap(), vec![]);
+        let e = match_gpus(&r, &here[..1], None).unwrap_err();
+        assert!(matches!(e, Error::GpuMismatch(_)), "{e}");
+        assert!(e.to_string().contains("--device-map"), "{e}");
+        let other = [gpu(0, 9, "H200"), gpu(1, 8, "A100")];
+        assert!(match_gpus(&r, &other, None).is_err());
+    }
+
+    #[test]
+    fn a_map_must_cover_the_used_gpus_with_the_same_chip() {
+        let r = record(
+            vec![gpu(0, 1, "H200"), gpu(1, 2, "H200")],
+            vec![GpuUuid({
+                let mut u = [0; 16];
+                u[15] = 2;
+                u
+            })],
+        );
+        let here = [gpu(0, 9, "H200"), gpu(1, 8, "A100")];
+        // Only GPU 1 (…02) was used: mapping it to local 0 is enough.
+        let pairs = match_gpus(&r, &here, Some(&"1=0".parse().unwrap())).unwrap();
+        assert_eq!(pairs.len(), 1);
+        assert_eq!(pairs[0].new, here[0].uuid);
+        // Onto another chip: refused.
+        let e = match_gpus(&r, &here, Some(&"1=1".parse().unwrap())).unwrap_err();
+        assert!(e.to_string().contains("same chip"), "{e}");
+        // Map that leaves the used GPU out, and it is not here: refused.
+        let e = match_gpus(&r, &here, Some(&"0=0".parse().unwrap())).unwrap_err();
+        assert!(e.to_string().contains("neither here nor"), "{e}");
+    }
+
+    #[test]
+    fn step_freezes_only_cuda_processes_and_records_timings() {
+        let d = Arc::new(FakeDriver::new());
+        d.add(10);
+        d.add(11);
+        let dd: Arc<dyn GpuDriver> = d.clone();
+        let mut step = GpuStep::new(dd, GroupOptions::default());
+        let rec = step.freeze(&[10, 11, 12]).unwrap();
+        assert_eq!(rec.pids(), vec![10, 11]);
+        assert_eq!(rec.skipped.len(), 1);
+        assert_eq!(rec.skipped[0].pid, 12);
+        assert_eq!(rec.processes[0].steps.len(), 2);
+        let json = serde_json::to_value(&rec).unwrap();
+        assert_eq!(serde_json::from_value::<GpuRecord>(json).unwrap(), rec);
+        assert_eq!(d.state(10).unwrap(), ProcessState::Checkpointed);
+        step.thaw().unwrap();
+        assert_eq!(d.state(10).unwrap(), ProcessState::Running);
+        assert_eq!(d.state(11).unwrap(), ProcessState::Running);
+    }
+
+    #[test]
+    fn committed_keeps_state_and_restore_brings_it_back() {
+        let d = Arc::new(FakeDriver::new());
+        d.add(20);
+        let dd: Arc<dyn GpuDriver> = d.clone();
+        let mut step = GpuStep::new(Arc::clone(&dd), GroupOptions::default());
+        let rec = step.freeze(&[20]).unwrap();
+        step.committed();
+        drop(step);
+        assert_eq!(d.state(20).unwrap(), ProcessState::Checkpointed);
+        let step = GpuStep::new(dd, GroupOptions::default());
+        let pairs = step.prepare_restore(&rec, None).unwrap();
+        d.fail_next(20, Op::Restore, CuError::OutOfMemory);
+        assert!(step.finish_restore(&rec, &pairs).is_err());
+        step.finish_restore(&rec, &pairs).unwrap();
+        assert_eq!(d.state(20).unwrap(), ProcessState::Running);
+    }
+}

@@ -1,0 +1,109 @@
+//! The storage boundary. Everything above it (ingest, materialize, verify, gc) speaks only this trait, so an
+//! S3-compatible backend is one more implementation of it: chunks and manifests are write-once objects under
+//! keys, listing and deletion are by key, and durability and locking are explicit calls.
+//!
+//! Implementations: [`LocalBackend`] (the real one: a local or shared POSIX filesystem) and [`MemoryBackend`]
+//! (tests only).
+
+mod local;
+mod memory;
+
+pub use local::LocalBackend;
+pub use memory::MemoryBackend;
+
+use std::path::{Path, PathBuf};
+
+use super::chunk::ChunkId;
+use super::error::Result;
+
+/// Shared (readers and writers of checkpoints) or exclusive (gc) access to the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockMode {
+    /// Held by every ingest, materialize and verify: they need the chunks they reference to stay.
+    Shared,
+    /// Held by gc while it decides what is unreferenced and deletes it.
+    Exclusive,
+}
+
+/// Holds a store lock until dropped. Backends put whatever keeps the lock alive inside (an flock'ed file, a
+/// lease, a guard).
+pub struct LockGuard(#[allow(dead_code)] pub Box<dyn Send + Sync>);
+
+/// What [`Backend::cleanup_stale`] removed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StaleCleanup {
+    /// Staging folders of ingests that are no longer running (crashed or killed writers).
+    pub staging_dirs: u64,
+    /// Temporary objects of interrupted chunk or manifest writes.
+    pub temp_objects: u64,
+    /// Bytes those took.
+    pub bytes: u64,
+}
+
+/// A store's storage. Implementations must be safe to call from many threads at once.
+pub trait Backend: Send + Sync {
+    /// Where the store lives, for messages (a path, or a URL for object stores).
+    fn location(&self) -> &Path;
+
+    /// Creates the store's layout if it is missing, or validates an existing one (format and version).
+    fn init(&self) -> Result<()>;
+
+    /// Fails with a storage error (exit status 6) if chunks and manifests cannot be written right now.
+    fn check_writable(&self) -> Result<()>;
+
+    /// A local folder, private to this store, in which ingests get their staging folders (CRIU writes its
+    /// images there). For the local backend it is on the store's own filesystem.
+    fn staging_root(&self) -> &Path;
+
+    /// The stored size of chunk `id` if it is present and looks complete (header consistent with the object's
+    /// size), `None` otherwise. Used for deduplication, so it must be cheap.
+    fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>>;
+
+    /// Stores chunk `id` (header + payload) under its name, write-once: if another writer stored the same
+    /// name meanwhile, either copy may stay (they are identical). Not durable until [`Backend::sync_chunks`].
+    fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()>;
+
+    /// Makes the given chunks (written by this process with `put_chunk`) durable.
+    fn sync_chunks(&self, written: &[ChunkId]) -> Result<()>;
+
+    /// Reads a whole stored chunk into `buf` (replacing its content). `Ok(false)` if there is no such chunk.
+    fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool>;
+
+    /// Deletes a chunk; deleting a missing chunk is not an error.
+    fn delete_chunk(&self, id: &ChunkId) -> Result<()>;
+
+    /// Calls `f(id, stored_len)` for every stored chunk.
+    fn list_chunks(&self, f: &mut dyn FnMut(ChunkId, u64)) -> Result<()>;
+
+    /// Stores a manifest atomically and durably (temporary name, sync, rename, sync the folder): after this
+    /// returns the checkpoint exists, and a crash before it leaves no trace of it.
+    fn put_manifest(&self, id: &str, bytes: &[u8]) -> Result<()>;
+
+    /// Reads a manifest; `Ok(None)` if there is none under that id.
+    fn get_manifest(&self, id: &str) -> Result<Option<Vec<u8>>>;
+
+    /// Deletes a manifest durably; `Ok(false)` if there was none.
+    fn delete_manifest(&self, id: &str) -> Result<bool>;
+
+    /// The ids of every committed manifest, in no particular order.
+    fn list_manifests(&self) -> Result<Vec<String>>;
+
+    /// Where the manifest of `id` lives (a file path for the local backend).
+    fn manifest_path(&self, id: &str) -> PathBuf;
+
+    /// The checkpoint id a manifest path names, if the path points into this store.
+    fn manifest_id_from_path(&self, path: &Path) -> Option<String> {
+        let name = path.file_name()?.to_str()?;
+        name.strip_suffix(".json").map(str::to_owned)
+    }
+
+    /// Takes the store lock; blocks until it is available.
+    fn lock(&self, mode: LockMode) -> Result<LockGuard>;
+
+    /// Takes the store lock only if it is free right now.
+    fn try_lock(&self, mode: LockMode) -> Result<Option<LockGuard>>;
+
+    /// Removes what dead writers left behind (staging folders, temporary objects). Only called with the
+    /// exclusive lock held, so no writer is running.
+    fn cleanup_stale(&self) -> Result<StaleCleanup>;
+}

@@ -1,0 +1,110 @@
+//! The store's error type and how each failure maps to the binary's exit status.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::error::ExitStatus;
+
+/// Everything that can go wrong in the store. Messages name the storage path, the checkpoint, the file and
+/// the chunk wherever they are known, because "a chunk is damaged" alone is not actionable.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An I/O operation on the store failed (`op` says which, `path` where).
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    /// The storage cannot be written (read-only, no permission, full): checked before a process is touched.
+    #[error("storage {} is not writable: {source}", path.display())]
+    Unwritable {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    /// The storage path exists but is not a gpu-checkpoint store, or one of a format this build cannot read.
+    #[error("{}: {reason}", path.display())]
+    BadStore { path: PathBuf, reason: String },
+
+    /// No checkpoint with this id or name.
+    #[error("no checkpoint {what:?} in storage {}", storage.display())]
+    NotFound { what: String, storage: PathBuf },
+
+    /// A manifest is unreadable, fails its own checksum, or has an unsupported version.
+    #[error("checkpoint {checkpoint}: manifest {} is damaged: {reason}", path.display())]
+    DamagedManifest {
+        checkpoint: String,
+        path: PathBuf,
+        reason: String,
+    },
+
+    /// A chunk a checkpoint needs is missing, truncated or does not hash to its name.
+    #[error(
+        "checkpoint {checkpoint}: file {file}: chunk #{index} {chunk} (offset {offset}, {len} bytes) is {problem}"
+    )]
+    DamagedChunk {
+        checkpoint: String,
+        file: String,
+        index: usize,
+        chunk: String,
+        offset: u64,
+        len: u64,
+        problem: String,
+    },
+
+    /// `verify` found problems; the report lists them all.
+    #[error("verify found {count} problem(s); first: {first}")]
+    VerifyFailed { count: usize, first: String },
+
+    /// A bad checkpoint name or staging content that the store cannot represent.
+    #[error("{0}")]
+    Invalid(String),
+
+    /// Another writer got in the way (id collision, lock held) in a way that retrying may fix.
+    #[error("{0}")]
+    Conflict(String),
+}
+
+impl Error {
+    /// The binary's exit status for this error (see `crate::error::ExitStatus`).
+    pub fn exit_status(&self) -> ExitStatus {
+        match self {
+            Error::Io { source, .. } => io_status(source),
+            Error::Unwritable { .. } => ExitStatus::Storage,
+            Error::BadStore { .. } => ExitStatus::Failure,
+            Error::NotFound { .. }
+            | Error::DamagedManifest { .. }
+            | Error::DamagedChunk { .. }
+            | Error::VerifyFailed { .. } => ExitStatus::CheckpointInvalid,
+            Error::Invalid(_) => ExitStatus::Usage,
+            Error::Conflict(_) => ExitStatus::Conflict,
+        }
+    }
+
+    /// Shorthand used all over the store: wraps an `io::Error` with the operation and the path.
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Io { op, path, source }
+    }
+}
+
+/// Storage-side I/O errors: full, read-only or over quota means "storage" (6); the rest is a plain failure.
+/// (The crate-wide `io_exit_status` maps NotFound to "no such process", which is wrong for files here.)
+fn io_status(e: &io::Error) -> ExitStatus {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EROFS) | Some(libc::EDQUOT) | Some(libc::EACCES) => {
+            ExitStatus::Storage
+        }
+        _ if e.kind() == io::ErrorKind::PermissionDenied => ExitStatus::Storage,
+        _ => ExitStatus::Failure,
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,454 @@
+//! Ingest: turns a staging folder of image files into chunks and a committed manifest.
+//!
+//! ```text
+//! reader (this thread)          workers (N threads)                       after all chunks
+//! walk files -> read segments   zero check -> BLAKE3 -> already stored?   sync new chunks (durable)
+//!   -> FastCDC cut points  -->   no: zstd -> write-once put               -> manifest (atomic, durable)
+//!      (bounded channel)         record ChunkRef                          -> remove staging
+//! ```
+//! Memory is bounded by the segment pool plus one compression buffer per worker (see [`Plan`]).
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::backend::LockGuard;
+use super::chunk::{is_zero, ChunkId, Encoder};
+use super::chunker::{chunk_stream, ChunkParams, Piece, SegmentPool};
+use super::error::{Error, Result};
+use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
+use super::{Inner, Progress};
+
+const MIB: u64 = 1024 * 1024;
+
+/// Memory the tool may use for a checkpoint of `total` bytes: max(64 MiB, 1% of it).
+pub fn memory_budget(total: u64) -> u64 {
+    (64 * MIB).max(total / 100)
+}
+
+/// How many workers and buffers an ingest or materialize uses, derived from the memory budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub workers: usize,
+    pub segments: usize,
+    pub segment_size: usize,
+}
+
+impl Plan {
+    /// Segments of 4 maximum chunks (so the copied tail is at most a quarter), at least 3 of them (one being
+    /// read, two being worked on); each worker needs about one maximum chunk of compression buffer plus a
+    /// zstd context. Workers are cut back before the budget is exceeded.
+    pub fn new(total: u64, threads: usize, params: ChunkParams) -> Plan {
+        let budget = memory_budget(total);
+        let max = params.max_size as u64;
+        let segment_size = 4 * max;
+        let per_worker = max + 2 * MIB;
+        let threads = threads.max(1) as u64;
+        let workers = threads.min((budget.saturating_sub(3 * segment_size) / per_worker).max(1));
+        let left = budget.saturating_sub(workers * per_worker);
+        let segments = (left / segment_size).clamp(3, 2 + 2 * workers);
+        Plan {
+            workers: workers as usize,
+            segments: segments as usize,
+            segment_size: segment_size as usize,
+        }
+    }
+
+    /// Upper bound of the pipeline's buffers in bytes.
+    pub fn memory(&self, params: ChunkParams) -> u64 {
+        self.segments as u64 * self.segment_size as u64
+            + self.workers as u64 * (params.max_size as u64 + 2 * MIB)
+    }
+}
+
+/// An ingest in progress: a new checkpoint id and a private staging folder. Commit it, or abort it; dropping
+/// it uncommitted removes the staging folder too.
+pub struct Ingest {
+    inner: Arc<Inner>,
+    id: String,
+    name: Option<String>,
+    created: String,
+    staging: PathBuf,
+    done: bool,
+    _lock: LockGuard,
+}
+
+struct FileToIngest {
+    rel: String,
+    abs: PathBuf,
+    size: u64,
+    mode: u32,
+}
+
+/// What the workers found, collected under one mutex (a few thousand updates per GiB: no contention).
+#[derive(Default)]
+struct Collected {
+    chunks: Vec<Vec<Option<ChunkRef>>>,
+    /// Stored size of every distinct non-zero chunk.
+    stored: HashMap<ChunkId, (u64, u32)>,
+    new: Vec<ChunkId>,
+    new_bytes: u64,
+    zero_bytes: u64,
+    error: Option<Error>,
+}
+
+impl Ingest {
+    pub(super) fn new(
+        inner: Arc<Inner>,
+        id: String,
+        name: Option<String>,
+        created: String,
+        staging: PathBuf,
+        lock: LockGuard,
+    ) -> Ingest {
+        Ingest {
+            inner,
+            id,
+            name,
+            created,
+            staging,
+            done: false,
+            _lock: lock,
+        }
+    }
+
+    /// The checkpoint id this ingest will commit under.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The private folder (0700) where CRIU writes its images.
+    pub fn staging_dir(&self) -> &Path {
+        &self.staging
+    }
+
+    /// Stores every file of the staging folder, makes every chunk durable, commits the manifest, then removes
+    /// the staging folder. On error nothing is committed (chunks already written stay, unreferenced, until
+    /// `gc`), and the staging folder is removed.
+    pub fn commit(
+        mut self,
+        metadata: serde_json::Value,
+        progress: &dyn Progress,
+    ) -> Result<CheckpointInfo> {
+        let started = Instant::now();
+        let files = collect_files(&self.staging)?;
+        let total: u64 = files.iter().map(|f| f.size).sum();
+        let params = self.inner.opts.chunking;
+        let plan = Plan::new(total, self.inner.opts.effective_threads(), params);
+        tracing::debug!(?plan, total, "ingest {}", self.id);
+
+        progress.start("store", total);
+        let collected = self.run_pipeline(&files, plan, progress);
+        progress.finish();
+        let mut collected = collected?;
+
+        let sync_started = Instant::now();
+        self.inner.backend.sync_chunks(&collected.new)?;
+        let sync_ms = sync_started.elapsed().as_millis() as u64;
+
+        let mut entries = Vec::with_capacity(files.len());
+        for (f, chunks) in files.iter().zip(std::mem::take(&mut collected.chunks)) {
+            let chunks: Vec<ChunkRef> =
+                chunks
+                    .into_iter()
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        Error::Invalid(format!("internal: a chunk of {} was lost", f.rel))
+                    })?;
+            entries.push(FileEntry {
+                path: f.rel.clone(),
+                mode: f.mode,
+                size: f.size,
+                chunks,
+            });
+        }
+        let unique_bytes: u64 = collected.stored.values().map(|v| v.1 as u64).sum();
+        let stored_bytes: u64 = collected.stored.values().map(|v| v.0).sum();
+        let nchunks: u64 = entries.iter().map(|e| e.chunks.len() as u64).sum();
+        let mut stats = IngestStats {
+            logical_bytes: total,
+            zero_bytes: collected.zero_bytes,
+            unique_bytes,
+            stored_bytes,
+            new_bytes: collected.new_bytes,
+            manifest_bytes: 0,
+            files: entries.len() as u64,
+            chunks: nchunks,
+            unique_chunks: collected.stored.len() as u64,
+            new_chunks: collected.new.len() as u64,
+            dedup_ratio: ratio(total - collected.zero_bytes, unique_bytes),
+            compression_ratio: ratio(unique_bytes, stored_bytes),
+            reduction_ratio: ratio(total, stored_bytes),
+            ingest_ms: 0,
+            sync_ms,
+        };
+        let mut info = CheckpointInfo {
+            format: manifest::MANIFEST_FORMAT_NAME.into(),
+            version: manifest::MANIFEST_FORMAT_VERSION,
+            id: self.id.clone(),
+            name: self.name.clone(),
+            created: self.created.clone(),
+            chunking: Chunking {
+                algorithm: "fastcdc-v2020".into(),
+                min_size: params.min_size,
+                avg_size: params.avg_size,
+                max_size: params.max_size,
+                hash: "blake3".into(),
+                compression: "zstd".into(),
+                level: self.inner.opts.zstd_level,
+            },
+            stats: IngestStats::default(),
+            metadata,
+            files: entries,
+        };
+        stats.ingest_ms = started.elapsed().as_millis() as u64;
+        info.stats = stats.clone();
+        // The manifest's own size goes into the stats it contains: encode once to learn it, then for real.
+        stats.manifest_bytes = manifest::encode(&info).len() as u64;
+        info.stats = stats;
+        let bytes = manifest::encode(&info);
+        // Every chunk named by the manifest is durable (sync above): now the checkpoint may exist.
+        self.inner.backend.put_manifest(&self.id, &bytes)?;
+        self.done = true;
+        if let Err(e) = fs::remove_dir_all(&self.staging) {
+            tracing::warn!(
+                "checkpoint {} committed, but its staging folder {} could not be removed: {e}",
+                self.id,
+                self.staging.display()
+            );
+        }
+        Ok(info)
+    }
+
+    /// Gives up: removes the staging folder. The store stays as it was (chunks already written are
+    /// unreferenced and go at the next `gc`).
+    pub fn abort(mut self) -> Result<()> {
+        self.done = true;
+        match fs::remove_dir_all(&self.staging) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io("cannot remove staging folder", &self.staging)(e)),
+        }
+    }
+
+    fn run_pipeline(
+        &self,
+        files: &[FileToIngest],
+        plan: Plan,
+        progress: &dyn Progress,
+    ) -> Result<Collected> {
+        let params = self.inner.opts.chunking;
+        let level = self.inner.opts.zstd_level;
+        let backend = &*self.inner.backend;
+        let pool = SegmentPool::new(plan.segments, plan.segment_size);
+        let collected = Mutex::new(Collected {
+            chunks: files.iter().map(|_| Vec::new()).collect(),
+            ..Collected::default()
+        });
+        let seen: Mutex<HashSet<ChunkId>> = Mutex::default();
+        let failed = AtomicBool::new(false);
+        let fail = |e: Error| {
+            failed.store(true, Ordering::SeqCst);
+            let mut c = collected.lock().unwrap_or_else(|p| p.into_inner());
+            c.error.get_or_insert(e);
+        };
+        let (tx, rx) = crossbeam_channel::bounded::<(usize, Piece)>(plan.workers * 4);
+
+        std::thread::scope(|s| {
+            for _ in 0..plan.workers {
+                let rx = rx.clone();
+                let (collected, seen, failed, fail) = (&collected, &seen, &failed, &fail);
+                s.spawn(move || {
+                    let mut enc = match Encoder::new(level, params.max_size as usize) {
+                        Ok(e) => Some(e),
+                        Err(e) => {
+                            fail(Error::Invalid(format!("cannot create zstd context: {e}")));
+                            None
+                        }
+                    };
+                    // Keep draining after a failure so the reader never blocks on a full queue.
+                    for (file, piece) in rx {
+                        if failed.load(Ordering::Relaxed) {
+                            continue;
+                        }
+                        let Some(enc) = enc.as_mut() else { continue };
+                        match store_piece(backend, enc, seen, &piece) {
+                            Ok((cref, outcome)) => {
+                                let len = piece.data().len() as u64;
+                                let (index, f) = (piece.index, file);
+                                drop(piece);
+                                let mut c = collected.lock().unwrap_or_else(|p| p.into_inner());
+                                let slots = &mut c.chunks[f];
+                                if slots.len() <= index {
+                                    slots.resize(index + 1, None);
+                                }
+                                slots[index] = Some(cref);
+                                match outcome {
+                                    Outcome::Zero => c.zero_bytes += len,
+                                    Outcome::Duplicate => {}
+                                    Outcome::Present(stored) => {
+                                        c.stored
+                                            .insert(cref.id.expect("non-zero"), (stored, cref.len));
+                                    }
+                                    Outcome::New(stored) => {
+                                        let id = cref.id.expect("non-zero");
+                                        c.stored.insert(id, (stored, cref.len));
+                                        c.new.push(id);
+                                        c.new_bytes += stored;
+                                    }
+                                }
+                                drop(c);
+                                progress.advance(len);
+                            }
+                            Err(e) => fail(e),
+                        }
+                    }
+                });
+            }
+            drop(rx);
+            for (i, f) in files.iter().enumerate() {
+                if failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let file = match File::open(&f.abs) {
+                    Ok(file) => file,
+                    Err(e) => {
+                        fail(Error::io("cannot open image file", &f.abs)(e));
+                        break;
+                    }
+                };
+                // SAFETY: advisory hint on a valid fd: read-ahead more aggressively.
+                unsafe {
+                    libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+                }
+                let r = chunk_stream(&file, params, &pool, |piece| {
+                    !failed.load(Ordering::Relaxed) && tx.send((i, piece)).is_ok()
+                });
+                match r {
+                    Err(e) => {
+                        fail(Error::io("cannot read image file", &f.abs)(e));
+                        break;
+                    }
+                    Ok(n) if n != f.size && !failed.load(Ordering::Relaxed) => {
+                        // The file changed under us (CRIU still writing?): refuse to store a torn image.
+                        fail(Error::Invalid(format!(
+                            "image file {} changed size during ingest ({} -> {n} bytes)",
+                            f.abs.display(),
+                            f.size
+                        )));
+                        break;
+                    }
+                    Ok(_) => {}
+                }
+            }
+            drop(tx);
+        });
+        let mut c = collected.into_inner().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = c.error.take() {
+            return Err(e);
+        }
+        Ok(c)
+    }
+}
+
+impl Drop for Ingest {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = fs::remove_dir_all(&self.staging) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(
+                        "cannot remove staging folder {}: {e}",
+                        self.staging.display()
+                    );
+                }
+            }
+        }
+    }
+}
+
+enum Outcome {
+    Zero,
+    /// Another chunk of this same ingest had the same content.
+    Duplicate,
+    /// Already in the store (an earlier checkpoint); stored size.
+    Present(u64),
+    /// Written by this ingest; stored size.
+    New(u64),
+}
+
+fn store_piece(
+    backend: &dyn super::backend::Backend,
+    enc: &mut Encoder,
+    seen: &Mutex<HashSet<ChunkId>>,
+    piece: &Piece,
+) -> Result<(ChunkRef, Outcome)> {
+    let data = piece.data();
+    let len = data.len() as u32;
+    if is_zero(data) {
+        return Ok((ChunkRef { id: None, len }, Outcome::Zero));
+    }
+    let id = ChunkId::of(data);
+    let cref = ChunkRef { id: Some(id), len };
+    let first = seen.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+    if !first {
+        return Ok((cref, Outcome::Duplicate));
+    }
+    if let Some(stored) = backend.chunk_stored_len(&id)? {
+        return Ok((cref, Outcome::Present(stored)));
+    }
+    let (header, payload) = enc.encode(data);
+    backend.put_chunk(&id, &header.encode(), payload)?;
+    Ok((cref, Outcome::New(header.stored_len())))
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        1.0
+    } else {
+        ((a as f64 / b as f64) * 1000.0).round() / 1000.0
+    }
+}
+
+/// Every regular file under `root`, sorted by relative path. Anything else (symlinks, devices) is refused:
+/// the store would silently lose it.
+fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in fs::read_dir(&dir).map_err(Error::io("cannot list staging folder", &dir))? {
+            let entry = entry.map_err(Error::io("cannot list staging folder", &dir))?;
+            let path = entry.path();
+            let meta = fs::symlink_metadata(&path).map_err(Error::io("cannot stat", &path))?;
+            if meta.is_dir() {
+                stack.push(path);
+            } else if meta.is_file() {
+                let rel = path
+                    .strip_prefix(root)
+                    .expect("under root")
+                    .to_str()
+                    .ok_or_else(|| {
+                        Error::Invalid(format!("image file name {} is not UTF-8", path.display()))
+                    })?
+                    .to_owned();
+                out.push(FileToIngest {
+                    rel,
+                    abs: path,
+                    size: meta.len(),
+                    mode: meta.permissions().mode() & 0o7777,
+                });
+            } else {
+                return Err(Error::Invalid(format!(
+                    "staging folder holds {}, which is not a regular file or folder; the store keeps only those",
+                    path.display()
+                )));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.rel.cmp(&b.rel));
+    Ok(out)
+}

@@ -1,0 +1,214 @@
+//! Materialize: writes a checkpoint's image files back into a folder, with parallel reads, verifying every
+//! chunk's hash before its bytes are written. Nothing is handed back until every chunk has been checked:
+//! on any error the files written so far are removed, so CRIU never sees a partial or unverified image.
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::chunk::Decoder;
+use super::error::{Error, Result};
+use super::ingest::Plan;
+use super::manifest::CheckpointInfo;
+use super::{Inner, Progress};
+use crate::util::{create_private_dir_all, create_private_file};
+
+/// What [`Store::materialize`](super::Store::materialize) did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MaterializeStats {
+    pub files: u64,
+    /// Bytes of image files written (zero chunks included, as holes).
+    pub logical_bytes: u64,
+    /// Bytes read from the store.
+    pub stored_bytes_read: u64,
+    pub chunks_read: u64,
+    pub zero_bytes: u64,
+    pub elapsed_ms: u64,
+}
+
+/// One chunk to fetch: file index, chunk index, offset in the file.
+type Task = (usize, usize, u64);
+
+pub(super) fn materialize(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    dest: &Path,
+    progress: &dyn Progress,
+) -> Result<MaterializeStats> {
+    let started = Instant::now();
+    let created_dest = !dest.exists();
+    create_private_dir_all(dest).map_err(Error::io("cannot create folder", dest))?;
+    let mut created: Vec<PathBuf> = Vec::new();
+    let result = write_all(inner, info, dest, progress, &mut created);
+    if result.is_err() {
+        // Leave no partial image behind for CRIU to trip over.
+        for p in &created {
+            let _ = fs::remove_file(p);
+        }
+        if created_dest {
+            let _ = fs::remove_dir_all(dest);
+        }
+    }
+    let mut stats = result?;
+    stats.elapsed_ms = started.elapsed().as_millis() as u64;
+    Ok(stats)
+}
+
+fn write_all(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    dest: &Path,
+    progress: &dyn Progress,
+    created: &mut Vec<PathBuf>,
+) -> Result<MaterializeStats> {
+    let mut files = Vec::with_capacity(info.files.len());
+    for f in &info.files {
+        let rel = Path::new(&f.path);
+        if rel.is_absolute()
+            || rel
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(Error::DamagedManifest {
+                checkpoint: info.id.clone(),
+                path: inner.backend.manifest_path(&info.id),
+                reason: format!("file path {:?} escapes the image folder", f.path),
+            });
+        }
+        let path = dest.join(rel);
+        if let Some(parent) = path.parent() {
+            create_private_dir_all(parent).map_err(Error::io("cannot create folder", parent))?;
+        }
+        let file =
+            create_private_file(&path).map_err(Error::io("cannot create image file", &path))?;
+        created.push(path.clone());
+        // Sized up front: all-zero chunks are simply never written and read back as zeros (holes).
+        file.set_len(f.size)
+            .map_err(Error::io("cannot size image file", &path))?;
+        files.push((file, path));
+    }
+
+    let tasks: Vec<Task> = info
+        .chunk_refs()
+        .filter(|(_, _, _, c)| c.id.is_some())
+        .map(|(fi, ci, off, _)| (fi, ci, off))
+        .collect();
+    let total: u64 = info.stats.logical_bytes;
+    let zero_bytes: u64 = info
+        .chunk_refs()
+        .filter(|(_, _, _, c)| c.id.is_none())
+        .map(|(_, _, _, c)| c.len as u64)
+        .sum();
+    let plan = Plan::new(total, inner.opts.effective_threads(), inner.opts.chunking);
+    let max_chunk = info.chunking.max_size as usize;
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let error: Mutex<Option<Error>> = Mutex::new(None);
+    let totals = Mutex::new((0u64, 0u64));
+    progress.start("restore images", total);
+    progress.advance(zero_bytes);
+    std::thread::scope(|s| {
+        for _ in 0..plan.workers.min(tasks.len()).max(1) {
+            s.spawn(|| {
+                let mut dec = match Decoder::new(max_chunk) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        failed.store(true, Ordering::SeqCst);
+                        error
+                            .lock()
+                            .unwrap()
+                            .get_or_insert(Error::Invalid(format!("zstd: {e}")));
+                        return;
+                    }
+                };
+                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
+                let (mut stored, mut count) = (0u64, 0u64);
+                while !failed.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(fi, ci, off)) = tasks.get(i) else {
+                        break;
+                    };
+                    let r = fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, off).and_then(
+                        |raw| {
+                            let (file, path) = &files[fi];
+                            file.write_all_at(raw, off)
+                                .map_err(Error::io("cannot write image file", path))?;
+                            Ok(raw.len() as u64)
+                        },
+                    );
+                    match r {
+                        Ok(n) => {
+                            stored += buf.len() as u64;
+                            count += 1;
+                            progress.advance(n);
+                        }
+                        Err(e) => {
+                            failed.store(true, Ordering::SeqCst);
+                            error
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .get_or_insert(e);
+                        }
+                    }
+                }
+                let mut t = totals.lock().unwrap_or_else(|p| p.into_inner());
+                t.0 += stored;
+                t.1 += count;
+            });
+        }
+    });
+    progress.finish();
+    if let Some(e) = error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    let (stored_bytes_read, chunks_read) = totals.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok(MaterializeStats {
+        files: files.len() as u64,
+        logical_bytes: total,
+        stored_bytes_read,
+        chunks_read,
+        zero_bytes,
+        elapsed_ms: 0,
+    })
+}
+
+/// Reads chunk `ci` of file `fi` and checks it; the error names checkpoint, file and chunk.
+pub(super) fn fetch_verified<'a>(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    dec: &'a mut Decoder,
+    buf: &'a mut Vec<u8>,
+    fi: usize,
+    ci: usize,
+    offset: u64,
+) -> Result<&'a [u8]> {
+    let file = &info.files[fi];
+    let cref = file.chunks[ci];
+    let id = cref.id.expect("only stored chunks are fetched");
+    let damaged = |problem: String| Error::DamagedChunk {
+        checkpoint: info.id.clone(),
+        file: file.path.clone(),
+        index: ci,
+        chunk: id.to_hex(),
+        offset,
+        len: cref.len as u64,
+        problem,
+    };
+    if !inner.backend.read_chunk(&id, buf)? {
+        return Err(damaged("missing".into()));
+    }
+    let raw = dec.decode(&id, buf).map_err(damaged)?;
+    if raw.len() != cref.len as usize {
+        return Err(damaged(format!(
+            "damaged ({} bytes, the manifest says {})",
+            raw.len(),
+            cref.len
+        )));
+    }
+    Ok(raw)
+}

@@ -1,0 +1,705 @@
+//! The checkpoint store end to end: round trips, dedup, sharing, corruption, crashes, gc, permissions.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_checkpoint::store::{
+    ChunkParams, Error, MemoryBackend, NoProgress, Progress, Store, StoreOptions,
+};
+use gpu_checkpoint::ExitStatus;
+use proptest::prelude::*;
+
+/// Small chunks so that test-sized files have many of them (and debug builds stay quick).
+fn small_opts() -> StoreOptions {
+    StoreOptions {
+        zstd_level: 1,
+        threads: 2,
+        chunking: ChunkParams {
+            min_size: 4096,
+            avg_size: 16384,
+            max_size: 65536,
+        },
+    }
+}
+
+fn open(dir: &Path) -> Store {
+    Store::open(&dir.join("store"), small_opts()).unwrap()
+}
+
+fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
+/// A CRIU-like image folder: a big pages file of 4 KiB pages (zeros, random, repeated, text-like) and a few
+/// small metadata files.
+fn criu_like(dir: &Path, pages: usize, seed: u64) {
+    let mut img = Vec::with_capacity(pages * 4096);
+    let repeated = pseudo_random(4096, seed ^ 0xabc);
+    for p in 0..pages {
+        // Runs of 37 pages of one kind: memory has long zero and data runs, not alternating pages.
+        match (p / 37) % 4 {
+            0 => img.extend_from_slice(&[0u8; 4096]),
+            1 => img.extend_from_slice(&pseudo_random(4096, seed + p as u64)),
+            2 => img.extend_from_slice(&repeated),
+            _ => img.extend((0..4096).map(|i| b"abcdefgh"[(i / 3 + p) % 8])),
+        }
+    }
+    fs::write(dir.join("pages-1.img"), img).unwrap();
+    fs::write(dir.join("pagemap-1.img"), pseudo_random(3000, seed + 1)).unwrap();
+    fs::write(dir.join("core-1.img"), b"core").unwrap();
+    fs::write(dir.join("empty.img"), b"").unwrap();
+}
+
+fn ingest(
+    store: &Store,
+    name: Option<&str>,
+    fill: impl FnOnce(&Path),
+) -> gpu_checkpoint::store::CheckpointInfo {
+    let ing = store.begin(name).unwrap();
+    fill(ing.staging_dir());
+    ing.commit(serde_json::json!({"test": true}), &NoProgress)
+        .unwrap()
+}
+
+/// Every file under `a` equals the one under `b`, and nothing is missing on either side.
+fn assert_same_tree(a: &Path, b: &Path) {
+    let list = |d: &Path| {
+        let mut v: Vec<PathBuf> = walk(d)
+            .into_iter()
+            .map(|p| p.strip_prefix(d).unwrap().to_path_buf())
+            .collect();
+        v.sort();
+        v
+    };
+    let (la, lb) = (list(a), list(b));
+    assert_eq!(la, lb);
+    for rel in la {
+        assert!(
+            fs::read(a.join(&rel)).unwrap() == fs::read(b.join(&rel)).unwrap(),
+            "{} differs",
+            rel.display()
+        );
+    }
+}
+
+fn walk(d: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(d).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    for f in walk(from) {
+        let rel = f.strip_prefix(from).unwrap();
+        fs::create_dir_all(to.join(rel).parent().unwrap()).unwrap();
+        fs::copy(&f, to.join(rel)).unwrap();
+    }
+}
+
+fn chunk_files(store_dir: &Path) -> Vec<PathBuf> {
+    walk(&store_dir.join("chunks"))
+        .into_iter()
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+        .collect()
+}
+
+fn mode(p: &Path) -> u32 {
+    fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+#[test]
+fn round_trip_of_a_criu_like_folder() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(src.join("sub")).unwrap();
+    criu_like(&src, 1500, 1);
+    fs::write(src.join("sub/nested.img"), b"nested").unwrap();
+    let info = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert_eq!(info.stats.files, 5);
+    assert!(info.stats.zero_bytes > 0, "zero pages are recognised");
+    assert!(
+        info.stats.stored_bytes < info.stats.logical_bytes,
+        "compression and dedup saved space"
+    );
+    let out = t.path().join("out");
+    let m = store.materialize(&info.id, &out, &NoProgress).unwrap();
+    assert_eq!(m.logical_bytes, info.stats.logical_bytes);
+    assert_same_tree(&src, &out);
+    // By name too, and through the manifest path.
+    assert_eq!(store.get("job").unwrap().id, info.id);
+    let by_path = store
+        .get_by_manifest_path(&store.manifest_path(&info.id))
+        .unwrap();
+    assert_eq!(by_path, info);
+    assert_eq!(by_path.metadata, serde_json::json!({"test": true}));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_and_structured_files_round_trip(
+        files in prop::collection::vec(
+            (0usize..4, 0usize..300_000, any::<u64>()),
+            1..5,
+        )
+    ) {
+        let t = tempfile::tempdir().unwrap();
+        let store = open(t.path());
+        let src = t.path().join("src");
+        fs::create_dir_all(&src).unwrap();
+        for (i, (kind, len, seed)) in files.iter().enumerate() {
+            let data = match kind {
+                0 => pseudo_random(*len, *seed),
+                1 => vec![0u8; *len],
+                2 => pseudo_random(4096, *seed).into_iter().cycle().take(*len).collect(),
+                _ => {
+                    // Random with zero holes at random places.
+                    let mut d = pseudo_random(*len, *seed);
+                    let hole = (*seed as usize) % (len + 1);
+                    let end = (hole + 70_000).min(*len);
+                    d[hole..end].fill(0);
+                    d
+                }
+            };
+            fs::write(src.join(format!("f{i}.img")), data).unwrap();
+        }
+        let info = ingest(&store, None, |d| copy_tree(&src, d));
+        let out = t.path().join("out");
+        store.materialize(&info.id, &out, &NoProgress).unwrap();
+        assert_same_tree(&src, &out);
+        prop_assert!(store.verify(Some(&info.id), &NoProgress).unwrap().is_ok());
+    }
+}
+
+#[test]
+fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    criu_like(&src, 2000, 7);
+    let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert!(first.stats.new_bytes > 0);
+    let again = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert_eq!(again.stats.new_chunks, 0);
+    assert_eq!(again.stats.new_bytes, 0);
+    assert_eq!(again.stats.stored_bytes, first.stats.stored_bytes);
+
+    // Change one 4 KiB page in the middle and insert one page: only nearby chunks are new.
+    let pages = src.join("pages-1.img");
+    let mut img = fs::read(&pages).unwrap();
+    let mid = img.len() / 2;
+    img[mid..mid + 4096].copy_from_slice(&pseudo_random(4096, 99));
+    img.splice(mid / 2..mid / 2, pseudo_random(4096, 98));
+    fs::write(&pages, &img).unwrap();
+    let changed = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert!(changed.stats.new_chunks >= 1);
+    assert!(
+        changed.stats.new_chunks <= 6,
+        "{} new chunks",
+        changed.stats.new_chunks
+    );
+    assert!(
+        changed.stats.new_bytes * 10 < first.stats.new_bytes,
+        "{} new bytes vs {} first",
+        changed.stats.new_bytes,
+        first.stats.new_bytes
+    );
+    // The name resolves to the newest.
+    assert_eq!(store.get("job").unwrap().id, changed.id);
+    let out = t.path().join("out");
+    store.materialize("job", &out, &NoProgress).unwrap();
+    assert_same_tree(&src, &out);
+    let ids: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![first.id, again.id, changed.id], "oldest first");
+}
+
+#[test]
+fn two_checkpoints_with_the_same_content_share_chunks() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    criu_like(&src, 800, 3);
+    let a = ingest(&store, Some("replica-a"), |d| copy_tree(&src, d));
+    let after_a = chunk_files(&t.path().join("store")).len();
+    // Same memory under other file names (another process's images).
+    let b = ingest(&store, Some("replica-b"), |d| {
+        for f in walk(&src) {
+            fs::copy(
+                &f,
+                d.join(format!(
+                    "other-{}",
+                    f.file_name().unwrap().to_string_lossy()
+                )),
+            )
+            .unwrap();
+        }
+    });
+    assert_eq!(b.stats.new_bytes, 0);
+    assert_eq!(chunk_files(&t.path().join("store")).len(), after_a);
+    assert_eq!(a.stats.unique_chunks, after_a as u64);
+    // Deleting one keeps the other whole, even after gc.
+    store.delete("replica-a").unwrap();
+    let r = store.gc().unwrap();
+    assert_eq!(r.chunks_removed, 0);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    store.delete(&b.id).unwrap();
+    let r = store.gc().unwrap();
+    assert_eq!(r.chunks_removed as usize, after_a);
+    assert!(chunk_files(&t.path().join("store")).is_empty());
+    assert!(store.list().unwrap().is_empty());
+}
+
+/// A checkpoint with a single big random file, its store folder, and one of its chunk files.
+fn one_checkpoint(t: &Path) -> (Store, gpu_checkpoint::store::CheckpointInfo, PathBuf) {
+    let store = open(t);
+    let info = ingest(&store, None, |d| {
+        fs::write(d.join("pages-1.img"), pseudo_random(400_000, 5)).unwrap()
+    });
+    let chunk = info.files[0].chunks[2].id.unwrap().to_hex();
+    let path = t.join("store/chunks").join(&chunk[..2]).join(&chunk);
+    (store, info, path)
+}
+
+fn expect_damage(
+    store: &Store,
+    info: &gpu_checkpoint::store::CheckpointInfo,
+    what: &str,
+    t: &Path,
+) {
+    let chunk = info.files[0].chunks[2].id.unwrap().to_hex();
+    let out = t.join(format!("out-{what}"));
+    let err = store.materialize(&info.id, &out, &NoProgress).unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid);
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&info.id)
+            && msg.contains("pages-1.img")
+            && msg.contains(&chunk)
+            && msg.contains("#2"),
+        "{msg}"
+    );
+    assert!(msg.contains(what), "{msg}");
+    assert!(!out.exists(), "no partial image left for CRIU");
+    let report = store.verify(None, &NoProgress).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    let p = &report.problems[0];
+    assert_eq!(p.checkpoint, info.id);
+    assert_eq!(p.file.as_deref(), Some("pages-1.img"));
+    assert_eq!(p.chunk.as_deref(), Some(chunk.as_str()));
+    assert_eq!(p.index, Some(2));
+    assert!(p.problem.contains(what), "{}", p.problem);
+    assert_eq!(
+        report.into_result().unwrap_err().exit_status(),
+        ExitStatus::CheckpointInvalid
+    );
+}
+
+#[test]
+fn flipped_byte_is_detected() {
+    let t = tempfile::tempdir().unwrap();
+    let (store, info, chunk) = one_checkpoint(t.path());
+    let mut b = fs::read(&chunk).unwrap();
+    let n = b.len();
+    b[n - 100] ^= 0x20;
+    fs::write(&chunk, b).unwrap();
+    expect_damage(&store, &info, "damaged", t.path());
+}
+
+#[test]
+fn truncated_chunk_is_detected() {
+    let t = tempfile::tempdir().unwrap();
+    let (store, info, chunk) = one_checkpoint(t.path());
+    let b = fs::read(&chunk).unwrap();
+    fs::write(&chunk, &b[..b.len() - 10]).unwrap();
+    expect_damage(&store, &info, "truncated", t.path());
+    // A re-ingest of the same content repairs the store: the truncated chunk is not trusted for dedup.
+    let again = ingest(&store, None, |d| {
+        fs::write(d.join("pages-1.img"), pseudo_random(400_000, 5)).unwrap()
+    });
+    assert_eq!(again.stats.new_chunks, 1);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+}
+
+#[test]
+fn missing_chunk_is_detected() {
+    let t = tempfile::tempdir().unwrap();
+    let (store, info, chunk) = one_checkpoint(t.path());
+    fs::remove_file(&chunk).unwrap();
+    expect_damage(&store, &info, "missing", t.path());
+}
+
+#[test]
+fn damaged_manifest_is_detected_and_can_be_deleted() {
+    let t = tempfile::tempdir().unwrap();
+    let (store, info, _) = one_checkpoint(t.path());
+    let good = ingest(&store, Some("good"), |d| {
+        fs::write(d.join("x.img"), b"fine").unwrap()
+    });
+    let path = store.manifest_path(&info.id);
+    let mut b = fs::read(&path).unwrap();
+    let i = b.len() / 2;
+    b[i] = if b[i] == b'7' { b'8' } else { b'7' };
+    fs::write(&path, b).unwrap();
+    let err = store.get(&info.id).unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid);
+    assert!(
+        err.to_string().contains(&info.id) && err.to_string().contains("manifest"),
+        "{err}"
+    );
+    let err = store
+        .materialize(&info.id, &t.path().join("out"), &NoProgress)
+        .unwrap_err();
+    assert!(matches!(err, Error::DamagedManifest { .. }), "{err}");
+    // list shows only the valid one; verify reports the damaged one.
+    let ids: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![good.id.clone()]);
+    let report = store.verify(None, &NoProgress).unwrap();
+    assert_eq!(report.problems.len(), 1);
+    assert_eq!(report.problems[0].checkpoint, info.id);
+    assert!(report.problems[0].problem.contains("manifest"));
+    // gc refuses to guess what a damaged manifest referenced.
+    assert!(matches!(
+        store.gc().unwrap_err(),
+        Error::DamagedManifest { .. }
+    ));
+    assert!(store.delete_damaged(&info.id).unwrap());
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    store.gc().unwrap();
+    assert!(store.verify(Some("good"), &NoProgress).unwrap().is_ok());
+}
+
+#[test]
+fn truncated_manifest_is_detected() {
+    let t = tempfile::tempdir().unwrap();
+    let (store, info, _) = one_checkpoint(t.path());
+    let path = store.manifest_path(&info.id);
+    let b = fs::read(&path).unwrap();
+    fs::write(&path, &b[..b.len() - 30]).unwrap();
+    assert!(matches!(
+        store.get(&info.id).unwrap_err(),
+        Error::DamagedManifest { .. }
+    ));
+}
+
+#[test]
+fn permissions_are_private() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("store");
+    let store = open(t.path());
+    let ing = store.begin(None).unwrap();
+    assert_eq!(mode(ing.staging_dir()), 0o700);
+    fs::write(
+        ing.staging_dir().join("pages-1.img"),
+        pseudo_random(200_000, 1),
+    )
+    .unwrap();
+    let info = ing.commit(serde_json::Value::Null, &NoProgress).unwrap();
+    for d in [
+        root.clone(),
+        root.join("chunks"),
+        root.join("manifests"),
+        root.join("staging"),
+    ] {
+        assert_eq!(mode(&d), 0o700, "{}", d.display());
+    }
+    for f in chunk_files(&root) {
+        assert_eq!(mode(&f), 0o600, "{}", f.display());
+        assert_eq!(mode(f.parent().unwrap()), 0o700);
+    }
+    assert_eq!(mode(&store.manifest_path(&info.id)), 0o600);
+    assert_eq!(mode(&root.join("store.json")), 0o600);
+    let out = t.path().join("out");
+    store.materialize(&info.id, &out, &NoProgress).unwrap();
+    assert_eq!(mode(&out), 0o700);
+    assert_eq!(mode(&out.join("pages-1.img")), 0o600);
+}
+
+#[test]
+fn abort_and_drop_leave_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let a = store.begin(None).unwrap();
+    let (sa, ida) = (a.staging_dir().to_path_buf(), a.id().to_owned());
+    fs::write(sa.join("x.img"), b"x").unwrap();
+    a.abort().unwrap();
+    assert!(!sa.exists());
+    let b = store.begin(None).unwrap();
+    let sb = b.staging_dir().to_path_buf();
+    assert_ne!(b.id(), ida);
+    drop(b);
+    assert!(!sb.exists());
+    assert!(store.list().unwrap().is_empty());
+    assert!(matches!(
+        store.get(&ida).unwrap_err(),
+        Error::NotFound { .. }
+    ));
+}
+
+#[test]
+fn ids_are_unique_and_sortable() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let mut ids = Vec::new();
+    for _ in 0..20 {
+        let i = store.begin(None).unwrap();
+        ids.push(i.id().to_owned());
+        i.abort().unwrap();
+    }
+    let set: std::collections::HashSet<_> = ids.iter().collect();
+    assert_eq!(set.len(), ids.len());
+    for id in &ids {
+        assert_eq!(id.len(), "20261120T233501Z-3f2a".len(), "{id}");
+        assert!(id.as_bytes()[8] == b'T' && id.as_bytes()[15] == b'Z');
+    }
+}
+
+#[test]
+fn open_refuses_foreign_folders_and_newer_formats() {
+    let t = tempfile::tempdir().unwrap();
+    let foreign = t.path().join("foreign");
+    fs::create_dir_all(&foreign).unwrap();
+    fs::write(foreign.join("important.txt"), b"x").unwrap();
+    assert!(matches!(
+        Store::open(&foreign, small_opts()),
+        Err(Error::BadStore { .. })
+    ));
+    let s = t.path().join("store");
+    open(t.path());
+    fs::write(
+        s.join("store.json"),
+        br#"{"format":"gpu-checkpoint-store","version":99}"#,
+    )
+    .unwrap();
+    let err = Store::open(&s, small_opts()).err().unwrap();
+    assert!(err.to_string().contains("newer"), "{err}");
+}
+
+#[test]
+fn unwritable_storage_is_exit_status_6() {
+    let t = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new(&t.path().join("staging"));
+    mem.fail_writes.store(true, Ordering::Relaxed);
+    let store = Store::with_backend(Arc::new(mem), small_opts()).unwrap();
+    let err = store.check_writable().unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Storage);
+    // A full disk during commit: an error with status 6, nothing listed, staging removed.
+    let ing = store.begin(None).unwrap();
+    let staging = ing.staging_dir().to_path_buf();
+    fs::write(staging.join("pages-1.img"), pseudo_random(300_000, 2)).unwrap();
+    let err = ing
+        .commit(serde_json::Value::Null, &NoProgress)
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
+    assert!(store.list().unwrap().is_empty());
+    assert!(!staging.exists());
+}
+
+#[test]
+fn memory_backend_round_trips_and_detects_damage() {
+    let t = tempfile::tempdir().unwrap();
+    let mem = Arc::new(MemoryBackend::new(&t.path().join("staging")));
+    let store = Store::with_backend(mem.clone(), small_opts()).unwrap();
+    let data = pseudo_random(100_000, 4);
+    let info = ingest(&store, None, |d| fs::write(d.join("a.img"), &data).unwrap());
+    let out = t.path().join("out");
+    store.materialize(&info.id, &out, &NoProgress).unwrap();
+    assert_eq!(fs::read(out.join("a.img")).unwrap(), data);
+    let mut n = 0;
+    store.backend().list_chunks(&mut |_, _| n += 1).unwrap();
+    assert_eq!(n as u64, info.stats.unique_chunks);
+
+    let first = info.files[0].chunks[0].id.unwrap();
+    assert!(mem.with_chunk(&first, |c| {
+        let last = c.len() - 1;
+        c[last] ^= 1;
+    }));
+    let report = store.verify(None, &NoProgress).unwrap();
+    assert_eq!(report.problems.len(), 1);
+    assert_eq!(
+        report.problems[0].chunk.as_deref(),
+        Some(first.to_hex().as_str())
+    );
+    let second = info.files[0].chunks[1].id.unwrap();
+    assert!(mem.remove_chunk(&second));
+    let err = store
+        .materialize(&info.id, &t.path().join("out2"), &NoProgress)
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid);
+    assert!(mem.with_manifest(&info.id, |m| m[10] ^= 1));
+    assert!(matches!(
+        store.get(&info.id),
+        Err(Error::DamagedManifest { .. })
+    ));
+}
+
+/// Progress that counts and can slow an ingest down (to widen race windows in tests).
+struct Slow {
+    done: AtomicU64,
+    delay: Duration,
+    marker: Option<(PathBuf, u64)>,
+}
+
+impl Progress for Slow {
+    fn start(&self, _: &str, _: u64) {}
+    fn advance(&self, bytes: u64) {
+        let done = self.done.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        if let Some((path, at)) = &self.marker {
+            if done >= *at && !path.exists() {
+                fs::write(path, b"midway").unwrap();
+            }
+        }
+        std::thread::sleep(self.delay);
+    }
+    fn finish(&self) {}
+}
+
+#[test]
+fn gc_with_a_concurrent_writer_keeps_what_the_writer_needs() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let data = pseudo_random(1_500_000, 8);
+    // A deleted checkpoint leaves chunks that a new writer will find "already stored" and reuse.
+    let old = ingest(&store, None, |d| {
+        fs::write(d.join("pages-1.img"), &data).unwrap()
+    });
+    store.delete(&old.id).unwrap();
+    let ing = store.begin(Some("new")).unwrap();
+    fs::write(ing.staging_dir().join("pages-1.img"), &data).unwrap();
+    let gc_store = store.clone();
+    let started = Instant::now();
+    let (info, gc_report) = std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let slow = Slow {
+                done: AtomicU64::new(0),
+                delay: Duration::from_millis(5),
+                marker: None,
+            };
+            ing.commit(serde_json::Value::Null, &slow).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        let gc = s.spawn(move || gc_store.gc().unwrap());
+        (writer.join().unwrap(), gc.join().unwrap())
+    });
+    assert!(started.elapsed() >= Duration::from_millis(30));
+    assert_eq!(info.stats.new_chunks, 0, "the writer reused the old chunks");
+    assert!(gc_report.waited_ms > 0, "gc waited for the writer");
+    assert_eq!(
+        gc_report.chunks_removed, 0,
+        "nothing the new checkpoint references was deleted"
+    );
+    let report = store.verify(Some("new"), &NoProgress).unwrap();
+    assert!(report.is_ok(), "{:?}", report.problems);
+    let out = t.path().join("out");
+    store.materialize("new", &out, &NoProgress).unwrap();
+    assert_eq!(fs::read(out.join("pages-1.img")).unwrap(), data);
+}
+
+const CRASH_ENV: &str = "GPU_CHECKPOINT_TEST_CRASH_STORE";
+
+/// Not a test on its own: the writer process that `crash_during_ingest_leaves_the_store_consistent` kills.
+#[test]
+#[ignore = "helper process for crash_during_ingest_leaves_the_store_consistent"]
+fn crash_writer_child() {
+    let Ok(dir) = std::env::var(CRASH_ENV) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let store = Store::open(&dir.join("store"), small_opts()).unwrap();
+    let ing = store.begin(Some("doomed")).unwrap();
+    fs::write(
+        ing.staging_dir().join("pages-1.img"),
+        pseudo_random(8 << 20, 77),
+    )
+    .unwrap();
+    let slow = Slow {
+        done: AtomicU64::new(0),
+        delay: Duration::from_millis(20),
+        marker: Some((dir.join("midway"), 2 << 20)),
+    };
+    ing.commit(serde_json::Value::Null, &slow).unwrap();
+    // Only reached if the parent failed to kill us.
+    fs::write(dir.join("finished"), b"").unwrap();
+}
+
+#[test]
+fn crash_during_ingest_leaves_the_store_consistent() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let kept = ingest(&store, Some("kept"), |d| criu_like(d, 300, 1));
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "crash_writer_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CRASH_ENV, t.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !t.path().join("midway").exists() {
+        assert!(Instant::now() < deadline, "writer never got midway");
+        assert!(child.try_wait().unwrap().is_none(), "writer exited early");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL: no destructors, no cleanup
+    child.wait().unwrap();
+    assert!(!t.path().join("finished").exists());
+
+    // The killed writer left chunks and its staging folder, but no checkpoint.
+    assert!(chunk_files(&t.path().join("store")).len() as u64 > kept.stats.unique_chunks);
+    assert_eq!(
+        fs::read_dir(t.path().join("store/staging"))
+            .unwrap()
+            .count(),
+        1
+    );
+    let listed: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(listed, vec![kept.id.clone()]);
+    assert!(matches!(store.get("doomed"), Err(Error::NotFound { .. })));
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+
+    // gc removes the leftovers (its lock is free: the dead writer's flock died with it).
+    let r = store.gc().unwrap();
+    assert_eq!(r.stale_staging_removed, 1);
+    assert!(r.chunks_removed > 0);
+    assert_eq!(
+        chunk_files(&t.path().join("store")).len() as u64,
+        kept.stats.unique_chunks
+    );
+    assert_eq!(
+        fs::read_dir(t.path().join("store/staging"))
+            .unwrap()
+            .count(),
+        0
+    );
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    let again = ingest(&store, Some("after"), |d| criu_like(d, 100, 2));
+    assert!(store.verify(Some(&again.id), &NoProgress).unwrap().is_ok());
+}

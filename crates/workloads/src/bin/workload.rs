@@ -1,0 +1,405 @@
+//! `workload KIND --state FILE [--detach] [options]`: processes for checkpoint tests and the demo.
+//!
+//! Kinds (each ticks forever, rewriting its records in the state file; see the crate docs):
+//! - `sample`   the demo's program: a step counter and value chain plus a 16 MiB table it keeps changing
+//! - `counter`  single-threaded value chain                                  record: seq value
+//! - `threads`  `--threads N` threads, one chain each                        records: thread seq value
+//! - `pipes`    `--children N` forked children answering over pipes         records: child pid rounds value errors
+//! - `sockets`  a listening TCP socket on 127.0.0.1 (answers `seq value`), a listening UNIX socket at
+//!   `--unix PATH` (same answer), and a UNIX socketpair ping-pong between two threads
+//! - `files`    `--dir D`: a shared file mapping, a private read-only file mapping, and an append-only log
+//!   written through one open descriptor
+//! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum in a loop
+//!
+//! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use gpu_checkpoint_workloads::{detach, sleep_ms, step, Opts, StateFile};
+
+/// Tick of the workloads: fast enough that a test sees progress within a fraction of a second.
+const TICK_MS: u64 = 20;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let kind = args.next().unwrap_or_default();
+    let opts = match Opts::parse(args) {
+        Ok(o) => o,
+        Err(e) => fail(&e),
+    };
+    if opts.detach {
+        if let Err(e) = detach() {
+            fail(&format!("detach: {e}"));
+        }
+    }
+    let result = match kind.as_str() {
+        "sample" => sample(&opts),
+        "counter" => counter(&opts),
+        "threads" => threads(&opts),
+        "pipes" => pipes(&opts),
+        "sockets" => sockets(&opts),
+        "files" => files(&opts),
+        "memory" => memory(&opts),
+        _ => Err(format!(
+            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory)"
+        )),
+    };
+    if let Err(e) = result {
+        fail(&e);
+    }
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("workload: {msg}");
+    std::process::exit(2)
+}
+
+fn state(opts: &Opts, slots: usize) -> Result<StateFile, String> {
+    let p = opts.state_path()?;
+    StateFile::create(p, slots).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn put(s: &StateFile, slot: usize, text: &str) -> Result<(), String> {
+    s.write(slot, text)
+        .map_err(|e| format!("writing state: {e}"))
+}
+
+fn pid() -> u32 {
+    std::process::id()
+}
+
+/// The demo's program: a value chain plus a table it keeps rewriting, both only in memory.
+fn sample(opts: &Opts) -> Result<(), String> {
+    let s = state(opts, 1)?;
+    let seed = opts.num("seed", 1)?;
+    let mut table = vec![0u64; 2 << 20]; // 16 MiB
+    let (mut seq, mut v) = (0u64, seed);
+    loop {
+        seq += 1;
+        v = step(v);
+        let len = table.len();
+        table[(v as usize) % len] ^= v;
+        let digest = table.iter().fold(0u64, |a, x| a.rotate_left(5) ^ x);
+        put(
+            &s,
+            0,
+            &format!(
+                "pid={} seq={seq} value={v:#x} table_digest={digest:#x}",
+                pid()
+            ),
+        )?;
+        sleep_ms(100);
+    }
+}
+
+fn counter(opts: &Opts) -> Result<(), String> {
+    let s = state(opts, 1)?;
+    let seed = opts.num("seed", 1)?;
+    let (mut seq, mut v) = (0u64, seed);
+    loop {
+        seq += 1;
+        v = step(v);
+        put(&s, 0, &format!("pid={} seq={seq} value={v:#x}", pid()))?;
+        sleep_ms(TICK_MS);
+    }
+}
+
+fn threads(opts: &Opts) -> Result<(), String> {
+    let n = opts.num("threads", 4)? as usize;
+    let s = Arc::new(state(opts, n)?);
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || -> Result<(), String> {
+                let (mut seq, mut v) = (0u64, i as u64 + 1);
+                loop {
+                    seq += 1;
+                    v = step(v);
+                    put(&s, i, &format!("thread={i} seq={seq} value={v:#x}"))?;
+                    sleep_ms(TICK_MS);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().map_err(|_| "a thread panicked".to_string())??;
+    }
+    Ok(())
+}
+
+/// Parent and `--children N` forked children; the parent sends each child its value, the child answers
+/// `step(value)` on its own pipe, and the parent checks the answer.
+fn pipes(opts: &Opts) -> Result<(), String> {
+    let n = opts.num("children", 2)? as usize;
+    let s = state(opts, n)?;
+    let mut links = Vec::new();
+    for _ in 0..n {
+        let (to_child, from_parent) = pipe()?;
+        let (to_parent, from_child) = pipe()?;
+        // SAFETY: the process is single-threaded here (no thread was started), so fork is sound.
+        match unsafe { libc::fork() } {
+            -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
+            0 => {
+                drop(to_child);
+                drop(from_child);
+                child_loop(from_parent, to_parent);
+            }
+            child => {
+                drop(from_parent);
+                drop(to_parent);
+                links.push((child, to_child, from_child));
+            }
+        }
+    }
+    let mut values: Vec<u64> = (0..n as u64).map(|i| i + 100).collect();
+    let mut rounds = vec![0u64; n];
+    let mut errors = vec![0u64; n];
+    loop {
+        for (i, (child, to, from)) in links.iter_mut().enumerate() {
+            to.write_all(&values[i].to_le_bytes())
+                .map_err(|e| format!("pipe to child {i}: {e}"))?;
+            let mut b = [0u8; 8];
+            from.read_exact(&mut b)
+                .map_err(|e| format!("pipe from child {i}: {e}"))?;
+            let answer = u64::from_le_bytes(b);
+            if answer != step(values[i]) {
+                errors[i] += 1;
+            }
+            values[i] = answer;
+            rounds[i] += 1;
+            put(
+                &s,
+                i,
+                &format!(
+                    "child={i} pid={child} rounds={} value={:#x} errors={}",
+                    rounds[i], values[i], errors[i]
+                ),
+            )?;
+        }
+        sleep_ms(TICK_MS);
+    }
+}
+
+fn child_loop(mut from: std::fs::File, mut to: std::fs::File) -> ! {
+    let mut b = [0u8; 8];
+    // The parent's end closing (it was killed) ends the child.
+    while from.read_exact(&mut b).is_ok() {
+        if to
+            .write_all(&step(u64::from_le_bytes(b)).to_le_bytes())
+            .is_err()
+        {
+            break;
+        }
+    }
+    std::process::exit(0)
+}
+
+fn pipe() -> Result<(std::fs::File, std::fs::File), String> {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2 writes two descriptors into `fds`, which we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    use std::os::fd::FromRawFd;
+    // SAFETY: both descriptors are fresh and owned by nobody else.
+    Ok(unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[1]),
+            std::fs::File::from_raw_fd(fds[0]),
+        )
+    })
+}
+
+/// A listening TCP socket and a listening UNIX socket that answer the current state, and a socketpair
+/// ping-pong between two threads.
+fn sockets(opts: &Opts) -> Result<(), String> {
+    let s = Arc::new(state(opts, 1)?);
+    let tcp = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("tcp bind: {e}"))?;
+    let port = tcp.local_addr().map_err(|e| e.to_string())?.port();
+    let unix_path = opts.path("unix")?;
+    let _ = std::fs::remove_file(&unix_path);
+    let unix = UnixListener::bind(&unix_path).map_err(|e| format!("unix bind: {e}"))?;
+    let seq = Arc::new(AtomicU64::new(0));
+    let value = Arc::new(AtomicU64::new(1));
+    let answer = {
+        let (seq, value) = (Arc::clone(&seq), Arc::clone(&value));
+        move || {
+            format!(
+                "seq={} value={:#x}\n",
+                seq.load(Ordering::SeqCst),
+                value.load(Ordering::SeqCst)
+            )
+        }
+    };
+    {
+        let answer = answer.clone();
+        std::thread::spawn(move || {
+            for mut c in tcp.incoming().flatten() {
+                let _ = c.write_all(answer().as_bytes());
+            }
+        });
+    }
+    std::thread::spawn(move || {
+        for mut c in unix.incoming().flatten() {
+            let _ = c.write_all(answer().as_bytes());
+        }
+    });
+    let (mut a, mut b) = UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8];
+        while b.read_exact(&mut buf).is_ok() {
+            if b.write_all(&step(u64::from_le_bytes(buf)).to_le_bytes())
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let (mut rounds, mut pair_value, mut errors) = (0u64, 5u64, 0u64);
+    loop {
+        a.write_all(&pair_value.to_le_bytes())
+            .map_err(|e| format!("socketpair write: {e}"))?;
+        let mut buf = [0u8; 8];
+        a.read_exact(&mut buf)
+            .map_err(|e| format!("socketpair read: {e}"))?;
+        let got = u64::from_le_bytes(buf);
+        if got != step(pair_value) {
+            errors += 1;
+        }
+        pair_value = got;
+        rounds += 1;
+        let n = seq.fetch_add(1, Ordering::SeqCst) + 1;
+        let v = step(value.load(Ordering::SeqCst));
+        value.store(v, Ordering::SeqCst);
+        put(
+            &s,
+            0,
+            &format!(
+                "pid={} seq={n} value={v:#x} port={port} pair_rounds={rounds} pair_value={pair_value:#x} errors={errors}",
+                pid()
+            ),
+        )?;
+        sleep_ms(TICK_MS);
+    }
+}
+
+/// File-backed mappings and open files, in `--dir D`:
+/// - `shared.bin` (64 KiB) mapped MAP_SHARED: slot 0 holds the tick number, slot `seq % 8191 + 1` holds
+///   `seq` (the file is the memory: readers outside see it change);
+/// - `ro.bin` (64 KiB of a known pattern) mapped MAP_PRIVATE read-only, re-checked every tick;
+/// - `log.txt`: one fixed-size line per tick appended through one descriptor (its offset must survive).
+fn files(opts: &Opts) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let dir = opts.path("dir")?;
+    let s = state(opts, 1)?;
+    const LEN: usize = 64 << 10;
+    let shared_f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.join("shared.bin"))
+        .map_err(|e| format!("shared.bin: {e}"))?;
+    shared_f.set_len(LEN as u64).map_err(|e| e.to_string())?;
+    let ro_pattern: Vec<u8> = (0..LEN).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(dir.join("ro.bin"), &ro_pattern).map_err(|e| format!("ro.bin: {e}"))?;
+    let ro_f = std::fs::File::open(dir.join("ro.bin")).map_err(|e| e.to_string())?;
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(dir.join("log.txt"))
+        .map_err(|e| format!("log.txt: {e}"))?;
+    // SAFETY: fresh mappings of files we just sized; we only touch them within LEN.
+    let (shared, ro) = unsafe {
+        let shared = libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            shared_f.as_raw_fd(),
+            0,
+        );
+        let ro = libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            ro_f.as_raw_fd(),
+            0,
+        );
+        if shared == libc::MAP_FAILED || ro == libc::MAP_FAILED {
+            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+        }
+        (
+            std::slice::from_raw_parts_mut(shared.cast::<u64>(), LEN / 8),
+            std::slice::from_raw_parts(ro.cast::<u8>(), LEN),
+        )
+    };
+    drop(shared_f);
+    drop(ro_f);
+    let (mut seq, mut v) = (0u64, 3u64);
+    loop {
+        seq += 1;
+        v = step(v);
+        shared[0] = seq;
+        shared[(seq as usize) % (LEN / 8 - 1) + 1] = seq;
+        let ro_ok = ro == ro_pattern.as_slice();
+        log.write_all(format!("{seq:020}\n").as_bytes())
+            .map_err(|e| format!("log.txt: {e}"))?;
+        put(
+            &s,
+            0,
+            &format!(
+                "pid={} seq={seq} value={v:#x} ro_ok={} log_lines={seq}",
+                pid(),
+                u8::from(ro_ok)
+            ),
+        )?;
+        sleep_ms(TICK_MS);
+    }
+}
+
+/// `--mib N` of pseudo-random memory, hashed once, then re-verified in a loop.
+fn memory(opts: &Opts) -> Result<(), String> {
+    let mib = opts.num("mib", 1024)? as usize;
+    let s = state(opts, 1)?;
+    put(&s, 0, &format!("pid={} phase=filling mib={mib}", pid()))?;
+    let mut buf = vec![0u64; mib << 17];
+    let mut x = opts.num("seed", 0x9e37_79b9_7f4a_7c15)? | 1;
+    for w in buf.iter_mut() {
+        // xorshift64: fast enough to fill a GiB in about a second, incompressible for the store.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *w = x;
+    }
+    let bytes = |b: &[u64]| -> blake3::Hash {
+        // SAFETY: viewing initialized u64s as bytes.
+        let s = unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<u8>(), b.len() * 8) };
+        blake3::hash(s)
+    };
+    let sum = bytes(&buf);
+    let (mut verified, mut bad) = (0u64, 0u64);
+    loop {
+        put(
+            &s,
+            0,
+            &format!(
+                "pid={} phase=verifying mib={mib} checksum={} verified={verified} bad={bad}",
+                pid(),
+                &sum.to_hex()[..16]
+            ),
+        )?;
+        sleep_ms(200);
+        if bytes(&buf) == sum {
+            verified += 1;
+        } else {
+            bad += 1;
+        }
+    }
+}
