@@ -189,7 +189,11 @@ pub enum PathClass {
     /// `/dev/nvidia-modeset`, `/dev/nvidia-nvswitchN`, `/dev/nvidia-nvlink`, ...
     NvidiaOther,
     NvidiaUvm,
+    /// `/dev/nvidia-caps/nvidia-capN` of a MIG instance (GPU or compute instance access).
     NvidiaCaps,
+    /// `/dev/nvidia-caps/nvidia-cap1` and `-cap2`: the MIG *config* and *monitor* capabilities, which
+    /// NVML users (nvidia-smi, PyTorch) open even with MIG disabled. Not MIG use (docs/hardware.md).
+    NvidiaCapsMgmt,
     Kfd,
     RenderNode,
     Rdma,
@@ -213,6 +217,7 @@ impl PathClass {
                 | PathClass::NvidiaOther
                 | PathClass::NvidiaUvm
                 | PathClass::NvidiaCaps
+                | PathClass::NvidiaCapsMgmt
                 | PathClass::Kfd
                 | PathClass::Rdma
                 | PathClass::PciBar
@@ -226,7 +231,13 @@ pub fn classify_path(path: &str) -> PathClass {
         return match rest {
             "ctl" => PathClass::NvidiaCtl,
             "-uvm" | "-uvm-tools" => PathClass::NvidiaUvm,
-            _ if rest.starts_with("-caps") => PathClass::NvidiaCaps,
+            _ if rest.starts_with("-caps") => {
+                // Minors 1 and 2 are "config" and "monitor" in /proc/driver/nvidia-caps/mig-minors.
+                match rest.rsplit("nvidia-cap").next() {
+                    Some("1") | Some("2") => PathClass::NvidiaCapsMgmt,
+                    _ => PathClass::NvidiaCaps,
+                }
+            }
             _ if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) => rest
                 .parse()
                 .map(PathClass::NvidiaGpu)
@@ -348,7 +359,9 @@ pub fn classify(
         let class = classify_path(target);
         let kind = match class {
             PathClass::NvidiaCtl => FindingKind::NvidiaCtl,
-            PathClass::NvidiaGpu(_) | PathClass::NvidiaOther => FindingKind::NvidiaDevice,
+            PathClass::NvidiaGpu(_) | PathClass::NvidiaOther | PathClass::NvidiaCapsMgmt => {
+                FindingKind::NvidiaDevice
+            }
             PathClass::NvidiaUvm => FindingKind::NvidiaUvm,
             PathClass::NvidiaCaps => FindingKind::Mig,
             PathClass::Kfd | PathClass::RenderNode => FindingKind::AmdGpu,
@@ -377,6 +390,7 @@ pub fn classify(
         }
     }
 
+    let mut driver_uvm_seen = false;
     for m in &snap.maps {
         let Some(path) = m.path.as_deref() else {
             continue;
@@ -386,7 +400,12 @@ pub fn classify(
         }
         let class = classify_path(path);
         let kind = match class {
-            PathClass::NvidiaCtl | PathClass::NvidiaGpu(_) | PathClass::NvidiaOther => {
+            PathClass::NvidiaCtl
+            | PathClass::NvidiaGpu(_)
+            | PathClass::NvidiaOther
+            | PathClass::NvidiaCapsMgmt => FindingKind::DeviceMapping,
+            PathClass::NvidiaUvm if !driver_uvm_seen && is_driver_uvm_mapping(m) => {
+                driver_uvm_seen = true;
                 FindingKind::DeviceMapping
             }
             PathClass::NvidiaUvm => FindingKind::ManagedMemory,
@@ -580,6 +599,21 @@ pub fn classify(
     out
 }
 
+/// Highest address of the driver's own `/dev/nvidia-uvm` mapping: it lies in the low region CUDA reserves
+/// at 0x200000000 (0x204a00000 on driver 580), far below where managed allocations are mapped.
+const DRIVER_UVM_BELOW: u64 = 0x10_0000_0000;
+/// Size of the driver's own `/dev/nvidia-uvm` mapping (2 MiB on driver 580).
+const DRIVER_UVM_MAX_SIZE: u64 = 2 << 20;
+
+/// Every CUDA process maps `/dev/nvidia-uvm` once for the driver itself (`204a00000-204c00000 rw-s
+/// 204a00000 ... /dev/nvidia-uvm` on driver 580, see docs/hardware.md): that mapping is not managed
+/// memory. At most one such mapping, small and in the low reserved region, is taken for it (maps come in
+/// address order, so it is the lowest); every other mapping of the device is managed memory
+/// (`cudaMallocManaged` maps its allocations at their own address, in the mmap area).
+fn is_driver_uvm_mapping(m: &MapEntry) -> bool {
+    m.shared && m.size() <= DRIVER_UVM_MAX_SIZE && m.end <= DRIVER_UVM_BELOW
+}
+
 /// The CUDA restore thread is named `cuda` + hex digits (an undocumented driver detail, distinct from
 /// `cuda-EvtHandlr`); trust the name only when exactly one thread carries such a name.
 fn restore_thread(threads: &[(i32, String)]) -> Option<(i32, String)> {
@@ -630,11 +664,20 @@ fn describe(kind: FindingKind, path: &str, a: &Acc) -> String {
     };
     let what = match kind {
         FindingKind::NvidiaCtl => "NVIDIA control device open",
+        FindingKind::NvidiaDevice if path.starts_with("/dev/nvidia-caps/") => {
+            "MIG config/monitor capability open (NVML opens it with MIG off; not MIG use)"
+        }
         FindingKind::NvidiaDevice => "NVIDIA device open",
         FindingKind::NvidiaUvm => "NVIDIA UVM device open",
         FindingKind::ManagedMemory => "managed (UVM) memory",
         FindingKind::DeviceMapping if a.simulated => "simulated device memory",
         FindingKind::DeviceMapping if path == "/dev/nvidiactl" => "driver / pinned host memory",
+        FindingKind::DeviceMapping if path == "/dev/nvidia-uvm" => {
+            "the driver's own UVM mapping (every CUDA process has one; not managed memory)"
+        }
+        FindingKind::DeviceMapping if path.starts_with("/dev/nvidia-caps/") => {
+            "MIG config/monitor capability (NVML opens it with MIG off; not MIG use)"
+        }
         FindingKind::DeviceMapping => "GPU memory or BAR window mapped to the host",
         FindingKind::Mig => "MIG capability device",
         FindingKind::AmdGpu => "AMD GPU device",
@@ -684,6 +727,18 @@ mod tests {
         );
         assert_eq!(
             classify_path("/dev/nvidia-caps/nvidia-cap21"),
+            PathClass::NvidiaCaps
+        );
+        assert_eq!(
+            classify_path("/dev/nvidia-caps/nvidia-cap1"),
+            PathClass::NvidiaCapsMgmt
+        );
+        assert_eq!(
+            classify_path("/dev/nvidia-caps/nvidia-cap2"),
+            PathClass::NvidiaCapsMgmt
+        );
+        assert_eq!(
+            classify_path("/dev/nvidia-caps/nvidia-cap12"),
             PathClass::NvidiaCaps
         );
         assert_eq!(classify_path("/dev/nvidiafoo"), PathClass::Other);
