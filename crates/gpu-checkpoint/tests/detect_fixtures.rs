@@ -597,6 +597,27 @@ fn real_layouts_driver_uvm_mapping_and_mig_capabilities() {
     assert_eq!(managed.strategy.blockers.len(), 1);
     assert_eq!(managed.strategy.blockers[0].kind.as_str(), "managed-memory");
 
+    // The driver's UVM socket: in every CUDA process, and the only trace of CUDA in a checkpointed one.
+    let sock = |r: &Report| {
+        r.findings
+            .iter()
+            .find(|f| {
+                f.evidence
+                    .socket
+                    .as_deref()
+                    .is_some_and(|s| s.starts_with("@cuda-uvmfd-"))
+            })
+            .map(|f| f.evidence.detail.clone())
+    };
+    assert!(sock(&malloc).is_some_and(|d| !d.contains("checkpointed")));
+    let ckpt = detect_pid(462, &opts("real/malloc-checkpointed-462", false, false)).unwrap();
+    assert!(
+        sock(&ckpt).is_some_and(|d| d.contains("checkpointed")),
+        "{:?}",
+        sock(&ckpt)
+    );
+    assert_eq!(ckpt.strategy.name.as_str(), "none");
+
     for (dir, pid) in [("real/torch-470", 470), ("real/smi-475", 475)] {
         let r = detect_pid(pid, &opts(dir, false, false)).unwrap();
         assert!(

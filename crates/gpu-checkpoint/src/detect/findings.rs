@@ -177,6 +177,9 @@ impl Finding {
 pub const SIM_SHM_PREFIX: &str = "/dev/shm/gpu-checkpoint-sim/";
 /// Prefix of the GPU simulator's control socket, in the abstract namespace (tests and demos only).
 pub const SIM_SOCKET_PREFIX: &str = "@gpu-checkpoint-sim/";
+/// The abstract socket every CUDA process listens on (`@cuda-uvmfd-<pidns inode>-<pid>@`, driver 580): the
+/// driver's channel for passing UVM fds between processes. It stays while the process is checkpointed.
+pub const CUDA_UVMFD_SOCKET_PREFIX: &str = "@cuda-uvmfd-";
 /// Where MPS puts its pipes unless `CUDA_MPS_PIPE_DIRECTORY` says otherwise.
 pub const DEFAULT_MPS_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
@@ -375,6 +378,8 @@ pub fn classify(
                     if let Some(path) = (ctx.socket_path)(inode) {
                         if ctx.simulator && path.starts_with(SIM_SOCKET_PREFIX) {
                             sockets.push((FindingKind::CudaLibrary, *fd, path, true));
+                        } else if path.starts_with(CUDA_UVMFD_SOCKET_PREFIX) {
+                            sockets.push((FindingKind::CudaLibrary, *fd, path, false));
                         } else if is_mps_socket(&path, snap) {
                             sockets.push((FindingKind::Mps, *fd, path, false));
                         }
@@ -454,6 +459,11 @@ pub fn classify(
         }
     }
 
+    // A CUDA process that holds no NVIDIA device file but still has the driver's UVM socket: the
+    // driver checkpointed it (real capture malloc-checkpointed-462).
+    let nvidia_devices = acc
+        .keys()
+        .any(|(k, _)| matches!(k, FindingKind::NvidiaCtl | FindingKind::NvidiaDevice));
     let mut out: Vec<Finding> = Vec::new();
     let finding = |kind, evidence| Finding {
         kind,
@@ -483,8 +493,15 @@ pub fn classify(
     for (kind, fd, path, simulated) in sockets {
         let detail = if simulated {
             format!("fd {fd} is the GPU simulator's control socket {path} (simulated CUDA process)")
-        } else {
+        } else if kind == FindingKind::Mps {
             format!("fd {fd} is a socket in the MPS pipe folder: {path}")
+        } else if nvidia_devices {
+            format!("fd {fd} is the CUDA driver's UVM channel {path} (every CUDA process has one)")
+        } else {
+            format!(
+                "fd {fd} is the CUDA driver's UVM channel {path}, yet no NVIDIA device file is open: \
+                 the driver has checkpointed this process (its CUDA calls block until it is restored)"
+            )
         };
         out.push(finding(
             kind,
