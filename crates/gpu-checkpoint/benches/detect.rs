@@ -350,7 +350,7 @@ mod linux {
     pub fn main() {
         let quick = std::env::args().any(|a| a == "--quick");
         let rounds = if quick { 5 } else { 21 };
-        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/proc");
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
         let proc_ = Path::new("/proc");
         println!(
             "detect benchmark ({} rounds each, medians; candidates run alternately)",
@@ -381,12 +381,13 @@ mod linux {
             rounds * 10,
         );
         for (dir, pid, tree) in [
-            ("cuda-malloc", 4242, false),
-            ("pytorch-nccl", 7000, false),
-            ("tree", 8000, true),
+            ("real/malloc-462", 462, false),
+            ("real/torch-470", 470, false),
+            ("proc/pytorch-nccl", 7000, false),
+            ("proc/tree", 8000, true),
         ] {
             per_process(
-                &format!("fixture {dir}{}", if tree { " --tree" } else { "" }),
+                &format!("capture {dir}{}", if tree { " --tree" } else { "" }),
                 &fixtures.join(dir),
                 pid,
                 tree,
