@@ -54,7 +54,16 @@ for p in "${pids[@]}"; do
   dst=$out/$p
   [ -d "$src" ] || continue # exited meanwhile
   mkdir -p "$dst/fd" "$dst/task"
-  for f in maps status stat cmdline comm cgroup; do
+  # maps and stat are what detection cannot do without: an unreadable one must not become an empty file
+  # that reads as "no GPU state".
+  for f in maps stat; do
+    if ! cat "$src/$f" > "$dst/$f" 2>/dev/null; then
+      [ -d "$src" ] || { rm -rf "$dst"; continue 2; } # exited meanwhile
+      echo "error: cannot read $src/$f (run as root or as the process's owner)" >&2
+      exit 4
+    fi
+  done
+  for f in status cmdline comm cgroup; do
     cat "$src/$f" > "$dst/$f" 2>/dev/null || true
   done
   cat "$src/environ" 2>/dev/null | redact_environ > "$dst/environ" || true
@@ -67,6 +76,7 @@ for p in "${pids[@]}"; do
     tid=$(basename "$t")
     mkdir -p "$dst/task/$tid"
     cat "$t/comm" > "$dst/task/$tid/comm" 2>/dev/null || true
+    cat "$t/children" > "$dst/task/$tid/children" 2>/dev/null || true
   done
   captured=$((captured + 1))
 done

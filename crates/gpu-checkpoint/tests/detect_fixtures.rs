@@ -78,6 +78,7 @@ const CASES: &[Case] = &[
     Case { dir: "proc/tree", pid: 8001, tree: true, simulator: false, strategy: "cuda-driver", kinds: CUDA, blockers: &[] },
     Case { dir: "proc/tree", pid: 8000, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/tree-vanished", pid: 8500, tree: true, simulator: false, strategy: "cuda-driver", kinds: CUDA, blockers: &[] },
+    Case { dir: "proc/rdma-only", pid: 9200, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!("rdma"), blockers: &["rdma"] },
     Case { dir: "proc/simulator", pid: 9000, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("device-mapping", "cuda-library"), blockers: &[] },
     Case { dir: "proc/simulator", pid: 9000, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("cuda-library"), blockers: &[] },
@@ -85,8 +86,21 @@ const CASES: &[Case] = &[
 ];
 
 /// Real captures: (folder under `fixtures/`, expected strategy of the tree of its top process).
-/// Add one line per capture, e.g. `("real/cuda-malloc", "cuda-driver")`.
-const REAL: &[(&str, &str)] = &[];
+/// Add one line per capture. These came from an H200, driver 580 (docs/hardware.md).
+#[rustfmt::skip]
+const REAL: &[(&str, &str)] = &[
+    ("real/malloc-462", "cuda-driver"),
+    // After cuCheckpointProcessCheckpoint: no /dev/nvidia* fd or mapping left, CRIU sees a plain process.
+    ("real/malloc-checkpointed-462", "none"),
+    ("real/managed-464", "unsupported"),
+    ("real/host-466", "cuda-driver"),
+    // Legacy CUDA IPC leaves nothing in /proc; the driver checkpointed the exporter fine.
+    ("real/ipc-468", "cuda-driver"),
+    ("real/ipcc-490", "cuda-driver"),
+    ("real/torch-470", "cuda-driver"),
+    // NVML only: device files open, no CUDA context; the freeze stage skips it (freeze/hook.rs).
+    ("real/smi-475", "cuda-driver"),
+];
 
 fn json_names<T: serde::Serialize>(items: impl IntoIterator<Item = T>) -> BTreeSet<String> {
     items
@@ -142,9 +156,10 @@ fn fixture_cases() {
                 ));
             }
         }
-        // In these fixtures GPU state and a GPU strategy go together (no process is refused for RDMA
-        // or a BAR alone).
-        if r.gpu != (case.strategy != "none") {
+        // GPU state and a strategy other than `none` go together, except for RDMA without a GPU: refused
+        // (CRIU cannot dump it) but not GPU state.
+        let gpu_expected = case.strategy != "none" && case.kinds != ["rdma"];
+        if r.gpu != gpu_expected {
             failures.push(format!("{what}: gpu = {}", r.gpu));
         }
     }
@@ -377,6 +392,10 @@ fn all_lists_only_processes_with_gpu_state() {
     assert_eq!(pids, vec![8001, 8002]);
     assert_eq!(r.strategy.name.as_str(), "unsupported");
 
+    let rdma = detect_all_with(&opts("proc/rdma-only", false, false), None).unwrap();
+    assert!(rdma.processes.is_empty(), "RDMA alone is not GPU state");
+    assert!(!rdma.gpu);
+
     let sim = |on| detect_all_with(&opts("proc/simulator-checkpointed", false, on), None).unwrap();
     assert_eq!(
         sim(true).processes.len(),
@@ -527,7 +546,7 @@ fn real_captures_have_their_expected_strategy() {
     }
 }
 
-/// Every capture dropped under `fixtures/real/` is read without error and shows GPU state.
+/// Every capture dropped under `fixtures/real/` is read without error, and has a line in [`REAL`].
 #[test]
 fn every_real_capture_is_detected() {
     let Ok(entries) = std::fs::read_dir(fixtures().join("real")) else {
@@ -536,8 +555,78 @@ fn every_real_capture_is_detected() {
     };
     for e in entries.filter_map(|e| e.ok()).filter(|e| e.path().is_dir()) {
         let dir = format!("real/{}", e.file_name().to_string_lossy());
-        let r = detect_pid(top_pid(&e.path()), &opts(&dir, true, false))
+        detect_pid(top_pid(&e.path()), &opts(&dir, true, false))
             .unwrap_or_else(|e| panic!("{dir}: {e}"));
-        assert!(r.gpu, "{dir}: no GPU state found");
+        assert!(
+            REAL.iter().any(|(d, _)| *d == dir),
+            "{dir}: add its expected strategy to REAL"
+        );
+    }
+}
+
+/// What the real captures taught (docs/hardware.md): the driver's own /dev/nvidia-uvm mapping is not
+/// managed memory, a cudaMallocManaged allocation is; nvidia-cap1/2 opened through NVML are not MIG.
+#[test]
+fn real_layouts_driver_uvm_mapping_and_mig_capabilities() {
+    let malloc = detect_pid(462, &opts("real/malloc-462", false, false)).unwrap();
+    let uvm = malloc
+        .findings
+        .iter()
+        .find(|f| {
+            f.evidence.path.as_deref() == Some("/dev/nvidia-uvm") && f.evidence.mappings.is_some()
+        })
+        .expect("the driver's UVM mapping is reported");
+    assert_eq!(uvm.kind.as_str(), "device-mapping");
+    assert_eq!(
+        uvm.evidence.address.as_deref(),
+        Some("0x204a00000-0x204c00000")
+    );
+    assert_eq!(malloc.driver_version.as_deref(), Some("580.159.04"));
+
+    let managed = detect_pid(464, &opts("real/managed-464", false, false)).unwrap();
+    let m = managed
+        .findings
+        .iter()
+        .find(|f| f.kind.as_str() == "managed-memory")
+        .unwrap();
+    assert_eq!(m.evidence.size, Some(256 << 20));
+    assert_eq!(
+        m.evidence.address.as_deref(),
+        Some("0x7fdbb4000000-0x7fdbc4000000")
+    );
+    assert_eq!(managed.strategy.blockers.len(), 1);
+    assert_eq!(managed.strategy.blockers[0].kind.as_str(), "managed-memory");
+
+    // The driver's UVM socket: in every CUDA process, and the only trace of CUDA in a checkpointed one.
+    let sock = |r: &Report| {
+        r.findings
+            .iter()
+            .find(|f| {
+                f.evidence
+                    .socket
+                    .as_deref()
+                    .is_some_and(|s| s.starts_with("@cuda-uvmfd-"))
+            })
+            .map(|f| f.evidence.detail.clone())
+    };
+    assert!(sock(&malloc).is_some_and(|d| !d.contains("checkpointed")));
+    let ckpt = detect_pid(462, &opts("real/malloc-checkpointed-462", false, false)).unwrap();
+    assert!(
+        sock(&ckpt).is_some_and(|d| d.contains("checkpointed")),
+        "{:?}",
+        sock(&ckpt)
+    );
+    assert_eq!(ckpt.strategy.name.as_str(), "none");
+
+    for (dir, pid) in [("real/torch-470", 470), ("real/smi-475", 475)] {
+        let r = detect_pid(pid, &opts(dir, false, false)).unwrap();
+        assert!(
+            !r.findings.iter().any(|f| f.kind.as_str() == "mig"),
+            "{dir}"
+        );
+        assert!(r
+            .findings
+            .iter()
+            .any(|f| f.evidence.path.as_deref() == Some("/dev/nvidia-caps/nvidia-cap1")));
     }
 }

@@ -4,6 +4,8 @@
 //! The workloads are this test binary itself, re-executed with `DETECT_LIVE_CHILD=<spec>` (see
 //! [`live_child`]): no tool outside the repository is needed.
 
+#![cfg(target_os = "linux")]
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -356,4 +358,21 @@ fn bad_input_on_the_live_proc() {
     // This process itself: fine, and fast enough to be unremarkable.
     let me = detect_pid(std::process::id() as i32, &live(false, false)).unwrap();
     assert_eq!(me.strategy.name.as_str(), "none");
+}
+
+#[test]
+fn all_leaves_out_the_scanning_process() {
+    let id = unique("live-self");
+    let device = format!("/dev/shm/gpu-checkpoint-sim/{id}/device");
+    let mut keep = Vec::new();
+    act(&format!("shm:{device}"), &mut keep);
+    let me = std::process::id() as i32;
+    // This process now holds (simulated) GPU state: asked about directly, it says so...
+    let r = detect_pid(me, &live(true, false));
+    // ...but a node scan leaves out the process that scans (NVML opens /dev/nvidiactl in it).
+    let all = detect_all(&live(true, false));
+    let _ = std::fs::remove_file(&device);
+    let _ = std::fs::remove_dir(std::path::Path::new(&device).parent().unwrap());
+    assert!(r.unwrap().processes[0].simulated);
+    assert!(!all.unwrap().processes.iter().any(|p| p.pid == me));
 }

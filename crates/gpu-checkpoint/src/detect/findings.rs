@@ -140,8 +140,11 @@ impl Finding {
             | FindingKind::NvidiaUvm
             | FindingKind::ManagedMemory
             | FindingKind::DeviceMapping
-            | FindingKind::PciBar
-            | FindingKind::Rdma => true,
+            // A BAR mapped from user space may well be a GPU's (the "BAR sliding" tools do exactly that).
+            | FindingKind::PciBar => true,
+            // RDMA blocks a checkpoint (see strategy) but is not GPU state: an MPI job without GPUs is
+            // not what `--all` lists.
+            FindingKind::Rdma => false,
             // /dev/nvidia-caps open, not a MIG- id in a variable.
             FindingKind::Mig => e.path.is_some(),
             // Listed by NVML (no library), not merely libnvidia-ml loaded.
@@ -174,6 +177,9 @@ impl Finding {
 pub const SIM_SHM_PREFIX: &str = "/dev/shm/gpu-checkpoint-sim/";
 /// Prefix of the GPU simulator's control socket, in the abstract namespace (tests and demos only).
 pub const SIM_SOCKET_PREFIX: &str = "@gpu-checkpoint-sim/";
+/// The abstract socket every CUDA process listens on (`@cuda-uvmfd-<pidns inode>-<pid>@`, driver 580): the
+/// driver's channel for passing UVM fds between processes. It stays while the process is checkpointed.
+pub const CUDA_UVMFD_SOCKET_PREFIX: &str = "@cuda-uvmfd-";
 /// Where MPS puts its pipes unless `CUDA_MPS_PIPE_DIRECTORY` says otherwise.
 pub const DEFAULT_MPS_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
@@ -186,7 +192,11 @@ pub enum PathClass {
     /// `/dev/nvidia-modeset`, `/dev/nvidia-nvswitchN`, `/dev/nvidia-nvlink`, ...
     NvidiaOther,
     NvidiaUvm,
+    /// `/dev/nvidia-caps/nvidia-capN` of a MIG instance (GPU or compute instance access).
     NvidiaCaps,
+    /// `/dev/nvidia-caps/nvidia-cap1` and `-cap2`: the MIG *config* and *monitor* capabilities, which
+    /// NVML users (nvidia-smi, PyTorch) open even with MIG disabled. Not MIG use (docs/hardware.md).
+    NvidiaCapsMgmt,
     Kfd,
     RenderNode,
     Rdma,
@@ -199,13 +209,38 @@ pub enum PathClass {
     Other,
 }
 
+impl PathClass {
+    /// A device file whose mere presence (open or mapped) makes a process worth a full read in a node
+    /// scan. Render nodes are left out: alone they are any GPU's (they count next to `/dev/kfd`).
+    pub fn is_device(self) -> bool {
+        matches!(
+            self,
+            PathClass::NvidiaCtl
+                | PathClass::NvidiaGpu(_)
+                | PathClass::NvidiaOther
+                | PathClass::NvidiaUvm
+                | PathClass::NvidiaCaps
+                | PathClass::NvidiaCapsMgmt
+                | PathClass::Kfd
+                | PathClass::Rdma
+                | PathClass::PciBar
+        )
+    }
+}
+
 /// Classifies a device or file path (from maps or an fd link).
 pub fn classify_path(path: &str) -> PathClass {
     if let Some(rest) = path.strip_prefix("/dev/nvidia") {
         return match rest {
             "ctl" => PathClass::NvidiaCtl,
             "-uvm" | "-uvm-tools" => PathClass::NvidiaUvm,
-            _ if rest.starts_with("-caps") => PathClass::NvidiaCaps,
+            _ if rest.starts_with("-caps") => {
+                // Minors 1 and 2 are "config" and "monitor" in /proc/driver/nvidia-caps/mig-minors.
+                match rest.rsplit("nvidia-cap").next() {
+                    Some("1") | Some("2") => PathClass::NvidiaCapsMgmt,
+                    _ => PathClass::NvidiaCaps,
+                }
+            }
             _ if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) => rest
                 .parse()
                 .map(PathClass::NvidiaGpu)
@@ -327,7 +362,9 @@ pub fn classify(
         let class = classify_path(target);
         let kind = match class {
             PathClass::NvidiaCtl => FindingKind::NvidiaCtl,
-            PathClass::NvidiaGpu(_) | PathClass::NvidiaOther => FindingKind::NvidiaDevice,
+            PathClass::NvidiaGpu(_) | PathClass::NvidiaOther | PathClass::NvidiaCapsMgmt => {
+                FindingKind::NvidiaDevice
+            }
             PathClass::NvidiaUvm => FindingKind::NvidiaUvm,
             PathClass::NvidiaCaps => FindingKind::Mig,
             PathClass::Kfd | PathClass::RenderNode => FindingKind::AmdGpu,
@@ -341,6 +378,8 @@ pub fn classify(
                     if let Some(path) = (ctx.socket_path)(inode) {
                         if ctx.simulator && path.starts_with(SIM_SOCKET_PREFIX) {
                             sockets.push((FindingKind::CudaLibrary, *fd, path, true));
+                        } else if path.starts_with(CUDA_UVMFD_SOCKET_PREFIX) {
+                            sockets.push((FindingKind::CudaLibrary, *fd, path, false));
                         } else if is_mps_socket(&path, snap) {
                             sockets.push((FindingKind::Mps, *fd, path, false));
                         }
@@ -356,6 +395,7 @@ pub fn classify(
         }
     }
 
+    let mut driver_uvm_seen = false;
     for m in &snap.maps {
         let Some(path) = m.path.as_deref() else {
             continue;
@@ -365,7 +405,12 @@ pub fn classify(
         }
         let class = classify_path(path);
         let kind = match class {
-            PathClass::NvidiaCtl | PathClass::NvidiaGpu(_) | PathClass::NvidiaOther => {
+            PathClass::NvidiaCtl
+            | PathClass::NvidiaGpu(_)
+            | PathClass::NvidiaOther
+            | PathClass::NvidiaCapsMgmt => FindingKind::DeviceMapping,
+            PathClass::NvidiaUvm if !driver_uvm_seen && is_driver_uvm_mapping(m) => {
+                driver_uvm_seen = true;
                 FindingKind::DeviceMapping
             }
             PathClass::NvidiaUvm => FindingKind::ManagedMemory,
@@ -414,6 +459,11 @@ pub fn classify(
         }
     }
 
+    // A CUDA process that holds no NVIDIA device file but still has the driver's UVM socket: the
+    // driver checkpointed it (real capture malloc-checkpointed-462).
+    let nvidia_devices = acc
+        .keys()
+        .any(|(k, _)| matches!(k, FindingKind::NvidiaCtl | FindingKind::NvidiaDevice));
     let mut out: Vec<Finding> = Vec::new();
     let finding = |kind, evidence| Finding {
         kind,
@@ -443,8 +493,15 @@ pub fn classify(
     for (kind, fd, path, simulated) in sockets {
         let detail = if simulated {
             format!("fd {fd} is the GPU simulator's control socket {path} (simulated CUDA process)")
-        } else {
+        } else if kind == FindingKind::Mps {
             format!("fd {fd} is a socket in the MPS pipe folder: {path}")
+        } else if nvidia_devices {
+            format!("fd {fd} is the CUDA driver's UVM channel {path} (every CUDA process has one)")
+        } else {
+            format!(
+                "fd {fd} is the CUDA driver's UVM channel {path}, yet no NVIDIA device file is open: \
+                 the driver has checkpointed this process (its CUDA calls block until it is restored)"
+            )
         };
         out.push(finding(
             kind,
@@ -559,6 +616,21 @@ pub fn classify(
     out
 }
 
+/// Highest address of the driver's own `/dev/nvidia-uvm` mapping: it lies in the low region CUDA reserves
+/// at 0x200000000 (0x204a00000 on driver 580), far below where managed allocations are mapped.
+const DRIVER_UVM_BELOW: u64 = 0x10_0000_0000;
+/// Size of the driver's own `/dev/nvidia-uvm` mapping (2 MiB on driver 580).
+const DRIVER_UVM_MAX_SIZE: u64 = 2 << 20;
+
+/// Every CUDA process maps `/dev/nvidia-uvm` once for the driver itself (`204a00000-204c00000 rw-s
+/// 204a00000 ... /dev/nvidia-uvm` on driver 580, see docs/hardware.md): that mapping is not managed
+/// memory. At most one such mapping, small and in the low reserved region, is taken for it (maps come in
+/// address order, so it is the lowest); every other mapping of the device is managed memory
+/// (`cudaMallocManaged` maps its allocations at their own address, in the mmap area).
+fn is_driver_uvm_mapping(m: &MapEntry) -> bool {
+    m.shared && m.size() <= DRIVER_UVM_MAX_SIZE && m.end <= DRIVER_UVM_BELOW
+}
+
 /// The CUDA restore thread is named `cuda` + hex digits (an undocumented driver detail, distinct from
 /// `cuda-EvtHandlr`); trust the name only when exactly one thread carries such a name.
 fn restore_thread(threads: &[(i32, String)]) -> Option<(i32, String)> {
@@ -609,11 +681,20 @@ fn describe(kind: FindingKind, path: &str, a: &Acc) -> String {
     };
     let what = match kind {
         FindingKind::NvidiaCtl => "NVIDIA control device open",
+        FindingKind::NvidiaDevice if path.starts_with("/dev/nvidia-caps/") => {
+            "MIG config/monitor capability open (NVML opens it with MIG off; not MIG use)"
+        }
         FindingKind::NvidiaDevice => "NVIDIA device open",
         FindingKind::NvidiaUvm => "NVIDIA UVM device open",
         FindingKind::ManagedMemory => "managed (UVM) memory",
         FindingKind::DeviceMapping if a.simulated => "simulated device memory",
         FindingKind::DeviceMapping if path == "/dev/nvidiactl" => "driver / pinned host memory",
+        FindingKind::DeviceMapping if path == "/dev/nvidia-uvm" => {
+            "the driver's own UVM mapping (every CUDA process has one; not managed memory)"
+        }
+        FindingKind::DeviceMapping if path.starts_with("/dev/nvidia-caps/") => {
+            "MIG config/monitor capability (NVML opens it with MIG off; not MIG use)"
+        }
         FindingKind::DeviceMapping => "GPU memory or BAR window mapped to the host",
         FindingKind::Mig => "MIG capability device",
         FindingKind::AmdGpu => "AMD GPU device",
@@ -663,6 +744,18 @@ mod tests {
         );
         assert_eq!(
             classify_path("/dev/nvidia-caps/nvidia-cap21"),
+            PathClass::NvidiaCaps
+        );
+        assert_eq!(
+            classify_path("/dev/nvidia-caps/nvidia-cap1"),
+            PathClass::NvidiaCapsMgmt
+        );
+        assert_eq!(
+            classify_path("/dev/nvidia-caps/nvidia-cap2"),
+            PathClass::NvidiaCapsMgmt
+        );
+        assert_eq!(
+            classify_path("/dev/nvidia-caps/nvidia-cap12"),
             PathClass::NvidiaCaps
         );
         assert_eq!(classify_path("/dev/nvidiafoo"), PathClass::Other);

@@ -238,12 +238,13 @@ pub fn container_id(cgroup: &str) -> Option<String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnixSocket {
     pub inode: u64,
-    /// Bound path; abstract names start with `@`.
+    /// Bound path; abstract names start with `@`; empty for unnamed sockets.
     pub path: String,
 }
 
-/// Parses `net/unix`, keeping the sockets that have a path (unnamed ones tell us nothing). Lines that
-/// do not parse are skipped: the file is a diagnostic aid and the kernel's format has grown columns.
+/// Parses `net/unix`. Unnamed sockets are kept (with an empty path) so that a lookup can tell "this
+/// namespace's socket, unnamed" from "not in this namespace". Lines that do not parse are skipped: the
+/// file is a diagnostic aid and the kernel's format has grown columns.
 pub fn parse_net_unix(data: &[u8]) -> Vec<UnixSocket> {
     let text = String::from_utf8_lossy(data);
     text.lines()
@@ -253,7 +254,7 @@ pub fn parse_net_unix(data: &[u8]) -> Vec<UnixSocket> {
             let mut f = line.split_ascii_whitespace();
             let inode = f.nth(6)?.parse().ok()?;
             let path: Vec<&str> = f.collect();
-            (!path.is_empty()).then(|| UnixSocket {
+            Some(UnixSocket {
                 inode,
                 path: path.join(" "),
             })
@@ -390,9 +391,11 @@ mod tests {
 0000000000000000: 00000003 00000000 00000000 0001 03 4243\n\
 0000000000000000: 00000002 00000000 00010000 0001 01 4244 /tmp/nvidia-mps/control\n";
         let socks = parse_net_unix(data);
-        assert_eq!(socks.len(), 2);
+        assert_eq!(socks.len(), 3);
         assert_eq!(socks[0].inode, 4242);
         assert_eq!(socks[0].path, "@gpu-checkpoint-sim/1");
+        assert_eq!((socks[1].inode, socks[1].path.as_str()), (4243, ""));
+        assert_eq!(socks[2].path, "/tmp/nvidia-mps/control");
         assert_eq!(socket_inode("socket:[4242]"), Some(4242));
         assert_eq!(socket_inode("/dev/null"), None);
     }
@@ -406,6 +409,23 @@ mod tests {
         assert_eq!(parse_driver_version(open).as_deref(), Some("580.65.06"));
         assert_eq!(driver_major("550.54.14"), Some(550));
         assert_eq!(parse_driver_version(b"garbage"), None);
+    }
+
+    proptest::proptest! {
+        /// Whatever a maps, stat or status file holds, parsing returns a value or an error, never panics.
+        #[test]
+        fn parsers_never_panic(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+                               line in "[0-9a-f -]{0,20}[rwxsp-]{0,5}[ 0-9a-f:]{0,30}.{0,20}") {
+            let _ = parse_maps(&data, Path::new(P));
+            let _ = parse_maps_line(&line);
+            let _ = parse_stat(&data, Path::new("stat"));
+            let _ = parse_stat(line.as_bytes(), Path::new("stat"));
+            let _ = parse_nspid(&data);
+            let _ = parse_gpu_environ(&data);
+            let _ = parse_cgroup(&data);
+            let _ = parse_net_unix(&data);
+            let _ = parse_driver_version(&data);
+        }
     }
 
     #[test]

@@ -4,8 +4,10 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use super::findings::{
-    classify, classify_path, ClassifyContext, PathClass, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX,
+    classify, classify_path, ClassifyContext, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX,
 };
 use super::nvml::GpuInventory;
 use super::parse::{self, socket_inode};
@@ -85,11 +87,27 @@ pub fn detect_all_with(
 
     let mut pids = root.pids()?;
     pids.sort_unstable();
+    // On the live /proc, leave ourselves out: asking NVML opened /dev/nvidiactl in this very process.
+    if opts.proc_root == std::path::Path::new("/proc") {
+        let me = std::process::id() as i32;
+        pids.retain(|&p| p != me);
+    }
+    // The cheap filter over every process is most of the cost of a node scan, and each process is
+    // independent: spread it over the cores (one read buffer per worker).
+    let filtered: Vec<(i32, Result<bool, Error>)> = pids
+        .par_iter()
+        .map_init(Reader::default, |reader, &pid| {
+            (
+                pid,
+                is_candidate(&root, reader, pid, opts.simulator, &sim_sockets),
+            )
+        })
+        .collect();
     let mut analysed = Vec::new();
     let mut denied = 0usize;
-    for pid in pids {
+    for (pid, filter) in filtered {
         let candidate = nvml.contains_key(&pid)
-            || match is_candidate(&root, &mut reader, pid, opts.simulator, &sim_sockets) {
+            || match filter {
                 Ok(c) => c,
                 Err(Error::PermissionDenied { .. }) => {
                     denied += 1;
@@ -153,23 +171,10 @@ fn is_candidate(
             return Ok(true);
         }
     }
-    for (_, target) in root.fds(pid)? {
-        match classify_path(&target) {
-            PathClass::NvidiaCtl
-            | PathClass::NvidiaGpu(_)
-            | PathClass::NvidiaOther
-            | PathClass::NvidiaUvm
-            | PathClass::NvidiaCaps
-            | PathClass::Kfd
-            | PathClass::Rdma
-            | PathClass::PciBar => return Ok(true),
-            _ if simulator && socket_inode(&target).is_some_and(|i| sim_sockets.contains(&i)) => {
-                return Ok(true)
-            }
-            _ => {}
-        }
-    }
-    Ok(false)
+    Ok(root.fds(pid)?.iter().any(|(_, target)| {
+        classify_path(target).is_device()
+            || (simulator && socket_inode(target).is_some_and(|i| sim_sockets.contains(&i)))
+    }))
 }
 
 /// Findings of one process: /proc classification plus what NVML said about it.
@@ -401,7 +406,7 @@ impl<'a> Sockets<'a> {
     fn path(&self, pid: i32, inode: u64) -> Option<String> {
         self.load();
         if let Some(p) = self.table.borrow().as_ref().and_then(|t| t.get(&inode)) {
-            return Some(p.clone());
+            return (!p.is_empty()).then(|| p.clone());
         }
         if !self.merged.borrow_mut().insert(pid) {
             return None;
@@ -413,7 +418,7 @@ impl<'a> Sockets<'a> {
             for s in parse::parse_net_unix(&buf) {
                 t.entry(s.inode).or_insert(s.path);
             }
-            return t.get(&inode).cloned();
+            return t.get(&inode).filter(|p| !p.is_empty()).cloned();
         }
         None
     }

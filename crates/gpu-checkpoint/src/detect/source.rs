@@ -58,11 +58,6 @@ impl ProcRoot {
         &self.path
     }
 
-    /// True when this is the live `/proc` of this machine (NVML is only asked then).
-    pub fn is_live(&self) -> bool {
-        self.path == Path::new("/proc")
-    }
-
     pub fn pid_dir(&self, pid: i32) -> PathBuf {
         self.path.join(pid.to_string())
     }

@@ -173,8 +173,9 @@ pub fn decide_process(
                     "managed (UVM) memory: {n} mapping(s) of /dev/nvidia-uvm, {} in all",
                     human_bytes(size)
                 ),
-                "the CUDA checkpoint does not support managed memory (cudaMallocManaged) and can leave the \
-                 process broken: allocate with cudaMalloc instead, or wait for driver support",
+                "the CUDA checkpoint does not support managed memory (cudaMallocManaged): driver 580 \
+                 refuses it (NOT_SUPPORTED) and older drivers can leave the process broken. Allocate with \
+                 cudaMalloc instead, or wait for driver support",
             );
         }
         let ipc_ok = scope.tree && scope.driver_major.is_some_and(|d| d >= MIN_DRIVER_IPC);
