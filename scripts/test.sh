@@ -7,4 +7,4 @@ bash scripts/setup.sh
 . scripts/env.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
-cargo test --workspace
+cargo test --workspace --no-fail-fast

@@ -189,6 +189,10 @@ pub fn parse_nspid(data: &[u8]) -> Vec<i32> {
 /// Variables detection cares about: the GPU-related prefixes that `capture-proc.sh` also keeps.
 pub const GPU_ENV_PREFIXES: &[&str] = &["CUDA_", "NCCL_", "NVIDIA_", "HIP_", "ROCR_", "GPU_"];
 
+/// gpu-checkpoint's own settings (`GPU_CHECKPOINT_CRIU`, ...): they match the `GPU_` prefix but describe
+/// this tool, and every process our scripts start inherits them, so they are no evidence of GPU state.
+const OWN_ENV_PREFIX: &str = "GPU_CHECKPOINT_";
+
 /// Parses `environ` (NUL-separated `NAME=VALUE`), keeping only variables whose name starts with one of
 /// [`GPU_ENV_PREFIXES`]. Values of other variables never leave this function: they may hold secrets.
 pub fn parse_gpu_environ(data: &[u8]) -> Vec<(String, String)> {
@@ -197,6 +201,7 @@ pub fn parse_gpu_environ(data: &[u8]) -> Vec<(String, String)> {
             GPU_ENV_PREFIXES
                 .iter()
                 .any(|p| rec.starts_with(p.as_bytes()))
+                && !rec.starts_with(OWN_ENV_PREFIX.as_bytes())
         })
         .filter_map(|rec| {
             let eq = rec.iter().position(|&b| b == b'=')?;
@@ -362,13 +367,15 @@ mod tests {
     #[test]
     fn environ_keeps_only_gpu_variables() {
         let env = parse_gpu_environ(
-            b"HOME=/root\0CUDA_VISIBLE_DEVICES=0,1\0SECRET=x\0NCCL_DEBUG=INFO\0GPU_X\0",
+            b"HOME=/root\0CUDA_VISIBLE_DEVICES=0,1\0SECRET=x\0NCCL_DEBUG=INFO\0GPU_X\0\
+              GPU_CHECKPOINT_CRIU=/opt/criu\0GPU_DEVICE_ORDINAL=1\0",
         );
         assert_eq!(
             env,
             vec![
                 ("CUDA_VISIBLE_DEVICES".to_string(), "0,1".to_string()),
-                ("NCCL_DEBUG".to_string(), "INFO".to_string())
+                ("NCCL_DEBUG".to_string(), "INFO".to_string()),
+                ("GPU_DEVICE_ORDINAL".to_string(), "1".to_string()),
             ]
         );
     }
