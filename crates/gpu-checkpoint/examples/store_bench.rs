@@ -3,16 +3,18 @@
 //!
 //! ```text
 //! cargo run --release -p gpu-checkpoint --example store_bench -- [--dir DIR] [--size-gib N] [--level L]
-//!           [--threads N] [--keep]
+//!           [--threads N] [--rounds N] [--keep]
 //! ```
 //! DIR (default /var/tmp/gpu-checkpoint-store-bench) must be on the disk under test; it is emptied first.
-//! Every step starts after a `sync`, with the source folder in the page cache for all contenders.
+//! Every step starts after a `sync`, with the source folder in the page cache for all contenders. Each round
+//! runs every contender once, alternating; the figures are medians over the rounds, wall and CPU time
+//! (user + system: on a busy machine the wall time mostly says how much CPU the scheduler handed out).
 
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
 
@@ -23,6 +25,7 @@ struct Args {
     size_gib: f64,
     level: i32,
     threads: usize,
+    rounds: usize,
     keep: bool,
 }
 
@@ -32,6 +35,7 @@ fn parse_args() -> Args {
         size_gib: 4.0,
         level: StoreOptions::default().zstd_level,
         threads: 0,
+        rounds: 3,
         keep: false,
     };
     let mut it = std::env::args().skip(1);
@@ -42,6 +46,7 @@ fn parse_args() -> Args {
             "--size-gib" => a.size_gib = val().parse().expect("--size-gib N"),
             "--level" => a.level = val().parse().expect("--level L"),
             "--threads" => a.threads = val().parse().expect("--threads N"),
+            "--rounds" => a.rounds = val().parse().expect("--rounds N"),
             "--keep" => a.keep = true,
             other => panic!("unknown argument {other}"),
         }
@@ -120,11 +125,47 @@ fn make_source(src: &Path, bytes: u64) {
     }
 }
 
-fn sh(cmd: &str) -> Duration {
+/// CPU seconds (user + system) of this process and of its waited-for children so far.
+fn cpu_times() -> (f64, f64) {
+    let get = |who| {
+        // SAFETY: getrusage fills the struct we pass.
+        let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(who, &mut r) };
+        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+        tv(r.ru_utime) + tv(r.ru_stime)
+    };
+    (get(libc::RUSAGE_SELF), get(libc::RUSAGE_CHILDREN))
+}
+
+/// Wall and CPU time of one step.
+#[derive(Clone, Copy, Default)]
+struct Cost {
+    wall: f64,
+    cpu: f64,
+}
+
+/// Runs a shell command; its cost is its wall time and its children's CPU time.
+fn sh(cmd: &str) -> Cost {
+    let (_, c0) = cpu_times();
     let t = Instant::now();
     let st = Command::new("sh").arg("-c").arg(cmd).status().unwrap();
     assert!(st.success(), "{cmd} failed");
-    t.elapsed()
+    Cost {
+        wall: t.elapsed().as_secs_f64(),
+        cpu: cpu_times().1 - c0,
+    }
+}
+
+/// Runs a step in this process; its cost is its wall time and this process's CPU time.
+fn here<T>(f: impl FnOnce() -> T) -> (T, Cost) {
+    let (c0, _) = cpu_times();
+    let t = Instant::now();
+    let r = f();
+    let cost = Cost {
+        wall: t.elapsed().as_secs_f64(),
+        cpu: cpu_times().0 - c0,
+    };
+    (r, cost)
 }
 
 fn sync() {
@@ -142,10 +183,18 @@ fn du(path: &Path) -> u64 {
 }
 
 fn peak_rss_mib() -> f64 {
+    status_mib("VmHWM:")
+}
+
+fn rss_mib() -> f64 {
+    status_mib("VmRSS:")
+}
+
+fn status_mib(key: &str) -> f64 {
     let s = fs::read_to_string("/proc/self/status").unwrap();
     let kb: f64 = s
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(key))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
@@ -166,8 +215,44 @@ fn link_into(src: &Path, staging: &Path) {
     }
 }
 
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Costs of one contender over all rounds.
+#[derive(Default)]
+struct Series(Vec<Cost>);
+
+impl Series {
+    fn wall(&self) -> f64 {
+        median(self.0.iter().map(|c| c.wall).collect())
+    }
+    fn cpu(&self) -> f64 {
+        median(self.0.iter().map(|c| c.cpu).collect())
+    }
+    fn all(&self) -> String {
+        let w: Vec<String> = self.0.iter().map(|c| format!("{:.2}", c.wall)).collect();
+        w.join(" ")
+    }
+}
+
+fn row(label: &str, s: &Series) {
+    println!(
+        "  {label:<24} {:7.2} s wall (median of {}: {}), {:6.2} s CPU",
+        s.wall(),
+        s.0.len(),
+        s.all(),
+        s.cpu()
+    );
+}
+
+fn ratio(label: &str, a: &Series, b: &Series, target: &str) {
+    println!(
+        "  {label:<34} wall {:5.2}   CPU {:5.2}   {target}",
+        a.wall() / b.wall(),
+        a.cpu() / b.cpu()
+    );
 }
 
 fn main() {
@@ -182,7 +267,7 @@ fn main() {
     eprintln!(
         "generated {:.2} GiB in {:.1} s",
         logical as f64 / (1u64 << 30) as f64,
-        secs(t.elapsed())
+        t.elapsed().as_secs_f64()
     );
     let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     sync();
@@ -192,70 +277,94 @@ fn main() {
         threads: a.threads,
         ..StoreOptions::default()
     };
-    let store_dir = a.dir.join("store");
-    let store = Store::open(&store_dir, opts.clone()).unwrap();
+    let [mut cp, mut cp_sync, mut tar, mut ingest, mut reingest, mut cp_back, mut mat]: [Series;
+        7] = Default::default();
+    let (mut first_bytes, mut second_bytes, mut stored, mut tar_size) = (0, 0, 0, 0);
+    let (mut ingest_rss, mut mat_rss, mut base_rss, mut zero, mut comp) =
+        (0f64, 0f64, 0f64, 0, 0.0);
+    for round in 0..a.rounds {
+        eprintln!("round {}/{}", round + 1, a.rounds);
+        let store_dir = a.dir.join("store");
+        let cp_dst = a.dir.join("cp");
+        let back_cp = a.dir.join("back-cp");
+        let back = a.dir.join("back-store");
+        let tar_out = a.dir.join("images.tar.zst");
+        for p in [&store_dir, &cp_dst, &back_cp, &back] {
+            let _ = fs::remove_dir_all(p);
+        }
+        let _ = fs::remove_file(&tar_out);
+        sync();
+        let store = Store::open(&store_dir, opts.clone()).unwrap();
 
-    // 1. cp -r, then our ingest, then tar | zstd -1 (each after a sync, the source cached for all).
-    let cp_dst = a.dir.join("cp");
-    let cp = sh(&format!("cp -r {} {}", src.display(), cp_dst.display()));
-    let cp_sync = cp + sh("sync");
+        // 1. Ingest: cp -r, our ingest, tar | zstd -1, each after a sync, the source cached for all.
+        let c = sh(&format!("cp -r {} {}", src.display(), cp_dst.display()));
+        cp.0.push(c);
+        let s = sh("sync");
+        cp_sync.0.push(Cost {
+            wall: c.wall + s.wall,
+            cpu: c.cpu + s.cpu,
+        });
 
-    reset_peak_rss();
-    let ing = store.begin(Some("bench")).unwrap();
-    link_into(&src, ing.staging_dir());
-    let t = Instant::now();
-    let first = ing
-        .commit(serde_json::json!({"bench": true}), &NoProgress)
-        .unwrap();
-    let ingest = t.elapsed();
-    let ingest_rss = peak_rss_mib();
-    sync();
+        reset_peak_rss();
+        base_rss = base_rss.max(rss_mib());
+        let ing = store.begin(Some("bench")).unwrap();
+        link_into(&src, ing.staging_dir());
+        let (first, c) = here(|| {
+            ing.commit(serde_json::json!({"bench": true}), &NoProgress)
+                .unwrap()
+        });
+        ingest.0.push(c);
+        ingest_rss = ingest_rss.max(peak_rss_mib());
+        sync();
 
-    let tar_out = a.dir.join("images.tar.zst");
-    let tar = sh(&format!(
-        "tar -C {} -cf - . | zstd -1 -q -o {}",
-        src.display(),
-        tar_out.display()
-    ));
-    sync();
+        tar.0.push(sh(&format!(
+            "tar -C {} -cf - . | zstd -1 -q -o {}",
+            src.display(),
+            tar_out.display()
+        )));
+        sync();
+
+        // 2. An unchanged re-checkpoint.
+        let ing = store.begin(Some("bench")).unwrap();
+        link_into(&src, ing.staging_dir());
+        let (second, c) = here(|| {
+            ing.commit(serde_json::json!({"bench": true}), &NoProgress)
+                .unwrap()
+        });
+        reingest.0.push(c);
+        sync();
+
+        // 3. Materialize vs cp -r back (from the cp copy, equally cached).
+        cp_back.0.push(sh(&format!(
+            "cp -r {} {}",
+            cp_dst.display(),
+            back_cp.display()
+        )));
+        sync();
+        reset_peak_rss();
+        let (_, c) = here(|| store.materialize(&first.id, &back, &NoProgress).unwrap());
+        mat.0.push(c);
+        mat_rss = mat_rss.max(peak_rss_mib());
+        sync();
+        sh(&format!(
+            "cmp {} {}",
+            src.join("pages-1.img").display(),
+            back.join("pages-1.img").display()
+        ));
+
+        first_bytes = first.stats.new_bytes + first.stats.manifest_bytes;
+        second_bytes = second.stats.new_bytes + second.stats.manifest_bytes;
+        stored = du(&store_dir.join("chunks"));
+        tar_size = fs::metadata(&tar_out).unwrap().len();
+        zero = first.stats.zero_bytes;
+        comp = first.stats.compression_ratio;
+    }
     let zstd_out = a.dir.join("pages.zst");
     sh(&format!(
         "zstd -1 -q -o {} {}",
         zstd_out.display(),
         src.join("pages-1.img").display()
     ));
-    sync();
-
-    // 2. An unchanged re-checkpoint.
-    let ing = store.begin(Some("bench")).unwrap();
-    link_into(&src, ing.staging_dir());
-    let t = Instant::now();
-    let second = ing
-        .commit(serde_json::json!({"bench": true}), &NoProgress)
-        .unwrap();
-    let reingest = t.elapsed();
-    sync();
-
-    // 3. Materialize vs cp -r back (from the cp copy, equally cached).
-    let back_cp = a.dir.join("back-cp");
-    let cp_back = sh(&format!("cp -r {} {}", cp_dst.display(), back_cp.display()));
-    sync();
-    reset_peak_rss();
-    let back = a.dir.join("back-store");
-    let t = Instant::now();
-    store.materialize(&first.id, &back, &NoProgress).unwrap();
-    let mat = t.elapsed();
-    let mat_rss = peak_rss_mib();
-    sync();
-    let same = sh(&format!(
-        "cmp {} {}",
-        src.join("pages-1.img").display(),
-        back.join("pages-1.img").display()
-    ));
-    let _ = same;
-
-    let stored = du(&store_dir.join("chunks"));
-    let tar_size = fs::metadata(&tar_out).unwrap().len();
     let zstd_size = fs::metadata(&zstd_out).unwrap().len();
     let gib = logical as f64 / (1u64 << 30) as f64;
     let load_end = fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -265,7 +374,7 @@ fn main() {
         a.dir.display()
     );
     println!(
-        "  zstd level {}, threads {}, {} cores, loadavg before {} after {}",
+        "  zstd level {}, threads {}, {} cores; loadavg before: {}; after: {}",
         opts.zstd_level,
         if opts.threads == 0 {
             "all".to_string()
@@ -278,67 +387,40 @@ fn main() {
         load.trim(),
         load_end.trim()
     );
-    println!("ingest");
-    println!(
-        "  cp -r                 {:7.2} s   ({:.2} s with sync)",
-        secs(cp),
-        secs(cp_sync)
-    );
-    println!("  tar | zstd -1         {:7.2} s", secs(tar));
-    println!(
-        "  gpu-checkpoint ingest {:7.2} s   (durable; sync {:.2} s; peak RSS {:.0} MiB)",
-        secs(ingest),
-        first.stats.sync_ms as f64 / 1000.0,
-        ingest_rss
-    );
-    println!(
-        "  ratio ingest / cp -r          {:.2}  (target <= 1.25)",
-        secs(ingest) / secs(cp)
-    );
-    println!(
-        "  ratio ingest / (cp -r + sync) {:.2}",
-        secs(ingest) / secs(cp_sync)
-    );
-    println!(
-        "  ratio ingest / tar|zstd -1    {:.2}  (target < 1)",
-        secs(ingest) / secs(tar)
-    );
+    println!("ingest (ours is durable: every chunk and the manifest synced)");
+    row("cp -r", &cp);
+    row("cp -r + sync", &cp_sync);
+    row("tar | zstd -1", &tar);
+    row("gpu-checkpoint ingest", &ingest);
+    println!("  peak RSS of the ingest {ingest_rss:.0} MiB (the benchmark process held {base_rss:.0} MiB before)");
+    ratio("ingest / cp -r", &ingest, &cp, "(target <= 1.25)");
+    ratio("ingest / (cp -r + sync)", &ingest, &cp_sync, "");
+    ratio("ingest / tar|zstd -1", &ingest, &tar, "(target < 1)");
     println!("unchanged re-checkpoint");
+    row("first", &ingest);
+    row("second", &reingest);
+    println!("  bytes written: first {first_bytes}, second {second_bytes}");
     println!(
-        "  first  wrote {:>14} bytes in {:.2} s",
-        first.stats.new_bytes + first.stats.manifest_bytes,
-        secs(ingest)
+        "  second / first: bytes {:.4}% (target < 2%), wall {:.1}% CPU {:.1}% (target < 30%)",
+        100.0 * second_bytes as f64 / first_bytes as f64,
+        100.0 * reingest.wall() / ingest.wall(),
+        100.0 * reingest.cpu() / ingest.cpu()
     );
-    println!(
-        "  second wrote {:>14} bytes in {:.2} s",
-        second.stats.new_bytes + second.stats.manifest_bytes,
-        secs(reingest)
-    );
-    println!(
-        "  ratio bytes {:.4}% (target < 2%), time {:.1}% (target < 30%)",
-        100.0 * (second.stats.new_bytes + second.stats.manifest_bytes) as f64
-            / (first.stats.new_bytes + first.stats.manifest_bytes) as f64,
-        100.0 * secs(reingest) / secs(ingest)
-    );
-    println!("materialize");
-    println!("  cp -r back            {:7.2} s", secs(cp_back));
-    println!(
-        "  gpu-checkpoint        {:7.2} s   (every chunk verified; peak RSS {:.0} MiB)",
-        secs(mat),
-        mat_rss
-    );
-    println!(
-        "  ratio materialize / cp -r     {:.2}  (target <= 1.25)",
-        secs(mat) / secs(cp_back)
-    );
+    println!("materialize (ours verifies every chunk)");
+    row("cp -r back", &cp_back);
+    row("gpu-checkpoint", &mat);
+    println!("  peak RSS of materialize {mat_rss:.0} MiB");
+    ratio("materialize / cp -r", &mat, &cp_back, "(target <= 1.25)");
     println!("size");
-    println!("  logical               {:>14} bytes", logical);
-    println!("  store (chunks)        {:>14} bytes  ({:.2}x smaller; zero {} B, dedup {:.2}x, compression {:.2}x)",
-        stored, logical as f64 / stored as f64, first.stats.zero_bytes, first.stats.dedup_ratio, first.stats.compression_ratio);
-    println!("  zstd -1 (pages file)  {:>14} bytes", zstd_size);
-    println!("  tar | zstd -1         {:>14} bytes", tar_size);
+    println!("  logical               {logical:>14} bytes");
     println!(
-        "  ratio store / tar|zstd -1     {:.3}  (target <= 1)",
+        "  store (chunks)        {stored:>14} bytes  ({:.2}x smaller; {zero} zero bytes not stored, compression {comp:.2}x)",
+        logical as f64 / stored as f64
+    );
+    println!("  tar | zstd -1         {tar_size:>14} bytes");
+    println!("  zstd -1 (pages file)  {zstd_size:>14} bytes");
+    println!(
+        "  store / tar|zstd -1   {:.3}  (target <= 1)",
         stored as f64 / tar_size as f64
     );
     println!(

@@ -159,6 +159,13 @@ pub fn chunk_stream(
         params.avg_size as usize,
         params.max_size as usize,
     );
+    // A segment must hold a whole maximum chunk after the tail carried over from the previous one.
+    if pool.size < 2 * max {
+        return Err(std::io::Error::other(format!(
+            "segment size {} is below twice the maximum chunk size {max}",
+            pool.size
+        )));
+    }
     let mut prev: Option<(Arc<Segment>, Range<usize>)> = None;
     let mut index = 0usize;
     let mut offset = 0u64;

@@ -31,6 +31,9 @@ pub fn memory_budget(total: u64) -> u64 {
     (64 * MIB).max(total / 100)
 }
 
+/// Part of the budget kept for everything but the pipeline: the binary, its heap, the manifest.
+const RESERVE: u64 = 8 * MIB;
+
 /// How many workers and buffers an ingest or materialize uses, derived from the memory budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -42,12 +45,18 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Segments of 4 maximum chunks (so the copied tail is at most a quarter), at least 3 of them (one being
-    /// read, two being worked on); each worker needs a compression buffer of one maximum chunk plus its zstd
-    /// context. Workers are cut back before the budget is exceeded.
+    /// Segments hold 3 maximum chunks (8 when the budget is large: less of each segment's unfinished tail
+    /// is copied to the next), at least 3 of them (one being read, two being worked on); each worker needs a
+    /// compression buffer of one maximum chunk plus its zstd context. Workers are cut back before the budget
+    /// (less a reserve for the rest of the tool) is exceeded.
     pub fn new(total: u64, threads: usize, params: ChunkParams, zstd_level: i32) -> Plan {
-        let budget = memory_budget(total);
-        let segment_size = 4 * params.max_size as u64;
+        let budget = memory_budget(total) - RESERVE;
+        let max = params.max_size as u64;
+        let segment_size = if budget >= 128 * MIB {
+            8 * max
+        } else {
+            3 * max
+        };
         let per_worker = Self::per_worker(params, zstd_level);
         let threads = threads.max(1) as u64;
         let workers = threads.min((budget.saturating_sub(3 * segment_size) / per_worker).max(1));
@@ -528,15 +537,18 @@ mod tests {
                     assert!(p.workers >= 1 && p.workers <= threads);
                     assert!(p.segments >= 3);
                     assert!(
-                        p.memory() <= budget || (p.workers == 1 && p.segments == 3),
+                        p.memory() + RESERVE <= budget || (p.workers == 1 && p.segments == 3),
                         "{p:?} uses {} of {budget} for {total} bytes",
                         p.memory()
                     );
                 }
             }
         }
-        // Small checkpoints: 64 MiB; a 100 GiB checkpoint may use 1 GiB and gets every core.
-        assert!(Plan::new(1 << 30, 2, params, 2).memory() <= 64 << 20);
+        // Small checkpoints: 64 MiB, with room for the rest of the tool, and still two workers.
+        let small = Plan::new(1 << 30, 2, params, 2);
+        assert!(small.memory() + RESERVE <= 64 << 20, "{small:?}");
+        assert_eq!(small.workers, 2);
+        // A 100 GiB checkpoint may use 1 GiB and gets every core.
         assert_eq!(Plan::new(100 << 30, 64, params, 2).workers, 64);
     }
 }
