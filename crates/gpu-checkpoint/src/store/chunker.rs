@@ -96,9 +96,15 @@ impl SegmentPool {
         SegmentPool { give, take, size }
     }
 
-    fn get(&self) -> Vec<u8> {
+    /// A free segment, waiting for one if all are in use.
+    pub fn get(&self) -> Vec<u8> {
         // Cannot fail: we hold a sender ourselves.
         self.take.recv().expect("pool sender alive")
+    }
+
+    /// A free segment, if there is one right now.
+    pub fn try_get(&self) -> Option<Vec<u8>> {
+        self.take.try_recv().ok()
     }
 }
 
@@ -145,40 +151,77 @@ impl Piece {
     }
 }
 
-/// Cuts everything `reader` yields into chunks and passes them, in order, to `emit`. Stops early (returning
-/// `Ok`) if `emit` returns `false`. Returns the number of bytes read.
-pub fn chunk_stream(
-    mut reader: impl Read,
+/// Cuts one file (or any reader) into chunks, one segment at a time, so that whichever thread is free can
+/// advance it (see the ingest pipeline).
+pub struct Chunker<'h, R> {
+    reader: R,
     params: ChunkParams,
-    pool: &SegmentPool,
-    hints: Option<&Hints>,
-    mut emit: impl FnMut(Piece) -> bool,
-) -> std::io::Result<u64> {
-    let (min, avg, max) = (
-        params.min_size as usize,
-        params.avg_size as usize,
-        params.max_size as usize,
-    );
-    // A segment must hold a whole maximum chunk after the tail carried over from the previous one.
-    if pool.size < 2 * max {
-        return Err(std::io::Error::other(format!(
-            "segment size {} is below twice the maximum chunk size {max}",
-            pool.size
-        )));
+    hints: Option<&'h Hints>,
+    home: Sender<Vec<u8>>,
+    /// The unfinished tail of the previous segment.
+    prev: Option<(Arc<Segment>, Range<usize>)>,
+    index: usize,
+    offset: u64,
+    done: bool,
+}
+
+impl<'h, R: Read> Chunker<'h, R> {
+    pub fn new(
+        reader: R,
+        params: ChunkParams,
+        pool: &SegmentPool,
+        hints: Option<&'h Hints>,
+    ) -> std::io::Result<Self> {
+        // A segment must hold a whole maximum chunk after the tail carried over from the previous one.
+        if pool.size < 2 * params.max_size as usize {
+            return Err(std::io::Error::other(format!(
+                "segment size {} is below twice the maximum chunk size {}",
+                pool.size, params.max_size
+            )));
+        }
+        Ok(Chunker {
+            reader,
+            params,
+            hints,
+            home: pool.give.clone(),
+            prev: None,
+            index: 0,
+            offset: 0,
+            done: false,
+        })
     }
-    let mut prev: Option<(Arc<Segment>, Range<usize>)> = None;
-    let mut index = 0usize;
-    let mut offset = 0u64;
-    loop {
-        let mut buf = pool.get();
+
+    /// Bytes cut into chunks so far.
+    pub fn bytes(&self) -> u64 {
+        self.offset
+    }
+
+    /// True once every chunk has been emitted (or `emit` asked to stop).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Fills `buf` (a segment from the pool) with the previous tail and more input, and emits, in order,
+    /// every chunk whose end is known. `emit` returning `false` stops the chunker.
+    pub fn step(
+        &mut self,
+        mut buf: Vec<u8>,
+        emit: &mut dyn FnMut(Piece) -> bool,
+    ) -> std::io::Result<()> {
+        let (min, avg, max) = (
+            self.params.min_size as usize,
+            self.params.avg_size as usize,
+            self.params.max_size as usize,
+        );
+        let size = buf.len();
         let mut filled = 0;
-        if let Some((seg, tail)) = prev.take() {
+        if let Some((seg, tail)) = self.prev.take() {
             buf[..tail.len()].copy_from_slice(&seg.buf[tail.clone()]);
             filled = tail.len();
         }
         let mut eof = false;
-        while filled < pool.size {
-            match reader.read(&mut buf[filled..]) {
+        while filled < size {
+            match self.reader.read(&mut buf[filled..]) {
                 Ok(0) => {
                     eof = true;
                     break;
@@ -186,14 +229,15 @@ pub fn chunk_stream(
                 Ok(n) => filled += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    let _ = pool.give.send(buf);
+                    let _ = self.home.send(buf);
+                    self.done = true;
                     return Err(e);
                 }
             }
         }
         let seg = Arc::new(Segment {
             buf,
-            home: pool.give.clone(),
+            home: self.home.clone(),
         });
         let data = &seg.buf[..filled];
         let cdc = fastcdc::v2020::FastCDC::new(data, min, avg, max);
@@ -215,7 +259,7 @@ pub fn chunk_stream(
             if zeros >= min {
                 known = Some(None);
                 end = pos + zeros;
-            } else if let Some(hint) = hints.and_then(|h| h.at.get(&offset)) {
+            } else if let Some(hint) = self.hints.and_then(|h| h.at.get(&self.offset)) {
                 let hend = pos + hint.len as usize;
                 if hend <= filled {
                     let candidate = &data[pos..hend];
@@ -240,22 +284,41 @@ pub fn chunk_stream(
             let piece = Piece {
                 seg: seg.clone(),
                 range: pos..end,
-                index,
-                offset,
+                index: self.index,
+                offset: self.offset,
                 known,
             };
-            index += 1;
-            offset += (end - pos) as u64;
+            self.index += 1;
+            self.offset += (end - pos) as u64;
             pos = end;
             if !emit(piece) {
-                return Ok(offset);
+                self.done = true;
+                return Ok(());
             }
         }
         if eof {
-            return Ok(offset);
+            self.done = true;
+        } else {
+            self.prev = Some((seg, pos..filled));
         }
-        prev = Some((seg, pos..filled));
+        Ok(())
     }
+}
+
+/// Cuts everything `reader` yields into chunks and passes them, in order, to `emit` (one thread; tests and
+/// simple callers). Stops early if `emit` returns `false`. Returns the number of bytes cut.
+pub fn chunk_stream(
+    reader: impl Read,
+    params: ChunkParams,
+    pool: &SegmentPool,
+    hints: Option<&Hints>,
+    mut emit: impl FnMut(Piece) -> bool,
+) -> std::io::Result<u64> {
+    let mut chunker = Chunker::new(reader, params, pool, hints)?;
+    while !chunker.is_done() {
+        chunker.step(pool.get(), &mut emit)?;
+    }
+    Ok(chunker.bytes())
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use super::backend::LockGuard;
 use super::chunk::{is_zero, ChunkId, Encoder};
-use super::chunker::{chunk_stream, ChunkParams, Hints, Piece, SegmentPool};
+use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::{Inner, Progress};
@@ -117,6 +117,87 @@ struct Collected {
     new_bytes: u64,
     zero_bytes: u64,
     error: Option<Error>,
+}
+
+impl Collected {
+    fn record(&mut self, file: usize, index: usize, cref: ChunkRef, outcome: Outcome, len: u64) {
+        let slots = &mut self.chunks[file];
+        if slots.len() <= index {
+            slots.resize(index + 1, None);
+        }
+        slots[index] = Some(cref);
+        match outcome {
+            Outcome::Zero => self.zero_bytes += len,
+            Outcome::Duplicate => {}
+            Outcome::Present(stored) => {
+                self.stored
+                    .insert(cref.id.expect("non-zero"), (stored, cref.len));
+            }
+            Outcome::New(stored) => {
+                let id = cref.id.expect("non-zero");
+                self.stored.insert(id, (stored, cref.len));
+                self.new.push(id);
+                self.new_bytes += stored;
+            }
+        }
+    }
+}
+
+/// The reading side of the pipeline: which file is being cut, and the queue its chunks go to. Behind a
+/// mutex; whichever worker holds it advances it by one segment.
+struct Reader<'a> {
+    files: &'a [FileToIngest],
+    pool: &'a SegmentPool,
+    hints: &'a HashMap<String, Hints>,
+    params: ChunkParams,
+    next: usize,
+    current: Option<(usize, Chunker<'a, File>)>,
+    /// Dropped when every file has been read (or on failure): the workers then drain the queue and stop.
+    tx: Option<crossbeam_channel::Sender<(usize, Piece)>>,
+}
+
+impl Reader<'_> {
+    /// Reads one segment's worth of the current file (opening the next one if needed) into `buf`.
+    fn step(&mut self, buf: Vec<u8>) -> Result<()> {
+        if self.current.is_none() {
+            let Some(f) = self.files.get(self.next) else {
+                self.tx = None;
+                return Ok(());
+            };
+            let file = File::open(&f.abs).map_err(Error::io("cannot open image file", &f.abs))?;
+            // SAFETY: advisory hint on a valid fd: read ahead more aggressively.
+            unsafe {
+                libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+            }
+            let chunker = Chunker::new(file, self.params, self.pool, self.hints.get(&f.rel))
+                .map_err(Error::io("cannot read image file", &f.abs))?;
+            self.current = Some((self.next, chunker));
+            self.next += 1;
+        }
+        let (i, chunker) = self.current.as_mut().expect("set above");
+        let i = *i;
+        let f = &self.files[i];
+        let tx = self.tx.as_ref().expect("only called while reading");
+        chunker
+            .step(buf, &mut |piece| tx.send((i, piece)).is_ok())
+            .map_err(Error::io("cannot read image file", &f.abs))?;
+        if chunker.is_done() {
+            if chunker.bytes() != f.size {
+                // The file changed under us (CRIU still writing?): refuse to store a torn image.
+                return Err(Error::Invalid(format!(
+                    "image file {} changed size during ingest ({} -> {} bytes)",
+                    f.abs.display(),
+                    f.size,
+                    chunker.bytes()
+                )));
+            }
+            self.current = None;
+            if self.next == self.files.len() {
+                self.tx = None;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Ingest {
@@ -324,12 +405,27 @@ impl Ingest {
             let mut c = collected.lock().unwrap_or_else(|p| p.into_inner());
             c.error.get_or_insert(e);
         };
-        let (tx, rx) = crossbeam_channel::bounded::<(usize, Piece)>(plan.workers * 4);
+        // The queue itself is unbounded: what bounds it (and memory) is the segment pool, since every
+        // queued piece holds its segment.
+        let (tx, rx) = crossbeam_channel::unbounded::<(usize, Piece)>();
+        let reader = Mutex::new(Reader {
+            files,
+            pool: &pool,
+            hints,
+            params,
+            next: 0,
+            current: None,
+            tx: Some(tx),
+        });
 
+        // No thread is tied to a stage: each one advances the reader when the queue runs low and nobody else
+        // is reading, and otherwise stores queued chunks. On a busy machine every slice of CPU time a thread
+        // gets does useful work, instead of a stage thread waiting for another that is not scheduled.
         std::thread::scope(|s| {
             for _ in 0..plan.workers {
                 let rx = rx.clone();
-                let (collected, seen, failed, fail) = (&collected, &seen, &failed, &fail);
+                let (collected, seen, failed, fail, reader, pool) =
+                    (&collected, &seen, &failed, &fail, &reader, &pool);
                 s.spawn(move || {
                     let mut enc = match Encoder::new(level, params.max_size as usize) {
                         Ok(e) => Some(e),
@@ -338,38 +434,45 @@ impl Ingest {
                             None
                         }
                     };
-                    // Keep draining after a failure so the reader never blocks on a full queue.
-                    for (file, piece) in rx {
+                    let low_water = 2 * plan.workers;
+                    loop {
                         if failed.load(Ordering::Relaxed) {
-                            continue;
+                            // Stop reading; drop what is queued (returns the segments) and leave.
+                            if let Ok(mut r) = reader.lock() {
+                                r.tx = None;
+                            }
+                            while rx.try_recv().is_ok() {}
+                            break;
                         }
+                        if rx.len() < low_water {
+                            if let Ok(mut r) = reader.try_lock() {
+                                if r.tx.is_some() {
+                                    if let Some(buf) = pool.try_get() {
+                                        if let Err(e) = r.step(buf) {
+                                            r.tx = None;
+                                            fail(e);
+                                        }
+                                        continue;
+                                    }
+                                }
+                            }
+                        }
+                        let job = match rx.recv_timeout(std::time::Duration::from_millis(2)) {
+                            Ok(job) => job,
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                        };
+                        let (file, piece) = job;
                         let Some(enc) = enc.as_mut() else { continue };
                         match store_piece(backend, enc, seen, &piece) {
                             Ok((cref, outcome)) => {
                                 let len = piece.data().len() as u64;
-                                let (index, f) = (piece.index, file);
+                                let index = piece.index;
                                 drop(piece);
-                                let mut c = collected.lock().unwrap_or_else(|p| p.into_inner());
-                                let slots = &mut c.chunks[f];
-                                if slots.len() <= index {
-                                    slots.resize(index + 1, None);
-                                }
-                                slots[index] = Some(cref);
-                                match outcome {
-                                    Outcome::Zero => c.zero_bytes += len,
-                                    Outcome::Duplicate => {}
-                                    Outcome::Present(stored) => {
-                                        c.stored
-                                            .insert(cref.id.expect("non-zero"), (stored, cref.len));
-                                    }
-                                    Outcome::New(stored) => {
-                                        let id = cref.id.expect("non-zero");
-                                        c.stored.insert(id, (stored, cref.len));
-                                        c.new.push(id);
-                                        c.new_bytes += stored;
-                                    }
-                                }
-                                drop(c);
+                                collected
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .record(file, index, cref, outcome, len);
                                 progress.advance(len);
                             }
                             Err(e) => fail(e),
@@ -378,42 +481,6 @@ impl Ingest {
                 });
             }
             drop(rx);
-            for (i, f) in files.iter().enumerate() {
-                if failed.load(Ordering::Relaxed) {
-                    break;
-                }
-                let file = match File::open(&f.abs) {
-                    Ok(file) => file,
-                    Err(e) => {
-                        fail(Error::io("cannot open image file", &f.abs)(e));
-                        break;
-                    }
-                };
-                // SAFETY: advisory hint on a valid fd: read-ahead more aggressively.
-                unsafe {
-                    libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
-                }
-                let r = chunk_stream(&file, params, &pool, hints.get(&f.rel), |piece| {
-                    !failed.load(Ordering::Relaxed) && tx.send((i, piece)).is_ok()
-                });
-                match r {
-                    Err(e) => {
-                        fail(Error::io("cannot read image file", &f.abs)(e));
-                        break;
-                    }
-                    Ok(n) if n != f.size && !failed.load(Ordering::Relaxed) => {
-                        // The file changed under us (CRIU still writing?): refuse to store a torn image.
-                        fail(Error::Invalid(format!(
-                            "image file {} changed size during ingest ({} -> {n} bytes)",
-                            f.abs.display(),
-                            f.size
-                        )));
-                        break;
-                    }
-                    Ok(_) => {}
-                }
-            }
-            drop(tx);
         });
         let mut c = collected.into_inner().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = c.error.take() {
