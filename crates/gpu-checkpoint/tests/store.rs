@@ -152,6 +152,16 @@ fn round_trip_of_a_criu_like_folder() {
         .get_by_manifest_path(&store.manifest_path(&info.id))
         .unwrap();
     assert_eq!(by_path, info);
+    let (reopened, again) =
+        Store::open_by_manifest_path(&store.manifest_path(&info.id), small_opts()).unwrap();
+    assert_eq!(again, info);
+    assert_eq!(reopened.location(), store.location());
+    let elsewhere = t.path().join("copy.json");
+    fs::copy(store.manifest_path(&info.id), &elsewhere).unwrap();
+    assert!(matches!(
+        Store::open_by_manifest_path(&elsewhere, small_opts()),
+        Err(Error::NotFound { .. })
+    ));
     assert_eq!(by_path.metadata, serde_json::json!({"test": true}));
 }
 
