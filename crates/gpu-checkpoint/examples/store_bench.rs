@@ -257,6 +257,18 @@ fn ratio(label: &str, a: &Series, b: &Series, target: &str) {
 
 fn main() {
     let a = parse_args();
+    for tool in ["zstd", "tar", "cp", "cmp", "du"] {
+        let found = Command::new("sh")
+            .arg("-c")
+            .arg(format!("command -v {tool}"))
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !found {
+            eprintln!("store_bench needs `{tool}` (the baselines run it); install it, e.g. apt-get install -y {tool}");
+            std::process::exit(5);
+        }
+    }
     let bytes = (a.size_gib * (1u64 << 30) as f64) as u64;
     let _ = fs::remove_dir_all(&a.dir);
     fs::create_dir_all(&a.dir).unwrap();

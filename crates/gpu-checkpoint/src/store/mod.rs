@@ -281,14 +281,20 @@ impl Store {
 
     /// Opens the local store a manifest file belongs to (`STORE/manifests/ID.json`) and loads that
     /// checkpoint: for `restore --metadata PATH` without `--storage`.
-    pub fn open_by_manifest_path(path: &Path, opts: StoreOptions) -> Result<(Store, CheckpointInfo)> {
+    pub fn open_by_manifest_path(
+        path: &Path,
+        opts: StoreOptions,
+    ) -> Result<(Store, CheckpointInfo)> {
         let root = path
             .parent()
             .filter(|d| d.file_name() == Some(std::ffi::OsStr::new("manifests")))
             .and_then(Path::parent)
             .filter(|r| r.join("store.json").is_file())
             .ok_or_else(|| Error::NotFound {
-                what: format!("{} (not STORE/manifests/ID.json of a store)", path.display()),
+                what: format!(
+                    "{} (not STORE/manifests/ID.json of a store)",
+                    path.display()
+                ),
                 storage: path.to_path_buf(),
             })?;
         let store = Store::open(root, opts)?;
