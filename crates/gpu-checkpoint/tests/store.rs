@@ -713,3 +713,88 @@ fn crash_during_ingest_leaves_the_store_consistent() {
     let again = ingest(&store, Some("after"), |d| criu_like(d, 100, 2));
     assert!(store.verify(Some(&again.id), &NoProgress).unwrap().is_ok());
 }
+
+#[test]
+fn concurrent_writers_of_the_same_content_both_commit() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let data = pseudo_random(1_200_000, 31);
+    let infos: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                let (store, data) = (store.clone(), &data);
+                s.spawn(move || {
+                    let name = format!("writer-{i}");
+                    ingest(&store, Some(&name), |d| {
+                        fs::write(d.join("pages-1.img"), data).unwrap()
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(store.list().unwrap().len(), 3);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    // Whoever raced, the store holds each chunk once.
+    assert_eq!(
+        chunk_files(&t.path().join("store")).len() as u64,
+        infos[0].stats.unique_chunks
+    );
+    for info in &infos {
+        let out = t.path().join(&info.id);
+        store.materialize(&info.id, &out, &NoProgress).unwrap();
+        assert_eq!(fs::read(out.join("pages-1.img")).unwrap(), data);
+    }
+}
+
+/// A real full filesystem (a small tmpfs): the error is "storage" (exit 6), nothing is listed, the staging
+/// folder is gone, and what was written is garbage that gc removes.
+#[test]
+fn full_disk_during_ingest_is_a_storage_error_and_leaves_the_store_consistent() {
+    let t = tempfile::tempdir().unwrap();
+    let mnt = t.path().join("small");
+    fs::create_dir_all(&mnt).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !mounted {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run this test as root (mount tmpfs)"
+        );
+        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _guard = Unmount(&mnt);
+    let store = Store::open(&mnt.join("store"), small_opts()).unwrap();
+    store.check_writable().unwrap();
+    let small = ingest(&store, Some("fits"), |d| {
+        fs::write(d.join("a.img"), pseudo_random(200_000, 1)).unwrap()
+    });
+    let ing = store.begin(Some("too-big")).unwrap();
+    let staging = ing.staging_dir().to_path_buf();
+    // 3 MiB of images fit in staging; storing them next to the staging copy does not.
+    fs::write(staging.join("pages-1.img"), pseudo_random(3 << 20, 2)).unwrap();
+    let err = ing
+        .commit(serde_json::Value::Null, &NoProgress)
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
+    assert!(!staging.exists());
+    let ids: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![small.id.clone()]);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    store.gc().unwrap();
+    assert_eq!(
+        chunk_files(&mnt.join("store")).len() as u64,
+        small.stats.unique_chunks
+    );
+}
