@@ -184,7 +184,7 @@ impl Reader<'_> {
         if chunker.is_done() {
             if chunker.bytes() != f.size {
                 // The file changed under us (CRIU still writing?): refuse to store a torn image.
-                return Err(Error::Invalid(format!(
+                return Err(Error::Other(format!(
                     "image file {} changed size during ingest ({} -> {} bytes)",
                     f.abs.display(),
                     f.size,
@@ -263,13 +263,10 @@ impl Ingest {
 
         let mut entries = Vec::with_capacity(files.len());
         for (f, chunks) in files.iter().zip(std::mem::take(&mut collected.chunks)) {
-            let chunks: Vec<ChunkRef> =
-                chunks
-                    .into_iter()
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| {
-                        Error::Invalid(format!("internal: a chunk of {} was lost", f.rel))
-                    })?;
+            let chunks: Vec<ChunkRef> = chunks
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::Other(format!("internal: a chunk of {} was lost", f.rel)))?;
             entries.push(FileEntry {
                 path: f.rel.clone(),
                 mode: f.mode,
@@ -430,7 +427,7 @@ impl Ingest {
                     let mut enc = match Encoder::new(level, params.max_size as usize) {
                         Ok(e) => Some(e),
                         Err(e) => {
-                            fail(Error::Invalid(format!("cannot create zstd context: {e}")));
+                            fail(Error::Other(format!("cannot create zstd context: {e}")));
                             None
                         }
                     };
@@ -568,7 +565,7 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
                     .expect("under root")
                     .to_str()
                     .ok_or_else(|| {
-                        Error::Invalid(format!("image file name {} is not UTF-8", path.display()))
+                        Error::Other(format!("image file name {} is not UTF-8", path.display()))
                     })?
                     .to_owned();
                 out.push(FileToIngest {
@@ -578,7 +575,7 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
                     mode: meta.permissions().mode() & 0o7777,
                 });
             } else {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Other(format!(
                     "staging folder holds {}, which is not a regular file or folder; the store keeps only those",
                     path.display()
                 )));

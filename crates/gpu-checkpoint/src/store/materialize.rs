@@ -127,7 +127,7 @@ fn write_all(
                         error
                             .lock()
                             .unwrap()
-                            .get_or_insert(Error::Invalid(format!("zstd: {e}")));
+                            .get_or_insert(Error::Other(format!("zstd: {e}")));
                         return;
                     }
                 };
