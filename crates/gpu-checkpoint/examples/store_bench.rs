@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! cargo run --release -p gpu-checkpoint --example store_bench -- [--dir DIR] [--size-gib N] [--level L]
-//!           [--threads N] [--rounds N] [--keep]
+//!           [--threads N] [--rounds N] [--keep] [--src IMAGES]
 //! ```
 //! DIR (default /var/tmp/gpu-checkpoint-store-bench) must be on the disk under test; it is emptied first.
+//! `--src IMAGES` benchmarks an existing image folder (say, real CRIU images) instead of generating one; it
+//! is copied into DIR first (not timed) and left untouched.
 //! Every step starts after a `sync`, with the source folder in the page cache for all contenders. Each round
 //! runs every contender once, alternating; the figures are medians over the rounds, wall and CPU time
 //! (user + system: on a busy machine the wall time mostly says how much CPU the scheduler handed out).
@@ -27,6 +29,8 @@ struct Args {
     threads: usize,
     rounds: usize,
     keep: bool,
+    /// An existing image folder (real CRIU images) instead of the generated one.
+    src: Option<PathBuf>,
 }
 
 fn parse_args() -> Args {
@@ -37,6 +41,7 @@ fn parse_args() -> Args {
         threads: 0,
         rounds: 3,
         keep: false,
+        src: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -48,6 +53,7 @@ fn parse_args() -> Args {
             "--threads" => a.threads = val().parse().expect("--threads N"),
             "--rounds" => a.rounds = val().parse().expect("--rounds N"),
             "--keep" => a.keep = true,
+            "--src" => a.src = Some(PathBuf::from(val())),
             other => panic!("unknown argument {other}"),
         }
     }
@@ -257,7 +263,7 @@ fn ratio(label: &str, a: &Series, b: &Series, target: &str) {
 
 fn main() {
     let a = parse_args();
-    for tool in ["zstd", "tar", "cp", "cmp", "du"] {
+    for tool in ["zstd", "tar", "cp", "diff", "du"] {
         let found = Command::new("sh")
             .arg("-c")
             .arg(format!("command -v {tool}"))
@@ -274,10 +280,15 @@ fn main() {
     fs::create_dir_all(&a.dir).unwrap();
     let src = a.dir.join("src");
     let t = Instant::now();
-    make_source(&src, bytes);
+    match &a.src {
+        Some(images) => {
+            sh(&format!("cp -r {} {}", images.display(), src.display()));
+        }
+        None => make_source(&src, bytes),
+    }
     let logical = du(&src);
     eprintln!(
-        "generated {:.2} GiB in {:.1} s",
+        "prepared {:.2} GiB in {:.1} s",
         logical as f64 / (1u64 << 30) as f64,
         t.elapsed().as_secs_f64()
     );

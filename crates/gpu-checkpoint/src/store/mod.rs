@@ -41,8 +41,8 @@ pub use verify::{VerifyProblem, VerifyReport};
 /// Tuning of a store handle. Nothing here changes what is stored in a way that breaks reading.
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
-    /// zstd level for new chunks. The default, 2, took the same CPU time as level 1 on page images and
-    /// stored 4-6% less (measurements in `docs/store.md`); 3 is twice as slow.
+    /// zstd level for new chunks. Default 1: on a real process's memory level 2 stored the same and took
+    /// 25% more CPU, level 3 stored more and took 2.5x the CPU (measurements in `docs/store.md`).
     pub zstd_level: i32,
     /// Worker threads for hashing, compression and parallel reads; 0 = one per core.
     pub threads: usize,
@@ -53,7 +53,7 @@ pub struct StoreOptions {
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
-            zstd_level: 2,
+            zstd_level: 1,
             threads: 0,
             chunking: ChunkParams::default(),
         }
