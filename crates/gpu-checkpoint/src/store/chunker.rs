@@ -116,8 +116,22 @@ pub struct Piece {
     pub index: usize,
     /// Byte offset of the chunk within its file.
     pub offset: u64,
-    /// Already known content: `Some(Some(id))` hashed by the chunker, `Some(None)` all zeros.
-    pub known: Option<Option<ChunkId>>,
+    /// What the chunker already knows about the content.
+    pub known: Known,
+}
+
+/// What the chunker found out about a piece while cutting it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Known {
+    /// Nothing: hash it.
+    Nothing,
+    /// All zeros.
+    Zero,
+    /// Hashed already, with this result.
+    Id(ChunkId),
+    /// Cut at an old chunk boundary without hashing, expecting the old chunk's content (speculation, see
+    /// [`Hints`]): hash it and report a mismatch.
+    Expect(ChunkId),
 }
 
 /// The chunk boundaries of the same file in an earlier checkpoint, by offset. A re-checkpoint of barely
@@ -128,9 +142,16 @@ pub struct Piece {
 /// would cut unless exactly that next byte changed; then keeping the old boundary is just as good for
 /// deduplication (the next chunk is looked up at the same offset again). The last chunk of the old file was
 /// cut by the end of the file, not by content: it is never used as a hint.
+///
+/// While every hinted chunk so far matched, the chunker *speculates*: it cuts at the old boundaries without
+/// hashing and leaves the comparison to the workers (which hash anyway, in parallel). The first mismatch a
+/// worker reports turns speculation off for the file; chunks already cut speculatively are still correct
+/// chunks (just cut at the old offsets), so the cost of a wrong guess is at most the pieces in flight.
 #[derive(Default)]
 pub struct Hints {
     at: HashMap<u64, ChunkRef>,
+    /// Set by a worker when a speculative chunk did not match.
+    pub mismatch: std::sync::atomic::AtomicBool,
 }
 
 impl Hints {
@@ -141,7 +162,10 @@ impl Hints {
             at.insert(offset, *c);
             offset += c.len as u64;
         }
-        Hints { at }
+        Hints {
+            at,
+            mismatch: Default::default(),
+        }
     }
 }
 
@@ -249,7 +273,7 @@ impl<'h, R: Read> Chunker<'h, R> {
             if !eof && remaining < max {
                 break;
             }
-            let mut known = None;
+            let mut known = Known::Nothing;
             let mut end = 0;
             // Zero runs are common in memory images. A run of at least `min` zero bytes becomes a chunk of its
             // own, up to `max`, cut exactly where the data starts: no rolling hash over it, nothing stored,
@@ -257,28 +281,32 @@ impl<'h, R: Read> Chunker<'h, R> {
             // depends only on the content from `pos` on.
             let zeros = zero_prefix_len(&data[pos..pos + remaining.min(max)]);
             if zeros >= min {
-                known = Some(None);
+                known = Known::Zero;
                 end = pos + zeros;
-            } else if let Some(hint) = self.hints.and_then(|h| h.at.get(&self.offset)) {
-                let hend = pos + hint.len as usize;
-                if hend <= filled {
-                    let candidate = &data[pos..hend];
-                    let found = match hint.id {
-                        None => is_zero(candidate).then_some(None),
-                        Some(old) => {
-                            let id = ChunkId::of_large(candidate);
-                            (id == old).then_some(Some(id))
+            } else if let Some(hints) = self.hints {
+                if let Some(hint) = hints.at.get(&self.offset) {
+                    let hend = pos + hint.len as usize;
+                    if hend <= filled {
+                        let candidate = &data[pos..hend];
+                        let speculate = !hints.mismatch.load(std::sync::atomic::Ordering::Relaxed);
+                        let found = match hint.id {
+                            None => is_zero(candidate).then_some(Known::Zero),
+                            Some(old) if speculate => Some(Known::Expect(old)),
+                            Some(old) => {
+                                let id = ChunkId::of_large(candidate);
+                                (id == old).then_some(Known::Id(id))
+                            }
+                        };
+                        if let Some(k) = found {
+                            known = k;
+                            end = hend;
                         }
-                    };
-                    if found.is_some() {
-                        known = found;
-                        end = hend;
+                    } else if !eof {
+                        break; // let the next segment bring the rest of the candidate
                     }
-                } else if !eof {
-                    break; // let the next segment bring the rest of the candidate
                 }
             }
-            if known.is_none() {
+            if known == Known::Nothing {
                 end = cdc.cut(pos, remaining).1;
             }
             let piece = Piece {
@@ -392,45 +420,91 @@ mod tests {
         assert!(changed <= 3, "{changed} of {} chunks changed", b.len());
     }
 
-    /// Chunks with hints from an older version of the data equal the chunks without; most come from hints.
-    #[test]
-    fn hints_give_the_same_chunks_as_cdc() {
+    fn old_and_new() -> (Vec<u8>, Vec<u8>, Vec<ChunkRef>) {
         let mut old = pseudo_random(600_000, 21);
         old[100_000..180_000].fill(0);
-        let refs = |data: &[u8]| -> Vec<ChunkRef> {
-            cut(data, SMALL, 65536)
-                .into_iter()
-                .map(|(_, c)| ChunkRef {
-                    id: (!is_zero(&c)).then(|| ChunkId::of(&c)),
-                    len: c.len() as u32,
-                })
-                .collect()
-        };
-        let hints = Hints::new(&refs(&old));
+        let refs = cut(&old, SMALL, 65536)
+            .into_iter()
+            .map(|(_, c)| ChunkRef {
+                id: (!is_zero(&c)).then(|| ChunkId::of(&c)),
+                len: c.len() as u32,
+            })
+            .collect();
         let mut new = old.clone();
         new[300_000..300_100].fill(9); // an in-place edit
         new.splice(450_000..450_000, [1u8, 2, 3]); // a shift
         new.extend_from_slice(&pseudo_random(50_000, 5)); // growth at the end
+        (old, new, refs)
+    }
+
+    /// Chunks `data` with hints, playing the workers' part: a speculative chunk that does not match turns
+    /// speculation off. Returns the chunks and how many were known without the rolling hash.
+    fn cut_with(data: &[u8], hints: &Hints) -> (Vec<(u64, Vec<u8>)>, usize) {
         let pool = SegmentPool::new(3, 65536);
-        let mut with = Vec::new();
-        let mut hinted = 0;
-        chunk_stream(&new[..], SMALL, &pool, Some(&hints), |p| {
-            if p.known.is_some() {
-                hinted += 1;
+        let mut out = Vec::new();
+        let mut known = 0;
+        chunk_stream(data, SMALL, &pool, Some(hints), |p| {
+            match p.known {
+                Known::Expect(old) if ChunkId::of(p.data()) != old => hints
+                    .mismatch
+                    .store(true, std::sync::atomic::Ordering::Relaxed),
+                Known::Nothing => {}
+                _ => known += 1,
             }
-            with.push((p.offset, p.data().to_vec()));
+            out.push((p.offset, p.data().to_vec()));
             true
         })
         .unwrap();
-        let joined: Vec<u8> = with.iter().flat_map(|c| c.1.clone()).collect();
-        assert_eq!(joined, new);
-        // Hinted or not, the chunking is the one CDC makes (up to a next-byte change at a boundary, which
-        // this data does not have), so dedup against other checkpoints is unaffected.
+        (out, known)
+    }
+
+    /// Verified hints (after a mismatch) give exactly the chunks CDC gives.
+    #[test]
+    fn verified_hints_give_the_same_chunks_as_cdc() {
+        let (_, new, refs) = old_and_new();
+        let hints = Hints::new(&refs);
+        hints
+            .mismatch
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let (with, known) = cut_with(&new, &hints);
+        // Up to a next-byte change at a boundary, which this data does not have.
         assert_eq!(with, cut(&new, SMALL, 65536));
         assert!(
-            hinted * 3 > with.len(),
-            "{hinted} of {} chunks hinted",
+            known * 3 > with.len(),
+            "{known} of {} chunks hinted",
             with.len()
+        );
+    }
+
+    /// Speculation reproduces unchanged data exactly, and after an edit costs at most the pieces cut
+    /// before the mismatch was reported.
+    #[test]
+    fn speculative_hints_cost_little_when_wrong() {
+        let (old, new, refs) = old_and_new();
+        let hints = Hints::new(&refs);
+        let (same, known) = cut_with(&old, &hints);
+        assert_eq!(same, cut(&old, SMALL, 65536));
+        assert_eq!(known, same.len() - 1, "all but the last chunk from hints");
+        assert!(!hints.mismatch.load(std::sync::atomic::Ordering::Relaxed));
+
+        let old_set: std::collections::HashSet<Vec<u8>> =
+            cut(&old, SMALL, 65536).into_iter().map(|c| c.1).collect();
+        let new_bytes = |chunks: &[(u64, Vec<u8>)]| -> usize {
+            chunks
+                .iter()
+                .filter(|c| !old_set.contains(&c.1))
+                .map(|c| c.1.len())
+                .sum()
+        };
+        let hints = Hints::new(&refs);
+        let (with, _) = cut_with(&new, &hints);
+        let joined: Vec<u8> = with.iter().flat_map(|c| c.1.clone()).collect();
+        assert_eq!(joined, new);
+        let cdc_new = new_bytes(&cut(&new, SMALL, 65536));
+        assert!(
+            new_bytes(&with) <= cdc_new + 3 * 65536,
+            "{} new bytes with speculation, {cdc_new} with CDC",
+            new_bytes(&with)
         );
     }
 

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use super::backend::LockGuard;
 use super::chunk::{is_zero, ChunkId, Encoder};
-use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
+use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::{Inner, Progress};
@@ -461,7 +461,8 @@ impl Ingest {
                         };
                         let (file, piece) = job;
                         let Some(enc) = enc.as_mut() else { continue };
-                        match store_piece(backend, enc, seen, &piece) {
+                        let file_hints = hints.get(&files[file].rel);
+                        match store_piece(backend, enc, seen, &piece, file_hints) {
                             Ok((cref, outcome)) => {
                                 let len = piece.data().len() as u64;
                                 let index = piece.index;
@@ -517,14 +518,24 @@ fn store_piece(
     enc: &mut Encoder,
     seen: &Mutex<HashSet<ChunkId>>,
     piece: &Piece,
+    hints: Option<&Hints>,
 ) -> Result<(ChunkRef, Outcome)> {
     let data = piece.data();
     let len = data.len() as u32;
     let id = match piece.known {
-        Some(Some(id)) => id,
-        Some(None) => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
-        None if is_zero(data) => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
-        None => ChunkId::of(data),
+        Known::Id(id) => id,
+        Known::Zero => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
+        Known::Nothing if is_zero(data) => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
+        Known::Nothing => ChunkId::of(data),
+        Known::Expect(old) => {
+            let id = ChunkId::of(data);
+            if id != old {
+                if let Some(h) = hints {
+                    h.mismatch.store(true, Ordering::Relaxed);
+                }
+            }
+            id
+        }
     };
     let cref = ChunkRef { id: Some(id), len };
     let first = seen.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
