@@ -152,6 +152,16 @@ fn round_trip_of_a_criu_like_folder() {
         .get_by_manifest_path(&store.manifest_path(&info.id))
         .unwrap();
     assert_eq!(by_path, info);
+    let (reopened, again) =
+        Store::open_by_manifest_path(&store.manifest_path(&info.id), small_opts()).unwrap();
+    assert_eq!(again, info);
+    assert_eq!(reopened.location(), store.location());
+    let elsewhere = t.path().join("copy.json");
+    fs::copy(store.manifest_path(&info.id), &elsewhere).unwrap();
+    assert!(matches!(
+        Store::open_by_manifest_path(&elsewhere, small_opts()),
+        Err(Error::NotFound { .. })
+    ));
     assert_eq!(by_path.metadata, serde_json::json!({"test": true}));
 }
 
@@ -207,20 +217,25 @@ fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
     assert_eq!(again.stats.new_bytes, 0);
     assert_eq!(again.stats.stored_bytes, first.stats.stored_bytes);
 
-    // Change one 4 KiB page in the middle and insert one page: only nearby chunks are new.
+    // Change one 4 KiB page in place: only the chunk holding it is new.
     let pages = src.join("pages-1.img");
     let mut img = fs::read(&pages).unwrap();
     let mid = img.len() / 2;
     img[mid..mid + 4096].copy_from_slice(&pseudo_random(4096, 99));
+    fs::write(&pages, &img).unwrap();
+    let edited = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert!(
+        (1..=2).contains(&edited.stats.new_chunks),
+        "{} new chunks",
+        edited.stats.new_chunks
+    );
+
+    // Insert one page: the chunks around it are new, plus at most what the chunker had cut at the old
+    // offsets before the first mismatch was reported (speculation, bounded by the segments in flight).
     img.splice(mid / 2..mid / 2, pseudo_random(4096, 98));
     fs::write(&pages, &img).unwrap();
     let changed = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     assert!(changed.stats.new_chunks >= 1);
-    assert!(
-        changed.stats.new_chunks <= 6,
-        "{} new chunks",
-        changed.stats.new_chunks
-    );
     assert!(
         changed.stats.new_bytes * 10 < first.stats.new_bytes,
         "{} new bytes vs {} first",
@@ -233,7 +248,11 @@ fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
     store.materialize("job", &out, &NoProgress).unwrap();
     assert_same_tree(&src, &out);
     let ids: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
-    assert_eq!(ids, vec![first.id, again.id, changed.id], "oldest first");
+    assert_eq!(
+        ids,
+        vec![first.id, again.id, edited.id, changed.id],
+        "oldest first"
+    );
 }
 
 #[test]
@@ -702,4 +721,89 @@ fn crash_during_ingest_leaves_the_store_consistent() {
     assert!(store.verify(None, &NoProgress).unwrap().is_ok());
     let again = ingest(&store, Some("after"), |d| criu_like(d, 100, 2));
     assert!(store.verify(Some(&again.id), &NoProgress).unwrap().is_ok());
+}
+
+#[test]
+fn concurrent_writers_of_the_same_content_both_commit() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let data = pseudo_random(1_200_000, 31);
+    let infos: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                let (store, data) = (store.clone(), &data);
+                s.spawn(move || {
+                    let name = format!("writer-{i}");
+                    ingest(&store, Some(&name), |d| {
+                        fs::write(d.join("pages-1.img"), data).unwrap()
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(store.list().unwrap().len(), 3);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    // Whoever raced, the store holds each chunk once.
+    assert_eq!(
+        chunk_files(&t.path().join("store")).len() as u64,
+        infos[0].stats.unique_chunks
+    );
+    for info in &infos {
+        let out = t.path().join(&info.id);
+        store.materialize(&info.id, &out, &NoProgress).unwrap();
+        assert_eq!(fs::read(out.join("pages-1.img")).unwrap(), data);
+    }
+}
+
+/// A real full filesystem (a small tmpfs): the error is "storage" (exit 6), nothing is listed, the staging
+/// folder is gone, and what was written is garbage that gc removes.
+#[test]
+fn full_disk_during_ingest_is_a_storage_error_and_leaves_the_store_consistent() {
+    let t = tempfile::tempdir().unwrap();
+    let mnt = t.path().join("small");
+    fs::create_dir_all(&mnt).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !mounted {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run this test as root (mount tmpfs)"
+        );
+        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _guard = Unmount(&mnt);
+    let store = Store::open(&mnt.join("store"), small_opts()).unwrap();
+    store.check_writable().unwrap();
+    let small = ingest(&store, Some("fits"), |d| {
+        fs::write(d.join("a.img"), pseudo_random(200_000, 1)).unwrap()
+    });
+    let ing = store.begin(Some("too-big")).unwrap();
+    let staging = ing.staging_dir().to_path_buf();
+    // 3 MiB of images fit in staging; storing them next to the staging copy does not.
+    fs::write(staging.join("pages-1.img"), pseudo_random(3 << 20, 2)).unwrap();
+    let err = ing
+        .commit(serde_json::Value::Null, &NoProgress)
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
+    assert!(!staging.exists());
+    let ids: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![small.id.clone()]);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    store.gc().unwrap();
+    assert_eq!(
+        chunk_files(&mnt.join("store")).len() as u64,
+        small.stats.unique_chunks
+    );
 }

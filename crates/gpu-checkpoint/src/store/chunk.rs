@@ -36,6 +36,20 @@ impl ChunkId {
         ChunkId(*blake3::hash(data).as_bytes())
     }
 
+    /// The same hash, computed with all cores (BLAKE3 is a tree): for a thread that would otherwise be the
+    /// pipeline's bottleneck.
+    pub fn of_large(data: &[u8]) -> ChunkId {
+        if data.len() < 256 * 1024 {
+            return ChunkId::of(data);
+        }
+        ChunkId(
+            *blake3::Hasher::new()
+                .update_rayon(data)
+                .finalize()
+                .as_bytes(),
+        )
+    }
+
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)
     }
@@ -249,16 +263,27 @@ impl Decoder {
     }
 }
 
-/// True if every byte is zero. ORs 64-byte blocks so the compiler can vectorise the inner loop, and still
-/// stops early on the first non-zero block (page images are mostly either all zero or not zero at all).
+/// True if every byte is zero.
 pub fn is_zero(data: &[u8]) -> bool {
+    zero_prefix_len(data) == data.len()
+}
+
+/// How many bytes at the start of `data` are zero. ORs 64-byte blocks so the compiler can vectorise the
+/// inner loop, and stops at the first non-zero block (page images are mostly either long zero runs or data).
+pub fn zero_prefix_len(data: &[u8]) -> usize {
     let mut blocks = data.chunks_exact(64);
+    let mut n = 0;
     for b in &mut blocks {
         if b.iter().fold(0u8, |a, &x| a | x) != 0 {
-            return false;
+            return n + b.iter().position(|&x| x != 0).unwrap_or(0);
         }
+        n += 64;
     }
-    blocks.remainder().iter().all(|&x| x == 0)
+    n + blocks
+        .remainder()
+        .iter()
+        .position(|&x| x != 0)
+        .unwrap_or(blocks.remainder().len())
 }
 
 #[cfg(test)]
@@ -329,5 +354,10 @@ mod tests {
         v[999] = 0;
         v[3] = 1;
         assert!(!is_zero(&v));
+        assert_eq!(zero_prefix_len(&v), 3);
+        v[3] = 0;
+        v[700] = 2;
+        assert_eq!(zero_prefix_len(&v), 700);
+        assert_eq!(zero_prefix_len(&[0, 0, 0]), 3);
     }
 }

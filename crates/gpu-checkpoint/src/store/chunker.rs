@@ -6,13 +6,15 @@
 //! the last chunk referencing them is done, so the pool size bounds the memory of the whole pipeline and a
 //! slow consumer blocks the reader (backpressure) instead of growing a queue.
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::ops::Range;
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::chunk::is_zero;
+use super::chunk::{is_zero, zero_prefix_len, ChunkId};
+use super::manifest::ChunkRef;
 
 /// FastCDC sizes. Page images are cut into chunks of about `avg_size`; see `docs/store.md` for how these
 /// were chosen.
@@ -24,10 +26,14 @@ pub struct ChunkParams {
 }
 
 impl Default for ChunkParams {
+    /// min = avg = 1 MiB, max = 4 MiB: chunks of 1.9 MiB on average on page images. A minimum equal to
+    /// FastCDC's "average" skips scanning the first MiB of every chunk (CDC runs 2.7 GiB/s per core instead
+    /// of 1.5 with min 512 KiB) and still resynchronises right after an edit or insertion. Measurements in
+    /// `docs/store.md`.
     fn default() -> Self {
         ChunkParams {
-            min_size: 512 * 1024,
-            avg_size: 2 * 1024 * 1024,
+            min_size: 1024 * 1024,
+            avg_size: 1024 * 1024,
             max_size: 4 * 1024 * 1024,
         }
     }
@@ -90,9 +96,15 @@ impl SegmentPool {
         SegmentPool { give, take, size }
     }
 
-    fn get(&self) -> Vec<u8> {
+    /// A free segment, waiting for one if all are in use.
+    pub fn get(&self) -> Vec<u8> {
         // Cannot fail: we hold a sender ourselves.
         self.take.recv().expect("pool sender alive")
+    }
+
+    /// A free segment, if there is one right now.
+    pub fn try_get(&self) -> Option<Vec<u8>> {
+        self.take.try_recv().ok()
     }
 }
 
@@ -104,6 +116,57 @@ pub struct Piece {
     pub index: usize,
     /// Byte offset of the chunk within its file.
     pub offset: u64,
+    /// What the chunker already knows about the content.
+    pub known: Known,
+}
+
+/// What the chunker found out about a piece while cutting it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Known {
+    /// Nothing: hash it.
+    Nothing,
+    /// All zeros.
+    Zero,
+    /// Hashed already, with this result.
+    Id(ChunkId),
+    /// Cut at an old chunk boundary without hashing, expecting the old chunk's content (speculation, see
+    /// [`Hints`]): hash it and report a mismatch.
+    Expect(ChunkId),
+}
+
+/// The chunk boundaries of the same file in an earlier checkpoint, by offset. A re-checkpoint of barely
+/// changed memory finds most chunks at the same offsets: hashing a candidate and comparing it with the old
+/// name replaces running the rolling hash over it.
+///
+/// Where FastCDC cuts depends on the chunk's bytes and the one byte after it, so a hinted chunk is what CDC
+/// would cut unless exactly that next byte changed; then keeping the old boundary is just as good for
+/// deduplication (the next chunk is looked up at the same offset again). The last chunk of the old file was
+/// cut by the end of the file, not by content: it is never used as a hint.
+///
+/// While every hinted chunk so far matched, the chunker *speculates*: it cuts at the old boundaries without
+/// hashing and leaves the comparison to the workers (which hash anyway, in parallel). The first mismatch a
+/// worker reports turns speculation off for the file; chunks already cut speculatively are still correct
+/// chunks (just cut at the old offsets), so the cost of a wrong guess is at most the pieces in flight.
+#[derive(Default)]
+pub struct Hints {
+    at: HashMap<u64, ChunkRef>,
+    /// Set by a worker when a speculative chunk did not match.
+    pub mismatch: std::sync::atomic::AtomicBool,
+}
+
+impl Hints {
+    pub fn new(chunks: &[ChunkRef]) -> Hints {
+        let mut at = HashMap::with_capacity(chunks.len());
+        let mut offset = 0u64;
+        for c in chunks.iter().take(chunks.len().saturating_sub(1)) {
+            at.insert(offset, *c);
+            offset += c.len as u64;
+        }
+        Hints {
+            at,
+            mismatch: Default::default(),
+        }
+    }
 }
 
 impl Piece {
@@ -112,32 +175,77 @@ impl Piece {
     }
 }
 
-/// Cuts everything `reader` yields into chunks and passes them, in order, to `emit`. Stops early (returning
-/// `Ok`) if `emit` returns `false`. Returns the number of bytes read.
-pub fn chunk_stream(
-    mut reader: impl Read,
+/// Cuts one file (or any reader) into chunks, one segment at a time, so that whichever thread is free can
+/// advance it (see the ingest pipeline).
+pub struct Chunker<'h, R> {
+    reader: R,
     params: ChunkParams,
-    pool: &SegmentPool,
-    mut emit: impl FnMut(Piece) -> bool,
-) -> std::io::Result<u64> {
-    let (min, avg, max) = (
-        params.min_size as usize,
-        params.avg_size as usize,
-        params.max_size as usize,
-    );
-    let mut prev: Option<(Arc<Segment>, Range<usize>)> = None;
-    let mut index = 0usize;
-    let mut offset = 0u64;
-    loop {
-        let mut buf = pool.get();
+    hints: Option<&'h Hints>,
+    home: Sender<Vec<u8>>,
+    /// The unfinished tail of the previous segment.
+    prev: Option<(Arc<Segment>, Range<usize>)>,
+    index: usize,
+    offset: u64,
+    done: bool,
+}
+
+impl<'h, R: Read> Chunker<'h, R> {
+    pub fn new(
+        reader: R,
+        params: ChunkParams,
+        pool: &SegmentPool,
+        hints: Option<&'h Hints>,
+    ) -> std::io::Result<Self> {
+        // A segment must hold a whole maximum chunk after the tail carried over from the previous one.
+        if pool.size < 2 * params.max_size as usize {
+            return Err(std::io::Error::other(format!(
+                "segment size {} is below twice the maximum chunk size {}",
+                pool.size, params.max_size
+            )));
+        }
+        Ok(Chunker {
+            reader,
+            params,
+            hints,
+            home: pool.give.clone(),
+            prev: None,
+            index: 0,
+            offset: 0,
+            done: false,
+        })
+    }
+
+    /// Bytes cut into chunks so far.
+    pub fn bytes(&self) -> u64 {
+        self.offset
+    }
+
+    /// True once every chunk has been emitted (or `emit` asked to stop).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Fills `buf` (a segment from the pool) with the previous tail and more input, and emits, in order,
+    /// every chunk whose end is known. `emit` returning `false` stops the chunker.
+    pub fn step(
+        &mut self,
+        mut buf: Vec<u8>,
+        emit: &mut dyn FnMut(Piece) -> bool,
+    ) -> std::io::Result<()> {
+        let (min, avg, max) = (
+            self.params.min_size as usize,
+            self.params.avg_size as usize,
+            self.params.max_size as usize,
+        );
+        let size = buf.len();
         let mut filled = 0;
-        if let Some((seg, tail)) = prev.take() {
+        if let Some((seg, tail)) = self.prev.take() {
             buf[..tail.len()].copy_from_slice(&seg.buf[tail.clone()]);
             filled = tail.len();
         }
         let mut eof = false;
-        while filled < pool.size {
-            match reader.read(&mut buf[filled..]) {
+        while filled < size {
+            match self.reader.read(&mut buf[filled..]) {
                 Ok(0) => {
                     eof = true;
                     break;
@@ -145,14 +253,15 @@ pub fn chunk_stream(
                 Ok(n) => filled += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    let _ = pool.give.send(buf);
+                    let _ = self.home.send(buf);
+                    self.done = true;
                     return Err(e);
                 }
             }
         }
         let seg = Arc::new(Segment {
             buf,
-            home: pool.give.clone(),
+            home: self.home.clone(),
         });
         let data = &seg.buf[..filled];
         let cdc = fastcdc::v2020::FastCDC::new(data, min, avg, max);
@@ -164,31 +273,80 @@ pub fn chunk_stream(
             if !eof && remaining < max {
                 break;
             }
-            // Zero runs are common in memory images; a whole maximum-size window of zeros becomes one chunk
-            // without running the rolling hash over it. Deterministic in the content, so dedup still works.
-            let end = if remaining >= max && is_zero(&data[pos..pos + max]) {
-                pos + max
-            } else {
-                cdc.cut(pos, remaining).1
-            };
+            let mut known = Known::Nothing;
+            let mut end = 0;
+            // Zero runs are common in memory images. A run of at least `min` zero bytes becomes a chunk of its
+            // own, up to `max`, cut exactly where the data starts: no rolling hash over it, nothing stored,
+            // and the data after it starts a chunk (so it deduplicates wherever the run ends). Like CDC, this
+            // depends only on the content from `pos` on.
+            let zeros = zero_prefix_len(&data[pos..pos + remaining.min(max)]);
+            if zeros >= min {
+                known = Known::Zero;
+                end = pos + zeros;
+            } else if let Some(hints) = self.hints {
+                if let Some(hint) = hints.at.get(&self.offset) {
+                    let hend = pos + hint.len as usize;
+                    if hend <= filled {
+                        let candidate = &data[pos..hend];
+                        let speculate = !hints.mismatch.load(std::sync::atomic::Ordering::Relaxed);
+                        let found = match hint.id {
+                            None => is_zero(candidate).then_some(Known::Zero),
+                            Some(old) if speculate => Some(Known::Expect(old)),
+                            Some(old) => {
+                                let id = ChunkId::of_large(candidate);
+                                (id == old).then_some(Known::Id(id))
+                            }
+                        };
+                        if let Some(k) = found {
+                            known = k;
+                            end = hend;
+                        }
+                    } else if !eof {
+                        break; // let the next segment bring the rest of the candidate
+                    }
+                }
+            }
+            if known == Known::Nothing {
+                end = cdc.cut(pos, remaining).1;
+            }
             let piece = Piece {
                 seg: seg.clone(),
                 range: pos..end,
-                index,
-                offset,
+                index: self.index,
+                offset: self.offset,
+                known,
             };
-            index += 1;
-            offset += (end - pos) as u64;
+            self.index += 1;
+            self.offset += (end - pos) as u64;
             pos = end;
             if !emit(piece) {
-                return Ok(offset);
+                self.done = true;
+                return Ok(());
             }
         }
         if eof {
-            return Ok(offset);
+            self.done = true;
+        } else {
+            self.prev = Some((seg, pos..filled));
         }
-        prev = Some((seg, pos..filled));
+        Ok(())
     }
+}
+
+/// Cuts everything `reader` yields into chunks and passes them, in order, to `emit` (one thread; tests and
+/// simple callers). Stops early if `emit` returns `false`. Returns the number of bytes cut.
+pub fn chunk_stream(
+    reader: impl Read,
+    params: ChunkParams,
+    pool: &SegmentPool,
+    hints: Option<&Hints>,
+    mut emit: impl FnMut(Piece) -> bool,
+) -> std::io::Result<u64> {
+    let mut chunker = Chunker::new(reader, params, pool, hints)?;
+    while !chunker.is_done() {
+        chunker.step(pool.get(), &mut emit)?;
+    }
+    Ok(chunker.bytes())
 }
 
 #[cfg(test)]
@@ -210,7 +368,7 @@ mod tests {
     fn cut(data: &[u8], params: ChunkParams, seg: usize) -> Vec<(u64, Vec<u8>)> {
         let pool = SegmentPool::new(3, seg);
         let mut out = Vec::new();
-        chunk_stream(data, params, &pool, |p| {
+        chunk_stream(data, params, &pool, None, |p| {
             out.push((p.offset, p.data().to_vec()));
             true
         })
@@ -260,6 +418,94 @@ mod tests {
             .collect();
         let changed = b.iter().filter(|c| !a.contains(*c)).count();
         assert!(changed <= 3, "{changed} of {} chunks changed", b.len());
+    }
+
+    fn old_and_new() -> (Vec<u8>, Vec<u8>, Vec<ChunkRef>) {
+        let mut old = pseudo_random(600_000, 21);
+        old[100_000..180_000].fill(0);
+        let refs = cut(&old, SMALL, 65536)
+            .into_iter()
+            .map(|(_, c)| ChunkRef {
+                id: (!is_zero(&c)).then(|| ChunkId::of(&c)),
+                len: c.len() as u32,
+            })
+            .collect();
+        let mut new = old.clone();
+        new[300_000..300_100].fill(9); // an in-place edit
+        new.splice(450_000..450_000, [1u8, 2, 3]); // a shift
+        new.extend_from_slice(&pseudo_random(50_000, 5)); // growth at the end
+        (old, new, refs)
+    }
+
+    /// Chunks `data` with hints, playing the workers' part: a speculative chunk that does not match turns
+    /// speculation off. Returns the chunks and how many were known without the rolling hash.
+    fn cut_with(data: &[u8], hints: &Hints) -> (Vec<(u64, Vec<u8>)>, usize) {
+        let pool = SegmentPool::new(3, 65536);
+        let mut out = Vec::new();
+        let mut known = 0;
+        chunk_stream(data, SMALL, &pool, Some(hints), |p| {
+            match p.known {
+                Known::Expect(old) if ChunkId::of(p.data()) != old => hints
+                    .mismatch
+                    .store(true, std::sync::atomic::Ordering::Relaxed),
+                Known::Nothing => {}
+                _ => known += 1,
+            }
+            out.push((p.offset, p.data().to_vec()));
+            true
+        })
+        .unwrap();
+        (out, known)
+    }
+
+    /// Verified hints (after a mismatch) give exactly the chunks CDC gives.
+    #[test]
+    fn verified_hints_give_the_same_chunks_as_cdc() {
+        let (_, new, refs) = old_and_new();
+        let hints = Hints::new(&refs);
+        hints
+            .mismatch
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let (with, known) = cut_with(&new, &hints);
+        // Up to a next-byte change at a boundary, which this data does not have.
+        assert_eq!(with, cut(&new, SMALL, 65536));
+        assert!(
+            known * 3 > with.len(),
+            "{known} of {} chunks hinted",
+            with.len()
+        );
+    }
+
+    /// Speculation reproduces unchanged data exactly, and after an edit costs at most the pieces cut
+    /// before the mismatch was reported.
+    #[test]
+    fn speculative_hints_cost_little_when_wrong() {
+        let (old, new, refs) = old_and_new();
+        let hints = Hints::new(&refs);
+        let (same, known) = cut_with(&old, &hints);
+        assert_eq!(same, cut(&old, SMALL, 65536));
+        assert_eq!(known, same.len() - 1, "all but the last chunk from hints");
+        assert!(!hints.mismatch.load(std::sync::atomic::Ordering::Relaxed));
+
+        let old_set: std::collections::HashSet<Vec<u8>> =
+            cut(&old, SMALL, 65536).into_iter().map(|c| c.1).collect();
+        let new_bytes = |chunks: &[(u64, Vec<u8>)]| -> usize {
+            chunks
+                .iter()
+                .filter(|c| !old_set.contains(&c.1))
+                .map(|c| c.1.len())
+                .sum()
+        };
+        let hints = Hints::new(&refs);
+        let (with, _) = cut_with(&new, &hints);
+        let joined: Vec<u8> = with.iter().flat_map(|c| c.1.clone()).collect();
+        assert_eq!(joined, new);
+        let cdc_new = new_bytes(&cut(&new, SMALL, 65536));
+        assert!(
+            new_bytes(&with) <= cdc_new + 3 * 65536,
+            "{} new bytes with speculation, {cdc_new} with CDC",
+            new_bytes(&with)
+        );
     }
 
     #[test]

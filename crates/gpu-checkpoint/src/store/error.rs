@@ -60,9 +60,14 @@ pub enum Error {
     #[error("verify found {count} problem(s); first: {first}")]
     VerifyFailed { count: usize, first: String },
 
-    /// A bad checkpoint name or staging content that the store cannot represent.
+    /// A bad checkpoint name or bad store options (a usage error).
     #[error("{0}")]
     Invalid(String),
+
+    /// Anything else: staging content the store cannot represent, an image file changing while it is
+    /// stored, a zstd context that cannot be created.
+    #[error("{0}")]
+    Other(String),
 
     /// Another writer got in the way (id collision, lock held) in a way that retrying may fix.
     #[error("{0}")]
@@ -81,6 +86,7 @@ impl Error {
             | Error::DamagedChunk { .. }
             | Error::VerifyFailed { .. } => ExitStatus::CheckpointInvalid,
             Error::Invalid(_) => ExitStatus::Usage,
+            Error::Other(_) => ExitStatus::Failure,
             Error::Conflict(_) => ExitStatus::Conflict,
         }
     }
@@ -108,3 +114,36 @@ fn io_status(e: &io::Error) -> ExitStatus {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(errno: i32) -> Error {
+        Error::io("cannot write chunk", "/s/chunks/ab/x")(io::Error::from_raw_os_error(errno))
+    }
+
+    #[test]
+    fn exit_statuses_follow_the_contract() {
+        assert_eq!(io(libc::ENOSPC).exit_status(), ExitStatus::Storage);
+        assert_eq!(io(libc::EROFS).exit_status(), ExitStatus::Storage);
+        assert_eq!(io(libc::EACCES).exit_status(), ExitStatus::Storage);
+        assert_eq!(io(libc::EIO).exit_status(), ExitStatus::Failure);
+        let nf = Error::NotFound {
+            what: "x".into(),
+            storage: "/s".into(),
+        };
+        assert_eq!(nf.exit_status(), ExitStatus::CheckpointInvalid);
+        assert_eq!(
+            Error::Conflict("c".into()).exit_status(),
+            ExitStatus::Conflict
+        );
+        assert_eq!(Error::Other("o".into()).exit_status(), ExitStatus::Failure);
+        // Messages name the operation and the path.
+        let msg = io(libc::ENOSPC).to_string();
+        assert!(
+            msg.contains("cannot write chunk") && msg.contains("/s/chunks/ab/x"),
+            "{msg}"
+        );
+    }
+}

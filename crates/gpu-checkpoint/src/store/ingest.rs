@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use super::backend::LockGuard;
 use super::chunk::{is_zero, ChunkId, Encoder};
-use super::chunker::{chunk_stream, ChunkParams, Piece, SegmentPool};
+use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::{Inner, Progress};
@@ -31,23 +31,33 @@ pub fn memory_budget(total: u64) -> u64 {
     (64 * MIB).max(total / 100)
 }
 
+/// Part of the budget kept for everything but the pipeline: the binary, its heap, the manifest.
+const RESERVE: u64 = 8 * MIB;
+
 /// How many workers and buffers an ingest or materialize uses, derived from the memory budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
     pub workers: usize,
     pub segments: usize,
     pub segment_size: usize,
+    /// Bytes of buffers and state one worker holds.
+    pub per_worker: u64,
 }
 
 impl Plan {
-    /// Segments of 4 maximum chunks (so the copied tail is at most a quarter), at least 3 of them (one being
-    /// read, two being worked on); each worker needs about one maximum chunk of compression buffer plus a
-    /// zstd context. Workers are cut back before the budget is exceeded.
-    pub fn new(total: u64, threads: usize, params: ChunkParams) -> Plan {
-        let budget = memory_budget(total);
+    /// Segments hold 3 maximum chunks (8 when the budget is large: less of each segment's unfinished tail
+    /// is copied to the next), at least 3 of them (one being read, two being worked on); each worker needs a
+    /// compression buffer of one maximum chunk plus its zstd context. Workers are cut back before the budget
+    /// (less a reserve for the rest of the tool) is exceeded.
+    pub fn new(total: u64, threads: usize, params: ChunkParams, zstd_level: i32) -> Plan {
+        let budget = memory_budget(total) - RESERVE;
         let max = params.max_size as u64;
-        let segment_size = 4 * max;
-        let per_worker = max + 2 * MIB;
+        let segment_size = if budget >= 128 * MIB {
+            8 * max
+        } else {
+            3 * max
+        };
+        let per_worker = Self::per_worker(params, zstd_level);
         let threads = threads.max(1) as u64;
         let workers = threads.min((budget.saturating_sub(3 * segment_size) / per_worker).max(1));
         let left = budget.saturating_sub(workers * per_worker);
@@ -56,13 +66,25 @@ impl Plan {
             workers: workers as usize,
             segments: segments as usize,
             segment_size: segment_size as usize,
+            per_worker,
         }
     }
 
-    /// Upper bound of the pipeline's buffers in bytes.
-    pub fn memory(&self, params: ChunkParams) -> u64 {
-        self.segments as u64 * self.segment_size as u64
-            + self.workers as u64 * (params.max_size as u64 + 2 * MIB)
+    /// Upper bound of the pipeline's buffers and compression state, in bytes.
+    pub fn memory(&self) -> u64 {
+        self.segments as u64 * self.segment_size as u64 + self.workers as u64 * self.per_worker
+    }
+
+    /// One worker's compression buffer plus zstd context. The context sizes are upper estimates for inputs
+    /// of at most 4 MiB (zstd shrinks its tables to the input): levels 1-2 need about 1 MiB, 3-5 about 3 MiB.
+    fn per_worker(params: ChunkParams, zstd_level: i32) -> u64 {
+        let ctx = match zstd_level {
+            ..=2 => 2 * MIB,
+            3..=5 => 6 * MIB,
+            6..=12 => 16 * MIB,
+            _ => 64 * MIB,
+        };
+        params.max_size as u64 + ctx
     }
 }
 
@@ -95,6 +117,87 @@ struct Collected {
     new_bytes: u64,
     zero_bytes: u64,
     error: Option<Error>,
+}
+
+impl Collected {
+    fn record(&mut self, file: usize, index: usize, cref: ChunkRef, outcome: Outcome, len: u64) {
+        let slots = &mut self.chunks[file];
+        if slots.len() <= index {
+            slots.resize(index + 1, None);
+        }
+        slots[index] = Some(cref);
+        match outcome {
+            Outcome::Zero => self.zero_bytes += len,
+            Outcome::Duplicate => {}
+            Outcome::Present(stored) => {
+                self.stored
+                    .insert(cref.id.expect("non-zero"), (stored, cref.len));
+            }
+            Outcome::New(stored) => {
+                let id = cref.id.expect("non-zero");
+                self.stored.insert(id, (stored, cref.len));
+                self.new.push(id);
+                self.new_bytes += stored;
+            }
+        }
+    }
+}
+
+/// The reading side of the pipeline: which file is being cut, and the queue its chunks go to. Behind a
+/// mutex; whichever worker holds it advances it by one segment.
+struct Reader<'a> {
+    files: &'a [FileToIngest],
+    pool: &'a SegmentPool,
+    hints: &'a HashMap<String, Hints>,
+    params: ChunkParams,
+    next: usize,
+    current: Option<(usize, Chunker<'a, File>)>,
+    /// Dropped when every file has been read (or on failure): the workers then drain the queue and stop.
+    tx: Option<crossbeam_channel::Sender<(usize, Piece)>>,
+}
+
+impl Reader<'_> {
+    /// Reads one segment's worth of the current file (opening the next one if needed) into `buf`.
+    fn step(&mut self, buf: Vec<u8>) -> Result<()> {
+        if self.current.is_none() {
+            let Some(f) = self.files.get(self.next) else {
+                self.tx = None;
+                return Ok(());
+            };
+            let file = File::open(&f.abs).map_err(Error::io("cannot open image file", &f.abs))?;
+            // SAFETY: advisory hint on a valid fd: read ahead more aggressively.
+            unsafe {
+                libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+            }
+            let chunker = Chunker::new(file, self.params, self.pool, self.hints.get(&f.rel))
+                .map_err(Error::io("cannot read image file", &f.abs))?;
+            self.current = Some((self.next, chunker));
+            self.next += 1;
+        }
+        let (i, chunker) = self.current.as_mut().expect("set above");
+        let i = *i;
+        let f = &self.files[i];
+        let tx = self.tx.as_ref().expect("only called while reading");
+        chunker
+            .step(buf, &mut |piece| tx.send((i, piece)).is_ok())
+            .map_err(Error::io("cannot read image file", &f.abs))?;
+        if chunker.is_done() {
+            if chunker.bytes() != f.size {
+                // The file changed under us (CRIU still writing?): refuse to store a torn image.
+                return Err(Error::Other(format!(
+                    "image file {} changed size during ingest ({} -> {} bytes)",
+                    f.abs.display(),
+                    f.size,
+                    chunker.bytes()
+                )));
+            }
+            self.current = None;
+            if self.next == self.files.len() {
+                self.tx = None;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Ingest {
@@ -139,11 +242,18 @@ impl Ingest {
         let files = collect_files(&self.staging)?;
         let total: u64 = files.iter().map(|f| f.size).sum();
         let params = self.inner.opts.chunking;
-        let plan = Plan::new(total, self.inner.opts.effective_threads(), params);
+        let plan = Plan::new(
+            total,
+            self.inner.opts.effective_threads(),
+            params,
+            self.inner.opts.zstd_level,
+        );
         tracing::debug!(?plan, total, "ingest {}", self.id);
 
+        let hints = self.parent_hints();
+
         progress.start("store", total);
-        let collected = self.run_pipeline(&files, plan, progress);
+        let collected = self.run_pipeline(&files, &hints, plan, progress);
         progress.finish();
         let mut collected = collected?;
 
@@ -153,13 +263,10 @@ impl Ingest {
 
         let mut entries = Vec::with_capacity(files.len());
         for (f, chunks) in files.iter().zip(std::mem::take(&mut collected.chunks)) {
-            let chunks: Vec<ChunkRef> =
-                chunks
-                    .into_iter()
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| {
-                        Error::Invalid(format!("internal: a chunk of {} was lost", f.rel))
-                    })?;
+            let chunks: Vec<ChunkRef> = chunks
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::Other(format!("internal: a chunk of {} was lost", f.rel)))?;
             entries.push(FileEntry {
                 path: f.rel.clone(),
                 mode: f.mode,
@@ -236,9 +343,47 @@ impl Ingest {
         }
     }
 
+    /// Chunk boundaries of the checkpoint this one most likely repeats: the newest with the same name (or
+    /// the newest of all for an unnamed one), if it was chunked with the same sizes. Only a speed-up: a
+    /// wrong guess costs one hash per chunk at most and changes nothing stored.
+    fn parent_hints(&self) -> HashMap<String, Hints> {
+        let backend = &*self.inner.backend;
+        let Ok(mut ids) = backend.list_manifests() else {
+            return HashMap::new();
+        };
+        // Ids start with their UTC time: sorting them sorts by age.
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        let params = self.inner.opts.chunking;
+        for id in ids.iter().take(32) {
+            let Ok(Some(bytes)) = backend.get_manifest(id) else {
+                continue;
+            };
+            let Ok(info) = manifest::decode(&bytes) else {
+                continue;
+            };
+            if self.name.is_some() && info.name != self.name {
+                continue;
+            }
+            let c = &info.chunking;
+            if (c.min_size, c.avg_size, c.max_size)
+                != (params.min_size, params.avg_size, params.max_size)
+            {
+                return HashMap::new();
+            }
+            tracing::debug!("checkpoint {}: chunk hints from {}", self.id, info.id);
+            return info
+                .files
+                .iter()
+                .map(|f| (f.path.clone(), Hints::new(&f.chunks)))
+                .collect();
+        }
+        HashMap::new()
+    }
+
     fn run_pipeline(
         &self,
         files: &[FileToIngest],
+        hints: &HashMap<String, Hints>,
         plan: Plan,
         progress: &dyn Progress,
     ) -> Result<Collected> {
@@ -257,52 +402,75 @@ impl Ingest {
             let mut c = collected.lock().unwrap_or_else(|p| p.into_inner());
             c.error.get_or_insert(e);
         };
-        let (tx, rx) = crossbeam_channel::bounded::<(usize, Piece)>(plan.workers * 4);
+        // The queue itself is unbounded: what bounds it (and memory) is the segment pool, since every
+        // queued piece holds its segment.
+        let (tx, rx) = crossbeam_channel::unbounded::<(usize, Piece)>();
+        let reader = Mutex::new(Reader {
+            files,
+            pool: &pool,
+            hints,
+            params,
+            next: 0,
+            current: None,
+            tx: Some(tx),
+        });
 
+        // No thread is tied to a stage: each one advances the reader when the queue runs low and nobody else
+        // is reading, and otherwise stores queued chunks. On a busy machine every slice of CPU time a thread
+        // gets does useful work, instead of a stage thread waiting for another that is not scheduled.
         std::thread::scope(|s| {
             for _ in 0..plan.workers {
                 let rx = rx.clone();
-                let (collected, seen, failed, fail) = (&collected, &seen, &failed, &fail);
+                let (collected, seen, failed, fail, reader, pool) =
+                    (&collected, &seen, &failed, &fail, &reader, &pool);
                 s.spawn(move || {
                     let mut enc = match Encoder::new(level, params.max_size as usize) {
                         Ok(e) => Some(e),
                         Err(e) => {
-                            fail(Error::Invalid(format!("cannot create zstd context: {e}")));
+                            fail(Error::Other(format!("cannot create zstd context: {e}")));
                             None
                         }
                     };
-                    // Keep draining after a failure so the reader never blocks on a full queue.
-                    for (file, piece) in rx {
+                    let low_water = 2 * plan.workers;
+                    loop {
                         if failed.load(Ordering::Relaxed) {
-                            continue;
+                            // Stop reading; drop what is queued (returns the segments) and leave.
+                            if let Ok(mut r) = reader.lock() {
+                                r.tx = None;
+                            }
+                            while rx.try_recv().is_ok() {}
+                            break;
                         }
+                        if rx.len() < low_water {
+                            if let Ok(mut r) = reader.try_lock() {
+                                if r.tx.is_some() {
+                                    if let Some(buf) = pool.try_get() {
+                                        if let Err(e) = r.step(buf) {
+                                            r.tx = None;
+                                            fail(e);
+                                        }
+                                        continue;
+                                    }
+                                }
+                            }
+                        }
+                        let job = match rx.recv_timeout(std::time::Duration::from_millis(2)) {
+                            Ok(job) => job,
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                        };
+                        let (file, piece) = job;
                         let Some(enc) = enc.as_mut() else { continue };
-                        match store_piece(backend, enc, seen, &piece) {
+                        let file_hints = hints.get(&files[file].rel);
+                        match store_piece(backend, enc, seen, &piece, file_hints) {
                             Ok((cref, outcome)) => {
                                 let len = piece.data().len() as u64;
-                                let (index, f) = (piece.index, file);
+                                let index = piece.index;
                                 drop(piece);
-                                let mut c = collected.lock().unwrap_or_else(|p| p.into_inner());
-                                let slots = &mut c.chunks[f];
-                                if slots.len() <= index {
-                                    slots.resize(index + 1, None);
-                                }
-                                slots[index] = Some(cref);
-                                match outcome {
-                                    Outcome::Zero => c.zero_bytes += len,
-                                    Outcome::Duplicate => {}
-                                    Outcome::Present(stored) => {
-                                        c.stored
-                                            .insert(cref.id.expect("non-zero"), (stored, cref.len));
-                                    }
-                                    Outcome::New(stored) => {
-                                        let id = cref.id.expect("non-zero");
-                                        c.stored.insert(id, (stored, cref.len));
-                                        c.new.push(id);
-                                        c.new_bytes += stored;
-                                    }
-                                }
-                                drop(c);
+                                collected
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .record(file, index, cref, outcome, len);
                                 progress.advance(len);
                             }
                             Err(e) => fail(e),
@@ -311,42 +479,6 @@ impl Ingest {
                 });
             }
             drop(rx);
-            for (i, f) in files.iter().enumerate() {
-                if failed.load(Ordering::Relaxed) {
-                    break;
-                }
-                let file = match File::open(&f.abs) {
-                    Ok(file) => file,
-                    Err(e) => {
-                        fail(Error::io("cannot open image file", &f.abs)(e));
-                        break;
-                    }
-                };
-                // SAFETY: advisory hint on a valid fd: read-ahead more aggressively.
-                unsafe {
-                    libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
-                }
-                let r = chunk_stream(&file, params, &pool, |piece| {
-                    !failed.load(Ordering::Relaxed) && tx.send((i, piece)).is_ok()
-                });
-                match r {
-                    Err(e) => {
-                        fail(Error::io("cannot read image file", &f.abs)(e));
-                        break;
-                    }
-                    Ok(n) if n != f.size && !failed.load(Ordering::Relaxed) => {
-                        // The file changed under us (CRIU still writing?): refuse to store a torn image.
-                        fail(Error::Invalid(format!(
-                            "image file {} changed size during ingest ({} -> {n} bytes)",
-                            f.abs.display(),
-                            f.size
-                        )));
-                        break;
-                    }
-                    Ok(_) => {}
-                }
-            }
-            drop(tx);
         });
         let mut c = collected.into_inner().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = c.error.take() {
@@ -386,13 +518,25 @@ fn store_piece(
     enc: &mut Encoder,
     seen: &Mutex<HashSet<ChunkId>>,
     piece: &Piece,
+    hints: Option<&Hints>,
 ) -> Result<(ChunkRef, Outcome)> {
     let data = piece.data();
     let len = data.len() as u32;
-    if is_zero(data) {
-        return Ok((ChunkRef { id: None, len }, Outcome::Zero));
-    }
-    let id = ChunkId::of(data);
+    let id = match piece.known {
+        Known::Id(id) => id,
+        Known::Zero => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
+        Known::Nothing if is_zero(data) => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
+        Known::Nothing => ChunkId::of(data),
+        Known::Expect(old) => {
+            let id = ChunkId::of(data);
+            if id != old {
+                if let Some(h) = hints {
+                    h.mismatch.store(true, Ordering::Relaxed);
+                }
+            }
+            id
+        }
+    };
     let cref = ChunkRef { id: Some(id), len };
     let first = seen.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
     if !first {
@@ -432,7 +576,7 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
                     .expect("under root")
                     .to_str()
                     .ok_or_else(|| {
-                        Error::Invalid(format!("image file name {} is not UTF-8", path.display()))
+                        Error::Other(format!("image file name {} is not UTF-8", path.display()))
                     })?
                     .to_owned();
                 out.push(FileToIngest {
@@ -442,7 +586,7 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
                     mode: meta.permissions().mode() & 0o7777,
                 });
             } else {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Other(format!(
                     "staging folder holds {}, which is not a regular file or folder; the store keeps only those",
                     path.display()
                 )));
@@ -451,4 +595,35 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
     }
     out.sort_by(|a, b| a.rel.cmp(&b.rel));
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plan_stays_within_the_memory_budget() {
+        let params = ChunkParams::default();
+        for total in [0, 1 << 20, 1 << 30, 4 << 30, 100 << 30, 2 << 40] {
+            for threads in [1, 2, 8, 64, 512] {
+                for level in [1, 3, 9, 19] {
+                    let p = Plan::new(total, threads, params, level);
+                    let budget = memory_budget(total);
+                    assert!(p.workers >= 1 && p.workers <= threads);
+                    assert!(p.segments >= 3);
+                    assert!(
+                        p.memory() + RESERVE <= budget || (p.workers == 1 && p.segments == 3),
+                        "{p:?} uses {} of {budget} for {total} bytes",
+                        p.memory()
+                    );
+                }
+            }
+        }
+        // Small checkpoints: 64 MiB, with room for the rest of the tool, and still two workers.
+        let small = Plan::new(1 << 30, 2, params, 2);
+        assert!(small.memory() + RESERVE <= 64 << 20, "{small:?}");
+        assert_eq!(small.workers, 2);
+        // A 100 GiB checkpoint may use 1 GiB and gets every core.
+        assert_eq!(Plan::new(100 << 30, 64, params, 2).workers, 64);
+    }
 }

@@ -104,7 +104,12 @@ fn write_all(
         .filter(|(_, _, _, c)| c.id.is_none())
         .map(|(_, _, _, c)| c.len as u64)
         .sum();
-    let plan = Plan::new(total, inner.opts.effective_threads(), inner.opts.chunking);
+    let plan = Plan::new(
+        total,
+        inner.opts.effective_threads(),
+        inner.opts.chunking,
+        1,
+    );
     let max_chunk = info.chunking.max_size as usize;
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -122,7 +127,7 @@ fn write_all(
                         error
                             .lock()
                             .unwrap()
-                            .get_or_insert(Error::Invalid(format!("zstd: {e}")));
+                            .get_or_insert(Error::Other(format!("zstd: {e}")));
                         return;
                     }
                 };

@@ -126,7 +126,12 @@ pub(super) fn verify(
         .map(|i| i.chunking.max_size as usize)
         .max()
         .unwrap_or(0);
-    let plan = Plan::new(total, inner.opts.effective_threads(), inner.opts.chunking);
+    let plan = Plan::new(
+        total,
+        inner.opts.effective_threads(),
+        inner.opts.chunking,
+        1,
+    );
     let next = AtomicUsize::new(0);
     let problems: Mutex<Vec<VerifyProblem>> = Mutex::default();
     let sums = Mutex::new((0u64, 0u64, 0u64));

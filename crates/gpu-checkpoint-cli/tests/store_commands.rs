@@ -1,0 +1,132 @@
+//! `list`, `inspect`, `delete`, `verify` and `gc` against a real store, through the binary.
+
+use std::fs;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
+
+fn bin(args: &[&str], storage: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+        .args(args)
+        .arg("--storage")
+        .arg(storage)
+        .output()
+        .unwrap()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not just JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn checkpoint(store: &Store, name: &str, seed: u8) -> String {
+    let ing = store.begin(Some(name)).unwrap();
+    let data: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8 ^ seed)
+        .collect();
+    fs::write(ing.staging_dir().join("pages-1.img"), data).unwrap();
+    fs::write(ing.staging_dir().join("core-1.img"), [seed; 100]).unwrap();
+    ing.commit(serde_json::json!({"pid": 1234}), &NoProgress)
+        .unwrap()
+        .id
+}
+
+#[test]
+fn store_commands_report_and_exit_as_documented() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let a = checkpoint(&store, "job", 1);
+    let b = checkpoint(&store, "job", 2);
+
+    let out = bin(&["list", "--format", "json"], &dir);
+    assert!(out.status.success());
+    let list = json(&out);
+    let ids: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![a.as_str(), b.as_str()]);
+    assert_eq!(list[0]["stats"]["logical_bytes"], 3_000_100);
+    assert!(list[0]["stats"]["stored_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(list[0]["metadata"]["pid"], 1234);
+
+    let out = bin(&["list"], &dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&a) && text.contains("DEDUP") && text.contains("2.9 MiB"),
+        "{text}"
+    );
+
+    // A name means its newest checkpoint.
+    let out = bin(&["inspect", "job", "--format", "json"], &dir);
+    assert!(out.status.success());
+    let info = json(&out);
+    assert_eq!(info["id"], b.as_str());
+    assert_eq!(info["files"].as_array().unwrap().len(), 2);
+    assert!(info["manifest"]
+        .as_str()
+        .unwrap()
+        .ends_with(&format!("{b}.json")));
+    let out = bin(&["inspect", &a], &dir);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("pages-1.img"));
+
+    let out = bin(&["verify"], &dir);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("OK"));
+
+    // Damage one chunk of checkpoint a: verify names it and exits 7.
+    let info_a = store.get(&a).unwrap();
+    let chunk = info_a
+        .files
+        .iter()
+        .find(|f| f.path == "pages-1.img")
+        .unwrap()
+        .chunks[0]
+        .id
+        .unwrap()
+        .to_hex();
+    let path = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[40] ^= 0xff;
+    fs::write(&path, bytes).unwrap();
+    let out = bin(&["verify", &a, "--format", "json"], &dir);
+    assert_eq!(out.status.code(), Some(7));
+    let report = json(&out);
+    assert_eq!(report["problems"][0]["chunk"], chunk.as_str());
+    assert_eq!(report["problems"][0]["file"], "pages-1.img");
+    let out = bin(&["verify"], &dir);
+    assert_eq!(out.status.code(), Some(7));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("DAMAGED checkpoint {a}")));
+
+    let out = bin(&["inspect", "nope"], &dir);
+    assert_eq!(out.status.code(), Some(7));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no checkpoint \"nope\""));
+
+    let out = bin(&["delete", &a], &dir);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("deleted {a}")
+    );
+    let out = bin(&["gc", "--format", "json"], &dir);
+    assert!(out.status.success());
+    assert!(json(&out)["chunks_removed"].as_u64().unwrap() > 0);
+    let out = bin(&["verify", "--format", "json"], &dir);
+    assert!(out.status.success());
+    assert_eq!(json(&out)["checkpoints"].as_array().unwrap().len(), 1);
+
+    let out = bin(&["list"], &t.path().join("missing"));
+    assert_eq!(out.status.code(), Some(7));
+}
