@@ -2,7 +2,7 @@
 //! folder, against `cp -r`, `tar | zstd -1` and `zstd -1` in the same run. Prints figures and ratios.
 //!
 //! ```text
-//! cargo run --release -p gpu-checkpoint --example store_bench -- [--dir DIR] [--size-gib N] [--level L]
+//! cargo run --release -p gpu-checkpoint --example store_bench -- [--dir DIR] [--size-gib N] [--level L (0: none)]
 //!           [--threads N] [--rounds N] [--keep] [--src IMAGES]
 //! ```
 //! DIR (default /var/tmp/gpu-checkpoint-store-bench) must be on the disk under test; it is emptied first.
@@ -295,8 +295,10 @@ fn main() {
     let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     sync();
 
+    // --level 0: no compression (`checkpoint --compression none`).
     let opts = StoreOptions {
-        zstd_level: a.level,
+        zstd_level: a.level.max(1),
+        compress: a.level > 0,
         threads: a.threads,
         ..StoreOptions::default()
     };

@@ -42,12 +42,44 @@ pub struct Args {
     /// On expiry every process is unlocked and keeps running.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
     pub lock_timeout: Timeout,
+    /// How new chunks are stored: `zstd` (level 1), `zstd:N` (levels 1-19; higher is smaller and slower),
+    /// or `none` (raw: the fastest checkpoint and restore, the most disk).
+    #[arg(long, value_name = "none|zstd[:N]", default_value = "zstd", value_parser = parse_compression)]
+    pub compression: Compression,
+}
+
+/// The store's compression setting for a checkpoint's new chunks.
+#[derive(Clone, Copy, Debug)]
+pub struct Compression(Option<i32>);
+
+fn parse_compression(s: &str) -> Result<Compression, String> {
+    let level = match s {
+        "none" => return Ok(Compression(None)),
+        "zstd" => StoreOptions::default().zstd_level,
+        _ => s
+            .strip_prefix("zstd:")
+            .and_then(|n| n.parse::<i32>().ok())
+            .filter(|n| (1..=19).contains(n))
+            .ok_or_else(|| format!("expected none, zstd or zstd:N with N in 1..=19, got '{s}'"))?,
+    };
+    Ok(Compression(Some(level)))
+}
+
+impl Compression {
+    fn store_options(self) -> StoreOptions {
+        let defaults = StoreOptions::default();
+        StoreOptions {
+            compress: self.0.is_some(),
+            zstd_level: self.0.unwrap_or(defaults.zstd_level),
+            ..defaults
+        }
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let found = discover(args.criu.as_deref()).map_err(gpu_checkpoint::Error::from)?;
     let criu = CriuRpc::from_found(&found);
-    let store = Store::open(&args.store.storage, StoreOptions::default())
+    let store = Store::open(&args.store.storage, args.compression.store_options())
         .map_err(gpu_checkpoint::Error::from)?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend: Backend = args.gpu.gpu_backend.into();
@@ -156,4 +188,31 @@ fn gpu_summary(gpu: &serde_json::Value) -> Option<String> {
         rec.timings.lock_ms,
         rec.timings.checkpoint_ms,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compression_settings_parse_and_reach_the_store() {
+        let none = parse_compression("none").unwrap().store_options();
+        assert!(!none.compress);
+        assert_eq!(none.compression_level(), None);
+        let default = parse_compression("zstd").unwrap().store_options();
+        assert_eq!(
+            default.compression_level(),
+            Some(StoreOptions::default().zstd_level)
+        );
+        assert_eq!(
+            parse_compression("zstd:7")
+                .unwrap()
+                .store_options()
+                .compression_level(),
+            Some(7)
+        );
+        for bad in ["zstd:0", "zstd:20", "lz4", "zstd:x", ""] {
+            assert!(parse_compression(bad).is_err(), "{bad} accepted");
+        }
+    }
 }

@@ -148,15 +148,17 @@ impl Header {
 /// Reusable per-thread compression state, so that contexts and buffers are allocated once per worker and
 /// not once per chunk (fresh memory is slow to touch on the machines this runs on).
 pub struct Encoder {
-    compressor: zstd::bulk::Compressor<'static>,
+    /// `None`: compression is off for this store's new chunks, every chunk is stored raw.
+    compressor: Option<zstd::bulk::Compressor<'static>>,
     zbuf: Vec<u8>,
 }
 
 impl Encoder {
-    pub fn new(level: i32, max_chunk: usize) -> std::io::Result<Encoder> {
+    /// `level`: the zstd level, or `None` to store every chunk raw (the fastest ingest and restore).
+    pub fn new(level: Option<i32>, max_chunk: usize) -> std::io::Result<Encoder> {
         Ok(Encoder {
-            compressor: zstd::bulk::Compressor::new(level)?,
-            zbuf: Vec::with_capacity(max_chunk),
+            compressor: level.map(zstd::bulk::Compressor::new).transpose()?,
+            zbuf: Vec::with_capacity(if level.is_some() { max_chunk } else { 0 }),
         })
     }
 
@@ -169,10 +171,8 @@ impl Encoder {
         let limit = raw.len() - raw.len() / 32;
         self.zbuf.clear();
         self.zbuf.reserve(limit);
-        if raw.len() >= 256 {
-            let r = self
-                .compressor
-                .compress_to_buffer(raw, &mut ZstdBuf(&mut self.zbuf, limit));
+        if let (Some(compressor), true) = (self.compressor.as_mut(), raw.len() >= 256) {
+            let r = compressor.compress_to_buffer(raw, &mut ZstdBuf(&mut self.zbuf, limit));
             if let Ok(n) = r {
                 if n < limit {
                     let header = Header {
@@ -291,7 +291,7 @@ mod tests {
     use super::*;
 
     fn roundtrip(data: &[u8]) -> Encoding {
-        let mut enc = Encoder::new(3, data.len()).unwrap();
+        let mut enc = Encoder::new(Some(3), data.len()).unwrap();
         let (header, payload) = enc.encode(data);
         let mut stored = header.encode().to_vec();
         stored.extend_from_slice(payload);
@@ -319,10 +319,23 @@ mod tests {
     }
 
     #[test]
+    fn compression_off_stores_even_compressible_chunks_raw() {
+        let data = vec![7u8; 100_000];
+        let mut enc = Encoder::new(None, data.len()).unwrap();
+        let (header, payload) = enc.encode(&data);
+        assert_eq!(header.encoding, Encoding::Raw);
+        assert_eq!(payload, &data[..]);
+        let mut stored = header.encode().to_vec();
+        stored.extend_from_slice(payload);
+        let mut dec = Decoder::new(data.len()).unwrap();
+        assert_eq!(dec.decode(&ChunkId::of(&data), &stored).unwrap(), data);
+    }
+
+    #[test]
     fn damage_is_detected_and_described() {
         let data = vec![7u8; 10_000];
         let id = ChunkId::of(&data);
-        let mut enc = Encoder::new(1, data.len()).unwrap();
+        let mut enc = Encoder::new(Some(1), data.len()).unwrap();
         let (header, payload) = enc.encode(&data);
         let mut stored = header.encode().to_vec();
         stored.extend_from_slice(payload);

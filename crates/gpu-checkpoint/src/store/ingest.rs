@@ -306,8 +306,13 @@ impl Ingest {
                 avg_size: params.avg_size,
                 max_size: params.max_size,
                 hash: "blake3".into(),
-                compression: "zstd".into(),
-                level: self.inner.opts.zstd_level,
+                compression: if self.inner.opts.compress {
+                    "zstd"
+                } else {
+                    "none"
+                }
+                .into(),
+                level: self.inner.opts.compression_level().unwrap_or(0),
             },
             stats: IngestStats::default(),
             metadata,
@@ -388,7 +393,7 @@ impl Ingest {
         progress: &dyn Progress,
     ) -> Result<Collected> {
         let params = self.inner.opts.chunking;
-        let level = self.inner.opts.zstd_level;
+        let level = self.inner.opts.compression_level();
         let backend = &*self.inner.backend;
         let pool = SegmentPool::new(plan.segments, plan.segment_size);
         let collected = Mutex::new(Collected {

@@ -44,6 +44,9 @@ pub struct StoreOptions {
     /// zstd level for new chunks. Default 1: on a real process's memory level 2 stored the same and took
     /// 25% more CPU, level 3 stored more and took 2.5x the CPU (measurements in `docs/store.md`).
     pub zstd_level: i32,
+    /// Compress new chunks with zstd (`zstd_level`). Off, every chunk is stored raw: ingest and restore then
+    /// cost little more than hashing and copying, for users who value checkpoint time over disk space.
+    pub compress: bool,
     /// Worker threads for hashing, compression and parallel reads; 0 = one per core.
     pub threads: usize,
     /// Content-defined chunking sizes for new checkpoints.
@@ -54,6 +57,7 @@ impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             zstd_level: 1,
+            compress: true,
             threads: 0,
             chunking: ChunkParams::default(),
         }
@@ -61,6 +65,11 @@ impl Default for StoreOptions {
 }
 
 impl StoreOptions {
+    /// The zstd level new chunks are compressed with, or `None` when compression is off.
+    pub fn compression_level(&self) -> Option<i32> {
+        self.compress.then_some(self.zstd_level)
+    }
+
     fn effective_threads(&self) -> usize {
         if self.threads > 0 {
             self.threads
