@@ -8,6 +8,7 @@
 # Usage (root): scripts/bench-criu.sh [MIB...]        default: 1024 4096
 #   ROUNDS=3            rounds per size
 #   BENCH_DIR=DIR       where stores and images go (default: target/bench-criu, on the repository's disk)
+#   COMPRESSION=none    the store setting for our checkpoint (default: the tool's default, zstd level 1)
 # Builds gpu-checkpoint in release mode (a debug build's hashing and compression are many times slower)
 # and needs CRIU (scripts/setup.sh installs the project's; scripts/env.sh finds it).
 set -euo pipefail
@@ -42,7 +43,7 @@ ours() {
     rm -rf "$DIR/store" # a fresh store each time: no dedup against the previous round
     local t0 t1 out
     t0=$(now)
-    out=$("$GC" checkpoint --pid "$PID" --storage "$DIR/store" --format json)
+    out=$("$GC" checkpoint --pid "$PID" --storage "$DIR/store" --format json ${COMPRESSION:+--compression "$COMPRESSION"})
     t1=$(now)
     O_CK+=" $(ms "$t0" "$t1")"
     O_DUMP+=" $(echo "$out" | json_num dump)"
@@ -75,7 +76,7 @@ plain() {
     P_RS+=" $(ms "$t0" "$t1")"
 }
 
-echo "gpu-checkpoint vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
+echo "gpu-checkpoint (compression: ${COMPRESSION:-default}) vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
 echo "disk: $(df -h "$DIR" | awk 'NR == 2 { print $1 " (" $2 ")" }'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-6s | %-28s | %-18s | %-24s | %-28s\n' "size" "checkpoint: ours / criu dump" "criu dump + fsync" "ours: dump (ratio), write" "restore: ours (fetch) / criu restore"
 for mib in "${SIZES[@]}"; do
