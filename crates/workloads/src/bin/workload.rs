@@ -79,7 +79,9 @@ fn pid() -> u32 {
 fn sample(opts: &Opts) -> Result<(), String> {
     let s = state(opts, 1)?;
     let seed = opts.num("seed", 1)?;
-    let mut table = vec![0u64; 2 << 20]; // 16 MiB
+    // 16 MiB, every page written at start: a zeroed allocation would stay unbacked (never dumped) until
+    // touched, and the demo is meant to carry real memory across the checkpoint.
+    let mut table: Vec<u64> = (0..2u64 << 20).map(|i| step(seed ^ i)).collect();
     let (mut seq, mut v) = (0u64, seed);
     loop {
         seq += 1;
