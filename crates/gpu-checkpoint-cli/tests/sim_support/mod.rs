@@ -9,10 +9,12 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-/// The `gpu-checkpoint` binary under test.
-pub fn gpu_checkpoint() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_gpu-checkpoint"))
-}
+// The CRIU-test helpers: one definition of the binary under test, of running it, of "can CRIU run here"
+// (fail in CI, skip locally) and of waiting for PIDs to be free.
+#[path = "../common/mod.rs"]
+mod common;
+#[allow(unused_imports)] // each test file uses a different subset
+pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint};
 
 /// `gpu-sim-workload`, built next to `gpu-checkpoint` by `cargo build --workspace` / `cargo test --workspace`.
 pub fn sim_workload() -> PathBuf {
@@ -111,14 +113,6 @@ pub fn assert_verified(pid: i32) {
     }
 }
 
-/// Runs `gpu-checkpoint` with args.
-pub fn run(args: &[&str]) -> Output {
-    Command::new(gpu_checkpoint())
-        .args(args)
-        .output()
-        .expect("run gpu-checkpoint")
-}
-
 pub fn text(o: &Output) -> String {
     format!(
         "{}{}",
@@ -127,37 +121,10 @@ pub fn text(o: &Output) -> String {
     )
 }
 
-/// True when this machine can run CRIU flows (root and CRIU >= 4.0). In CI (`CI=true`) a missing piece
-/// fails the test; locally the test is skipped with the reason printed.
-pub fn criu_ready() -> bool {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-    // SAFETY: geteuid cannot fail.
-    let reason = if unsafe { libc::geteuid() } != 0 {
-        Some("not root".to_string())
-    } else {
-        gpu_checkpoint::dump::discover(None)
-            .err()
-            .map(|e| format!("no usable CRIU: {e}"))
-    };
-    match reason {
-        None => true,
-        Some(r) if ci => panic!("CRIU flow test cannot run in CI: {r} (run scripts/setup.sh)"),
-        Some(r) => {
-            eprintln!("SKIPPED: {r} (source scripts/env.sh after scripts/install-criu.sh)");
-            false
-        }
-    }
-}
-
 /// Waits until none of `pids` exists any more (killed, and reaped by init).
 pub fn wait_gone(pids: &[i32]) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while pids
-        .iter()
-        .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-    {
-        assert!(Instant::now() < deadline, "pids {pids:?} still exist");
-        std::thread::sleep(Duration::from_millis(20));
+    for &pid in pids {
+        common::wait_pid_free(pid);
     }
 }
 
