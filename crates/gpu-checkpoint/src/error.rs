@@ -74,3 +74,33 @@ pub fn io_exit_status(e: &std::io::Error) -> ExitStatus {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_map_to_documented_exit_statuses() {
+        let os = std::io::Error::from_raw_os_error;
+        // Full, over quota or read-only storage is "storage" (6) whatever io::ErrorKind std gives them:
+        // the stages rely on this instead of checking these errnos themselves.
+        for errno in [libc::ENOSPC, libc::EDQUOT, libc::EROFS] {
+            assert_eq!(
+                io_exit_status(&os(errno)),
+                ExitStatus::Storage,
+                "errno {errno}"
+            );
+        }
+        assert_eq!(io_exit_status(&os(libc::ENOENT)), ExitStatus::NoSuchProcess);
+        assert_eq!(io_exit_status(&os(libc::ESRCH)), ExitStatus::NoSuchProcess);
+        assert_eq!(
+            io_exit_status(&os(libc::EACCES)),
+            ExitStatus::PermissionDenied
+        );
+        assert_eq!(
+            io_exit_status(&os(libc::EPERM)),
+            ExitStatus::PermissionDenied
+        );
+        assert_eq!(io_exit_status(&os(libc::EIO)), ExitStatus::Failure);
+    }
+}

@@ -89,6 +89,16 @@ fn write(path: PathBuf, data: &[u8]) -> Result<(), Error> {
     std::fs::write(&path, data).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
+/// Writes an injected failure into the operation's log the way CRIU would, and returns the failure as
+/// the real client reports it (read back from that log).
+fn fail_logged(op: Op, log: PathBuf, line: &str) -> Result<Error, Error> {
+    write(
+        log.clone(),
+        format!("(00.1) Error (fake.c:1): {line}\n").as_bytes(),
+    )?;
+    Ok(Error::Failed(failure(op, None, None, Some(&log))))
+}
+
 impl Criu for FakeCriu {
     fn describe(&self) -> String {
         "fake CRIU (tests)".into()
@@ -125,11 +135,7 @@ impl Criu for FakeCriu {
         };
         let log = req.images_dir.join(req.log_file);
         if let Some(line) = error {
-            write(
-                log.clone(),
-                format!("(00.1) Error (fake.c:1): {line}\n").as_bytes(),
-            )?;
-            return Err(Error::Failed(failure(Op::Dump, None, None, Some(&log))));
+            return Err(fail_logged(Op::Dump, log, &line)?);
         }
         write(
             req.images_dir.join(format!("core-{}.img", req.pid)),
@@ -160,11 +166,7 @@ impl Criu for FakeCriu {
         };
         let log = req.images_dir.join(req.log_file);
         if let Some(line) = error {
-            write(
-                log.clone(),
-                format!("(00.1) Error (fake.c:1): {line}\n").as_bytes(),
-            )?;
-            return Err(Error::Failed(failure(Op::Restore, None, None, Some(&log))));
+            return Err(fail_logged(Op::Restore, log, &line)?);
         }
         write(log, b"(00.1) Restore finished successfully (fake)\n")?;
         Ok(pid)

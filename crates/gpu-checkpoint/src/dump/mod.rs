@@ -221,10 +221,7 @@ impl Error {
                 FailureKind::Other => ExitStatus::Failure,
             },
             Error::Protocol { .. } => ExitStatus::Failure,
-            Error::Io { source, .. } => match source.raw_os_error() {
-                Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EROFS) => ExitStatus::Storage,
-                _ => crate::error::io_exit_status(source),
-            },
+            Error::Io { source, .. } => crate::error::io_exit_status(source),
         }
     }
 

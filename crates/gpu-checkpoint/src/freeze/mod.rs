@@ -303,7 +303,7 @@ pub fn probe() -> Probe {
 /// Checks that `pid` exists before asking a driver about it, so that "no such process" is not
 /// mistaken for "no CUDA state".
 pub fn ensure_process(pid: i32) -> Result<()> {
-    if pid > 0 && std::path::Path::new(&format!("/proc/{pid}")).exists() {
+    if pid > 0 && crate::checkpoint::tree::pid_taken(pid) {
         Ok(())
     } else {
         Err(Error::NoSuchProcess { pid })

@@ -58,10 +58,7 @@ impl Error {
             Error::PidInUse { .. } => ExitStatus::Conflict,
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::NoGpuStep => ExitStatus::Unsupported,
-            Error::WorkDir { source, .. } => match source.raw_os_error() {
-                Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EROFS) => ExitStatus::Storage,
-                _ => crate::error::io_exit_status(source),
-            },
+            Error::WorkDir { source, .. } => crate::error::io_exit_status(source),
         }
     }
 }
