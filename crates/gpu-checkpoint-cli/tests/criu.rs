@@ -31,29 +31,54 @@ fn all_advanced(now: &[Record], before: &[Record], id: &str, count: &str, by: u6
 
 /// Runs a checkpoint that must fail with exit `code`; returns its stderr.
 fn checkpoint_fails(pid: i32, storage: &Path, code: i32) -> String {
+    checkpoint_fails_with(pid, storage, &[], code)
+}
+
+fn checkpoint_fails_with(pid: i32, storage: &Path, extra: &[&str], code: i32) -> String {
     let pid = pid.to_string();
-    fails_with(
-        &gc(&[
-            "checkpoint",
-            "--pid",
-            &pid,
-            "--storage",
-            storage.to_str().unwrap(),
-        ]),
-        code,
-    )
+    let mut args = vec![
+        "checkpoint",
+        "--pid",
+        &pid,
+        "--storage",
+        storage.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    fails_with(&gc(&args), code)
 }
 
 /// Checkpoints a workload (default mode: the tree is stopped), checks it is gone, restores it, and
 /// returns (state at the checkpoint, checkpoint JSON). The restored copy runs under the same PID.
 fn cycle(w: &Workload, store: &Path, min_records: usize) -> (Vec<Record>, serde_json::Value) {
-    let ck = checkpoint(w.pid, store, &[]);
+    cycle_with(w, store, min_records, &[])
+}
+
+/// [`cycle`] with extra checkpoint arguments (`--staged` also stages the restore).
+fn cycle_with(
+    w: &Workload,
+    store: &Path,
+    min_records: usize,
+    extra: &[&str],
+) -> (Vec<Record>, serde_json::Value) {
+    let ck = checkpoint(w.pid, store, extra);
     assert_eq!(ck["stopped"], true);
     assert!(!w.alive(), "the checkpointed tree must be stopped");
     let at_checkpoint = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
     assert!(at_checkpoint.len() >= min_records, "{at_checkpoint:?}");
     wait_pid_free(w.pid);
-    let pid = restore(ck["id"].as_str().unwrap(), store);
+    let id = ck["id"].as_str().unwrap();
+    let pid = if extra.contains(&"--staged") {
+        let out = ok(&gc(&[
+            "restore",
+            id,
+            "--staged",
+            "--storage",
+            store.to_str().unwrap(),
+        ]));
+        out.trim().parse().expect("restore prints the PID")
+    } else {
+        restore(id, store)
+    };
     assert_eq!(pid, w.pid, "CRIU restores the original PID");
     (at_checkpoint, ck)
 }
@@ -143,7 +168,9 @@ fn parent_and_children_over_pipes_continue() {
     w.wait_state("both children answering", |r| {
         r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)
     });
-    let (before, ck) = cycle(&w, &store, 2);
+    // Through the staging folder and a materialized work folder (`--staged`), CRIU reading and writing
+    // files; every other test streams.
+    let (before, ck) = cycle_with(&w, &store, 2, &["--staged"]);
     assert_eq!(ck["processes"], 3, "parent and two children: {ck}");
     let after = w.wait_state("conversations going on", |r| {
         all_advanced(r, &before, "child", "rounds", 3)
@@ -341,32 +368,107 @@ fn assert_untouched(w: &Workload, store: &Path) {
     }
 }
 
+/// Both ways images reach the store: streamed (the default; the store fails first and its error is
+/// reported, CRIU fails on the broken pipe) and staged (CRIU fails to write, its log is kept and named).
 #[test]
 fn disk_full_during_the_dump_leaves_the_process_running() {
     let Some((dir, _)) = scene() else { return };
-    let fs = Tmpfs::mount("size=16m");
     let w = Workload::start("memory", dir.path(), &["--mib", "64"]);
     w.wait_state("filled", |r| {
         r.len() == 1 && r[0].get("phase").map(String::as_str) == Some("verifying")
     });
-    let err = checkpoint_fails(w.pid, &fs.path, 6);
-    assert!(err.contains("No space left on device"), "{err}");
-    // The full store could not take the log: it was kept in the temporary folder, and the error says where.
-    let log = err
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("CRIU log: "))
-        .unwrap_or_else(|| panic!("the error names CRIU's log: {err}"));
-    let text = std::fs::read_to_string(log).unwrap();
-    assert!(text.contains("No space left on device"));
-    std::fs::remove_file(log).unwrap();
-    assert!(w.alive() && !w.stopped());
-    let r = w.wait_state("still verifying", |r| num(&r[0], "verified") >= 1);
-    assert_eq!(num(&r[0], "bad"), 0);
-    assert!(list_ids(&fs.path).is_empty());
-    let left: Vec<_> = std::fs::read_dir(fs.path.join("staging"))
+    for staged in [false, true] {
+        let fs = Tmpfs::mount("size=16m");
+        let extra: &[&str] = if staged { &["--staged"] } else { &[] };
+        let err = checkpoint_fails_with(w.pid, &fs.path, extra, 6);
+        assert!(err.contains("No space left on device"), "{err}");
+        if staged {
+            // The full store could not take the log: it was kept in the temporary folder, and the error
+            // says where.
+            let log = err
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("CRIU log: "))
+                .unwrap_or_else(|| panic!("the error names CRIU's log: {err}"));
+            let text = std::fs::read_to_string(log).unwrap();
+            assert!(text.contains("No space left on device"));
+            std::fs::remove_file(log).unwrap();
+        } else {
+            assert!(
+                err.contains("cannot write chunk"),
+                "the store's error: {err}"
+            );
+        }
+        assert!(w.alive() && !w.stopped(), "staged: {staged}");
+        let verified = num(
+            &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+            "verified",
+        );
+        let r = w.wait_state("still verifying", |r| num(&r[0], "verified") > verified);
+        assert_eq!(num(&r[0], "bad"), 0);
+        assert!(list_ids(&fs.path).is_empty());
+        let left: Vec<_> = std::fs::read_dir(fs.path.join("staging"))
+            .unwrap()
+            .collect();
+        assert!(left.is_empty(), "staging leftovers: {left:?}");
+    }
+}
+
+/// A streamed restore hands CRIU only verified bytes: a damaged page chunk stops it with the store's error
+/// (exit 7, naming the file and chunk), nothing runs under the PID, and the checkpoint is intact: repaired,
+/// it restores.
+#[test]
+fn a_damaged_chunk_stops_a_streamed_restore() {
+    let Some((dir, store)) = scene() else { return };
+    let w = Workload::start("counter", dir.path(), &[]);
+    w.wait_state("a few ticks", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
+    let ck = checkpoint(w.pid, &store, &[]);
+    let id = ck["id"].as_str().unwrap();
+    wait_pid_free(w.pid);
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck["manifest"].as_str().unwrap()).unwrap()).unwrap();
+    let pages = manifest["files"]
+        .as_array()
         .unwrap()
-        .collect();
-    assert!(left.is_empty(), "staging leftovers: {left:?}");
+        .iter()
+        .find(|f| f["path"].as_str().unwrap().starts_with("pages-"))
+        .expect("a page image");
+    let hash = pages["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|c| c["h"].as_str())
+        .expect("a stored page chunk")
+        .to_string();
+    let chunk = store.join("chunks").join(&hash[..2]).join(&hash);
+    let original = std::fs::read(&chunk).unwrap();
+    let mut damaged = original.clone();
+    let last = damaged.len() - 1;
+    damaged[last] ^= 0x40;
+    std::fs::write(&chunk, &damaged).unwrap();
+
+    let err = fails_with(
+        &gc(&["restore", id, "--storage", store.to_str().unwrap()]),
+        7,
+    );
+    assert!(
+        err.contains(&hash[..16]) || err.contains(&hash),
+        "names the chunk: {err}"
+    );
+    assert!(err.contains("pages-"), "names the file: {err}");
+    assert!(!w.alive(), "nothing may run from a damaged checkpoint");
+    assert_eq!(
+        list_ids(&store),
+        vec![id.to_string()],
+        "the checkpoint stays"
+    );
+
+    std::fs::write(&chunk, &original).unwrap();
+    assert_eq!(restore(id, &store), w.pid);
+    let seq = num(
+        &w.wait_state("ticking", |r| num(&r[0], "seq") > 3)[0],
+        "seq",
+    );
+    assert!(seq > 3);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use gpu_checkpoint::checkpoint::{CheckpointOptions, Flow};
+use gpu_checkpoint::checkpoint::{CheckpointOptions, Flow, ImageTransfer};
 use gpu_checkpoint::dump::{discover, CriuRpc};
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
 use gpu_checkpoint::store::{Store, StoreOptions};
@@ -46,6 +46,11 @@ pub struct Args {
     /// or `none` (raw: the fastest checkpoint and restore, the most disk).
     #[arg(long, value_name = "none|zstd[:N]", default_value = "zstd", value_parser = parse_compression)]
     pub compression: Compression,
+    /// Write CRIU's images to a staging folder first and store them afterwards, instead of streaming them
+    /// straight into the store (CRIU's --stream, the default): twice the disk traffic; for a CRIU or
+    /// setup where streaming fails.
+    #[arg(long)]
+    pub staged: bool,
 }
 
 /// The store's compression setting for a checkpoint's new chunks.
@@ -95,6 +100,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
+        images: if args.staged {
+            ImageTransfer::Staged
+        } else {
+            ImageTransfer::Stream
+        },
     };
     let mut opts = CheckpointOptions::new(args.pid);
     opts.name = args.name;

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use gpu_checkpoint::checkpoint::ImageTransfer;
 use gpu_checkpoint::dump::{discover, CriuRpc};
 use gpu_checkpoint::freeze::{DeviceMap, FreezeHook, HookOptions};
 use gpu_checkpoint::restore::{Flow, Target};
@@ -32,6 +33,11 @@ pub struct Args {
     /// checkpoint's, new ones this node's). Without it, this node must have the same GPU count and models.
     #[arg(long, value_name = "OLD=NEW,...")]
     pub device_map: Option<String>,
+    /// Materialize the images into a work folder before CRIU reads them, instead of streaming verified
+    /// chunks straight to CRIU (CRIU's --stream, the default): twice the disk traffic; for a CRIU or
+    /// setup where streaming fails.
+    #[arg(long)]
+    pub staged: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -61,6 +67,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
+        images: if args.staged {
+            ImageTransfer::Staged
+        } else {
+            ImageTransfer::Stream
+        },
     };
     let result = flow.restore(&target);
     if gpu_checkpoint::freeze::interrupt::interrupted() {

@@ -112,6 +112,17 @@ impl Sizes {
         }
         Ok(s)
     }
+
+    /// Counts images that came as streams (they never were files in the folder).
+    pub fn add_streamed<'a>(&mut self, files: impl Iterator<Item = (&'a str, u64)>) {
+        for (name, size) in files {
+            self.image_files += 1;
+            self.image_bytes += size;
+            if name.starts_with("pages-") && name.ends_with(".img") {
+                self.pages_bytes += size;
+            }
+        }
+    }
 }
 
 impl HostInfo {

@@ -17,6 +17,7 @@
 mod gpu;
 mod lock;
 pub mod manifest;
+pub(crate) mod stream;
 pub mod tree;
 
 use std::path::{Path, PathBuf};
@@ -112,6 +113,21 @@ pub struct Flow<'a> {
     pub gpu: &'a mut dyn GpuHook,
     pub store: &'a Store,
     pub progress: &'a dyn Progress,
+    /// How CRIU's images travel between CRIU and the store.
+    pub images: ImageTransfer,
+}
+
+/// How CRIU's images travel between CRIU and the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImageTransfer {
+    /// Through CRIU's image streamer (`--stream`): pipes straight into the store's chunker on checkpoint,
+    /// and from verified chunks straight to CRIU on restore. The images are written and read once.
+    #[default]
+    Stream,
+    /// Through files: CRIU writes its images into a staging folder that the store then ingests, and
+    /// restore materializes them into a work folder first. Twice the disk traffic; for CRIUs or setups
+    /// where streaming does not work.
+    Staged,
 }
 
 /// Timings of one checkpoint, in milliseconds.
@@ -207,22 +223,59 @@ impl Flow<'_> {
             AfterDump::Stop
         };
         let t = Instant::now();
-        let dumped = self.criu.dump(&DumpRequest {
+        let req = DumpRequest {
             pid,
             images_dir: ingest.staging_dir(),
             log_file: DUMP_LOG,
             after,
             tcp_established: opts.tcp_established,
             shell_job: opts.shell_job,
-        });
+            stream: self.images == ImageTransfer::Stream,
+        };
+        let (dumped, streamed) = if req.stream {
+            let expected = stream::resident_bytes(&detected_pids);
+            let d = stream::dump_streamed(self.criu, &req, &ingest, expected, self.progress);
+            (d.dumped, Some(d.stored))
+        } else {
+            (self.criu.dump(&req), None)
+        };
         timings.dump = ms(t);
         if let Err(e) = dumped {
-            // CRIU resumed (or never stopped) the tree; only the GPU state needs putting back.
+            // CRIU resumed (or never stopped) the tree; only the GPU state needs putting back. When the
+            // store gave up first (disk full), CRIU only saw a broken pipe: the store's error says why.
             let e = keep_failed_log(self.store, &ingest, e);
             thaw_after_failure(self.gpu);
             discard(ingest);
+            match streamed {
+                Some(Err(store_err)) if store_err.exit_status() == ExitStatus::Storage => {
+                    tracing::debug!("{e}");
+                    return Err(store_err.into());
+                }
+                Some(Err(store_err)) => {
+                    tracing::debug!("while CRIU failed, the store: {store_err}")
+                }
+                _ => {}
+            }
             return Err(e.into());
         }
+        let streamed = match streamed.transpose() {
+            Ok(s) => s,
+            Err(e) => {
+                // CRIU finished, but the store did not take every image: the tree is stopped (or running
+                // with --leave-running) and must be put back.
+                if after == AfterDump::Stop {
+                    tree::continue_tree(
+                        &tree::process_tree(pid)
+                            .iter()
+                            .map(|p| p.pid)
+                            .collect::<Vec<_>>(),
+                    );
+                }
+                thaw_after_failure(self.gpu);
+                discard(ingest);
+                return Err(e.into());
+            }
+        };
         // The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the
         // tree goes on and this is the best knowledge we have.
         let mut process_tree = tree::process_tree(pid);
@@ -269,7 +322,12 @@ impl Flow<'_> {
         };
 
         let sizes = match Sizes::of_dir(ingest.staging_dir()) {
-            Ok(s) => s,
+            Ok(mut s) => {
+                if let Some(st) = &streamed {
+                    s.add_streamed(st.files());
+                }
+                s
+            }
             Err(source) => {
                 let e = Error::Images {
                     path: ingest.staging_dir().to_path_buf(),
@@ -320,10 +378,11 @@ impl Flow<'_> {
 
         let t = Instant::now();
         // On error the store removes the staging folder and keeps nothing: no partial checkpoint.
-        let info = match ingest.commit(metadata, self.progress) {
-            Ok(info) => info,
-            Err(e) => return Err(undo(self.gpu, e.into())),
-        };
+        let info =
+            match ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress) {
+                Ok(info) => info,
+                Err(e) => return Err(undo(self.gpu, e.into())),
+            };
         timings.write = ms(t);
 
         let t = Instant::now();

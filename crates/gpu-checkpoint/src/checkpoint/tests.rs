@@ -112,6 +112,7 @@ struct Scene {
     _dir: tempfile::TempDir,
     store: Store,
     criu: Arc<FakeCriu>,
+    images: ImageTransfer,
 }
 
 impl Scene {
@@ -122,6 +123,7 @@ impl Scene {
             _dir: dir,
             store,
             criu: Arc::new(FakeCriu::new()),
+            images: ImageTransfer::Stream,
         }
     }
 
@@ -135,6 +137,7 @@ impl Scene {
             gpu,
             store: &self.store,
             progress: &NoProgress,
+            images: self.images,
         }
         .checkpoint(opts)
     }
@@ -149,6 +152,7 @@ impl Scene {
             gpu,
             store: &self.store,
             progress: &NoProgress,
+            images: self.images,
         }
         .restore(&Target::Checkpoint(id.to_string()))
     }

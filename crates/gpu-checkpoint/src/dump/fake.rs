@@ -2,10 +2,12 @@
 //! fail, and records what it was asked. It never pretends to restore a real process: `restore` returns
 //! the PID the test configured.
 
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 use super::log::failure;
+use super::streamer;
 use super::{AfterDump, CheckOutcome, Criu, CriuVersion, DumpRequest, Error, Op, RestoreRequest};
 
 /// One call the fake received.
@@ -18,6 +20,8 @@ pub enum FakeCriuCall {
     },
     Restore {
         images_dir: PathBuf,
+        /// With `stream`: the page image the fake received from the image streamer.
+        pages: Option<Vec<u8>>,
     },
 }
 
@@ -137,11 +141,38 @@ impl Criu for FakeCriu {
         if let Some(line) = error {
             return Err(fail_logged(Op::Dump, log, &line)?);
         }
-        write(
-            req.images_dir.join(format!("core-{}.img", req.pid)),
-            &req.pid.to_le_bytes(),
-        )?;
-        write(req.images_dir.join("pages-1.img"), &vec![0xa5; size])?;
+        let images = [
+            (
+                format!("core-{}.img", req.pid),
+                req.pid.to_le_bytes().to_vec(),
+            ),
+            ("pages-1.img".to_string(), vec![0xa5; size]),
+        ];
+        if req.stream {
+            // Like `criu dump --stream`: every image goes through a pipe to the streamer; a broken pipe
+            // (the streamer gave up) fails the dump.
+            let streamed = (|| -> std::io::Result<()> {
+                let mut sock = streamer::client::connect(req.images_dir, streamer::Mode::Capture)?;
+                for (name, data) in &images {
+                    let mut pipe =
+                        streamer::client::open(&mut sock, streamer::Mode::Capture, name)?
+                            .expect("capture always takes the image");
+                    pipe.write_all(data)?;
+                }
+                Ok(())
+            })();
+            if let Err(e) = streamed {
+                return Err(fail_logged(
+                    Op::Dump,
+                    log,
+                    &format!("Unable to write to the image streamer: {e}"),
+                )?);
+            }
+        } else {
+            for (name, data) in &images {
+                write(req.images_dir.join(name), data)?;
+            }
+        }
         write(log, b"(00.1) Dumping finished successfully (fake)\n")?;
         if odd {
             let link = req.images_dir.join("odd.lnk");
@@ -158,13 +189,39 @@ impl Criu for FakeCriu {
 
     fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
         let (error, pid) = {
-            let mut s = self.lock();
-            s.calls.push(FakeCriuCall::Restore {
-                images_dir: req.images_dir.to_path_buf(),
-            });
+            let s = self.lock();
             (s.restore_error.clone(), s.restore_pid)
         };
         let log = req.images_dir.join(req.log_file);
+        // Like `criu restore --stream`: asks the streamer for the page image and reads it to its end; a pipe
+        // closed early (the streamer found a damaged chunk) fails the restore.
+        let pages = if req.stream {
+            let received = (|| -> std::io::Result<Vec<u8>> {
+                let mut sock = streamer::client::connect(req.images_dir, streamer::Mode::Serve)?;
+                let mut pipe =
+                    streamer::client::open(&mut sock, streamer::Mode::Serve, "pages-1.img")?
+                        .ok_or_else(|| std::io::Error::other("pages-1.img: no such image"))?;
+                let mut data = Vec::new();
+                pipe.read_to_end(&mut data)?;
+                Ok(data)
+            })();
+            match received {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    return Err(fail_logged(
+                        Op::Restore,
+                        log,
+                        &format!("Unable to read from the image streamer: {e}"),
+                    )?)
+                }
+            }
+        } else {
+            None
+        };
+        self.lock().calls.push(FakeCriuCall::Restore {
+            images_dir: req.images_dir.to_path_buf(),
+            pages,
+        });
         if let Some(line) = error {
             return Err(fail_logged(Op::Restore, log, &line)?);
         }

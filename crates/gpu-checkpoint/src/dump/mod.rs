@@ -12,6 +12,7 @@ mod discover;
 mod fake;
 mod log;
 mod rpc;
+pub mod streamer;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -72,6 +73,9 @@ pub struct DumpRequest<'a> {
     pub tcp_established: bool,
     /// The tree is a shell job: its session/terminal belong to someone else (`--shell-job`).
     pub shell_job: bool,
+    /// CRIU sends its images to the image streamer listening in `images_dir` ([`streamer`]) instead of
+    /// writing them there (CRIU's `--stream`); only its log is written to `images_dir`.
+    pub stream: bool,
 }
 
 /// One restore of the images in `images_dir`; the tree is restored detached (re-parented to init).
@@ -82,6 +86,8 @@ pub struct RestoreRequest<'a> {
     pub log_file: &'a str,
     pub tcp_established: bool,
     pub shell_job: bool,
+    /// CRIU asks the image streamer listening in `images_dir` for its images (`--stream`).
+    pub stream: bool,
 }
 
 /// What `criu check` said about this kernel.

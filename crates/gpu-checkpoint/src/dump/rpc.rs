@@ -192,6 +192,90 @@ impl CriuRpc {
     }
 }
 
+/// Streaming (`--stream`) runs CRIU's command line instead of its RPC: CRIU refuses to stream in service
+/// mode (`criu swrk` opens the images folder with no streaming mode and aborts on `--stream`, also when
+/// it comes through the RPC's `config_file`). The command takes the same options; what the RPC would
+/// answer comes from the exit status, the log, and `--pidfile`.
+impl CriuRpc {
+    fn cli_command(&self, verb: &str, images_dir: &Path, log_file: &str) -> Command {
+        let mut cmd = Command::new(&self.path);
+        cmd.arg(verb)
+            .arg("--stream")
+            .arg("-D")
+            .arg(images_dir)
+            .arg("-v4")
+            .arg("-o")
+            .arg(log_file);
+        cmd.stderr(Stdio::inherit());
+        cmd
+    }
+
+    fn tcp_args(cmd: &mut Command, tcp_established: bool) {
+        if tcp_established {
+            let lock = match network_lock() {
+                rpc::Criu_network_lock_method::IPTABLES => "iptables",
+                rpc::Criu_network_lock_method::SKIP => "skip",
+                _ => "nftables",
+            };
+            cmd.arg("--tcp-established").arg("--network-lock").arg(lock);
+        }
+    }
+
+    fn run_cli(&self, op: Op, mut cmd: Command, log: &Path) -> Result<(), Error> {
+        let status = cmd.status().map_err(|source| Error::Spawn {
+            path: self.path.clone(),
+            source,
+        })?;
+        if status.success() {
+            return Ok(());
+        }
+        Err(Error::Failed(failure(
+            op,
+            None,
+            Some(format!("criu {op} exited ({status})")),
+            Some(log),
+        )))
+    }
+
+    fn dump_cli(&self, req: &DumpRequest<'_>) -> Result<(), Error> {
+        let mut cmd = self.cli_command("dump", req.images_dir, req.log_file);
+        cmd.arg("-t").arg(req.pid.to_string());
+        cmd.arg(match req.after {
+            AfterDump::KeepRunning => "--leave-running",
+            AfterDump::Stop => "--leave-stopped",
+        });
+        if req.shell_job {
+            cmd.arg("--shell-job");
+        }
+        Self::tcp_args(&mut cmd, req.tcp_established);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        self.run_cli(Op::Dump, cmd, &req.images_dir.join(req.log_file))
+    }
+
+    fn restore_cli(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
+        const PIDFILE: &str = "restored.pid";
+        let mut cmd = self.cli_command("restore", req.images_dir, req.log_file);
+        // Detached: the tree is re-parented to init when CRIU exits, as with the RPC.
+        cmd.arg("--restore-detached").arg("--pidfile").arg(PIDFILE);
+        if req.shell_job {
+            cmd.arg("--shell-job");
+            cmd.stdin(Stdio::inherit()).stdout(Stdio::inherit());
+        } else {
+            cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        }
+        Self::tcp_args(&mut cmd, req.tcp_established);
+        self.run_cli(Op::Restore, cmd, &req.images_dir.join(req.log_file))?;
+        // CRIU writes the pidfile into its work folder, which is the images folder here.
+        let path = req.images_dir.join(PIDFILE);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        let _ = std::fs::remove_file(&path);
+        text.trim()
+            .parse()
+            .map_err(|_| self.protocol(format!("{} holds no PID: {text:?}", path.display())))
+    }
+}
+
 fn send(fd: RawFd, data: &[u8]) -> std::io::Result<()> {
     loop {
         // SAFETY: `data` is valid for `data.len()` bytes; MSG_NOSIGNAL turns a dead peer into EPIPE.
@@ -324,6 +408,9 @@ impl Criu for CriuRpc {
 
     fn dump(&self, req: &DumpRequest<'_>) -> Result<(), Error> {
         let images = open_dir(req.images_dir)?;
+        if req.stream {
+            return self.dump_cli(req);
+        }
         let mut opts = base_opts(&images, req.log_file, req.tcp_established);
         opts.set_pid(req.pid);
         match req.after {
@@ -343,6 +430,9 @@ impl Criu for CriuRpc {
 
     fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
         let images = open_dir(req.images_dir)?;
+        if req.stream {
+            return self.restore_cli(req);
+        }
         let mut opts = base_opts(&images, req.log_file, req.tcp_established);
         opts.set_shell_job(req.shell_job);
         // Not `rst_sibling`: the tree becomes a child of `criu swrk`, which exits after the restore, so the

@@ -14,12 +14,14 @@
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
 
+mod stream;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The flows share their view of the outside world: CRIU, the GPU step, the store, progress.
 pub use crate::checkpoint::Flow;
-use crate::checkpoint::{save_log, tree, CheckpointManifest, RestoredTree};
+use crate::checkpoint::{save_log, tree, CheckpointManifest, ImageTransfer, RestoredTree};
 use crate::dump::{FailureKind, RestoreRequest};
 use crate::error::ExitStatus;
 use crate::store::{CheckpointInfo, Store};
@@ -126,19 +128,34 @@ impl Flow<'_> {
         self.gpu.prepare_restore(&manifest.gpu)?;
 
         let work = WorkDir::create(self.store.location(), &info.id)?;
-        let t = Instant::now();
-        self.store
-            .materialize(&info.id, work.path(), self.progress)?;
-        let fetch = ms(t);
-
-        let t = Instant::now();
-        let restored = self.criu.restore(&RestoreRequest {
+        let req = RestoreRequest {
             images_dir: work.path(),
             log_file: RESTORE_LOG,
             tcp_established: manifest.options.tcp_established,
             shell_job: manifest.options.shell_job,
-        });
-        let restore_ms = ms(t);
+            stream: self.images == ImageTransfer::Stream,
+        };
+        let (fetch, restore_ms, restored) = if req.stream {
+            // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
+            let t = Instant::now();
+            let (restored, served) =
+                stream::restore_streamed(self.criu, &req, self.store, &info, self.progress);
+            let took = ms(t);
+            if let (Err(_), Err(store_err)) = (&restored, served) {
+                // A damaged chunk (or a store that cannot be read) is why CRIU failed: say that.
+                keep_log(self.store, &info.id, work.path());
+                return Err(store_err.into());
+            }
+            (0.0, took, restored)
+        } else {
+            let t = Instant::now();
+            self.store
+                .materialize(&info.id, work.path(), self.progress)?;
+            let fetch = ms(t);
+            let t = Instant::now();
+            let restored = self.criu.restore(&req);
+            (fetch, ms(t), restored)
+        };
         let log = keep_log(self.store, &info.id, work.path());
         let pid = match restored {
             Ok(pid) => pid,

@@ -232,11 +232,6 @@ impl<'h, R: Read> Chunker<'h, R> {
         mut buf: Vec<u8>,
         emit: &mut dyn FnMut(Piece) -> bool,
     ) -> std::io::Result<()> {
-        let (min, avg, max) = (
-            self.params.min_size as usize,
-            self.params.avg_size as usize,
-            self.params.max_size as usize,
-        );
         let size = buf.len();
         let mut filled = 0;
         if let Some((seg, tail)) = self.prev.take() {
@@ -263,6 +258,51 @@ impl<'h, R: Read> Chunker<'h, R> {
             buf,
             home: self.home.clone(),
         });
+        self.cut(seg, filled, eof, emit);
+        Ok(())
+    }
+
+    /// Cuts a whole input held in memory (a small image received over a pipe): the same cut points as
+    /// reading it from a file, without a pooled segment. The buffer is freed with its last chunk.
+    pub fn cut_owned(
+        data: Vec<u8>,
+        params: ChunkParams,
+        hints: Option<&'h Hints>,
+        emit: &mut dyn FnMut(Piece) -> bool,
+    ) -> u64 {
+        // Nobody takes buffers back from this channel: the segment is dropped with its last piece.
+        let (home, _) = crossbeam_channel::bounded(1);
+        let mut chunker = Chunker {
+            reader: std::io::empty(),
+            params,
+            hints,
+            home: home.clone(),
+            prev: None,
+            index: 0,
+            offset: 0,
+            done: false,
+        };
+        let filled = data.len();
+        chunker.cut(Arc::new(Segment { buf: data, home }), filled, true, emit);
+        chunker.offset
+    }
+}
+
+impl<R> Chunker<'_, R> {
+    /// Emits every chunk of `seg[..filled]` whose end is known, keeping the unfinished tail for the next
+    /// segment unless `eof`.
+    fn cut(
+        &mut self,
+        seg: Arc<Segment>,
+        filled: usize,
+        eof: bool,
+        emit: &mut dyn FnMut(Piece) -> bool,
+    ) {
+        let (min, avg, max) = (
+            self.params.min_size as usize,
+            self.params.avg_size as usize,
+            self.params.max_size as usize,
+        );
         let data = &seg.buf[..filled];
         let cdc = fastcdc::v2020::FastCDC::new(data, min, avg, max);
         let mut pos = 0;
@@ -321,7 +361,7 @@ impl<'h, R: Read> Chunker<'h, R> {
             pos = end;
             if !emit(piece) {
                 self.done = true;
-                return Ok(());
+                return;
             }
         }
         if eof {
@@ -329,7 +369,6 @@ impl<'h, R: Read> Chunker<'h, R> {
         } else {
             self.prev = Some((seg, pos..filled));
         }
-        Ok(())
     }
 }
 
@@ -506,6 +545,19 @@ mod tests {
             "{} new bytes with speculation, {cdc_new} with CDC",
             new_bytes(&with)
         );
+    }
+
+    #[test]
+    fn a_buffer_cut_in_memory_gives_the_chunks_of_a_stream() {
+        let mut data = pseudo_random(300_000, 9);
+        data[50_000..120_000].fill(0);
+        let mut owned = Vec::new();
+        let n = Chunker::<std::io::Empty>::cut_owned(data.clone(), SMALL, None, &mut |p| {
+            owned.push((p.offset, p.data().to_vec()));
+            true
+        });
+        assert_eq!(n, data.len() as u64);
+        assert_eq!(owned, cut(&data, SMALL, 65536));
     }
 
     #[test]

@@ -22,6 +22,7 @@ use super::chunk::{is_zero, ChunkId, Encoder};
 use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
+use super::stream::{Streamed, Streams};
 use super::{Inner, Progress};
 
 const MIB: u64 = 1024 * 1024;
@@ -109,18 +110,25 @@ struct FileToIngest {
 
 /// What the workers found, collected under one mutex (a few thousand updates per GiB: no contention).
 #[derive(Default)]
-struct Collected {
-    chunks: Vec<Vec<Option<ChunkRef>>>,
+pub(super) struct Collected {
+    pub(super) chunks: Vec<Vec<Option<ChunkRef>>>,
     /// Stored size of every distinct non-zero chunk.
-    stored: HashMap<ChunkId, (u64, u32)>,
-    new: Vec<ChunkId>,
-    new_bytes: u64,
-    zero_bytes: u64,
-    error: Option<Error>,
+    pub(super) stored: HashMap<ChunkId, (u64, u32)>,
+    pub(super) new: Vec<ChunkId>,
+    pub(super) new_bytes: u64,
+    pub(super) zero_bytes: u64,
+    pub(super) error: Option<Error>,
 }
 
 impl Collected {
-    fn record(&mut self, file: usize, index: usize, cref: ChunkRef, outcome: Outcome, len: u64) {
+    pub(super) fn record(
+        &mut self,
+        file: usize,
+        index: usize,
+        cref: ChunkRef,
+        outcome: Outcome,
+        len: u64,
+    ) {
         let slots = &mut self.chunks[file];
         if slots.len() <= index {
             slots.resize(index + 1, None);
@@ -220,6 +228,16 @@ impl Ingest {
         }
     }
 
+    pub(super) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+
+    /// Starts receiving images as streams (CRIU's image streamer) for about `expected_bytes`; see
+    /// [`Streams`]. Its result goes to [`Ingest::commit_streamed`].
+    pub fn streams(&self, expected_bytes: u64) -> Streams<'_> {
+        Streams::new(self, expected_bytes)
+    }
+
     /// The checkpoint id this ingest will commit under.
     pub fn id(&self) -> &str {
         &self.id
@@ -234,12 +252,34 @@ impl Ingest {
     /// the staging folder. On error nothing is committed (chunks already written stay, unreferenced, until
     /// `gc`), and the staging folder is removed.
     pub fn commit(
+        self,
+        metadata: serde_json::Value,
+        progress: &dyn Progress,
+    ) -> Result<CheckpointInfo> {
+        self.commit_streamed(Streamed::default(), metadata, progress)
+    }
+
+    /// [`Ingest::commit`] for a checkpoint whose images came (partly) as streams: stores what the staging
+    /// folder holds besides them, then commits one manifest listing both. `streamed` must come from this
+    /// ingest's [`Ingest::streams`].
+    pub fn commit_streamed(
         mut self,
+        streamed: Streamed,
         metadata: serde_json::Value,
         progress: &dyn Progress,
     ) -> Result<CheckpointInfo> {
         let started = Instant::now();
-        let files = collect_files(&self.staging)?;
+        let mut files = collect_files(&self.staging)?;
+        let streamed_names: HashSet<&str> = streamed.names().collect();
+        if let Some(f) = files
+            .iter()
+            .find(|f| streamed_names.contains(f.rel.as_str()))
+        {
+            return Err(Error::Other(format!(
+                "image {} was both streamed and written to the staging folder",
+                f.rel
+            )));
+        }
         let total: u64 = files.iter().map(|f| f.size).sum();
         let params = self.inner.opts.chunking;
         let plan = Plan::new(
@@ -256,6 +296,26 @@ impl Ingest {
         let collected = self.run_pipeline(&files, &hints, plan, progress);
         progress.finish();
         let mut collected = collected?;
+        // The streamed images join the staged ones; a chunk both wrote is stored once (the second found it
+        // present), so the maps merge and the new ones add up.
+        let total = total + streamed.bytes();
+        let Streamed {
+            files: streamed_files,
+            collected: s,
+        } = streamed;
+        for (name, size) in streamed_files {
+            files.push(FileToIngest {
+                abs: self.staging.join(&name),
+                rel: name,
+                size,
+                mode: crate::util::FILE_MODE,
+            });
+        }
+        collected.chunks.extend(s.chunks);
+        collected.stored.extend(s.stored);
+        collected.new.extend(s.new);
+        collected.new_bytes += s.new_bytes;
+        collected.zero_bytes += s.zero_bytes;
 
         let sync_started = Instant::now();
         self.inner.backend.sync_chunks(&collected.new)?;
@@ -274,6 +334,7 @@ impl Ingest {
                 chunks,
             });
         }
+        entries.sort_by(|a, b| a.path.cmp(&b.path));
         let unique_bytes: u64 = collected.stored.values().map(|v| v.1 as u64).sum();
         let stored_bytes: u64 = collected.stored.values().map(|v| v.0).sum();
         let nchunks: u64 = entries.iter().map(|e| e.chunks.len() as u64).sum();
@@ -351,7 +412,7 @@ impl Ingest {
     /// Chunk boundaries of the checkpoint this one most likely repeats: the newest with the same name (or
     /// the newest of all for an unnamed one), if it was chunked with the same sizes. Only a speed-up: a
     /// wrong guess costs one hash per chunk at most and changes nothing stored.
-    fn parent_hints(&self) -> HashMap<String, Hints> {
+    pub(super) fn parent_hints(&self) -> HashMap<String, Hints> {
         let backend = &*self.inner.backend;
         let Ok(mut ids) = backend.list_manifests() else {
             return HashMap::new();
@@ -508,7 +569,7 @@ impl Drop for Ingest {
     }
 }
 
-enum Outcome {
+pub(super) enum Outcome {
     Zero,
     /// Another chunk of this same ingest had the same content.
     Duplicate,
@@ -518,7 +579,7 @@ enum Outcome {
     New(u64),
 }
 
-fn store_piece(
+pub(super) fn store_piece(
     backend: &dyn super::backend::Backend,
     enc: &mut Encoder,
     seen: &Mutex<HashSet<ChunkId>>,

@@ -217,3 +217,150 @@ pub(super) fn fetch_verified<'a>(
     }
     Ok(raw)
 }
+
+/// Writes file `fi` of a checkpoint, in order, to `out` (a pipe CRIU reads during a streaming restore):
+/// chunks are fetched, decoded and verified in parallel a few ahead of the writer, and only verified bytes
+/// are written. On a damaged chunk the error names checkpoint, file and chunk, and nothing of that chunk or
+/// after it reaches `out`. Returns the bytes written.
+pub(super) fn stream_file(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    fi: usize,
+    out: &mut dyn std::io::Write,
+    progress: &dyn Progress,
+) -> Result<u64> {
+    use std::collections::BTreeMap;
+    use std::sync::Condvar;
+
+    let file = &info.files[fi];
+    let write_err = |e| Error::io("cannot send image file", Path::new(&file.path))(e);
+    let offsets: Vec<u64> = file
+        .chunks
+        .iter()
+        .scan(0u64, |off, c| {
+            let o = *off;
+            *off += c.len as u64;
+            Some(o)
+        })
+        .collect();
+    let stored: Vec<usize> = (0..file.chunks.len())
+        .filter(|&ci| file.chunks[ci].id.is_some())
+        .collect();
+    let max_chunk = info.chunking.max_size as usize;
+    let plan = Plan::new(
+        info.stats.logical_bytes,
+        inner.opts.effective_threads(),
+        inner.opts.chunking,
+        1,
+    );
+    // Chunks decoded ahead of the writer: enough to keep every worker busy, within the memory budget.
+    let window = (2 * plan.workers + 2).min(stored.len().max(1));
+    let workers = plan.workers.min(stored.len()).max(1);
+
+    struct State {
+        /// Next entry of `stored` to fetch.
+        next: usize,
+        /// Entries of `stored` the writer has consumed.
+        consumed: usize,
+        ready: BTreeMap<usize, Vec<u8>>,
+        error: Option<Error>,
+        stop: bool,
+    }
+    let state = Mutex::new(State {
+        next: 0,
+        consumed: 0,
+        ready: BTreeMap::new(),
+        error: None,
+        stop: false,
+    });
+    let cond = Condvar::new();
+    let lock = || state.lock().unwrap_or_else(|p| p.into_inner());
+
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                let mut dec = match Decoder::new(max_chunk) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let mut st = lock();
+                        st.error.get_or_insert(Error::Other(format!("zstd: {e}")));
+                        st.stop = true;
+                        cond.notify_all();
+                        return;
+                    }
+                };
+                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
+                loop {
+                    let k = {
+                        let mut st = lock();
+                        while !st.stop && st.next < stored.len() && st.next >= st.consumed + window
+                        {
+                            st = cond.wait(st).unwrap_or_else(|p| p.into_inner());
+                        }
+                        if st.stop || st.next >= stored.len() {
+                            return;
+                        }
+                        st.next += 1;
+                        st.next - 1
+                    };
+                    let ci = stored[k];
+                    let r = fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, offsets[ci])
+                        .map(<[u8]>::to_vec);
+                    let mut st = lock();
+                    match r {
+                        Ok(raw) => {
+                            st.ready.insert(k, raw);
+                        }
+                        Err(e) => {
+                            st.error.get_or_insert(e);
+                            st.stop = true;
+                        }
+                    }
+                    cond.notify_all();
+                }
+            });
+        }
+
+        // The writer: every chunk in file order; zero runs are written from a zeroed buffer.
+        let result = (|| -> Result<u64> {
+            let zeros = vec![0u8; max_chunk.min(1 << 20)];
+            let mut written = 0u64;
+            let mut k = 0;
+            for cref in &file.chunks {
+                if cref.id.is_none() {
+                    let mut left = cref.len as usize;
+                    while left > 0 {
+                        let n = left.min(zeros.len());
+                        out.write_all(&zeros[..n]).map_err(&write_err)?;
+                        left -= n;
+                    }
+                } else {
+                    let raw = {
+                        let mut st = lock();
+                        loop {
+                            if let Some(raw) = st.ready.remove(&k) {
+                                st.consumed += 1;
+                                cond.notify_all();
+                                break raw;
+                            }
+                            if let Some(e) = st.error.take() {
+                                return Err(e);
+                            }
+                            st = cond.wait(st).unwrap_or_else(|p| p.into_inner());
+                        }
+                    };
+                    k += 1;
+                    out.write_all(&raw).map_err(&write_err)?;
+                }
+                written += cref.len as u64;
+                progress.advance(cref.len as u64);
+            }
+            Ok(written)
+        })();
+        let mut st = lock();
+        st.stop = true;
+        cond.notify_all();
+        drop(st);
+        result
+    })
+}

@@ -24,6 +24,7 @@ mod gc;
 mod ingest;
 pub mod manifest;
 mod materialize;
+mod stream;
 mod verify;
 
 use std::path::{Path, PathBuf};
@@ -36,6 +37,7 @@ pub use gc::GcReport;
 pub use ingest::{memory_budget, Ingest, Plan};
 pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 pub use materialize::MaterializeStats;
+pub use stream::{Streamed, Streams};
 pub use verify::{VerifyProblem, VerifyReport};
 
 /// Tuning of a store handle. Nothing here changes what is stored in a way that breaks reading.
@@ -323,6 +325,23 @@ impl Store {
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
         let info = self.get(id)?;
         materialize::materialize(&self.inner, &info, dest, progress)
+    }
+
+    /// Sends the image `name` of checkpoint `info` to `out` in order, every chunk verified before its bytes
+    /// are written (a streaming restore: `out` is the pipe CRIU reads). `Ok(None)` when the checkpoint has
+    /// no such image. Returns the bytes written.
+    pub fn stream_file(
+        &self,
+        info: &CheckpointInfo,
+        name: &str,
+        out: &mut dyn std::io::Write,
+        progress: &dyn Progress,
+    ) -> Result<Option<u64>> {
+        let Some(fi) = info.files.iter().position(|f| f.path == name) else {
+            return Ok(None);
+        };
+        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        materialize::stream_file(&self.inner, info, fi, out, progress).map(Some)
     }
 
     /// Deletes a checkpoint (its manifest). Its chunks stay until `gc`, since other checkpoints may share them.

@@ -1,0 +1,328 @@
+//! Ingest of image files that arrive as streams (CRIU's image streamer, `dump::streamer`) instead of files
+//! in the staging folder: CRIU's pages are cut, hashed, compressed and written while CRIU produces them,
+//! so they are written once, into the store.
+//!
+//! ```text
+//! one thread per open image (the caller's)         workers (N threads, the caller's)
+//! pages-*.img: read the pipe into pooled segments   zero check -> BLAKE3 -> stored?
+//!   -> FastCDC  ---------------------------------->   no: zstd -> write-once put
+//! small images: read whole, then cut  ------------>   record ChunkRef
+//! very large other images: spilled to the staging folder, stored by `commit` like any staged file
+//! ```
+//! CRIU writes several images at once (a task's pagemap and pages go out interleaved), so every image
+//! must be drained as it comes: no stream may wait for another. Pooled segments are what bound memory, and
+//! a stream blocked on its pipe holds up to two of them (its unfinished tail and the segment it fills);
+//! only as many streams read into the pool as leave one segment free for the others, the rest are read
+//! into memory whole (they are small: CRIU's metadata images) or spilled to disk.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::chunk::{ChunkId, Encoder};
+use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
+use super::error::{Error, Result};
+use super::ingest::{store_piece, Collected, Ingest, Plan};
+use super::Progress;
+
+/// Images other than pages are read into memory up to this size; beyond it they go to the staging folder.
+const IN_MEMORY_MAX: usize = 8 << 20;
+
+/// A streaming session of one [`Ingest`]. Feed it with [`Streams::add`] from one thread per image, run
+/// [`Streams::work`] on [`Streams::workers`] threads, then [`Streams::close`] and [`Streams::finish`].
+pub struct Streams<'a> {
+    ingest: &'a Ingest,
+    params: ChunkParams,
+    level: Option<i32>,
+    plan: Plan,
+    pool: SegmentPool,
+    /// How many more streams may read into the pool at the same time.
+    pool_slots: Mutex<usize>,
+    hints: HashMap<String, Hints>,
+    tx: Mutex<Option<Sender<(usize, Piece)>>>,
+    rx: Receiver<(usize, Piece)>,
+    files: Mutex<Vec<StreamFile>>,
+    collected: Mutex<Collected>,
+    seen: Mutex<HashSet<ChunkId>>,
+    failed: AtomicBool,
+}
+
+struct StreamFile {
+    name: String,
+    size: u64,
+    state: FileState,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FileState {
+    Receiving,
+    Done,
+    /// Written to the staging folder instead; `commit` stores it from there.
+    Spilled,
+}
+
+/// What a streaming session stored, for [`Ingest::commit_streamed`].
+#[derive(Default)]
+pub struct Streamed {
+    /// Name and size of every image received whole, in the order of `collected.chunks`.
+    pub(super) files: Vec<(String, u64)>,
+    pub(super) collected: Collected,
+}
+
+impl Streamed {
+    /// Bytes received as streams.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.1).sum()
+    }
+
+    /// Names of the images received as streams.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.files.iter().map(|f| f.0.as_str())
+    }
+
+    /// Name and size of every image received as a stream.
+    pub fn files(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.files.iter().map(|f| (f.0.as_str(), f.1))
+    }
+}
+
+impl<'a> Streams<'a> {
+    /// A session sized for about `expected_bytes` of images (it only sets the memory budget; more or fewer
+    /// bytes are fine).
+    pub(super) fn new(ingest: &'a Ingest, expected_bytes: u64) -> Streams<'a> {
+        let opts = &ingest.inner().opts;
+        let params = opts.chunking;
+        let plan = Plan::new(
+            expected_bytes,
+            opts.effective_threads(),
+            params,
+            opts.zstd_level,
+        );
+        tracing::debug!(?plan, expected_bytes, "streaming ingest {}", ingest.id());
+        let (tx, rx) = crossbeam_channel::unbounded();
+        Streams {
+            ingest,
+            params,
+            level: opts.compression_level(),
+            plan,
+            pool: SegmentPool::new(plan.segments, plan.segment_size),
+            pool_slots: Mutex::new((plan.segments - 1) / 2),
+            hints: ingest.parent_hints(),
+            tx: Mutex::new(Some(tx)),
+            rx,
+            files: Mutex::default(),
+            collected: Mutex::default(),
+            seen: Mutex::default(),
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    /// How many threads should run [`Streams::work`].
+    pub fn workers(&self) -> usize {
+        self.plan.workers
+    }
+
+    /// Records the session's first failure (what [`Streams::finish`] returns, with its kind intact: a full
+    /// disk must still say so) and returns its message for the stream that ran into it.
+    fn fail(&self, e: Error) -> Error {
+        self.failed.store(true, Ordering::SeqCst);
+        let msg = Error::Other(e.to_string());
+        let mut c = self.collected.lock().unwrap_or_else(|p| p.into_inner());
+        c.error.get_or_insert(e);
+        msg
+    }
+
+    /// Stores one image read from `reader` until its end. Returns an error (and makes every other stream
+    /// of the session fail too) when the store cannot take it; the caller then drops `reader`, which is
+    /// what tells CRIU to give up.
+    pub fn add(&self, name: &str, mut reader: impl Read) -> Result<()> {
+        let index = {
+            let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+            if files.iter().any(|f| f.name == name) {
+                return Err(self.fail(Error::Other(format!(
+                    "image {name} was sent twice in one checkpoint"
+                ))));
+            }
+            files.push(StreamFile {
+                name: name.to_string(),
+                size: 0,
+                state: FileState::Receiving,
+            });
+            self.collected
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .chunks
+                .push(Vec::new());
+            files.len() - 1
+        };
+        let tx = self
+            .tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                Error::Other("internal: image stream after the session closed".into())
+            })?;
+        let send = &mut |piece: Piece| {
+            !self.failed.load(Ordering::Relaxed) && tx.send((index, piece)).is_ok()
+        };
+        let hints = self.hints.get(name);
+        let result = if name.starts_with("pages-") && self.take_pool_slot() {
+            let r = self.add_pooled(name, &mut reader, hints, send);
+            *self.pool_slots.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            r.map(|size| (size, FileState::Done))
+        } else {
+            self.add_in_memory(name, &mut reader, hints, send)
+        };
+        let (size, state) = result.map_err(|e| self.fail(e))?;
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(self.session_error());
+        }
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files[index].size = size;
+        files[index].state = state;
+        Ok(())
+    }
+
+    fn session_error(&self) -> Error {
+        match &self
+            .collected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .error
+        {
+            Some(e) => Error::Other(e.to_string()),
+            None => Error::Other("the streaming ingest failed".into()),
+        }
+    }
+
+    fn take_pool_slot(&self) -> bool {
+        let mut slots = self.pool_slots.lock().unwrap_or_else(|p| p.into_inner());
+        if *slots == 0 {
+            return false;
+        }
+        *slots -= 1;
+        true
+    }
+
+    fn add_pooled(
+        &self,
+        name: &str,
+        reader: &mut dyn Read,
+        hints: Option<&Hints>,
+        send: &mut dyn FnMut(Piece) -> bool,
+    ) -> Result<u64> {
+        let io = |e| Error::Other(format!("receiving image {name}: {e}"));
+        let mut chunker = Chunker::new(reader, self.params, &self.pool, hints).map_err(io)?;
+        while !chunker.is_done() {
+            if self.failed.load(Ordering::Relaxed) {
+                return Err(self.session_error());
+            }
+            chunker.step(self.pool.get(), send).map_err(io)?;
+        }
+        Ok(chunker.bytes())
+    }
+
+    fn add_in_memory(
+        &self,
+        name: &str,
+        reader: &mut dyn Read,
+        hints: Option<&Hints>,
+        send: &mut dyn FnMut(Piece) -> bool,
+    ) -> Result<(u64, FileState)> {
+        let io = |e| Error::Other(format!("receiving image {name}: {e}"));
+        let mut data = Vec::new();
+        reader
+            .take(IN_MEMORY_MAX as u64 + 1)
+            .read_to_end(&mut data)
+            .map_err(io)?;
+        if data.len() <= IN_MEMORY_MAX {
+            let size = Chunker::<std::io::Empty>::cut_owned(data, self.params, hints, send);
+            return Ok((size, FileState::Done));
+        }
+        // A large image that is not a page image (a tmpfs archive, a ghost file): onto the disk with it,
+        // rather than into memory.
+        let path = self.ingest.staging_dir().join(name);
+        let mut file = crate::util::create_private_file(&path)
+            .map_err(Error::io("cannot create image file", &path))?;
+        file.write_all(&data)
+            .map_err(Error::io("cannot write image file", &path))?;
+        let rest = std::io::copy(reader, &mut file).map_err(io)?;
+        Ok((data.len() as u64 + rest, FileState::Spilled))
+    }
+
+    /// Runs one worker until the session is closed and every queued chunk is stored.
+    pub fn work(&self, progress: &dyn Progress) {
+        let backend = &*self.ingest.inner().backend;
+        let mut enc = match Encoder::new(self.level, self.params.max_size as usize) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                self.fail(Error::Other(format!("cannot create zstd context: {e}")));
+                None
+            }
+        };
+        for (file, piece) in self.rx.iter() {
+            let Some(enc) = enc.as_mut() else { continue };
+            if self.failed.load(Ordering::Relaxed) {
+                continue; // drop it: returns its segment, so the streams can see the failure
+            }
+            let name = self.files.lock().unwrap_or_else(|p| p.into_inner())[file]
+                .name
+                .clone();
+            match store_piece(backend, enc, &self.seen, &piece, self.hints.get(&name)) {
+                Ok((cref, outcome)) => {
+                    let len = piece.data().len() as u64;
+                    let index = piece.index;
+                    drop(piece);
+                    self.collected
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .record(file, index, cref, outcome, len);
+                    progress.advance(len);
+                }
+                Err(e) => {
+                    self.fail(e);
+                }
+            }
+        }
+    }
+
+    /// No more images will come: the workers stop once the queue is empty.
+    pub fn close(&self) {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
+    /// The images stored, once the workers have stopped. Fails when any stream or worker failed.
+    pub fn finish(self) -> Result<Streamed> {
+        self.close();
+        let mut collected = self
+            .collected
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = collected.error.take() {
+            return Err(e);
+        }
+        let files = self.files.into_inner().unwrap_or_else(|p| p.into_inner());
+        let mut out = Streamed::default();
+        for (f, chunks) in files.into_iter().zip(std::mem::take(&mut collected.chunks)) {
+            match f.state {
+                FileState::Done => {
+                    out.files.push((f.name, f.size));
+                    collected.chunks.push(chunks);
+                }
+                FileState::Spilled => {}
+                FileState::Receiving => {
+                    return Err(Error::Other(format!(
+                        "image {} was not received to its end",
+                        f.name
+                    )))
+                }
+            }
+        }
+        out.collected = collected;
+        Ok(out)
+    }
+}
