@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Benchmark: checkpoint + restore of an idle process holding N MiB of incompressible memory, with
-# gpu-checkpoint (CRIU dump into the store's staging folder, then the store's ingest: chunk, hash, compress,
-# fsync; restore: verified materialize, then CRIU restore) and with plain `criu dump` / `criu restore -d`
-# into a folder on the same disk. Both run on the same process, alternating (the order flips every round),
+# gpu-checkpoint streaming (the default: CRIU's images piped into the store's chunker, and on restore
+# verified chunks piped to CRIU), gpu-checkpoint staged (--staged: CRIU dumps into a staging folder that the
+# store then ingests; restore materializes a work folder first), and plain `criu dump` / `criu restore -d`
+# into a folder on the same disk. All run on the same process, in an order that rotates every round,
 # because memory bandwidth on shared machines drifts; the figures are medians over the rounds.
 #
 # Usage (root): scripts/bench-criu.sh [MIB...]        default: 1024 4096
@@ -35,27 +36,23 @@ now() { echo "$EPOCHREALTIME"; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", (b - a) * 1000 }'; }
 # Waits until no process holds the PID (init reaps the killed process, at its own pace).
 wait_free() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
-json_num() { grep -o "\"$1\": [0-9.]*" | head -1 | awk '{ printf "%.0f", $2 }'; }
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }'; }
 
+# Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.
 ours() {
     rm -rf "$DIR/store" # a fresh store each time: no dedup against the previous round
-    local t0 t1 out
+    local mode=$1 tag=$2 t0 t1 out id
     t0=$(now)
-    out=$("$GC" checkpoint --pid "$PID" --storage "$DIR/store" --format json ${COMPRESSION:+--compression "$COMPRESSION"})
+    out=$("$GC" checkpoint --pid "$PID" --storage "$DIR/store" --format json $mode ${COMPRESSION:+--compression "$COMPRESSION"})
     t1=$(now)
-    O_CK+=" $(ms "$t0" "$t1")"
-    O_DUMP+=" $(echo "$out" | json_num dump)"
-    O_WRITE+=" $(echo "$out" | json_num write)"
-    local id
+    eval "${tag}_CK+=\" $(ms "$t0" "$t1")\""
     id=$(echo "$out" | grep -o '"id": "[^"]*"' | head -1 | cut -d'"' -f4)
     wait_free "$PID"
     t0=$(now)
-    out=$("$GC" restore "$id" --storage "$DIR/store" --format json)
+    "$GC" restore "$id" --storage "$DIR/store" --format json $mode >/dev/null
     t1=$(now)
-    O_RS+=" $(ms "$t0" "$t1")"
-    O_FETCH+=" $(echo "$out" | json_num fetch)"
+    eval "${tag}_RS+=\" $(ms "$t0" "$t1")\""
 }
 
 plain() {
@@ -78,22 +75,28 @@ plain() {
 
 echo "gpu-checkpoint (compression: ${COMPRESSION:-default}) vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
 echo "disk: $(df -h "$DIR" | awk 'NR == 2 { print $1 " (" $2 ")" }'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
-printf '%-6s | %-28s | %-18s | %-24s | %-28s\n' "size" "checkpoint: ours / criu dump" "criu dump + fsync" "ours: dump (ratio), write" "restore: ours (fetch) / criu restore"
+echo "streamed: images piped between CRIU and the store (the default); staged: written to a folder first (--staged)"
+printf '%-6s | %-46s | %-40s\n' "size" "checkpoint: criu dump (+fsync) | streamed | staged" "restore: criu | streamed | staged"
 for mib in "${SIZES[@]}"; do
-    O_CK= O_DUMP= O_WRITE= O_RS= O_FETCH= P_CK= P_CKS= P_RS=
+    S_CK= S_RS= G_CK= G_RS= P_CK= P_CKS= P_RS=
     PID=$("$BIN/workload" memory --mib "$mib" --verify-ms 0 --state "$DIR/state" --detach)
     until grep -q 'phase=verifying' "$DIR/state" 2>/dev/null; do sleep 0.1; done
     for r in $(seq 1 "$ROUNDS"); do
-        if [ $((r % 2)) = 1 ]; then ours; plain; else plain; ours; fi
+        case $((r % 3)) in
+            1) plain; ours "" S; ours --staged G ;;
+            2) ours "" S; ours --staged G; plain ;;
+            0) ours --staged G; plain; ours "" S ;;
+        esac
     done
     kill -9 "$PID"
     wait_free "$PID"
     PID=
-    ock=$(echo "$O_CK" | median) pck=$(echo "$P_CK" | median) pcks=$(echo "$P_CKS" | median)
-    ors=$(echo "$O_RS" | median) prs=$(echo "$P_RS" | median)
-    od=$(echo "$O_DUMP" | median) ow=$(echo "$O_WRITE" | median) of=$(echo "$O_FETCH" | median)
-    printf '%-6s | %6s / %6s = %-9s | %6s (ours %s) | %6s (%s), %6s | %6s (%s) / %6s = %s\n' \
-        "${mib}M" "$ock" "$pck" "$(ratio "$ock" "$pck")" "$pcks" "$(ratio "$ock" "$pcks")" \
-        "$od" "$(ratio "$od" "$pck")" "$ow" "$ors" "$of" "$prs" "$(ratio "$ors" "$prs")"
+    pck=$(echo "$P_CK" | median) pcks=$(echo "$P_CKS" | median) prs=$(echo "$P_RS" | median)
+    sck=$(echo "$S_CK" | median) srs=$(echo "$S_RS" | median)
+    gck=$(echo "$G_CK" | median) grs=$(echo "$G_RS" | median)
+    printf '%-6s | %5s (%5s) | %5s = %-5s | %5s = %-5s | %5s | %5s = %-5s | %5s = %-5s\n' \
+        "${mib}M" "$pck" "$pcks" "$sck" "$(ratio "$sck" "$pcks")" "$gck" "$(ratio "$gck" "$pcks")" \
+        "$prs" "$srs" "$(ratio "$srs" "$prs")" "$grs" "$(ratio "$grs" "$prs")"
 done
+echo "ratios: ours / (criu dump + fsync) for checkpoints (ours is durable when it returns), ours / criu restore for restores"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -159,8 +159,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 bytes(s.stored_bytes),
                 bytes(s.new_bytes),
             );
+            let (dump, write) = if t.streamed {
+                ("dump + store (streamed)", "commit")
+            } else {
+                ("dump", "write")
+            };
             eprintln!(
-                "  detect {:.0} ms, freeze {:.0} ms, dump {:.0} ms, write {:.0} ms, stop {:.0} ms; total {:.0} ms",
+                "  detect {:.0} ms, freeze {:.0} ms, {dump} {:.0} ms, {write} {:.0} ms, stop {:.0} ms; total {:.0} ms",
                 t.detect, t.freeze, t.dump, t.write, t.stop, t.total
             );
             if let Some(line) = gpu_summary(&out.manifest.gpu) {

@@ -95,9 +95,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // stdout carries the PID alone, for `pid=$(gpu-checkpoint restore ...)`.
             println!("{}", out.pid);
             let t = &out.timings;
+            let images = if t.streamed {
+                format!("restore (streamed from the store) {:.0} ms", t.restore)
+            } else {
+                format!("fetch {:.0} ms, restore {:.0} ms", t.fetch, t.restore)
+            };
             eprintln!(
-                "restored checkpoint {} as pid {}: fetch {:.0} ms, restore {:.0} ms, gpu {:.0} ms; total {:.0} ms",
-                out.id, out.pid, t.fetch, t.restore, t.gpu, t.total
+                "restored checkpoint {} as pid {}: {images}, gpu {:.0} ms; total {:.0} ms",
+                out.id, out.pid, t.gpu, t.total
             );
         }
     }

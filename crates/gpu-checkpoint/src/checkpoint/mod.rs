@@ -135,8 +135,13 @@ pub enum ImageTransfer {
 pub struct Timings {
     pub detect: f64,
     pub freeze: f64,
+    /// CRIU's dump; when `streamed`, the images were stored meanwhile (this includes storing them).
     pub dump: f64,
+    /// Storing the images after the dump; when `streamed`, only the commit (sync, manifest) and files CRIU
+    /// wrote itself (its log).
     pub write: f64,
+    /// The images went from CRIU to the store through pipes ([`ImageTransfer::Stream`]).
+    pub streamed: bool,
     /// Killing the tree after the checkpoint (0 with `--leave-running`).
     pub stop: f64,
     pub total: f64,
@@ -180,6 +185,7 @@ impl Flow<'_> {
         let report = detect::detect_pid(pid, &detect_opts)?;
         let mut timings = Timings {
             detect: ms(t),
+            streamed: self.images == ImageTransfer::Stream,
             ..Timings::default()
         };
         if report.strategy.name == StrategyName::Unsupported {

@@ -390,3 +390,91 @@ fn a_store_manifest_that_is_not_a_checkpoint_of_ours_is_refused() {
     );
     assert!(s.criu.calls().is_empty() && gpu.events().is_empty());
 }
+
+/// The images CRIU hands over, by name and content (CRIU's log differs between runs).
+fn image_chunks(
+    info: &crate::store::CheckpointInfo,
+) -> Vec<(String, u64, Vec<crate::store::ChunkRef>)> {
+    info.files
+        .iter()
+        .filter(|f| f.path != DUMP_LOG)
+        .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+        .collect()
+}
+
+#[test]
+fn streamed_and_staged_checkpoints_store_the_same_images() {
+    let mut infos = Vec::new();
+    let p = Sleeper::start();
+    for images in [ImageTransfer::Stream, ImageTransfer::Staged] {
+        let mut s = Scene::new();
+        s.images = images;
+        // Several chunks, so that the streamed page image goes through the pooled, parallel path.
+        s.criu.image_bytes(5 << 20);
+        let mut gpu = RecordingGpu::new(&s.criu);
+        let mut opts = CheckpointOptions::new(p.pid());
+        opts.leave_running = true;
+        let out = s.checkpoint(&mut gpu, &opts).unwrap();
+        assert_eq!(out.manifest.sizes.pages_bytes, 5 << 20, "{images:?}");
+        assert_eq!(
+            out.manifest.sizes.image_files, 3,
+            "{images:?}: core, pages, log"
+        );
+        assert!(s.staging_empty());
+        infos.push(out.info);
+    }
+    assert_eq!(image_chunks(&infos[0]), image_chunks(&infos[1]));
+}
+
+#[test]
+fn a_streamed_restore_feeds_criu_the_stored_pages() {
+    let s = Scene::new();
+    s.criu.image_bytes(3 << 20).restore_as(4242);
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.leave_running = true;
+    let out = s.checkpoint(&mut gpu, &opts).unwrap();
+    drop(p);
+    let restored = s.restore(&mut gpu, &out.info.id).unwrap();
+    assert_eq!(restored.pid, 4242);
+    let pages = s
+        .criu
+        .calls()
+        .into_iter()
+        .find_map(|c| match c {
+            FakeCriuCall::Restore { pages, .. } => pages,
+            _ => None,
+        })
+        .expect("the fake read its pages from the streamer");
+    assert_eq!(pages, vec![0xa5; 3 << 20]);
+}
+
+#[test]
+fn a_store_that_fails_while_streaming_continues_the_tree_and_keeps_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(crate::store::MemoryBackend::new(dir.path()));
+    let store = Store::with_backend(backend.clone(), StoreOptions::default()).unwrap();
+    let criu = Arc::new(FakeCriu::new());
+    criu.image_bytes(6 << 20);
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&criu);
+    backend
+        .fail_chunk_writes
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let err = Flow {
+        criu: &*criu,
+        gpu: &mut gpu,
+        store: &store,
+        progress: &NoProgress,
+        images: ImageTransfer::Stream,
+    }
+    .checkpoint(&CheckpointOptions::new(p.pid()))
+    .unwrap_err();
+    // The store's error (disk full), not CRIU's broken pipe.
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
+    assert!(matches!(err, crate::Error::Store(_)), "{err}");
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    assert!(p.running());
+    assert!(store.list().unwrap().is_empty());
+}

@@ -32,6 +32,9 @@ pub const CAPTURE_SOCKET: &str = "streamer-capture.sock";
 /// The socket CRIU connects to on restore.
 pub const SERVE_SOCKET: &str = "streamer-serve.sock";
 
+/// The pipe size we ask for (kernel memory, per open image; CRIU opens a few at a time).
+const PIPE_SIZE: libc::c_int = 16 << 20;
+
 /// Image names are short (`pages-12345.img`); anything longer is not CRIU talking.
 const MAX_REQUEST: usize = 4096;
 
@@ -210,9 +213,16 @@ impl Connection {
             ));
         }
         let pipe = File::from(owned.remove(0));
-        // Larger pipe buffers mean fewer wake-ups per GiB; best effort (capped by fs.pipe-max-size).
-        // SAFETY: fcntl on a descriptor we own.
-        unsafe { libc::fcntl(pipe.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20) };
+        // A large pipe lets CRIU and us work at the same time: the store cuts a segment of several MiB at
+        // once, and with a 64 KiB (default) or 1 MiB pipe CRIU would wait idle meanwhile (and on restore,
+        // a whole chunk fits in the pipe, so CRIU reads while we verify the next). Root may exceed
+        // fs.pipe-max-size; best effort, falling back to smaller sizes.
+        for size in [PIPE_SIZE, 4 << 20, 1 << 20] {
+            // SAFETY: fcntl on a descriptor we own.
+            if unsafe { libc::fcntl(pipe.as_raw_fd(), libc::F_SETPIPE_SZ, size) } >= 0 {
+                break;
+            }
+        }
         Ok(pipe)
     }
 }

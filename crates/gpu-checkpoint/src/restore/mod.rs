@@ -77,10 +77,12 @@ pub enum Target {
 /// Timings of one restore, in milliseconds.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Timings {
-    /// Reading and verifying the images out of the store.
+    /// Reading and verifying the images out of the store into a work folder (0 when `streamed`).
     pub fetch: f64,
-    /// CRIU's restore.
+    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile.
     pub restore: f64,
+    /// CRIU read the images from the store through pipes ([`ImageTransfer::Stream`]).
+    pub streamed: bool,
     /// The GPU step (restore + unlock); 0 without GPU state.
     pub gpu: f64,
     pub total: f64,
@@ -135,6 +137,7 @@ impl Flow<'_> {
             shell_job: manifest.options.shell_job,
             stream: self.images == ImageTransfer::Stream,
         };
+        let req_streamed = req.stream;
         let (fetch, restore_ms, restored) = if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
             let t = Instant::now();
@@ -201,6 +204,7 @@ impl Flow<'_> {
             timings: Timings {
                 fetch,
                 restore: restore_ms,
+                streamed: req_streamed,
                 gpu: gpu_ms,
                 total: ms(started),
             },

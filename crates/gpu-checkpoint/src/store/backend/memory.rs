@@ -29,6 +29,9 @@ pub struct MemoryBackend {
     lock: Arc<(Mutex<LockState>, Condvar)>,
     /// When set, every write fails with ENOSPC (to test "storage full" paths).
     pub fail_writes: std::sync::atomic::AtomicBool,
+    /// When set, chunk writes fail with ENOSPC while the store still looks writable: a disk that fills
+    /// up during a checkpoint.
+    pub fail_chunk_writes: std::sync::atomic::AtomicBool,
 }
 
 struct MemGuard {
@@ -57,6 +60,7 @@ impl MemoryBackend {
             objects: Mutex::default(),
             lock: Arc::default(),
             fail_writes: Default::default(),
+            fail_chunk_writes: Default::default(),
         }
     }
 
@@ -162,6 +166,16 @@ impl Backend for MemoryBackend {
 
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {
         self.check_fail()?;
+        if self
+            .fail_chunk_writes
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(Error::Io {
+                op: "cannot write chunk",
+                path: self.location.clone(),
+                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
         let mut obj = Vec::with_capacity(header.len() + payload.len());
         obj.extend_from_slice(header);
         obj.extend_from_slice(payload);
