@@ -263,6 +263,7 @@ pub(super) fn stream_file(
         /// Entries of `stored` the writer has consumed.
         consumed: usize,
         ready: BTreeMap<usize, Vec<u8>>,
+        spare: Vec<Vec<u8>>,
         error: Option<Error>,
         stop: bool,
     }
@@ -270,6 +271,7 @@ pub(super) fn stream_file(
         next: 0,
         consumed: 0,
         ready: BTreeMap::new(),
+        spare: Vec::new(),
         error: None,
         stop: false,
     });
@@ -304,8 +306,15 @@ pub(super) fn stream_file(
                         st.next - 1
                     };
                     let ci = stored[k];
+                    // Buffers go round between workers and the writer: fresh multi-MiB allocations would
+                    // cost a page fault per 4 KiB on every chunk.
+                    let mut out = lock().spare.pop().unwrap_or_default();
                     let r = fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, offsets[ci])
-                        .map(<[u8]>::to_vec);
+                        .map(|raw| {
+                            out.clear();
+                            out.extend_from_slice(raw);
+                            out
+                        });
                     let mut st = lock();
                     match r {
                         Ok(raw) => {
@@ -351,6 +360,7 @@ pub(super) fn stream_file(
                     };
                     k += 1;
                     out.write_all(&raw).map_err(&write_err)?;
+                    lock().spare.push(raw);
                 }
                 written += cref.len as u64;
                 progress.advance(cref.len as u64);
