@@ -198,11 +198,16 @@ impl CriuRpc {
 /// answer comes from the exit status, the log, and `--pidfile`.
 impl CriuRpc {
     fn cli_command(&self, verb: &str, images_dir: &Path, log_file: &str) -> Command {
-        let mut cmd = Command::new(&self.path);
+        // Absolute: CRIU runs in another folder (a relative `--criu` would not be found from there).
+        let mut cmd =
+            Command::new(std::path::absolute(&self.path).unwrap_or_else(|_| self.path.clone()));
+        // CRIU runs in the images folder and names it `.`: it connects to `./streamer-*.sock`, which fits
+        // a socket path however deep the store is (the log and the pidfile land there too).
+        cmd.current_dir(images_dir);
         cmd.arg(verb)
             .arg("--stream")
             .arg("-D")
-            .arg(images_dir)
+            .arg(".")
             .arg("-v4")
             .arg("-o")
             .arg(log_file);

@@ -73,7 +73,17 @@ impl Listener {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
-        let listener = UnixListener::bind(&path)?;
+        // A socket path holds at most 107 bytes; a store deep in the file system gets there. The folder's
+        // descriptor names it in a few bytes (the kernel resolves /proc/self/fd/N like a symlink).
+        let listener = if path.as_os_str().len() < 100 {
+            UnixListener::bind(&path)?
+        } else {
+            let dir_fd = File::open(dir)?;
+            UnixListener::bind(
+                Path::new(&format!("/proc/self/fd/{}", dir_fd.as_raw_fd()))
+                    .join(mode.socket_name()),
+            )?
+        };
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         // Polled, so that a CRIU that fails before it connects does not leave us waiting forever.
         listener.set_nonblocking(true)?;
@@ -394,6 +404,36 @@ mod tests {
         drop(pipe);
         assert_eq!(criu.join().unwrap(), b"core bytes");
         assert!(conn.next_request().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_deep_folder_still_gets_its_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("d".repeat(60)).join("e".repeat(60));
+        std::fs::create_dir_all(&deep).unwrap();
+        let listener = Listener::bind(&deep, Mode::Capture).unwrap();
+        assert!(listener.path().as_os_str().len() > 108);
+        let d = deep.clone();
+        let criu = std::thread::spawn(move || {
+            // CRIU runs in the images folder and connects by a short path too (`-D .`).
+            let dir = File::open(&d).unwrap();
+            let mut sock = UnixStream::connect(format!(
+                "/proc/self/fd/{}/{CAPTURE_SOCKET}",
+                dir.as_raw_fd()
+            ))
+            .unwrap();
+            let mut pipe = client::open(&mut sock, Mode::Capture, "x.img")
+                .unwrap()
+                .unwrap();
+            pipe.write_all(b"deep").unwrap();
+        });
+        let stop = AtomicBool::new(false);
+        let mut conn = listener.accept(&stop).unwrap().unwrap();
+        assert_eq!(conn.next_request().unwrap().as_deref(), Some("x.img"));
+        let mut data = Vec::new();
+        conn.receive_pipe().unwrap().read_to_end(&mut data).unwrap();
+        assert_eq!(data, b"deep");
+        criu.join().unwrap();
     }
 
     #[test]
