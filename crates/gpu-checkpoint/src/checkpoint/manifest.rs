@@ -79,8 +79,12 @@ pub struct PhaseTimings {
     pub detect: f64,
     /// The GPU step's freeze (lock + checkpoint); 0 without GPU state.
     pub freeze: f64,
-    /// CRIU's dump, images written to the staging folder.
+    /// CRIU's dump: images streamed into the store meanwhile (when `streamed`), or written to the staging
+    /// folder.
     pub dump: f64,
+    /// The images were streamed into the store during the dump (absent in older manifests: staged).
+    #[serde(default)]
+    pub streamed: bool,
 }
 
 /// Sizes of CRIU's images as written (before the store's chunking and compression).

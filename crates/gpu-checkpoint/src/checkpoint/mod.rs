@@ -370,6 +370,7 @@ impl Flow<'_> {
                 detect: timings.detect,
                 freeze: timings.freeze,
                 dump: timings.dump,
+                streamed: timings.streamed,
             },
             sizes,
         };
