@@ -209,7 +209,7 @@ impl Encoder {
 /// Compression parameters beyond the level: a window covering the largest chunk, so that a page recurring
 /// anywhere in a chunk is found (level 1's default window is 512 KiB for inputs this size). Measured on page
 /// images (`docs/store.md`, Tuning): 4-5% smaller on the benchmark's image at the same CPU, the same on a
-/// real process's memory; larger hash tables saved a little more space on the benchmark but cost 6-15%
+/// real process's memory; larger hash tables saved a little more space on the benchmark but cost 6-28%
 /// more CPU on real memory. Decoding needs no setting: the decoder writes straight into a buffer of the
 /// chunk's size, and 4 MiB is far below its default window limit (128 MiB).
 fn tune(c: &mut zstd::bulk::Compressor<'static>, max_chunk: usize) -> std::io::Result<()> {
@@ -218,20 +218,20 @@ fn tune(c: &mut zstd::bulk::Compressor<'static>, max_chunk: usize) -> std::io::R
 }
 
 /// Tells random chunks (encrypted or compressed data) from the rest by sampling, at a small fraction of
-/// what zstd costs on them (zstd level 1 runs about 2.5 GB/s per core on random bytes, the predictor about
-/// 20 GB/s; on compressible data it usually decides within the first region).
+/// what zstd costs on them (zstd level 1 runs about 2.5 GB/s per core on random bytes, the predictor 9-20
+/// GB/s; on compressible data it usually decides within the first region).
 ///
 /// A chunk is looked at in regions of 16 pages (64 KiB; the last one takes the rest, up to 31 pages). From
-/// each 4 KiB page, 4 words of 8 bytes spread
-/// over the page are sampled (1/128 of the data). The chunk is random when, in every region,
+/// each 4 KiB page, 4 words of 8 bytes spread over the page are sampled (1/128 of the data). The chunk is
+/// random when, in every region,
 /// - the 512 sampled bytes show no more byte collisions than data of at least 7.75 bits of (Rényi)
 ///   entropy per byte would: then no order-0 coder (zstd's Huffman literals) can save 1/32, the threshold
 ///   under which a chunk is stored raw anyway (in a chunk of less than 16 pages, four standard deviations
 ///   above what random bytes show, if that is more: 32 samples a page are too few to judge); and
-/// - no sampled word (two per page) occurs twice in the chunk: a page of random bytes that recurs in the
-///   chunk is what LZ matching compresses. The sample positions repeat every 4 KiB, so every copy of a
-///   page at a multiple of 4 KiB further on (as pages are, in page images) is sampled at the same words,
-///   wherever the chunk starts.
+/// - no sampled word (two per page; compared without their lowest bit) occurs twice in the chunk: a page of
+///   random bytes that recurs in the chunk is what LZ matching compresses. The sample positions repeat
+///   every 4 KiB, so every copy of a page at a multiple of 4 KiB further on (as pages are, in page images)
+///   is sampled at the same words, wherever the chunk starts.
 ///
 /// A decision per chunk, not per region: splitting a chunk into zstd frames of compressed and raw regions
 /// (which the format would allow) saved no measurable CPU on the benchmark's mixed chunks, since zstd is
