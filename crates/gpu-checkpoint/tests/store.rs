@@ -836,3 +836,133 @@ fn full_disk_during_ingest_is_a_storage_error_and_leaves_the_store_consistent() 
         small.stats.unique_chunks
     );
 }
+
+/// Images that arrive as pipes (CRIU's image streamer) are stored like staged files: the same chunks, and
+/// they come back byte for byte, through `materialize` and through `stream_file`. The "CRIU" thread writes
+/// two page images and a pagemap interleaved, as CRIU does, so every stream must be drained while the
+/// others wait (a second page image at once goes the in-memory way); an image over 8 MiB that is not a
+/// page image is spilled to the staging folder.
+#[test]
+fn streamed_images_are_stored_like_staged_ones() {
+    use std::io::Write;
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    fs::create_dir(&src).unwrap();
+    criu_like(&src, 700, 7);
+    fs::write(src.join("pages-2.img"), pseudo_random(300 * 4096, 8)).unwrap();
+    fs::write(
+        src.join("tmpfs-dev-9.tar.gz.img"),
+        pseudo_random(9 << 20, 9),
+    )
+    .unwrap();
+    let store = open(t.path());
+    let staged = ingest(&store, None, |d| copy_tree(&src, d));
+
+    let ing = store.begin(None).unwrap();
+    let streams = ing.streams(16 << 20);
+    let names = [
+        "pages-1.img",
+        "pagemap-1.img",
+        "pages-2.img",
+        "core-1.img",
+        "empty.img",
+        "tmpfs-dev-9.tar.gz.img",
+    ];
+    std::thread::scope(|s| {
+        for _ in 0..streams.workers() {
+            s.spawn(|| streams.work(&NoProgress));
+        }
+        let mut writers = Vec::new();
+        let mut readers = Vec::new();
+        for name in names {
+            let (r, w) = std::io::pipe().unwrap();
+            let streams = &streams;
+            readers.push(s.spawn(move || streams.add(name, r)));
+            writers.push((fs::read(src.join(name)).unwrap(), w));
+        }
+        // Interleaved, 4 KiB at a time: an image left undrained would block this thread for good.
+        let mut pos = vec![0usize; writers.len()];
+        loop {
+            let mut progress = false;
+            for (i, (data, w)) in writers.iter_mut().enumerate() {
+                if pos[i] < data.len() {
+                    let end = (pos[i] + 4096).min(data.len());
+                    w.write_all(&data[pos[i]..end]).unwrap();
+                    pos[i] = end;
+                    progress = true;
+                }
+            }
+            if !progress {
+                break;
+            }
+        }
+        drop(writers);
+        for r in readers {
+            r.join().unwrap().unwrap();
+        }
+        streams.close();
+    });
+    let streamed = streams.finish().unwrap();
+    assert_eq!(
+        streamed.names().count(),
+        names.len() - 1,
+        "the large archive was spilled"
+    );
+    let info = ing
+        .commit_streamed(streamed, serde_json::json!({"test": true}), &NoProgress)
+        .unwrap();
+
+    let files = |i: &gpu_checkpoint::store::CheckpointInfo| {
+        i.files
+            .iter()
+            .map(|f| (f.path.clone(), f.size, f.chunks.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        files(&info),
+        files(&staged),
+        "the same images, cut the same way"
+    );
+    let out = t.path().join("out");
+    store.materialize(&info.id, &out, &NoProgress).unwrap();
+    assert_same_tree(&src, &out);
+    for name in names {
+        let mut sent = Vec::new();
+        let n = store
+            .stream_file(&info, name, &mut sent, &NoProgress)
+            .unwrap()
+            .unwrap();
+        assert_eq!(n as usize, sent.len());
+        assert_eq!(sent, fs::read(src.join(name)).unwrap(), "{name}");
+    }
+    assert!(store
+        .stream_file(&info, "absent.img", &mut Vec::new(), &NoProgress)
+        .unwrap()
+        .is_none());
+}
+
+/// A damaged chunk stops `stream_file` before any of its bytes are written, naming the chunk.
+#[test]
+fn stream_file_writes_nothing_of_a_damaged_chunk() {
+    let t = tempfile::tempdir().unwrap();
+    // Its third chunk (random data: every chunk is stored) is the one `one_checkpoint` points at.
+    let (store, info, path) = one_checkpoint(t.path());
+    let pages = &info.files[0];
+    let before: u64 = pages.chunks[..2].iter().map(|c| c.len as u64).sum();
+    let hex = pages.chunks[2].id.unwrap().to_hex();
+    let mut bytes = fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    fs::write(&path, bytes).unwrap();
+    let mut sent = Vec::new();
+    let err = store
+        .stream_file(&info, "pages-1.img", &mut sent, &NoProgress)
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid);
+    assert!(err.to_string().contains(&hex), "{err}");
+    assert!(
+        sent.len() as u64 <= before,
+        "{} bytes sent, the damaged chunk starts at {before}",
+        sent.len()
+    );
+}
