@@ -268,7 +268,8 @@ impl Ingest {
         metadata: serde_json::Value,
         progress: &dyn Progress,
     ) -> Result<CheckpointInfo> {
-        let started = Instant::now();
+        // A streamed checkpoint's store work began with its first image, during CRIU's dump.
+        let started = streamed.started.unwrap_or_else(Instant::now);
         let mut files = collect_files(&self.staging)?;
         let streamed_names: HashSet<&str> = streamed.names().collect();
         if let Some(f) = files
@@ -302,6 +303,7 @@ impl Ingest {
         let Streamed {
             files: streamed_files,
             collected: s,
+            started: _,
         } = streamed;
         for (name, size) in streamed_files {
             files.push(FileToIngest {

@@ -77,7 +77,8 @@ pub struct IngestStats {
     pub compression_ratio: f64,
     /// logical / stored: everything together.
     pub reduction_ratio: f64,
-    /// Chunking, hashing, compression and writing, wall clock.
+    /// Chunking, hashing, compression and writing, wall clock; for images streamed from CRIU, from the first
+    /// image to the commit (the store's work overlaps CRIU's dump).
     pub ingest_ms: u64,
     /// Making the new chunks durable (part of `ingest_ms`).
     pub sync_ms: u64,

@@ -48,6 +48,7 @@ pub struct Streams<'a> {
     collected: Mutex<Collected>,
     seen: Mutex<HashSet<ChunkId>>,
     failed: AtomicBool,
+    started: std::time::Instant,
 }
 
 struct StreamFile {
@@ -70,6 +71,8 @@ pub struct Streamed {
     /// Name and size of every image received whole, in the order of `collected.chunks`.
     pub(super) files: Vec<(String, u64)>,
     pub(super) collected: Collected,
+    /// When the session began: the store's work on this checkpoint started then.
+    pub(super) started: Option<std::time::Instant>,
 }
 
 impl Streamed {
@@ -117,6 +120,7 @@ impl<'a> Streams<'a> {
             collected: Mutex::default(),
             seen: Mutex::default(),
             failed: AtomicBool::new(false),
+            started: std::time::Instant::now(),
         }
     }
 
@@ -323,6 +327,7 @@ impl<'a> Streams<'a> {
             }
         }
         out.collected = collected;
+        out.started = Some(self.started);
         Ok(out)
     }
 }
