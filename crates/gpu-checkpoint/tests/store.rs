@@ -966,3 +966,31 @@ fn stream_file_writes_nothing_of_a_damaged_chunk() {
         sent.len()
     );
 }
+
+/// An image sent twice in one streamed checkpoint counts once, with the later content (as a file rewritten
+/// in a staging folder would).
+#[test]
+fn an_image_streamed_twice_keeps_the_later_copy() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let ing = store.begin(None).unwrap();
+    let streams = ing.streams(1 << 20);
+    std::thread::scope(|s| {
+        for _ in 0..streams.workers() {
+            s.spawn(|| streams.work(&NoProgress));
+        }
+        streams.add("stats-dump", &b"first"[..]).unwrap();
+        streams.add("stats-dump", &b"second copy"[..]).unwrap();
+        streams.close();
+    });
+    let streamed = streams.finish().unwrap();
+    let info = ing
+        .commit_streamed(streamed, serde_json::json!({}), &NoProgress)
+        .unwrap();
+    assert_eq!(info.files.len(), 1);
+    let mut sent = Vec::new();
+    store
+        .stream_file(&info, "stats-dump", &mut sent, &NoProgress)
+        .unwrap();
+    assert_eq!(sent, b"second copy");
+}

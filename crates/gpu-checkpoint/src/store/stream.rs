@@ -63,6 +63,8 @@ enum FileState {
     Done,
     /// Written to the staging folder instead; `commit` stores it from there.
     Spilled,
+    /// Sent again later in the same checkpoint: the later copy counts.
+    Replaced,
 }
 
 /// What a streaming session stored, for [`Ingest::commit_streamed`].
@@ -145,10 +147,10 @@ impl<'a> Streams<'a> {
     pub fn add(&self, name: &str, mut reader: impl Read) -> Result<()> {
         let index = {
             let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
-            if files.iter().any(|f| f.name == name) {
-                return Err(self.fail(Error::Other(format!(
-                    "image {name} was sent twice in one checkpoint"
-                ))));
+            // An image written twice is like a file rewritten: the later one counts (what a staged dump
+            // would have left in the folder).
+            for f in files.iter_mut().filter(|f| f.name == name) {
+                f.state = FileState::Replaced;
             }
             files.push(StreamFile {
                 name: name.to_string(),
@@ -187,7 +189,9 @@ impl<'a> Streams<'a> {
         }
         let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
         files[index].size = size;
-        files[index].state = state;
+        if files[index].state != FileState::Replaced {
+            files[index].state = state;
+        }
         Ok(())
     }
 
@@ -317,7 +321,7 @@ impl<'a> Streams<'a> {
                     out.files.push((f.name, f.size));
                     collected.chunks.push(chunks);
                 }
-                FileState::Spilled => {}
+                FileState::Spilled | FileState::Replaced => {}
                 FileState::Receiving => {
                     return Err(Error::Other(format!(
                         "image {} was not received to its end",
