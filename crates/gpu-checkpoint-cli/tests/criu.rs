@@ -527,4 +527,17 @@ fn doctor_reports_criu_and_its_check() {
     assert_eq!(v["ok"], true, "{v}");
     assert_eq!(v["criu"]["check"]["ok"], true);
     assert!(v["criu"]["version"].as_str().unwrap().starts_with('4'));
+    // The text report says the same, and why a GPU backend is missing when one is.
+    let text = ok(&gc(&["doctor"]));
+    assert!(text.contains("criu check  ok"), "{text}");
+    let driver = text
+        .lines()
+        .find(|l| l.starts_with("cuda-driver"))
+        .unwrap_or_else(|| panic!("no cuda-driver line: {text}"));
+    let err = v["gpu"]["cuda_driver_error"].as_str();
+    match (v["gpu"]["cuda_driver"].as_str(), err) {
+        (Some(version), _) => assert!(driver.contains(version), "{driver}"),
+        (None, Some(e)) => assert!(driver.ends_with(e), "{driver} / {e}"),
+        (None, None) => panic!("doctor gives neither a driver nor a reason: {v}"),
+    }
 }

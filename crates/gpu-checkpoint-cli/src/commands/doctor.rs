@@ -128,7 +128,7 @@ fn print_text(r: &serde_json::Value) {
         println!("criu        not found: {}", s(&c["error"]));
     }
     let g = &r["gpu"];
-    match (&g["cuda_driver"]["Ok"], &g["cuda_driver"]["Err"]) {
+    match (&g["cuda_driver"], &g["cuda_driver_error"]) {
         (serde_json::Value::String(v), _) => {
             println!("cuda-driver {v} (checkpoint API in libcuda)")
         }
