@@ -471,6 +471,24 @@ fn a_damaged_chunk_stops_a_streamed_restore() {
     assert!(seq > 3);
 }
 
+/// A store deep in the file system: the streamer sockets' paths would exceed what a UNIX socket address
+/// holds (107 bytes); checkpoint and restore still stream.
+#[test]
+fn a_store_with_a_long_path_still_streams() {
+    let Some((dir, _)) = scene() else { return };
+    let store = dir
+        .path()
+        .join("s".repeat(80))
+        .join("t".repeat(80))
+        .join("store");
+    let w = Workload::start("counter", dir.path(), &[]);
+    w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "seq") >= 2);
+    let (before, ck) = cycle(&w, &store, 1);
+    assert_eq!(ck["timings_ms"]["streamed"], true, "{ck}");
+    let seq = num(&before[0], "seq");
+    w.wait_state("going on", |r| num(&r[0], "seq") > seq + 2);
+}
+
 #[test]
 fn unwritable_storage_is_refused_before_touching_the_process() {
     let Some((dir, _)) = scene() else { return };
