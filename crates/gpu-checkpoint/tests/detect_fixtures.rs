@@ -496,6 +496,10 @@ fn bad_input_is_a_clear_error() {
     assert!(e.to_string().contains("102/stat"), "{e}");
     assert_eq!(e.exit_status(), ExitStatus::Usage);
 
+    // A task caught while exiting shows Tgid 0: gone, not a thread of process 0.
+    let e = bad(103);
+    assert!(matches!(e, Error::NoSuchProcess { pid: 103, .. }), "{e}");
+
     let e = bad(4242);
     assert!(matches!(e, Error::NoSuchProcess { pid: 4242, .. }), "{e}");
     assert_eq!(e.exit_status(), ExitStatus::NoSuchProcess);

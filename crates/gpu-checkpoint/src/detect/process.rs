@@ -43,10 +43,16 @@ impl Reader {
         }
         let mut nspid = Vec::new();
         if root.read_optional(pid, "status", &mut self.buf)? {
-            if let Some(tgid) = tgid(&self.buf) {
-                if tgid != pid {
-                    return Err(Error::Thread { tid: pid, tgid });
+            match tgid(&self.buf) {
+                // An exiting task's status shows Tgid 0 once it is unhashed: it is gone.
+                Some(0) => {
+                    return Err(Error::NoSuchProcess {
+                        pid,
+                        path: root.pid_file(pid, "status"),
+                    })
                 }
+                Some(tgid) if tgid != pid => return Err(Error::Thread { tid: pid, tgid }),
+                _ => {}
             }
             nspid = parse::parse_nspid(&self.buf);
         }

@@ -341,7 +341,27 @@ impl Store {
             return Ok(None);
         };
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
-        materialize::stream_file(&self.inner, info, fi, out, progress).map(Some)
+        materialize::stream_file(&self.inner, info, fi, out, None, progress).map(Some)
+    }
+
+    /// [`Store::stream_file`] into a pipe (a streamed restore): raw chunks kept in local files are
+    /// verified where they lie and spliced into the pipe instead of copied through a buffer.
+    pub fn stream_file_to_pipe(
+        &self,
+        info: &CheckpointInfo,
+        name: &str,
+        pipe: &mut std::fs::File,
+        progress: &dyn Progress,
+    ) -> Result<Option<u64>> {
+        use std::os::fd::AsFd;
+        let Some(fi) = info.files.iter().position(|f| f.path == name) else {
+            return Ok(None);
+        };
+        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let fd = pipe
+            .try_clone()
+            .map_err(Error::io("cannot use the pipe", Path::new(name)))?;
+        materialize::stream_file(&self.inner, info, fi, pipe, Some(fd.as_fd()), progress).map(Some)
     }
 
     /// Deletes a checkpoint (its manifest). Its chunks stay until `gc`, since other checkpoints may share them.

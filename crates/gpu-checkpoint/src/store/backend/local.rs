@@ -314,6 +314,10 @@ impl Backend for LocalBackend {
         Ok(())
     }
 
+    fn local_chunk_file(&self, id: &ChunkId) -> Option<PathBuf> {
+        Some(self.chunk_path(id))
+    }
+
     fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool> {
         let path = self.chunk_path(id);
         let mut file = match File::open(&path) {

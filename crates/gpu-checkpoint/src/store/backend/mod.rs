@@ -69,6 +69,12 @@ pub trait Backend: Send + Sync {
     /// Reads a whole stored chunk into `buf` (replacing its content). `Ok(false)` if there is no such chunk.
     fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool>;
 
+    /// The chunk's object as a local file, when the backend keeps chunks in files. `None`: read it with
+    /// `read_chunk`.
+    fn local_chunk_file(&self, _id: &ChunkId) -> Option<PathBuf> {
+        None
+    }
+
     /// Deletes a chunk; deleting a missing chunk is not an error.
     fn delete_chunk(&self, id: &ChunkId) -> Result<()>;
 
