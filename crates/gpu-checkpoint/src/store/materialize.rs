@@ -131,7 +131,7 @@ fn write_all(
                         return;
                     }
                 };
-                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
+                let mut buf = Fetch::with_capacity(max_chunk + super::chunk::HEADER_LEN);
                 let (mut stored, mut count) = (0u64, 0u64);
                 while !failed.load(Ordering::Relaxed) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -148,7 +148,7 @@ fn write_all(
                     );
                     match r {
                         Ok(n) => {
-                            stored += buf.len() as u64;
+                            stored += buf.stored_len() as u64;
                             count += 1;
                             progress.advance(n);
                         }
@@ -182,12 +182,37 @@ fn write_all(
     })
 }
 
+/// Where a fetched chunk's stored bytes are while it is decoded: a mapping of its local object file (no
+/// copy: reading chunk files through `read` cost about 5% of materialize's CPU), or a read buffer.
+#[derive(Default)]
+pub(super) struct Fetch {
+    buf: Vec<u8>,
+    map: Option<Mapped>,
+}
+
+impl Fetch {
+    pub(super) fn with_capacity(n: usize) -> Fetch {
+        Fetch {
+            buf: Vec::with_capacity(n),
+            map: None,
+        }
+    }
+
+    /// Bytes of the stored object last fetched.
+    pub(super) fn stored_len(&self) -> usize {
+        match &self.map {
+            Some(m) => m.bytes().len(),
+            None => self.buf.len(),
+        }
+    }
+}
+
 /// Reads chunk `ci` of file `fi` and checks it; the error names checkpoint, file and chunk.
 pub(super) fn fetch_verified<'a>(
     inner: &Inner,
     info: &CheckpointInfo,
     dec: &'a mut Decoder,
-    buf: &'a mut Vec<u8>,
+    slot: &'a mut Fetch,
     fi: usize,
     ci: usize,
     offset: u64,
@@ -204,10 +229,20 @@ pub(super) fn fetch_verified<'a>(
         len: cref.len as u64,
         problem,
     };
-    if !inner.backend.read_chunk(&id, buf)? {
-        return Err(damaged("missing".into()));
-    }
-    let raw = dec.decode(&id, buf).map_err(damaged)?;
+    slot.map = inner
+        .backend
+        .local_chunk_file(&id)
+        .and_then(|p| Mapped::open(&p));
+    let stored: &[u8] = match &slot.map {
+        Some(m) => m.bytes(),
+        None => {
+            if !inner.backend.read_chunk(&id, &mut slot.buf)? {
+                return Err(damaged("missing".into()));
+            }
+            &slot.buf
+        }
+    };
+    let raw = dec.decode(&id, stored).map_err(damaged)?;
     if raw.len() != cref.len as usize {
         return Err(damaged(format!(
             "damaged ({} bytes, the manifest says {})",
@@ -216,6 +251,57 @@ pub(super) fn fetch_verified<'a>(
         )));
     }
     Ok(raw)
+}
+
+/// A chunk object mapped read-only, unmapped on drop. Chunk objects are written once, complete, and
+/// replaced only by rename (a new inode; the mapping keeps the old one), never truncated in place: the
+/// mapping cannot lose pages under us unless something outside the store truncates the file.
+pub(super) struct Mapped {
+    ptr: *mut libc::c_void,
+    len: usize,
+    /// Kept open for the mapping's life (splicing from it needs the descriptor too).
+    file: fs::File,
+}
+
+// SAFETY: a read-only mapping owned by this value; shared references only read it.
+unsafe impl Send for Mapped {}
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    /// Maps a whole local chunk object; `None` when it cannot be opened or is empty (the read path then
+    /// reports what is wrong).
+    pub(super) fn open(path: &Path) -> Option<Mapped> {
+        use std::os::fd::AsRawFd;
+        let file = fs::File::open(path).ok()?;
+        let len = file.metadata().ok()?.len() as usize;
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: a read-only private mapping of `len` bytes of a file we hold open; unmapped in `drop`.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_POPULATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        (ptr != libc::MAP_FAILED).then_some(Mapped { ptr, len, file })
+    }
+
+    pub(super) fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping made in `open`; no slice of it outlives `self`.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
 }
 
 /// Writes file `fi` of a checkpoint, in order, to `out` (a pipe CRIU reads during a streaming restore):
@@ -300,7 +386,7 @@ pub(super) fn stream_file(
                         return;
                     }
                 };
-                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
+                let mut buf = Fetch::with_capacity(max_chunk + super::chunk::HEADER_LEN);
                 loop {
                     let k = {
                         let mut st = lock();
@@ -395,7 +481,7 @@ pub(super) fn stream_file(
                         Ready::InFile(src, len) => {
                             let pipe = splice_to
                                 .expect("chunks are left in their files only when splicing");
-                            splice_chunk(&src, pipe, len).map_err(&write_err)?;
+                            splice_chunk(&src.file, pipe, len).map_err(&write_err)?;
                         }
                     }
                 }
@@ -417,7 +503,7 @@ enum Ready {
     /// Its bytes.
     Bytes(Vec<u8>),
     /// A raw chunk verified in its object file, to be spliced from there (`len` bytes after the header).
-    InFile(fs::File, usize),
+    InFile(Mapped, usize),
 }
 
 /// Splices a raw chunk's payload from its object file into `pipe`.
@@ -460,8 +546,8 @@ fn splice_chunk(
 }
 
 /// Verifies chunk `ci` of file `fi` in its local object file, without reading it into a buffer: the
-/// payload is mapped and hashed. `Ok(Some(file))`: a raw chunk that matches its name, to be spliced from
-/// `file`. `Ok(None)`: not a local raw chunk (compressed, on another backend, or missing or short, which the
+/// payload is mapped and hashed. `Ok(Some(map))`: a raw chunk that matches its name, to be spliced from
+/// its file. `Ok(None)`: not a local raw chunk (compressed, on another backend, or missing or short, which the
 /// usual path then reports). A raw chunk whose content does not match is a `DamagedChunk` error.
 fn verify_raw_in_place(
     inner: &Inner,
@@ -469,54 +555,27 @@ fn verify_raw_in_place(
     fi: usize,
     ci: usize,
     offset: u64,
-) -> Result<Option<fs::File>> {
+) -> Result<Option<Mapped>> {
     use super::chunk::{Encoding, Header, HEADER_LEN};
-    use std::os::fd::AsRawFd;
     let cref = info.files[fi].chunks[ci];
     let id = cref.id.expect("only stored chunks are fetched");
-    let Some(path) = inner.backend.local_chunk_file(&id) else {
+    let Some(map) = inner
+        .backend
+        .local_chunk_file(&id)
+        .and_then(|p| Mapped::open(&p))
+    else {
         return Ok(None);
     };
-    let Ok(f) = fs::File::open(&path) else {
-        return Ok(None);
-    };
-    let mut head = [0u8; HEADER_LEN];
-    if f.read_exact_at(&mut head, 0).is_err() {
-        return Ok(None);
-    }
-    let Ok(header) = Header::decode(&head) else {
-        return Ok(None);
-    };
+    let bytes = map.bytes();
     let len = cref.len as usize;
-    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
-    if header.encoding != Encoding::Raw
-        || header.raw_len as usize != len
-        || size != (HEADER_LEN + len) as u64
-    {
-        return Ok(None);
+    match Header::decode(bytes) {
+        Ok(h)
+            if h.encoding == Encoding::Raw
+                && h.raw_len as usize == len
+                && bytes.len() == HEADER_LEN + len => {}
+        _ => return Ok(None),
     }
-    let map_len = HEADER_LEN + len;
-    // SAFETY: a read-only private mapping of a file we hold open, of its exact size; unmapped below before
-    // the slice goes out of scope. Chunk objects are never truncated in place (see `stream_file`).
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            map_len,
-            libc::PROT_READ,
-            libc::MAP_PRIVATE | libc::MAP_POPULATE,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Ok(None);
-    }
-    // SAFETY: the mapping is `map_len` readable bytes.
-    let bytes = unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), map_len) };
-    let matches = ChunkId::of(&bytes[HEADER_LEN..]) == id;
-    // SAFETY: unmapping exactly the mapping made above; `bytes` is not used after this.
-    unsafe { libc::munmap(ptr, map_len) };
-    if !matches {
+    if ChunkId::of(&bytes[HEADER_LEN..]) != id {
         return Err(Error::DamagedChunk {
             checkpoint: info.id.clone(),
             file: info.files[fi].path.clone(),
@@ -527,5 +586,5 @@ fn verify_raw_in_place(
             problem: "damaged (content does not match its BLAKE3 name)".into(),
         });
     }
-    Ok(Some(f))
+    Ok(Some(map))
 }
