@@ -33,9 +33,12 @@ impl Bar {
 
 impl Progress for Bar {
     fn start(&self, phase: &str, total_bytes: u64) {
-        self.bar.reset();
-        self.bar.set_length(total_bytes);
+        // Length and name first: a redraw in between would show a full bar of "0 B/0 B" for a moment.
         self.bar.set_message(phase.to_owned());
+        self.bar.set_length(total_bytes);
+        self.bar.set_position(0);
+        self.bar.reset_elapsed();
+        self.bar.reset_eta();
     }
 
     fn advance(&self, bytes: u64) {
