@@ -219,7 +219,15 @@ fn leave_running_thaws_right_after_the_dump_and_keeps_the_tree() {
 
 #[test]
 fn failed_dump_thaws_keeps_the_tree_running_and_stores_nothing() {
-    let s = Scene::new();
+    // Streamed, the fake fails after its images went to the store; staged, before writing any.
+    for images in [ImageTransfer::Stream, ImageTransfer::Staged] {
+        failed_dump_case(images);
+    }
+}
+
+fn failed_dump_case(images: ImageTransfer) {
+    let mut s = Scene::new();
+    s.images = images;
     let p = Sleeper::start();
     s.criu
         .fail_dumps("Unable to write pages: No space left on device");

@@ -138,8 +138,10 @@ impl Criu for FakeCriu {
             (s.dump_error.clone(), s.image_bytes, s.odd_file)
         };
         let log = req.images_dir.join(req.log_file);
-        if let Some(line) = error {
-            return Err(fail_logged(Op::Dump, log, &line)?);
+        // Without streaming the injected failure comes first (nothing written); with it, after the images
+        // went out, as when CRIU fails late in a dump: the store then holds chunks no checkpoint names.
+        if let (Some(line), false) = (&error, req.stream) {
+            return Err(fail_logged(Op::Dump, log, line)?);
         }
         let images = [
             (
@@ -172,6 +174,9 @@ impl Criu for FakeCriu {
             for (name, data) in &images {
                 write(req.images_dir.join(name), data)?;
             }
+        }
+        if let Some(line) = error {
+            return Err(fail_logged(Op::Dump, log, &line)?);
         }
         write(log, b"(00.1) Dumping finished successfully (fake)\n")?;
         if odd {
