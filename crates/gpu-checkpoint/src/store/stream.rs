@@ -134,10 +134,12 @@ impl<'a> Streams<'a> {
     /// Records the session's first failure (what [`Streams::finish`] returns, with its kind intact: a full
     /// disk must still say so) and returns its message for the stream that ran into it.
     fn fail(&self, e: Error) -> Error {
-        self.failed.store(true, Ordering::SeqCst);
         let msg = Error::Other(e.to_string());
         let mut c = self.collected.lock().unwrap_or_else(|p| p.into_inner());
         c.error.get_or_insert(e);
+        // Raised only once the error is recorded: a stream that sees the flag and gives up reports an error
+        // derived from this one, which must not get in first.
+        self.failed.store(true, Ordering::SeqCst);
         msg
     }
 
