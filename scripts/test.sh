@@ -7,4 +7,6 @@ bash scripts/setup.sh
 . scripts/env.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# Broken or private intra-doc links are documentation bugs too.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 cargo test --workspace --no-fail-fast

@@ -85,7 +85,7 @@ fn main() {
 }
 
 /// Prints an error as one clear line plus its causes, and picks the exit code from the first library
-/// error in the chain (or from a [`commands::UsageError`]).
+/// error in the chain (or from a [`commands::Exit`], e.g. a usage error).
 fn report(err: &anyhow::Error) -> ExitStatus {
     eprintln!("error: {err}");
     for cause in err.chain().skip(1) {

@@ -15,7 +15,7 @@ const BENIGN: &[&str] = &[
     "rlimit: Can't setup RLIMIT_NOFILE for self",
 ];
 
-/// The `Error (...)` lines of a CRIU log text (the last [`MAX_LINES`] of them), without timestamps.
+/// The `Error (...)` lines of a CRIU log text (the last `MAX_LINES` of them), without timestamps.
 pub fn error_lines(log: &str) -> Vec<String> {
     let mut lines: Vec<String> = log
         .lines()

@@ -5,7 +5,7 @@
 //! 2. Refuse early when a PID of the tree is taken: CRIU restores every process under its original PID.
 //!    A zombie holding one is waited for a little (its parent may be about to reap it; init does so
 //!    lazily on some systems), anything else is a conflict naming the PID and its holder.
-//! 3. The GPU step checks this node can take the GPU state ([`GpuHook::prepare_restore`]).
+//! 3. The GPU step checks this node can take the GPU state ([`crate::checkpoint::GpuHook::prepare_restore`]).
 //! 4. The store materializes the images into a private temporary folder, verifying every chunk.
 //! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores + unlocks its GPU
 //!    state, and if that fails the restored tree is killed.

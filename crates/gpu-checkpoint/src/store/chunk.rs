@@ -175,7 +175,7 @@ impl Encoder {
     /// Encodes one chunk: returns its header and payload (the zstd frame in the encoder's buffer, or `raw`).
     ///
     /// Chunks are stored raw unless zstd saves at least 1/32 of them: a chunk that barely compresses costs
-    /// decompression time on every restore for almost no space. A chunk the [`Predictor`] finds random
+    /// decompression time on every restore for almost no space. A chunk the `Predictor` finds random
     /// (encrypted or compressed data) is stored raw without running zstd; otherwise zstd's output buffer is
     /// capped at the limit, so zstd gives up early on whatever the predictor let through.
     pub fn encode<'a>(&'a mut self, raw: &'a [u8]) -> (Header, &'a [u8]) {
