@@ -100,11 +100,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        images: if args.staged {
-            ImageTransfer::Staged
-        } else {
-            ImageTransfer::Stream
-        },
+        images: ImageTransfer::staged_if(args.staged),
     };
     let mut opts = CheckpointOptions::new(args.pid);
     opts.name = args.name;

@@ -67,11 +67,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        images: if args.staged {
-            ImageTransfer::Staged
-        } else {
-            ImageTransfer::Stream
-        },
+        images: ImageTransfer::staged_if(args.staged),
     };
     let result = flow.restore(&target);
     if gpu_checkpoint::freeze::interrupt::interrupted() {

@@ -130,6 +130,17 @@ pub enum ImageTransfer {
     Staged,
 }
 
+impl ImageTransfer {
+    /// `Staged` when asked for (the CLI's `--staged`), else the default, `Stream`.
+    pub fn staged_if(staged: bool) -> ImageTransfer {
+        if staged {
+            ImageTransfer::Staged
+        } else {
+            ImageTransfer::Stream
+        }
+    }
+}
+
 /// Timings of one checkpoint, in milliseconds.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Timings {
@@ -264,24 +275,6 @@ impl Flow<'_> {
             }
             return Err(e.into());
         }
-        let streamed = match streamed.transpose() {
-            Ok(s) => s,
-            Err(e) => {
-                // CRIU finished, but the store did not take every image: the tree is stopped (or running
-                // with --leave-running) and must be put back.
-                if after == AfterDump::Stop {
-                    tree::continue_tree(
-                        &tree::process_tree(pid)
-                            .iter()
-                            .map(|p| p.pid)
-                            .collect::<Vec<_>>(),
-                    );
-                }
-                thaw_after_failure(self.gpu);
-                discard(ingest);
-                return Err(e.into());
-            }
-        };
         // The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the
         // tree goes on and this is the best knowledge we have.
         let mut process_tree = tree::process_tree(pid);
@@ -300,6 +293,25 @@ impl Flow<'_> {
                 .collect();
         }
         let pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
+        // Puts the tree back after a failure from here on: continues it (it was left stopped) and, unless
+        // that already happened, puts GPU state back.
+        let undo = |gpu: &mut dyn GpuHook, thawed: bool, e: crate::Error| -> crate::Error {
+            if after == AfterDump::Stop {
+                tree::continue_tree(&pids);
+            }
+            if !thawed {
+                thaw_after_failure(gpu);
+            }
+            e
+        };
+        // CRIU finished, but the store may not have taken every image.
+        let streamed = match streamed.transpose() {
+            Ok(s) => s,
+            Err(e) => {
+                discard(ingest);
+                return Err(undo(self.gpu, false, e.into()));
+            }
+        };
         let mut thawed = false;
         if opts.leave_running {
             // GPU work resumes while the images are stored.
@@ -317,15 +329,6 @@ impl Flow<'_> {
             }
             thawed = true;
         }
-        let undo = |gpu: &mut dyn GpuHook, e: crate::Error| -> crate::Error {
-            if after == AfterDump::Stop {
-                tree::continue_tree(&pids);
-            }
-            if !thawed {
-                thaw_after_failure(gpu);
-            }
-            e
-        };
 
         let sizes = match Sizes::of_dir(ingest.staging_dir()) {
             Ok(mut s) => {
@@ -340,7 +343,7 @@ impl Flow<'_> {
                     source,
                 };
                 discard(ingest);
-                return Err(undo(self.gpu, e.into()));
+                return Err(undo(self.gpu, thawed, e.into()));
             }
         };
         let manifest = CheckpointManifest {
@@ -379,7 +382,7 @@ impl Flow<'_> {
             Err(e) => {
                 discard(ingest);
                 let e = crate::store::Error::Invalid(format!("encoding the manifest: {e}"));
-                return Err(undo(self.gpu, e.into()));
+                return Err(undo(self.gpu, thawed, e.into()));
             }
         };
 
@@ -388,7 +391,7 @@ impl Flow<'_> {
         let info =
             match ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress) {
                 Ok(info) => info,
-                Err(e) => return Err(undo(self.gpu, e.into())),
+                Err(e) => return Err(undo(self.gpu, thawed, e.into())),
             };
         timings.write = ms(t);
 

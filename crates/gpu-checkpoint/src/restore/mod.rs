@@ -137,7 +137,6 @@ impl Flow<'_> {
             shell_job: manifest.options.shell_job,
             stream: self.images == ImageTransfer::Stream,
         };
-        let req_streamed = req.stream;
         let (fetch, restore_ms, restored) = if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
             let t = Instant::now();
@@ -204,7 +203,7 @@ impl Flow<'_> {
             timings: Timings {
                 fetch,
                 restore: restore_ms,
-                streamed: req_streamed,
+                streamed: req.stream,
                 gpu: gpu_ms,
                 total: ms(started),
             },
