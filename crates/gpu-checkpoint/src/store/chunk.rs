@@ -14,6 +14,9 @@
 
 use std::fmt;
 
+/// How a chunk whose bytes do not hash to its name is described in errors.
+pub(crate) const HASH_MISMATCH: &str = "damaged (content does not match its BLAKE3 name)";
+
 /// Size of the fixed header in front of every stored chunk.
 pub const HEADER_LEN: usize = 16;
 const MAGIC: &[u8; 4] = b"GCKC";
@@ -380,7 +383,7 @@ impl Decoder {
             }
         };
         if ChunkId::of(raw) != *id {
-            return Err("damaged (content does not match its BLAKE3 name)".into());
+            return Err(HASH_MISMATCH.into());
         }
         Ok(raw)
     }

@@ -182,6 +182,27 @@ fn write_all(
     })
 }
 
+/// The error for chunk `ci` of file `fi` (at `offset` in the file): names checkpoint, file and chunk.
+fn damaged_chunk(
+    info: &CheckpointInfo,
+    fi: usize,
+    ci: usize,
+    offset: u64,
+    problem: String,
+) -> Error {
+    let file = &info.files[fi];
+    let cref = file.chunks[ci];
+    Error::DamagedChunk {
+        checkpoint: info.id.clone(),
+        file: file.path.clone(),
+        index: ci,
+        chunk: cref.id.expect("only stored chunks are fetched").to_hex(),
+        offset,
+        len: cref.len as u64,
+        problem,
+    }
+}
+
 /// Reads chunk `ci` of file `fi` and checks it; the error names checkpoint, file and chunk.
 ///
 /// Through `read`, not a mapping: mapping each object (what the splice path does for raw chunks) measured
@@ -199,15 +220,7 @@ pub(super) fn fetch_verified<'a>(
     let file = &info.files[fi];
     let cref = file.chunks[ci];
     let id = cref.id.expect("only stored chunks are fetched");
-    let damaged = |problem: String| Error::DamagedChunk {
-        checkpoint: info.id.clone(),
-        file: file.path.clone(),
-        index: ci,
-        chunk: id.to_hex(),
-        offset,
-        len: cref.len as u64,
-        problem,
-    };
+    let damaged = |problem: String| damaged_chunk(info, fi, ci, offset, problem);
     if !inner.backend.read_chunk(&id, buf)? {
         return Err(damaged("missing".into()));
     }
@@ -370,38 +383,31 @@ pub(super) fn stream_file(
                         st.next - 1
                     };
                     let ci = stored[k];
-                    if splice_to.is_some() {
-                        match verify_raw_in_place(inner, info, fi, ci, offsets[ci]) {
-                            Ok(Some(f)) => {
-                                let mut st = lock();
-                                st.ready
-                                    .insert(k, Ready::InFile(f, file.chunks[ci].len as usize));
-                                cond.notify_all();
-                                continue;
-                            }
-                            Ok(None) => {}
-                            Err(e) => {
-                                let mut st = lock();
-                                st.error.get_or_insert(e);
-                                st.stop = true;
-                                cond.notify_all();
-                                continue;
-                            }
+                    // A local raw chunk is verified in its file and spliced from there when writing to a
+                    // pipe; anything else is read, decoded and verified into a buffer. Buffers go round
+                    // between workers and the writer: fresh multi-MiB allocations would cost a page fault
+                    // per 4 KiB on every chunk.
+                    let in_place = splice_to.and_then(|_| {
+                        verify_raw_in_place(inner, info, fi, ci, offsets[ci]).transpose()
+                    });
+                    let r = match in_place {
+                        Some(verified) => {
+                            verified.map(|map| Ready::InFile(map, file.chunks[ci].len as usize))
                         }
-                    }
-                    // Buffers go round between workers and the writer: fresh multi-MiB allocations would
-                    // cost a page fault per 4 KiB on every chunk.
-                    let mut out = lock().spare.pop().unwrap_or_default();
-                    let r = fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, offsets[ci])
-                        .map(|raw| {
-                            out.clear();
-                            out.extend_from_slice(raw);
-                            out
-                        });
+                        None => {
+                            let mut out = lock().spare.pop().unwrap_or_default();
+                            fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, offsets[ci])
+                                .map(|raw| {
+                                    out.clear();
+                                    out.extend_from_slice(raw);
+                                    Ready::Bytes(out)
+                                })
+                        }
+                    };
                     let mut st = lock();
                     match r {
-                        Ok(raw) => {
-                            st.ready.insert(k, Ready::Bytes(raw));
+                        Ok(ready) => {
+                            st.ready.insert(k, ready);
                         }
                         Err(e) => {
                             st.error.get_or_insert(e);
@@ -545,15 +551,13 @@ fn verify_raw_in_place(
         _ => return Ok(None),
     }
     if ChunkId::of(&bytes[HEADER_LEN..]) != id {
-        return Err(Error::DamagedChunk {
-            checkpoint: info.id.clone(),
-            file: info.files[fi].path.clone(),
-            index: ci,
-            chunk: id.to_hex(),
+        return Err(damaged_chunk(
+            info,
+            fi,
+            ci,
             offset,
-            len: len as u64,
-            problem: "damaged (content does not match its BLAKE3 name)".into(),
-        });
+            super::chunk::HASH_MISMATCH.into(),
+        ));
     }
     Ok(Some(map))
 }
