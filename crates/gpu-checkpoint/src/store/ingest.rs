@@ -264,7 +264,7 @@ impl Ingest {
     /// ingest's [`Ingest::streams`].
     pub fn commit_streamed(
         mut self,
-        streamed: Streamed,
+        mut streamed: Streamed,
         metadata: serde_json::Value,
         progress: &dyn Progress,
     ) -> Result<CheckpointInfo> {
@@ -291,7 +291,10 @@ impl Ingest {
         );
         tracing::debug!(?plan, total, "ingest {}", self.id);
 
-        let hints = self.parent_hints();
+        let hints = match streamed.hints.take() {
+            Some(h) => h,
+            None => self.parent_hints(),
+        };
 
         progress.start("store", total);
         let collected = self.run_pipeline(&files, &hints, plan, progress);
@@ -304,6 +307,7 @@ impl Ingest {
             files: streamed_files,
             collected: s,
             started: _,
+            hints: _,
         } = streamed;
         for (name, size) in streamed_files {
             files.push(FileToIngest {

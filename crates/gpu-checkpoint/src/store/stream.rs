@@ -75,6 +75,9 @@ pub struct Streamed {
     pub(super) collected: Collected,
     /// When the session began: the store's work on this checkpoint started then.
     pub(super) started: Option<std::time::Instant>,
+    /// The parent checkpoint's chunk boundaries the session looked up, for the staged files `commit` adds
+    /// (looked up once per checkpoint).
+    pub(super) hints: Option<HashMap<String, Hints>>,
 }
 
 impl Streamed {
@@ -334,6 +337,7 @@ impl<'a> Streams<'a> {
         }
         out.collected = collected;
         out.started = Some(self.started);
+        out.hints = Some(self.hints);
         Ok(out)
     }
 }
