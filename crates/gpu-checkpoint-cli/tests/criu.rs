@@ -35,16 +35,7 @@ fn checkpoint_fails(pid: i32, storage: &Path, code: i32) -> String {
 }
 
 fn checkpoint_fails_with(pid: i32, storage: &Path, extra: &[&str], code: i32) -> String {
-    let pid = pid.to_string();
-    let mut args = vec![
-        "checkpoint",
-        "--pid",
-        &pid,
-        "--storage",
-        storage.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    fails_with(&gc(&args), code)
+    fails_with(&run_checkpoint(pid, storage, extra), code)
 }
 
 /// Checkpoints a workload (default mode: the tree is stopped), checks it is gone, restores it, and
@@ -67,18 +58,13 @@ fn cycle_with(
     assert!(at_checkpoint.len() >= min_records, "{at_checkpoint:?}");
     wait_pid_free(w.pid);
     let id = ck["id"].as_str().unwrap();
-    let pid = if extra.contains(&"--staged") {
-        let out = ok(&gc(&[
-            "restore",
-            id,
-            "--staged",
-            "--storage",
-            store.to_str().unwrap(),
-        ]));
-        out.trim().parse().expect("restore prints the PID")
+    // `--staged` applies to the restore as well.
+    let staged: &[&str] = if extra.contains(&"--staged") {
+        &["--staged"]
     } else {
-        restore(id, store)
+        &[]
     };
+    let pid = restore_with(id, store, staged);
     assert_eq!(pid, w.pid, "CRIU restores the original PID");
     (at_checkpoint, ck)
 }

@@ -184,8 +184,8 @@ pub fn fails_with(out: &Output, code: i32) -> String {
     text(&out.stderr)
 }
 
-/// `gpu-checkpoint checkpoint --pid PID --storage STORE --format json EXTRA...` -> its JSON.
-pub fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
+/// Runs `gpu-checkpoint checkpoint --pid PID --storage STORE EXTRA...`.
+pub fn run_checkpoint(pid: i32, store: &Path, extra: &[&str]) -> Output {
     let pid = pid.to_string();
     let mut args = vec![
         "checkpoint",
@@ -193,22 +193,29 @@ pub fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
         &pid,
         "--storage",
         store.to_str().unwrap(),
-        "--format",
-        "json",
     ];
     args.extend_from_slice(extra);
-    let out = ok(&gc(&args));
+    gc(&args)
+}
+
+/// `gpu-checkpoint checkpoint --pid PID --storage STORE --format json EXTRA...` -> its JSON.
+pub fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["--format", "json"];
+    args.extend_from_slice(extra);
+    let out = ok(&run_checkpoint(pid, store, &args));
     serde_json::from_str(&out).expect("checkpoint prints JSON")
 }
 
 /// `gpu-checkpoint restore TARGET --storage STORE` -> the restored PID.
 pub fn restore(target: &str, store: &Path) -> i32 {
-    let out = ok(&gc(&[
-        "restore",
-        target,
-        "--storage",
-        store.to_str().unwrap(),
-    ]));
+    restore_with(target, store, &[])
+}
+
+/// `gpu-checkpoint restore TARGET --storage STORE EXTRA...` -> the restored PID.
+pub fn restore_with(target: &str, store: &Path, extra: &[&str]) -> i32 {
+    let mut args = vec!["restore", target, "--storage", store.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = ok(&gc(&args));
     out.trim().parse().expect("restore prints the PID")
 }
 
