@@ -27,11 +27,27 @@ pub struct ProcStat {
     pub state: char,
     pub ppid: i32,
     pub threads: u32,
+    /// The kernel's `PF_*` flags of the (main) thread.
+    pub flags: u32,
 }
+
+/// `PF_EXITING`: set as a task enters `do_exit`, before its memory is torn down.
+const PF_EXITING: u32 = 0x4;
 
 impl ProcStat {
     pub fn is_zombie(&self) -> bool {
         matches!(self.state, 'Z' | 'X')
+    }
+
+    /// Killed and on its way out: it runs no more of its own code, but may still be freeing its memory
+    /// (a quarter of a second for 4 GiB here), after which it is a zombie until its parent reaps it.
+    pub fn is_exiting(&self) -> bool {
+        self.flags & PF_EXITING != 0
+    }
+
+    /// A zombie or exiting: gone for every purpose but holding its PID.
+    pub fn is_dying(&self) -> bool {
+        self.is_zombie() || self.is_exiting()
     }
 }
 
@@ -43,9 +59,10 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
     let pid = text[..open].trim().parse().ok()?;
     let comm = text.get(open + 1..close)?.to_string();
     let rest: Vec<&str> = text.get(close + 1..)?.split_whitespace().collect();
-    // After the name: state(3) ppid(4) ... num_threads(20), numbered as in proc(5).
+    // After the name: state(3) ppid(4) ... flags(9) ... num_threads(20), numbered as in proc(5).
     let state = rest.first()?.chars().next()?;
     let ppid = rest.get(1)?.parse().ok()?;
+    let flags = rest.get(6)?.parse().ok()?;
     let threads = rest.get(17)?.parse().ok()?;
     Some(ProcStat {
         pid,
@@ -53,6 +70,7 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
         state,
         ppid,
         threads,
+        flags,
     })
 }
 
@@ -110,9 +128,9 @@ pub fn process_tree(root: i32) -> Vec<TreeProcess> {
     out
 }
 
-/// True while `pid` names a process that is not a zombie.
+/// True while `pid` names a process that can still run: neither a zombie nor exiting.
 pub fn is_alive(pid: i32) -> bool {
-    stat(pid).is_some_and(|s| !s.is_zombie())
+    stat(pid).is_some_and(|s| !s.is_dying())
 }
 
 fn signal(pids: &[i32], sig: i32) {
@@ -129,6 +147,10 @@ pub fn continue_tree(pids: &[i32]) {
 
 /// Kills a tree and waits until none of its processes runs any more (they may stay zombies until their
 /// parent reaps them). Returns the PIDs still running after `timeout`.
+///
+/// Returns once every process is dying, not once it is gone: like `criu dump`, a checkpoint does not wait
+/// for the kernel to free the process's memory (which took 7% of a 4 GiB checkpoint). `restore` waits
+/// for a PID held by a dying process.
 pub fn kill_tree(pids: &[i32], timeout: Duration) -> Vec<i32> {
     signal(pids, libc::SIGKILL);
     wait_until(timeout, || {
@@ -139,12 +161,15 @@ pub fn kill_tree(pids: &[i32], timeout: Duration) -> Vec<i32> {
 /// Waits until `pending()` is empty or `timeout` passed; returns the last `pending()`.
 pub fn wait_until(timeout: Duration, mut pending: impl FnMut() -> Vec<i32>) -> Vec<i32> {
     let deadline = Instant::now() + timeout;
+    // A killed process is usually dying within a millisecond: poll fast first, then every 20 ms.
+    let mut pause = Duration::from_millis(1);
     loop {
         let left = pending();
         if left.is_empty() || Instant::now() >= deadline {
             return left;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
     }
 }
 
@@ -161,6 +186,9 @@ mod tests {
     fn parses_stat_with_odd_names() {
         let s = parse_stat("42 (a (b) c) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 3 0 5 0")
             .expect("parses");
+        assert!(!s.is_exiting());
+        let dying = parse_stat("7 (w) R 1 7 7 0 -1 4194372 1 0 0 0 0 0 0 0 20 0 1 0 5 0").unwrap();
+        assert!(dying.is_exiting() && dying.is_dying() && !dying.is_zombie());
         assert_eq!(s.pid, 42);
         assert_eq!(s.comm, "a (b) c");
         assert_eq!(s.state, 'S');

@@ -236,17 +236,18 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
     save_log(store.location(), &src, &format!("{id}.restore-{stamp}.log"))
 }
 
-/// Fails when a PID of the tree is held by a live process, after giving zombies [`ZOMBIE_WAIT`] to be
-/// reaped.
+/// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies
+/// waiting to be reaped: the checkpointed process itself, right after a checkpoint) [`ZOMBIE_WAIT`] to
+/// free it.
 fn check_pids_free(id: &str, pids: &[i32]) -> Result<(), Error> {
-    let zombies = || {
+    let dying = || {
         pids.iter()
             .copied()
-            .filter(|p| tree::stat(*p).is_some_and(|s| s.is_zombie()))
+            .filter(|p| tree::stat(*p).is_some_and(|s| s.is_dying()))
             .collect::<Vec<_>>()
     };
-    if !zombies().is_empty() {
-        tree::wait_until(ZOMBIE_WAIT, zombies);
+    if !dying().is_empty() {
+        tree::wait_until(ZOMBIE_WAIT, dying);
     }
     check_pids_free_now(id, pids)
 }
