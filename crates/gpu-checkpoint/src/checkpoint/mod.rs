@@ -442,7 +442,11 @@ fn keep_failed_log(store: &Store, ingest: &Ingest, e: crate::dump::Error) -> cra
     if !src.exists() {
         return e;
     }
-    match save_log(store.location(), &src, &format!("{}.dump.log", ingest.id())) {
+    match save_log(
+        store.local_dir(),
+        &src,
+        &format!("{}.dump.log", ingest.id()),
+    ) {
         Some(kept) => e.with_log_path(kept),
         None => e,
     }
@@ -453,11 +457,12 @@ pub fn logs_dir(storage: &Path) -> PathBuf {
     storage.join("logs")
 }
 
-/// Copies a log to `logs_dir(storage)/name` (0600), falling back to the temporary folder. Returns where it
-/// went, or `None` when it could be kept nowhere.
-pub fn save_log(storage: &Path, src: &Path, name: &str) -> Option<PathBuf> {
+/// Copies a log to `logs_dir(storage)/name` (0600), falling back to the temporary folder (also for a store
+/// that is not a local folder: `storage` `None`). Returns where it went, or `None` when it could be kept
+/// nowhere.
+pub fn save_log(storage: Option<&Path>, src: &Path, name: &str) -> Option<PathBuf> {
     let fallback = std::env::temp_dir().join("gpu-checkpoint-logs");
-    for dir in [logs_dir(storage), fallback] {
+    for dir in storage.map(logs_dir).into_iter().chain([fallback]) {
         if crate::util::create_private_dir_all(&dir).is_err() {
             continue;
         }

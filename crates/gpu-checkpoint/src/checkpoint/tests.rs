@@ -94,7 +94,7 @@ impl Sleeper {
         self.0.id() as i32
     }
     fn running(&self) -> bool {
-        tree::stat(self.pid()).is_some_and(|s| !s.is_zombie() && s.state != 'T')
+        tree::stat(self.pid()).is_some_and(|s| !s.is_dying() && s.state != 'T')
     }
     fn reap(&mut self) {
         let _ = self.0.kill();
@@ -485,4 +485,33 @@ fn a_store_that_fails_while_streaming_continues_the_tree_and_keeps_nothing() {
     assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
     assert!(p.running());
     assert!(store.list().unwrap().is_empty());
+}
+
+/// A store that is not a local folder (the memory store here, S3 later) has no `logs/` of its own: a
+/// failed dump's log goes to the temporary folder, not to a relative path named after the store.
+#[test]
+fn logs_of_a_store_that_is_not_a_folder_go_to_the_temporary_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::with_backend(
+        Arc::new(crate::store::MemoryBackend::new(dir.path())),
+        StoreOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(store.local_dir(), None);
+    let src = dir.path().join("dump.log");
+    std::fs::write(&src, "Error (criu/cr-dump.c:1): test\n").unwrap();
+    let name = format!("test-{}.dump.log", std::process::id());
+    let kept = save_log(store.local_dir(), &src, &name).unwrap();
+    assert_eq!(
+        kept,
+        std::env::temp_dir().join("gpu-checkpoint-logs").join(&name)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&kept).unwrap(),
+        "Error (criu/cr-dump.c:1): test\n"
+    );
+    std::fs::remove_file(kept).unwrap();
+    // A local store keeps them in its own folder.
+    let local = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
+    assert_eq!(local.local_dir(), Some(dir.path().join("store").as_path()));
 }

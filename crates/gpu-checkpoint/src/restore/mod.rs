@@ -129,7 +129,7 @@ impl Flow<'_> {
         check_pids_free(&info.id, &pids)?;
         self.gpu.prepare_restore(&manifest.gpu)?;
 
-        let work = WorkDir::create(self.store.location(), &info.id)?;
+        let work = WorkDir::create(self.store.local_dir(), &info.id)?;
         let req = RestoreRequest {
             images_dir: work.path(),
             log_file: RESTORE_LOG,
@@ -233,7 +233,11 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis())
         .unwrap_or(0);
-    save_log(store.location(), &src, &format!("{id}.restore-{stamp}.log"))
+    save_log(
+        store.local_dir(),
+        &src,
+        &format!("{id}.restore-{stamp}.log"),
+    )
 }
 
 /// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies
@@ -268,25 +272,24 @@ fn check_pids_free_now(id: &str, pids: &[i32]) -> Result<(), Error> {
 
 /// A private folder for the materialized images, removed on drop. It lives in the store's folder when
 /// possible (same disk as the chunks, no tmpfs filling RAM with a copy of the process), else in the
-/// temporary folder (read-only store).
+/// temporary folder (read-only store, or one that is not a local folder).
 struct WorkDir {
     path: PathBuf,
 }
 
 impl WorkDir {
-    fn create(storage: &Path, id: &str) -> Result<WorkDir, Error> {
+    fn create(storage: Option<&Path>, id: &str) -> Result<WorkDir, Error> {
         let name = format!("{id}.{}", std::process::id());
-        let candidates = [
-            storage.join("restore-work").join(&name),
-            std::env::temp_dir()
-                .join("gpu-checkpoint-restore")
-                .join(&name),
-        ];
-        let [first, second] = candidates;
-        let _ = std::fs::remove_dir_all(&first);
-        if crate::util::create_private_dir_all(&first).is_ok() {
-            return Ok(WorkDir { path: first });
+        if let Some(storage) = storage {
+            let first = storage.join("restore-work").join(&name);
+            let _ = std::fs::remove_dir_all(&first);
+            if crate::util::create_private_dir_all(&first).is_ok() {
+                return Ok(WorkDir { path: first });
+            }
         }
+        let second = std::env::temp_dir()
+            .join("gpu-checkpoint-restore")
+            .join(&name);
         let _ = std::fs::remove_dir_all(&second);
         match crate::util::create_private_dir_all(&second) {
             Ok(()) => Ok(WorkDir { path: second }),

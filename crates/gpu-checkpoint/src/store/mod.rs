@@ -151,6 +151,11 @@ impl Store {
         self.inner.backend.location()
     }
 
+    /// The store's local folder, if it is one (see [`Backend::local_dir`]).
+    pub fn local_dir(&self) -> Option<&Path> {
+        self.inner.backend.local_dir()
+    }
+
     /// Fails with exit status 6 if the store cannot be written now. Call it before touching a process.
     pub fn check_writable(&self) -> Result<()> {
         self.inner.backend.check_writable()

@@ -135,6 +135,10 @@ impl Backend for LocalBackend {
         &self.root
     }
 
+    fn local_dir(&self) -> Option<&Path> {
+        Some(&self.root)
+    }
+
     fn init(&self) -> Result<()> {
         let marker = self.root.join(STORE_FILE);
         match fs::read(&marker) {

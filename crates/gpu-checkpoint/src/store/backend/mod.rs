@@ -45,6 +45,13 @@ pub trait Backend: Send + Sync {
     /// Where the store lives, for messages (a path, or a URL for object stores).
     fn location(&self) -> &Path;
 
+    /// The store's own local folder, when it is one: the flows keep CRIU logs and restore work folders in
+    /// it (same disk, same permissions). `None` for stores that are not a local folder (object stores,
+    /// tests' memory): the flows then use the temporary folder.
+    fn local_dir(&self) -> Option<&Path> {
+        None
+    }
+
     /// Creates the store's layout if it is missing, or validates an existing one (format and version).
     fn init(&self) -> Result<()>;
 
