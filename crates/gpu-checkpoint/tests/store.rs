@@ -293,11 +293,17 @@ fn two_checkpoints_with_the_same_content_share_chunks() {
     criu_like(&src, 800, 3);
     let a = ingest(&store, Some("replica-a"), |d| copy_tree(&src, d));
     let after_a = chunk_files(&t.path().join("store")).len();
-    // Same memory at other paths (another process's images, in a folder of their own).
+    // Same memory under other file names (another process's images).
     let b = ingest(&store, Some("replica-b"), |d| {
-        fs::create_dir(d.join("other")).unwrap();
         for f in walk(&src) {
-            fs::copy(&f, d.join("other").join(f.file_name().unwrap())).unwrap();
+            fs::copy(
+                &f,
+                d.join(format!(
+                    "other-{}",
+                    f.file_name().unwrap().to_string_lossy()
+                )),
+            )
+            .unwrap();
         }
     });
     assert_eq!(b.stats.new_bytes, 0);

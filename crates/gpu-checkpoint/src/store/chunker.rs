@@ -66,99 +66,6 @@ impl ChunkParams {
     }
 }
 
-/// Where a file may be cut.
-///
-/// CRIU's page images (`pages-*.img`) are whole 4 KiB pages, and what changes between two dumps of a
-/// process is whole pages too (pages written, mappings grown or added), so cutting them anywhere but
-/// between pages buys no deduplication. [`Cut::Pages`] therefore only considers page boundaries and
-/// decides each one from a cheap hash of the page before it, instead of running FastCDC's rolling hash
-/// over every byte (which cost 15% of the ingest's CPU). Every other file is cut by FastCDC, where a
-/// single inserted byte must not shift every later chunk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cut {
-    /// FastCDC (v2020) on every byte.
-    Bytes,
-    /// Only between pages, counted from the chunk's start (page-aligned whenever the chunk before it
-    /// was): a chunk ends after a page whose hash has its top bits clear, with the same minimum and
-    /// maximum as FastCDC and about the same mean.
-    Pages,
-}
-
-/// The page size [`Cut::Pages`] cuts by (CRIU writes 4 KiB pages on x86-64 and arm64 alike).
-pub const PAGE: usize = 4096;
-
-impl Cut {
-    /// Page cuts for CRIU's page images, byte cuts for everything else.
-    pub fn for_image(path: &str) -> Cut {
-        let name = path.rsplit('/').next().unwrap_or(path);
-        if name.starts_with("pages-") && name.ends_with(".img") {
-            Cut::Pages
-        } else {
-            Cut::Bytes
-        }
-    }
-}
-
-/// Names the page-cut algorithm in manifests.
-pub const PAGE_CUT_ALGORITHM: &str = "page-cdc-v1";
-
-/// A 64-bit hash of one page, for choosing cut points only (no resistance to anything needed): 16 words,
-/// one every 256 bytes, in eight independent multiply chains that the CPU overlaps, then a final mix.
-/// Sampled, because the page's bytes are not in the CPU's caches yet: hashing every word cost a third as
-/// much as BLAKE3 over the whole image, the first word of every 64-byte line still a sixth (`perf`, a
-/// checkpoint of 4 GiB of random memory). Pages alike in those words hash alike, which is fine: identical
-/// runs are cut identically wherever they lie, and real pages differ all over.
-fn page_hash(page: &[u8]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    const STRIDE: usize = 256;
-    let mut acc = [0u64; 8];
-    for lines in page.chunks_exact(8 * STRIDE) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let w = u64::from_le_bytes(
-                lines[j * STRIDE..j * STRIDE + 8]
-                    .try_into()
-                    .expect("8 bytes"),
-            );
-            *a = (*a ^ w).wrapping_mul(K).rotate_left(29);
-        }
-    }
-    let mut h = 0u64;
-    for a in acc {
-        h = (h ^ a).wrapping_mul(K).rotate_left(31);
-    }
-    // splitmix64's finaliser: every input bit reaches the top bits the cut test reads.
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94D0_49BB_1331_11EB);
-    h ^ (h >> 31)
-}
-
-/// Where [`Cut::Pages`] ends the chunk starting at `data[0]`: after the first page, at or past `min`
-/// bytes, whose hash has its top `log2(avg / PAGE)` bits clear; at `max` if none has; at the end of
-/// `data` if it is shorter. With min = avg = 1 MiB, max = 4 MiB chunks average about 1.95 MiB, like
-/// FastCDC's 1.8-1.9 MiB on the same settings.
-fn page_cut(data: &[u8], params: ChunkParams) -> usize {
-    let (min, avg, max) = (
-        params.min_size as usize,
-        params.avg_size as usize,
-        params.max_size as usize,
-    );
-    if data.len() <= min {
-        return data.len();
-    }
-    let bits = (avg / PAGE).max(1).ilog2();
-    let limit = data.len().min(max);
-    let mut end = min.div_ceil(PAGE).max(1) * PAGE;
-    while end <= limit {
-        if bits == 0 || page_hash(&data[end - PAGE..end]) >> (64 - bits) == 0 {
-            return end;
-        }
-        end += PAGE;
-    }
-    limit
-}
-
 /// A pooled read buffer; returns itself to the pool when the last chunk referencing it is dropped.
 pub struct Segment {
     buf: Vec<u8>,
@@ -273,7 +180,6 @@ impl Piece {
 pub struct Chunker<'h, R> {
     reader: R,
     params: ChunkParams,
-    how: Cut,
     hints: Option<&'h Hints>,
     home: Sender<Vec<u8>>,
     /// The unfinished tail of the previous segment.
@@ -287,7 +193,6 @@ impl<'h, R: Read> Chunker<'h, R> {
     pub fn new(
         reader: R,
         params: ChunkParams,
-        how: Cut,
         pool: &SegmentPool,
         hints: Option<&'h Hints>,
     ) -> std::io::Result<Self> {
@@ -301,7 +206,6 @@ impl<'h, R: Read> Chunker<'h, R> {
         Ok(Chunker {
             reader,
             params,
-            how,
             hints,
             home: pool.give.clone(),
             prev: None,
@@ -363,7 +267,6 @@ impl<'h, R: Read> Chunker<'h, R> {
     pub fn cut_owned(
         data: Vec<u8>,
         params: ChunkParams,
-        how: Cut,
         hints: Option<&'h Hints>,
         emit: &mut dyn FnMut(Piece) -> bool,
     ) -> u64 {
@@ -372,7 +275,6 @@ impl<'h, R: Read> Chunker<'h, R> {
         let mut chunker = Chunker {
             reader: std::io::empty(),
             params,
-            how,
             hints,
             home: home.clone(),
             prev: None,
@@ -417,10 +319,7 @@ impl<R> Chunker<'_, R> {
             // own, up to `max`, cut exactly where the data starts: no rolling hash over it, nothing stored,
             // and the data after it starts a chunk (so it deduplicates wherever the run ends). Like CDC, this
             // depends only on the content from `pos` on.
-            let mut zeros = zero_prefix_len(&data[pos..pos + remaining.min(max)]);
-            if self.how == Cut::Pages && zeros < remaining {
-                zeros -= zeros % PAGE; // the data starts on the page it lies in
-            }
+            let zeros = zero_prefix_len(&data[pos..pos + remaining.min(max)]);
             if zeros >= min {
                 known = Known::Zero;
                 end = pos + zeros;
@@ -448,10 +347,7 @@ impl<R> Chunker<'_, R> {
                 }
             }
             if known == Known::Nothing {
-                end = match self.how {
-                    Cut::Bytes => cdc.cut(pos, remaining).1,
-                    Cut::Pages => pos + page_cut(&data[pos..filled], self.params),
-                };
+                end = cdc.cut(pos, remaining).1;
             }
             let piece = Piece {
                 seg: seg.clone(),
@@ -481,12 +377,11 @@ impl<R> Chunker<'_, R> {
 pub fn chunk_stream(
     reader: impl Read,
     params: ChunkParams,
-    how: Cut,
     pool: &SegmentPool,
     hints: Option<&Hints>,
     mut emit: impl FnMut(Piece) -> bool,
 ) -> std::io::Result<u64> {
-    let mut chunker = Chunker::new(reader, params, how, pool, hints)?;
+    let mut chunker = Chunker::new(reader, params, pool, hints)?;
     while !chunker.is_done() {
         chunker.step(pool.get(), &mut emit)?;
     }
@@ -510,13 +405,9 @@ mod tests {
     }
 
     fn cut(data: &[u8], params: ChunkParams, seg: usize) -> Vec<(u64, Vec<u8>)> {
-        cut_by(data, params, Cut::Bytes, seg)
-    }
-
-    fn cut_by(data: &[u8], params: ChunkParams, how: Cut, seg: usize) -> Vec<(u64, Vec<u8>)> {
         let pool = SegmentPool::new(3, seg);
         let mut out = Vec::new();
-        chunk_stream(data, params, how, &pool, None, |p| {
+        chunk_stream(data, params, &pool, None, |p| {
             out.push((p.offset, p.data().to_vec()));
             true
         })
@@ -591,7 +482,7 @@ mod tests {
         let pool = SegmentPool::new(3, 65536);
         let mut out = Vec::new();
         let mut known = 0;
-        chunk_stream(data, SMALL, Cut::Bytes, &pool, Some(hints), |p| {
+        chunk_stream(data, SMALL, &pool, Some(hints), |p| {
             match p.known {
                 Known::Expect(old) if ChunkId::of(p.data()) != old => hints
                     .mismatch
@@ -661,104 +552,12 @@ mod tests {
         let mut data = pseudo_random(300_000, 9);
         data[50_000..120_000].fill(0);
         let mut owned = Vec::new();
-        let n =
-            Chunker::<std::io::Empty>::cut_owned(data.clone(), SMALL, Cut::Bytes, None, &mut |p| {
-                owned.push((p.offset, p.data().to_vec()));
-                true
-            });
+        let n = Chunker::<std::io::Empty>::cut_owned(data.clone(), SMALL, None, &mut |p| {
+            owned.push((p.offset, p.data().to_vec()));
+            true
+        });
         assert_eq!(n, data.len() as u64);
         assert_eq!(owned, cut(&data, SMALL, 65536));
-    }
-
-    const PAGES: ChunkParams = ChunkParams {
-        min_size: 8 * PAGE as u32,
-        avg_size: 8 * PAGE as u32,
-        max_size: 32 * PAGE as u32,
-    };
-
-    fn cut_pages(data: &[u8], seg: usize) -> Vec<(u64, Vec<u8>)> {
-        cut_by(data, PAGES, Cut::Pages, seg)
-    }
-
-    /// Pages of varied content: random ones, zero runs, and pages that differ only past their first bytes.
-    fn page_image(pages: usize, seed: u64) -> Vec<u8> {
-        let mut data = pseudo_random(pages * PAGE, seed);
-        for p in (0..pages).step_by(7) {
-            data[p * PAGE..p * PAGE + 64].fill(0xAB);
-        }
-        data[40 * PAGE..75 * PAGE].fill(0);
-        data
-    }
-
-    #[test]
-    fn page_cuts_fall_between_pages_within_the_limits() {
-        let mut data = page_image(600, 5);
-        data.extend_from_slice(&[7u8; 1000]); // a partial page at the end
-        data[300 * PAGE + 100..302 * PAGE].fill(0); // a zero run starting mid-page
-        let chunks = cut_pages(&data, 128 * PAGE);
-        let joined: Vec<u8> = chunks.iter().flat_map(|c| c.1.clone()).collect();
-        assert_eq!(joined, data);
-        let sizes: Vec<usize> = chunks.iter().map(|c| c.1.len()).collect();
-        for (i, &n) in sizes.iter().enumerate() {
-            assert!(n <= PAGES.max_size as usize, "chunk {i}: {n}");
-            if i + 1 < sizes.len() {
-                assert_eq!(n % PAGE, 0, "chunk {i} ends mid-page: {sizes:?}");
-                assert!(
-                    n >= PAGES.min_size as usize,
-                    "chunk {i} too small: {sizes:?}"
-                );
-            }
-        }
-        // The content decides: neither all minimum-sized nor all maximum-sized chunks.
-        let mins = sizes
-            .iter()
-            .filter(|&&n| n == PAGES.min_size as usize)
-            .count();
-        let maxes = sizes
-            .iter()
-            .filter(|&&n| n == PAGES.max_size as usize)
-            .count();
-        assert!(
-            mins < sizes.len() / 2 && maxes < sizes.len() / 2,
-            "{sizes:?}"
-        );
-        // The zero run between pages 40 and 75 is one chunk of its own (after the one before it).
-        assert!(
-            chunks
-                .iter()
-                .any(|c| c.1.len() >= 8 * PAGE && c.1.iter().all(|&b| b == 0)),
-            "{sizes:?}"
-        );
-    }
-
-    #[test]
-    fn page_cuts_do_not_depend_on_segment_size() {
-        let data = page_image(700, 8);
-        assert_eq!(cut_pages(&data, 64 * PAGE), cut_pages(&data, 256 * PAGE));
-    }
-
-    #[test]
-    fn inserted_pages_change_only_nearby_chunks() {
-        let data = page_image(800, 13);
-        let mut edited = data.clone();
-        edited.splice(400 * PAGE..400 * PAGE, pseudo_random(3 * PAGE, 99));
-        edited.drain(150 * PAGE..151 * PAGE); // and a page unmapped elsewhere
-        let a: std::collections::HashSet<Vec<u8>> = cut_pages(&data, 128 * PAGE)
-            .into_iter()
-            .map(|c| c.1)
-            .collect();
-        let b = cut_pages(&edited, 128 * PAGE);
-        let changed = b.iter().filter(|c| !a.contains(&c.1)).count();
-        assert!(changed <= 6, "{changed} of {} chunks changed", b.len());
-    }
-
-    #[test]
-    fn page_images_are_cut_by_pages() {
-        assert_eq!(Cut::for_image("pages-1.img"), Cut::Pages);
-        assert_eq!(Cut::for_image("sub/pages-12.img"), Cut::Pages);
-        assert_eq!(Cut::for_image("pagemap-1.img"), Cut::Bytes);
-        assert_eq!(Cut::for_image("pages-1.img.bak"), Cut::Bytes);
-        assert_eq!(Cut::for_image("tmpfs-dev-5.tar.gz.img"), Cut::Bytes);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use super::backend::LockGuard;
 use super::chunk::{is_zero, ChunkId, Encoder};
-use super::chunker::{ChunkParams, Chunker, Cut, Hints, Known, Piece, SegmentPool};
+use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::stream::{Streamed, Streams};
@@ -177,8 +177,7 @@ impl Reader<'_> {
             unsafe {
                 libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
             }
-            let how = Cut::for_image(&f.rel);
-            let chunker = Chunker::new(file, self.params, how, self.pool, self.hints.get(&f.rel))
+            let chunker = Chunker::new(file, self.params, self.pool, self.hints.get(&f.rel))
                 .map_err(Error::io("cannot read image file", &f.abs))?;
             self.current = Some((self.next, chunker));
             self.next += 1;
@@ -370,7 +369,6 @@ impl Ingest {
             created: self.created.clone(),
             chunking: Chunking {
                 algorithm: "fastcdc-v2020".into(),
-                page_images: Some(super::chunker::PAGE_CUT_ALGORITHM.into()),
                 min_size: params.min_size,
                 avg_size: params.avg_size,
                 max_size: params.max_size,

@@ -21,10 +21,6 @@ const CHECKSUM_KEY: &[u8] = br#","manifest_checksum":"blake3:"#;
 pub struct Chunking {
     /// `fastcdc-v2020`
     pub algorithm: String,
-    /// How CRIU's page images (`pages-*.img`) were cut, when not by `algorithm`: `page-cdc-v1` (only
-    /// between 4 KiB pages, with the same sizes). Absent in manifests written before page cuts.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub page_images: Option<String>,
     pub min_size: u32,
     pub avg_size: u32,
     pub max_size: u32,
@@ -197,7 +193,6 @@ mod tests {
             created: "2026-11-20T23:35:01.000Z".into(),
             chunking: Chunking {
                 algorithm: "fastcdc-v2020".into(),
-                page_images: Some("page-cdc-v1".into()),
                 min_size: 1,
                 avg_size: 2,
                 max_size: 3,

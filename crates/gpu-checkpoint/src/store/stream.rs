@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::chunk::{ChunkId, Encoder};
-use super::chunker::{ChunkParams, Chunker, Cut, Hints, Piece, SegmentPool};
+use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::ingest::{store_piece, Collected, Ingest, Plan};
 use super::Progress;
@@ -181,7 +181,7 @@ impl<'a> Streams<'a> {
             !self.failed.load(Ordering::Relaxed) && tx.send((index, piece)).is_ok()
         };
         let hints = self.hints.get(name);
-        let result = if Cut::for_image(name) == Cut::Pages && self.take_pool_slot() {
+        let result = if name.starts_with("pages-") && self.take_pool_slot() {
             let r = self.add_pooled(name, &mut reader, hints, send);
             *self.pool_slots.lock().unwrap_or_else(|p| p.into_inner()) += 1;
             r.map(|size| (size, FileState::Done))
@@ -229,8 +229,7 @@ impl<'a> Streams<'a> {
         send: &mut dyn FnMut(Piece) -> bool,
     ) -> Result<u64> {
         let io = |e| Error::Other(format!("receiving image {name}: {e}"));
-        let mut chunker =
-            Chunker::new(reader, self.params, Cut::Pages, &self.pool, hints).map_err(io)?;
+        let mut chunker = Chunker::new(reader, self.params, &self.pool, hints).map_err(io)?;
         while !chunker.is_done() {
             if self.failed.load(Ordering::Relaxed) {
                 return Err(self.session_error());
@@ -254,8 +253,7 @@ impl<'a> Streams<'a> {
             .read_to_end(&mut data)
             .map_err(io)?;
         if data.len() <= IN_MEMORY_MAX {
-            let how = Cut::for_image(name);
-            let size = Chunker::<std::io::Empty>::cut_owned(data, self.params, how, hints, send);
+            let size = Chunker::<std::io::Empty>::cut_owned(data, self.params, hints, send);
             return Ok((size, FileState::Done));
         }
         // A large image that is not a page image (a tmpfs archive, a ghost file): onto the disk with it,
