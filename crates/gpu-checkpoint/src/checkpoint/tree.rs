@@ -148,9 +148,9 @@ pub fn continue_tree(pids: &[i32]) {
 /// Kills a tree and waits until none of its processes runs any more (they may stay zombies until their
 /// parent reaps them). Returns the PIDs still running after `timeout`.
 ///
-/// Returns once every process is dying, not once it is gone: like `criu dump`, a checkpoint does not wait
-/// for the kernel to free the process's memory (which took 7% of a 4 GiB checkpoint). `restore` waits
-/// for a PID held by a dying process.
+/// Returns once every process is dying, not once it is gone: a checkpoint does not wait for the kernel to
+/// free the process's memory (7% of a 4 GiB checkpoint). `criu dump` waits for even less (it sends SIGKILL
+/// while detaching and returns). `restore` waits for a PID held by a dying process.
 pub fn kill_tree(pids: &[i32], timeout: Duration) -> Vec<i32> {
     signal(pids, libc::SIGKILL);
     wait_until(timeout, || {
