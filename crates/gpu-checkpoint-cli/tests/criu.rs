@@ -283,7 +283,13 @@ fn one_gib_of_memory_survives_with_its_checksum() {
             && num(&r[0], "verified") >= 1
     });
     let checksum = r[0]["checksum"].clone();
-    let (before, ck) = cycle(&w, &store, 1);
+    // Restored right away, as a user would: the checkpoint returns once the killed process is exiting,
+    // possibly still freeing its GiB, and restore waits for its PID instead of calling it taken.
+    let ck = checkpoint(w.pid, &store, &[]);
+    assert_eq!(ck["stopped"], true);
+    assert!(!w.alive(), "the checkpointed process must be stopped");
+    let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
+    assert_eq!(restore(ck["id"].as_str().unwrap(), &store), w.pid);
     assert!(
         ck["sizes"]["pages_bytes"].as_u64().unwrap() >= 1 << 30,
         "{ck}"
