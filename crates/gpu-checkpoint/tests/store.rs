@@ -520,7 +520,7 @@ fn ids_are_unique_and_sortable() {
     let set: std::collections::HashSet<_> = ids.iter().collect();
     assert_eq!(set.len(), ids.len());
     for id in &ids {
-        assert_eq!(id.len(), "20261120T233501Z-3f2a".len(), "{id}");
+        assert_eq!(id.len(), "20261120T233501Z-3f2a9c1b".len(), "{id}");
         assert!(id.as_bytes()[8] == b'T' && id.as_bytes()[15] == b'Z');
     }
 }

@@ -89,7 +89,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 return Ok(());
             }
             println!(
-                "{:<22} {:<16} {:<24} {:>10} {:>10} {:>10} {:>6} {:>6} {:>8}",
+                "{:<26} {:<16} {:<24} {:>10} {:>10} {:>10} {:>6} {:>6} {:>8}",
                 "ID", "NAME", "CREATED", "LOGICAL", "STORED", "NEW", "DEDUP", "COMPR", "INGEST"
             );
             for e in &entries {
@@ -97,7 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     ListEntry::Ok(i) => {
                         let s = &i.stats;
                         println!(
-                            "{:<22} {:<16} {:<24} {:>10} {:>10} {:>10} {:>5.2}x {:>5.2}x {:>8}",
+                            "{:<26} {:<16} {:<24} {:>10} {:>10} {:>10} {:>5.2}x {:>5.2}x {:>8}",
                             i.id,
                             i.name.as_deref().unwrap_or("-"),
                             i.created,
@@ -110,7 +110,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         );
                     }
                     ListEntry::Damaged { id, reason } => {
-                        println!("{id:<22} DAMAGED: {reason}");
+                        println!("{id:<26} DAMAGED: {reason}");
                     }
                 }
             }
