@@ -323,6 +323,18 @@ fn restore_refuses_a_taken_pid_and_a_failed_restore_keeps_the_checkpoint() {
     let mut opts = CheckpointOptions::new(p.pid());
     opts.leave_running = true;
     let id = s.checkpoint(&mut gpu, &opts).unwrap().info.id;
+    // Both images the fake dumped are in the checkpoint (a restore below once found no pages-1.img).
+    let files: Vec<String> = s
+        .store
+        .get(&id)
+        .unwrap()
+        .files
+        .into_iter()
+        .map(|f| f.path)
+        .collect();
+    for image in [format!("core-{}.img", p.pid()), "pages-1.img".into()] {
+        assert!(files.contains(&image), "{image} missing from {files:?}");
+    }
 
     // The original still runs under the PID.
     let err = s.restore(&mut gpu, &id).unwrap_err();
