@@ -250,9 +250,7 @@ fn check_pids_free(id: &str, pids: &[i32]) -> Result<(), Error> {
             .filter(|p| tree::stat(*p).is_some_and(|s| s.is_dying()))
             .collect::<Vec<_>>()
     };
-    if !dying().is_empty() {
-        tree::wait_until(ZOMBIE_WAIT, dying);
-    }
+    tree::wait_until(ZOMBIE_WAIT, dying);
     check_pids_free_now(id, pids)
 }
 
@@ -280,24 +278,20 @@ struct WorkDir {
 impl WorkDir {
     fn create(storage: Option<&Path>, id: &str) -> Result<WorkDir, Error> {
         let name = format!("{id}.{}", std::process::id());
-        if let Some(storage) = storage {
-            let first = storage.join("restore-work").join(&name);
-            let _ = std::fs::remove_dir_all(&first);
-            if crate::util::create_private_dir_all(&first).is_ok() {
-                return Ok(WorkDir { path: first });
+        let candidates = storage
+            .map(|s| s.join("restore-work"))
+            .into_iter()
+            .chain([std::env::temp_dir().join("gpu-checkpoint-restore")]);
+        let mut failed = None;
+        for path in candidates.map(|dir| dir.join(&name)) {
+            let _ = std::fs::remove_dir_all(&path);
+            match crate::util::create_private_dir_all(&path) {
+                Ok(()) => return Ok(WorkDir { path }),
+                Err(source) => failed = Some(Error::WorkDir { path, source }),
             }
         }
-        let second = std::env::temp_dir()
-            .join("gpu-checkpoint-restore")
-            .join(&name);
-        let _ = std::fs::remove_dir_all(&second);
-        match crate::util::create_private_dir_all(&second) {
-            Ok(()) => Ok(WorkDir { path: second }),
-            Err(source) => Err(Error::WorkDir {
-                path: second,
-                source,
-            }),
-        }
+        // The temporary folder is always a candidate, so `failed` is its error.
+        Err(failed.expect("at least one candidate"))
     }
 
     fn path(&self) -> &Path {
