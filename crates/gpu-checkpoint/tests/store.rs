@@ -1010,8 +1010,8 @@ fn stream_file_to_pipe_splices_verified_raw_chunks_and_stops_at_damage() {
             r.read_to_end(&mut got).unwrap();
             got
         });
-        let mut w = fs::File::from(std::os::fd::OwnedFd::from(w));
-        let result = store.stream_file_to_pipe(&info, "pages-1.img", &mut w, &NoProgress);
+        let w = fs::File::from(std::os::fd::OwnedFd::from(w));
+        let result = store.stream_file_to_pipe(&info, "pages-1.img", &w, &NoProgress);
         drop(w);
         (result, reader.join().unwrap())
     };

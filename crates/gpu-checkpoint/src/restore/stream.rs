@@ -71,9 +71,9 @@ fn serve<'scope>(
             if !exists {
                 continue;
             }
-            let mut pipe = conn.receive_pipe().map_err(proto)?;
+            let pipe = conn.receive_pipe().map_err(proto)?;
             sends.push(s.spawn(move || {
-                match store.stream_file_to_pipe(info, &name, &mut pipe, progress) {
+                match store.stream_file_to_pipe(info, &name, &pipe, progress) {
                     Ok(_) => Ok(()),
                     // CRIU stopped reading (it failed, or needed only part of the image): its own result
                     // tells which.

@@ -250,11 +250,10 @@ unsafe impl Send for Mapped {}
 unsafe impl Sync for Mapped {}
 
 impl Mapped {
-    /// Maps a whole local chunk object; `None` when it cannot be opened or is empty (the read path then
+    /// Maps a whole local chunk object; `None` when it cannot be mapped or is empty (the read path then
     /// reports what is wrong).
-    pub(super) fn open(path: &Path) -> Option<Mapped> {
+    pub(super) fn new(file: fs::File) -> Option<Mapped> {
         use std::os::fd::AsRawFd;
-        let file = fs::File::open(path).ok()?;
         let len = file.metadata().ok()?.len() as usize;
         if len == 0 {
             return None;
@@ -311,14 +310,10 @@ pub(super) fn stream_file(
 
     let file = &info.files[fi];
     let write_err = |e| Error::io("cannot send image file", Path::new(&file.path))(e);
-    let offsets: Vec<u64> = file
-        .chunks
-        .iter()
-        .scan(0u64, |off, c| {
-            let o = *off;
-            *off += c.len as u64;
-            Some(o)
-        })
+    let offsets: Vec<u64> = info
+        .chunk_refs()
+        .filter(|r| r.0 == fi)
+        .map(|(_, _, offset, _)| offset)
         .collect();
     let stored: Vec<usize> = (0..file.chunks.len())
         .filter(|&ci| file.chunks[ci].id.is_some())
@@ -391,9 +386,7 @@ pub(super) fn stream_file(
                         verify_raw_in_place(inner, info, fi, ci, offsets[ci]).transpose()
                     });
                     let r = match in_place {
-                        Some(verified) => {
-                            verified.map(|map| Ready::InFile(map, file.chunks[ci].len as usize))
-                        }
+                        Some(verified) => verified.map(Ready::InFile),
                         None => {
                             let mut out = lock().spare.pop().unwrap_or_default();
                             fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, offsets[ci])
@@ -453,10 +446,10 @@ pub(super) fn stream_file(
                             out.write_all(&raw).map_err(&write_err)?;
                             lock().spare.push(raw);
                         }
-                        Ready::InFile(src, len) => {
+                        Ready::InFile(src) => {
                             let pipe = splice_to
                                 .expect("chunks are left in their files only when splicing");
-                            splice_chunk(&src.file, pipe, len).map_err(&write_err)?;
+                            splice_chunk(&src.file, pipe, cref.len as usize).map_err(&write_err)?;
                         }
                     }
                 }
@@ -477,8 +470,9 @@ pub(super) fn stream_file(
 enum Ready {
     /// Its bytes.
     Bytes(Vec<u8>),
-    /// A raw chunk verified in its object file, to be spliced from there (`len` bytes after the header).
-    InFile(Mapped, usize),
+    /// A raw chunk verified in its object file, to be spliced from there (the chunk's bytes after the
+    /// header).
+    InFile(Mapped),
 }
 
 /// Splices a raw chunk's payload from its object file into `pipe`.
@@ -532,23 +526,33 @@ fn verify_raw_in_place(
     offset: u64,
 ) -> Result<Option<Mapped>> {
     use super::chunk::{Encoding, Header, HEADER_LEN};
+    use std::os::unix::fs::FileExt;
     let cref = info.files[fi].chunks[ci];
     let id = cref.id.expect("only stored chunks are fetched");
-    let Some(map) = inner
+    let len = cref.len as usize;
+    let Some(file) = inner
         .backend
         .local_chunk_file(&id)
-        .and_then(|p| Mapped::open(&p))
+        .and_then(|p| fs::File::open(p).ok())
     else {
         return Ok(None);
     };
-    let bytes = map.bytes();
-    let len = cref.len as usize;
-    match Header::decode(bytes) {
-        Ok(h)
-            if h.encoding == Encoding::Raw
-                && h.raw_len as usize == len
-                && bytes.len() == HEADER_LEN + len => {}
+    // The header first: a compressed chunk goes the usual way, and mapping (and populating) its whole
+    // file only to find that out would be wasted.
+    let mut head = [0u8; HEADER_LEN];
+    match file
+        .read_exact_at(&mut head, 0)
+        .map(|()| Header::decode(&head))
+    {
+        Ok(Ok(h)) if h.encoding == Encoding::Raw && h.raw_len as usize == len => {}
         _ => return Ok(None),
+    }
+    let Some(map) = Mapped::new(file) else {
+        return Ok(None);
+    };
+    let bytes = map.bytes();
+    if bytes.len() != HEADER_LEN + len {
+        return Ok(None);
     }
     if ChunkId::of(&bytes[HEADER_LEN..]) != id {
         return Err(damaged_chunk(

@@ -163,9 +163,9 @@ impl Store {
 
     /// Starts a new checkpoint: allocates its id (UTC time + 32 random bits, unique, sortable by time) and
     /// a private staging folder on the store's filesystem. An id is never reused while its manifest or
-    /// staging folder exists; 32 bits also keep the id of an aborted checkpoint (which its failed dump's log
-    /// is named after) from coming back in the same second: 16 bits did, for one test run in a few hundred. Holds the store lock shared until the ingest ends,
-    /// so `gc` cannot run meanwhile.
+    /// staging folder exists; 32 bits also keep the id of an aborted checkpoint (which its failed dump's
+    /// log is named after) from coming back in the same second: 16 bits did, for one test run in a few
+    /// hundred. Holds the store lock shared until the ingest ends, so `gc` cannot run meanwhile.
     pub fn begin(&self, name: Option<&str>) -> Result<Ingest> {
         if let Some(n) = name {
             validate_name(n)?;
@@ -344,11 +344,7 @@ impl Store {
         out: &mut dyn std::io::Write,
         progress: &dyn Progress,
     ) -> Result<Option<u64>> {
-        let Some(fi) = info.files.iter().position(|f| f.path == name) else {
-            return Ok(None);
-        };
-        let _lock = self.inner.backend.lock(LockMode::Shared)?;
-        materialize::stream_file(&self.inner, info, fi, out, None, progress).map(Some)
+        self.send_file(info, name, out, None, progress)
     }
 
     /// [`Store::stream_file`] into a pipe (a streamed restore): raw chunks kept in local files are
@@ -357,18 +353,28 @@ impl Store {
         &self,
         info: &CheckpointInfo,
         name: &str,
-        pipe: &mut std::fs::File,
+        pipe: &std::fs::File,
         progress: &dyn Progress,
     ) -> Result<Option<u64>> {
         use std::os::fd::AsFd;
+        // `&File` writes too, so the pipe serves as the writer and as the descriptor to splice into.
+        self.send_file(info, name, &mut &*pipe, Some(pipe.as_fd()), progress)
+    }
+
+    /// What both of the above do: finds the image, holds the store lock shared, sends it.
+    fn send_file(
+        &self,
+        info: &CheckpointInfo,
+        name: &str,
+        out: &mut dyn std::io::Write,
+        splice_to: Option<std::os::fd::BorrowedFd<'_>>,
+        progress: &dyn Progress,
+    ) -> Result<Option<u64>> {
         let Some(fi) = info.files.iter().position(|f| f.path == name) else {
             return Ok(None);
         };
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
-        let fd = pipe
-            .try_clone()
-            .map_err(Error::io("cannot use the pipe", Path::new(name)))?;
-        materialize::stream_file(&self.inner, info, fi, pipe, Some(fd.as_fd()), progress).map(Some)
+        materialize::stream_file(&self.inner, info, fi, out, splice_to, progress).map(Some)
     }
 
     /// Deletes a checkpoint (its manifest). Its chunks stay until `gc`, since other checkpoints may share them.
