@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Benchmark: checkpoint + restore of an idle process holding N MiB of incompressible memory, with
+# Benchmark: checkpoint + restore of an idle process holding N MiB of memory (incompressible, or
+# CONTENT=mixed: runs of zero, random, recurring and compressible pages, like a real heap), with
 # gpu-checkpoint streaming (the default: CRIU's images piped into the store's chunker, and on restore
 # verified chunks piped to CRIU), gpu-checkpoint staged (--staged: CRIU dumps into a staging folder that the
 # store then ingests; restore materializes a work folder first), and plain `criu dump` / `criu restore -d`
@@ -10,6 +11,7 @@
 #   ROUNDS=3            rounds per size
 #   BENCH_DIR=DIR       where stores and images go (default: target/bench-criu, on the repository's disk)
 #   COMPRESSION=none    the store setting for our checkpoint (default: the tool's default, zstd level 1)
+#   CONTENT=mixed       the workload's memory (default: random, incompressible)
 # Builds gpu-checkpoint in release mode (a debug build's hashing and compression are many times slower)
 # and needs CRIU (scripts/setup.sh installs the project's; scripts/env.sh finds it).
 set -euo pipefail
@@ -73,13 +75,13 @@ plain() {
     P_RS+=" $(ms "$t0" "$t1")"
 }
 
-echo "gpu-checkpoint (compression: ${COMPRESSION:-default}) vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
+echo "gpu-checkpoint (compression: ${COMPRESSION:-default}, memory: ${CONTENT:-random}) vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
 echo "disk: $(df -h "$DIR" | awk 'NR == 2 { print $1 " (" $2 ")" }'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "streamed: images piped between CRIU and the store (the default); staged: written to a folder first (--staged)"
 printf '%-6s | %-46s | %-40s\n' "size" "checkpoint: criu dump (+fsync) | streamed | staged" "restore: criu | streamed | staged"
 for mib in "${SIZES[@]}"; do
     S_CK= S_RS= G_CK= G_RS= P_CK= P_CKS= P_RS=
-    PID=$("$BIN/workload" memory --mib "$mib" --verify-ms 0 --state "$DIR/state" --detach)
+    PID=$("$BIN/workload" memory --mib "$mib" --content "${CONTENT:-random}" --verify-ms 0 --state "$DIR/state" --detach)
     until grep -q 'phase=verifying' "$DIR/state" 2>/dev/null; do sleep 0.1; done
     for r in $(seq 1 "$ROUNDS"); do
         case $((r % 3)) in

@@ -20,6 +20,40 @@ fn scene() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
     Some((dir, store))
 }
 
+/// The stored chunks (hashes, in order) of a checkpoint's page image, from its manifest.
+fn page_chunks(ck: &serde_json::Value) -> Vec<String> {
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck["manifest"].as_str().unwrap()).unwrap()).unwrap();
+    let pages = manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"].as_str().unwrap().starts_with("pages-"))
+        .expect("a page image");
+    let hashes: Vec<String> = pages["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["h"].as_str().map(String::from))
+        .collect();
+    assert!(!hashes.is_empty(), "a stored page chunk");
+    hashes
+}
+
+/// Damages chunk `hash` of `store` with `how`; returns its path and original bytes (to repair it).
+fn damage_chunk(
+    store: &Path,
+    hash: &str,
+    how: impl FnOnce(&mut Vec<u8>),
+) -> (std::path::PathBuf, Vec<u8>) {
+    let chunk = store.join("chunks").join(&hash[..2]).join(hash);
+    let original = std::fs::read(&chunk).unwrap();
+    let mut damaged = original.clone();
+    how(&mut damaged);
+    std::fs::write(&chunk, &damaged).unwrap();
+    (chunk, original)
+}
+
 /// True when every record (found by its `id` field) counts `count` more than `by` past `before`.
 fn all_advanced(now: &[Record], before: &[Record], id: &str, count: &str, by: u64) -> bool {
     now.len() == before.len()
@@ -41,15 +75,16 @@ fn checkpoint_fails_with(pid: i32, storage: &Path, extra: &[&str], code: i32) ->
 /// Checkpoints a workload (default mode: the tree is stopped), checks it is gone, restores it, and
 /// returns (state at the checkpoint, checkpoint JSON). The restored copy runs under the same PID.
 fn cycle(w: &Workload, store: &Path, min_records: usize) -> (Vec<Record>, serde_json::Value) {
-    cycle_with(w, store, min_records, &[])
+    cycle_restoring_with(w, store, min_records, &[], &[])
 }
 
-/// [`cycle`] with extra checkpoint arguments (`--staged` also stages the restore).
-fn cycle_with(
+/// [`cycle`] with extra checkpoint and restore arguments.
+fn cycle_restoring_with(
     w: &Workload,
     store: &Path,
     min_records: usize,
     extra: &[&str],
+    restore_extra: &[&str],
 ) -> (Vec<Record>, serde_json::Value) {
     let ck = checkpoint(w.pid, store, extra);
     assert_eq!(ck["stopped"], true);
@@ -58,13 +93,7 @@ fn cycle_with(
     assert!(at_checkpoint.len() >= min_records, "{at_checkpoint:?}");
     wait_pid_free(w.pid);
     let id = ck["id"].as_str().unwrap();
-    // `--staged` applies to the restore as well.
-    let staged: &[&str] = if extra.contains(&"--staged") {
-        &["--staged"]
-    } else {
-        &[]
-    };
-    let pid = restore_with(id, store, staged);
+    let pid = restore_with(id, store, restore_extra);
     assert_eq!(pid, w.pid, "CRIU restores the original PID");
     (at_checkpoint, ck)
 }
@@ -132,12 +161,17 @@ fn counter_continues_and_restores_twice() {
 
 #[test]
 fn threads_continue() {
+    threads_case(&[]);
+}
+
+/// Four threads, one value chain each: checkpoint, restore with `restore_extra`, every chain goes on.
+fn threads_case(restore_extra: &[&str]) {
     let Some((dir, store)) = scene() else { return };
     let w = Workload::start("threads", dir.path(), &["--threads", "4"]);
     w.wait_state("4 threads ticking", |r| {
         r.len() == 4 && r.iter().all(|t| num(t, "seq") >= 3)
     });
-    let (before, _) = cycle(&w, &store, 4);
+    let (before, _) = cycle_restoring_with(&w, &store, 4, &[], restore_extra);
     let after = w.wait_state("every thread progressing", |r| {
         all_advanced(r, &before, "thread", "seq", 3)
     });
@@ -149,14 +183,29 @@ fn threads_continue() {
 
 #[test]
 fn parent_and_children_over_pipes_continue() {
+    // Through the staging folder and a materialized work folder (`--staged`), CRIU reading and writing
+    // files.
+    pipes_case(&["--staged"], &["--staged"]);
+}
+
+/// `restore --stream` (every image, memory included, piped to CRIU), for a tree of three processes and
+/// for a process of four threads; the other tests restore the default way (memory through userfaultfd)
+/// or `--staged`.
+#[test]
+fn children_and_threads_continue_after_a_streamed_restore() {
+    pipes_case(&[], &["--stream"]);
+    threads_case(&["--stream"]);
+}
+
+/// A parent and two children talking over pipes: checkpoint with `extra`, restore with `restore_extra`,
+/// the conversations go on under the same PIDs.
+fn pipes_case(extra: &[&str], restore_extra: &[&str]) {
     let Some((dir, store)) = scene() else { return };
     let w = Workload::start("pipes", dir.path(), &["--children", "2"]);
     w.wait_state("both children answering", |r| {
         r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)
     });
-    // Through the staging folder and a materialized work folder (`--staged`), CRIU reading and writing
-    // files; every other test streams.
-    let (before, ck) = cycle_with(&w, &store, 2, &["--staged"]);
+    let (before, ck) = cycle_restoring_with(&w, &store, 2, extra, restore_extra);
     assert_eq!(ck["processes"], 3, "parent and two children: {ck}");
     let after = w.wait_state("conversations going on", |r| {
         all_advanced(r, &before, "child", "rounds", 3)
@@ -289,7 +338,19 @@ fn one_gib_of_memory_survives_with_its_checksum() {
     assert_eq!(ck["stopped"], true);
     assert!(!w.alive(), "the checkpointed process must be stopped");
     let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
-    assert_eq!(restore(ck["id"].as_str().unwrap(), &store), w.pid);
+    // The default restore copies the memory through userfaultfd.
+    let out = ok(&gc(&[
+        "restore",
+        ck["id"].as_str().unwrap(),
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ]));
+    let out: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(out["pid"], w.pid);
+    let copied = out["timings_ms"]["uffd"]["copied_bytes"].as_u64().unwrap();
+    assert!(copied >= 1 << 30, "the GiB went through userfaultfd: {out}");
     assert!(
         ck["sizes"]["pages_bytes"].as_u64().unwrap() >= 1 << 30,
         "{ck}"
@@ -300,6 +361,43 @@ fn one_gib_of_memory_survives_with_its_checksum() {
     });
     assert_eq!(num(&after[0], "bad"), 0, "{after:?}");
     assert_eq!(after[0]["checksum"], checksum);
+
+    // Again, streamed to CRIU (`--stream`). The state file is blanked (same size: CRIU checks it) so
+    // that what it shows next comes from the new copy.
+    w.kill_and_wait_free();
+    let size = std::fs::metadata(&w.state).unwrap().len() as usize;
+    std::fs::write(&w.state, vec![b' '; size]).unwrap();
+    assert_eq!(
+        restore_with(ck["id"].as_str().unwrap(), &store, &["--stream"]),
+        w.pid
+    );
+    let again = w.wait_state("re-verified after the streamed restore", |r| {
+        r.len() == 1 && num(&r[0], "verified") > verified0
+    });
+    assert_eq!(num(&again[0], "bad"), 0, "{again:?}");
+    assert_eq!(again[0]["checksum"], checksum);
+
+    // A damaged chunk in the middle of the memory (one CRIU leaves to userfaultfd) fails the copy at
+    // CRIU's post-restore notification: CRIU kills the restored process, the error names the chunk.
+    w.kill_and_wait_free();
+    let stored = page_chunks(&ck);
+    let hash = &stored[stored.len() / 2];
+    let (chunk, original) = damage_chunk(&store, hash, |d| {
+        let mid = d.len() / 2;
+        d[mid] ^= 1;
+    });
+    let err = fails_with(
+        &gc(&[
+            "restore",
+            ck["id"].as_str().unwrap(),
+            "--storage",
+            store.to_str().unwrap(),
+        ]),
+        7,
+    );
+    assert!(err.contains(&hash[..16]), "names the chunk: {err}");
+    wait_pid_free(w.pid);
+    std::fs::write(&chunk, &original).unwrap();
 }
 
 #[test]
@@ -405,38 +503,22 @@ fn disk_full_during_the_dump_leaves_the_process_running() {
     }
 }
 
-/// A streamed restore hands CRIU only verified bytes: a damaged page chunk stops it with the store's error
-/// (exit 7, naming the file and chunk), nothing runs under the PID, and the checkpoint is intact: repaired,
-/// it restores.
+/// A restore hands CRIU (or the processes) only verified bytes: a damaged page chunk stops the default
+/// restore and a streamed one with the store's error (exit 7, naming the file and chunk), nothing runs
+/// under the PID, and the checkpoint is intact: repaired, it restores.
 #[test]
-fn a_damaged_chunk_stops_a_streamed_restore() {
+fn a_damaged_chunk_stops_a_restore() {
     let Some((dir, store)) = scene() else { return };
     let w = Workload::start("counter", dir.path(), &[]);
     w.wait_state("a few ticks", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
     let ck = checkpoint(w.pid, &store, &[]);
     let id = ck["id"].as_str().unwrap();
     wait_pid_free(w.pid);
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(ck["manifest"].as_str().unwrap()).unwrap()).unwrap();
-    let pages = manifest["files"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|f| f["path"].as_str().unwrap().starts_with("pages-"))
-        .expect("a page image");
-    let hash = pages["chunks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find_map(|c| c["h"].as_str())
-        .expect("a stored page chunk")
-        .to_string();
-    let chunk = store.join("chunks").join(&hash[..2]).join(&hash);
-    let original = std::fs::read(&chunk).unwrap();
-    let mut damaged = original.clone();
-    let last = damaged.len() - 1;
-    damaged[last] ^= 0x40;
-    std::fs::write(&chunk, &damaged).unwrap();
+    let hash = page_chunks(&ck).remove(0);
+    let (chunk, original) = damage_chunk(&store, &hash, |d| {
+        let last = d.len() - 1;
+        d[last] ^= 0x40;
+    });
 
     let err = fails_with(
         &gc(&["restore", id, "--storage", store.to_str().unwrap()]),
@@ -453,6 +535,21 @@ fn a_damaged_chunk_stops_a_streamed_restore() {
         vec![id.to_string()],
         "the checkpoint stays"
     );
+
+    // The same streamed to CRIU: the chunk is refused before any of it reaches CRIU.
+    let err = fails_with(
+        &gc(&[
+            "restore",
+            id,
+            "--storage",
+            store.to_str().unwrap(),
+            "--stream",
+        ]),
+        7,
+    );
+    assert!(err.contains(&hash[..16]), "names the chunk: {err}");
+    assert!(!w.alive(), "nothing may run from a damaged checkpoint");
+    assert_eq!(list_ids(&store), vec![id.to_string()]);
 
     std::fs::write(&chunk, &original).unwrap();
     assert_eq!(restore(id, &store), w.pid);
@@ -475,10 +572,22 @@ fn a_store_with_a_long_path_still_streams() {
         .join("store");
     let w = Workload::start("counter", dir.path(), &[]);
     w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "seq") >= 2);
+    // Checkpoint streamed; restored the default way (userfaultfd, whose socket is in the deep folder
+    // too), then streamed.
     let (before, ck) = cycle(&w, &store, 1);
     assert_eq!(ck["timings_ms"]["streamed"], true, "{ck}");
     let seq = num(&before[0], "seq");
-    w.wait_state("going on", |r| num(&r[0], "seq") > seq + 2);
+    let after = w.wait_state("going on", |r| num(&r[0], "seq") > seq + 60);
+    w.kill_and_wait_free();
+    assert_eq!(
+        restore_with(ck["id"].as_str().unwrap(), &store, &["--stream"]),
+        w.pid
+    );
+    let seq1 = num(&after[0], "seq");
+    w.wait_state("going on after the streamed restore", |r| {
+        let s = num(&r[0], "seq");
+        s > seq + 2 && s < seq1
+    });
 }
 
 #[test]

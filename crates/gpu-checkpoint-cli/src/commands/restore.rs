@@ -33,11 +33,16 @@ pub struct Args {
     /// checkpoint's, new ones this node's). Without it, this node must have the same GPU count and models.
     #[arg(long, value_name = "OLD=NEW,...")]
     pub device_map: Option<String>,
-    /// Materialize the images into a work folder before CRIU reads them, instead of streaming verified
-    /// chunks straight to CRIU (CRIU's --stream, the default): twice the disk traffic; for a CRIU or
-    /// setup where streaming fails.
-    #[arg(long)]
+    /// Materialize all images into a work folder before CRIU reads them: twice the disk traffic; for a
+    /// CRIU or setup where neither default works.
+    #[arg(long, conflicts_with = "stream")]
     pub staged: bool,
+    /// Stream every image, memory included, to CRIU through pipes (CRIU's --stream) instead of copying
+    /// the memory straight into the processes through userfaultfd (the default where userfaultfd is
+    /// available: CRIU restores the rest from a few MiB of other images while the store copies the
+    /// memory on all cores, and the processes resume with all of it).
+    #[arg(long)]
+    pub stream: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -67,7 +72,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        images: ImageTransfer::staged_if(args.staged),
+        images: if args.staged {
+            ImageTransfer::Staged
+        } else if args.stream {
+            ImageTransfer::Stream
+        } else {
+            ImageTransfer::default_restore()
+        },
     };
     let result = flow.restore(&target);
     if gpu_checkpoint::freeze::interrupt::interrupted() {
@@ -91,7 +102,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // stdout carries the PID alone, for `pid=$(gpu-checkpoint restore ...)`.
             println!("{}", out.pid);
             let t = &out.timings;
-            let images = if t.streamed {
+            let images = if let Some(u) = &t.uffd {
+                format!(
+                    "fetch {:.0} ms, restore {:.0} ms ({} MiB of memory copied through userfaultfd)",
+                    t.fetch,
+                    t.restore,
+                    u.copied_bytes >> 20
+                )
+            } else if t.streamed {
                 format!("restore (streamed from the store) {:.0} ms", t.restore)
             } else {
                 format!("fetch {:.0} ms, restore {:.0} ms", t.fetch, t.restore)

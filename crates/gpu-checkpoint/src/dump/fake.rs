@@ -230,6 +230,17 @@ impl Criu for FakeCriu {
         if let Some(line) = error {
             return Err(fail_logged(Op::Restore, log, &line)?);
         }
+        // As CRIU does with `notify_scripts`: the hook runs with the tree restored, and its failure
+        // aborts the restore.
+        if let Some(hook) = req.post_restore {
+            if let Err(e) = hook() {
+                return Err(fail_logged(
+                    Op::Restore,
+                    log,
+                    &format!("Aborting restore due to post-restore script ret code 1 ({e})"),
+                )?);
+            }
+        }
         write(log, b"(00.1) Restore finished successfully (fake)\n")?;
         Ok(pid)
     }

@@ -79,7 +79,7 @@ pub struct DumpRequest<'a> {
 }
 
 /// One restore of the images in `images_dir`; the tree is restored detached (re-parented to init).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RestoreRequest<'a> {
     pub images_dir: &'a Path,
     /// Name of CRIU's log file, created inside `images_dir`.
@@ -88,6 +88,29 @@ pub struct RestoreRequest<'a> {
     pub shell_job: bool,
     /// CRIU asks the image streamer listening in `images_dir` for its images (`--stream`).
     pub stream: bool,
+    /// CRIU leaves the pages its pagemaps mark lazy to a userfaultfd handler listening on
+    /// `lazy-pages.socket` in `images_dir` (`--lazy-pages`; not with `stream`).
+    pub lazy_pages: bool,
+    /// Called at CRIU's post-restore notification (every process restored, none resumed yet); an error
+    /// makes CRIU kill the restored tree and fail.
+    pub post_restore: Option<&'a PostRestore<'a>>,
+}
+
+/// A hook run at CRIU's post-restore notification; its error is the restore's.
+pub type PostRestore<'a> = dyn Fn() -> Result<(), String> + Sync + 'a;
+
+impl std::fmt::Debug for RestoreRequest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoreRequest")
+            .field("images_dir", &self.images_dir)
+            .field("log_file", &self.log_file)
+            .field("tcp_established", &self.tcp_established)
+            .field("shell_job", &self.shell_job)
+            .field("stream", &self.stream)
+            .field("lazy_pages", &self.lazy_pages)
+            .field("post_restore", &self.post_restore.is_some())
+            .finish()
+    }
 }
 
 /// What `criu check` said about this kernel.

@@ -18,7 +18,8 @@ use rust_criu::rust_criu_protobuf::rpc;
 
 use super::log::failure;
 use super::{
-    AfterDump, CheckOutcome, Criu, CriuVersion, DumpRequest, Error, FoundCriu, Op, RestoreRequest,
+    AfterDump, CheckOutcome, Criu, CriuVersion, DumpRequest, Error, FoundCriu, Op, PostRestore,
+    RestoreRequest,
 };
 
 /// CRIU's log level for dump and restore: 4 (debug) is what runc and Podman use; the log is the only
@@ -73,6 +74,18 @@ impl CriuRpc {
         log: Option<&Path>,
         inherit_stdio: bool,
     ) -> Result<rpc::Criu_resp, Error> {
+        self.call_notified(op, req, log, inherit_stdio, None)
+    }
+
+    /// [`CriuRpc::call`], running `post_restore` at CRIU's post-restore notification.
+    fn call_notified(
+        &self,
+        op: Op,
+        req: rpc::Criu_req,
+        log: Option<&Path>,
+        inherit_stdio: bool,
+        post_restore: Option<&PostRestore<'_>>,
+    ) -> Result<rpc::Criu_resp, Error> {
         let expected = req.type_();
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -107,7 +120,7 @@ impl CriuRpc {
         })?;
         // Without our copy of CRIU's end, CRIU exiting shows up as end-of-file on ours.
         drop(theirs);
-        let result = self.converse(op, &ours, &req, expected, log, &mut child);
+        let result = self.converse(op, &ours, &req, expected, log, &mut child, post_restore);
         drop(ours);
         let status = child.wait();
         match result {
@@ -134,8 +147,9 @@ impl CriuRpc {
         }
     }
 
-    /// Request, then answers until the final one; NOTIFY messages (action scripts) are acknowledged.
-    /// `Ok(None)`: CRIU hung up without a final answer.
+    /// Request, then answers until the final one; NOTIFY messages (action scripts) are acknowledged,
+    /// `post-restore` with `post_restore`'s verdict. `Ok(None)`: CRIU hung up without a final answer.
+    #[allow(clippy::too_many_arguments)]
     fn converse(
         &self,
         op: Op,
@@ -144,6 +158,7 @@ impl CriuRpc {
         expected: rpc::Criu_req_type,
         log: Option<&Path>,
         child: &mut Child,
+        post_restore: Option<&PostRestore<'_>>,
     ) -> Result<Option<rpc::Criu_resp>, Error> {
         let bytes = req
             .write_to_bytes()
@@ -164,9 +179,21 @@ impl CriuRpc {
             let resp = rpc::Criu_resp::parse_from_bytes(&buf[..n])
                 .map_err(|e| self.protocol(format!("decoding the answer: {e}")))?;
             if resp.type_() == rpc::Criu_req_type::NOTIFY && resp.success() {
+                let script = resp.notify.as_ref().map(|n| n.script()).unwrap_or("");
+                let ok = match post_restore {
+                    Some(hook) if script == "post-restore" => match hook() {
+                        Ok(()) => true,
+                        Err(e) => {
+                            // CRIU kills the restored tree and answers with a failure.
+                            tracing::debug!("post-restore hook failed: {e}");
+                            false
+                        }
+                    },
+                    _ => true,
+                };
                 let mut ack = rpc::Criu_req::new();
                 ack.set_type(rpc::Criu_req_type::NOTIFY);
-                ack.set_notify_success(true);
+                ack.set_notify_success(ok);
                 let ack = ack
                     .write_to_bytes()
                     .map_err(|e| self.protocol(format!("encoding a notify answer: {e}")))?;
@@ -436,18 +463,30 @@ impl Criu for CriuRpc {
     fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
         let images = open_dir(req.images_dir)?;
         if req.stream {
+            if req.lazy_pages || req.post_restore.is_some() {
+                return Err(self.protocol(
+                    "a streamed restore takes neither lazy pages nor a post-restore hook",
+                ));
+            }
             return self.restore_cli(req);
         }
         let mut opts = base_opts(&images, req.log_file, req.tcp_established);
         opts.set_shell_job(req.shell_job);
+        if req.lazy_pages {
+            opts.set_lazy_pages(true);
+        }
+        if req.post_restore.is_some() {
+            opts.set_notify_scripts(true);
+        }
         // Not `rst_sibling`: the tree becomes a child of `criu swrk`, which exits after the restore, so the
         // tree is re-parented to init (detached) instead of to us.
         let log = req.images_dir.join(req.log_file);
-        let resp = self.call(
+        let resp = self.call_notified(
             Op::Restore,
             request(rpc::Criu_req_type::RESTORE, Some(opts)),
             Some(&log),
             req.shell_job,
+            req.post_restore,
         )?;
         let pid = resp
             .restore

@@ -68,25 +68,7 @@ impl Listener {
     /// whoever connects gets the process's memory (serve) or writes into the checkpoint (capture).
     pub fn bind(dir: &Path, mode: Mode) -> io::Result<Listener> {
         let path = dir.join(mode.socket_name());
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        // A socket path holds at most 107 bytes; a store deep in the file system gets there. The folder's
-        // descriptor names it in a few bytes (the kernel resolves /proc/self/fd/N like a symlink).
-        let listener = if path.as_os_str().len() < 100 {
-            UnixListener::bind(&path)?
-        } else {
-            let dir_fd = File::open(dir)?;
-            UnixListener::bind(
-                Path::new(&format!("/proc/self/fd/{}", dir_fd.as_raw_fd()))
-                    .join(mode.socket_name()),
-            )?
-        };
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-        // Polled, so that a CRIU that fails before it connects does not leave us waiting forever.
-        listener.set_nonblocking(true)?;
+        let listener = bind_in(dir, mode.socket_name())?;
         Ok(Listener {
             listener,
             path,
@@ -235,6 +217,28 @@ impl Connection {
         }
         Ok(pipe)
     }
+}
+
+/// A listening UNIX socket `name` in `dir` (an existing one is replaced), 0600 and non-blocking (polled, so
+/// that a CRIU that fails before it connects does not leave us waiting forever).
+pub(crate) fn bind_in(dir: &Path, name: &str) -> io::Result<UnixListener> {
+    let path = dir.join(name);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    // A socket path holds at most 107 bytes; a store deep in the file system gets there. The folder's
+    // descriptor names it in a few bytes (the kernel resolves /proc/self/fd/N like a symlink).
+    let listener = if path.as_os_str().len() < 100 {
+        UnixListener::bind(&path)?
+    } else {
+        let dir_fd = File::open(dir)?;
+        UnixListener::bind(Path::new(&format!("/proc/self/fd/{}", dir_fd.as_raw_fd())).join(name))?
+    };
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
 }
 
 /// Reads exactly `buf.len()` bytes; `false` if the stream ended before the first byte.

@@ -14,6 +14,10 @@
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
 
+mod criu_images;
+mod uffd;
+
+pub use uffd::{available as uffd_available, FillStats};
 mod stream;
 
 use std::path::{Path, PathBuf};
@@ -83,6 +87,10 @@ pub struct Timings {
     pub restore: f64,
     /// CRIU read the images from the store through pipes ([`ImageTransfer::Stream`]).
     pub streamed: bool,
+    /// The memory went into the processes through userfaultfd ([`ImageTransfer::Uffd`]): what was
+    /// copied (the copy is part of `restore`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uffd: Option<uffd::FillStats>,
     /// The GPU step (restore + unlock); 0 without GPU state.
     pub gpu: f64,
     pub total: f64,
@@ -136,8 +144,36 @@ impl Flow<'_> {
             tcp_established: manifest.options.tcp_established,
             shell_job: manifest.options.shell_job,
             stream: self.images == ImageTransfer::Stream,
+            lazy_pages: false,
+            post_restore: None,
         };
-        let (fetch, restore_ms, restored) = if req.stream {
+        let mut uffd_stats = None;
+        let (fetch, restore_ms, restored) = if self.images == ImageTransfer::Uffd {
+            // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
+            // post-restore notification.
+            let t = Instant::now();
+            let plan = uffd::Plan::of(self.store, &info)?;
+            self.store.materialize_selected(
+                &info,
+                work.path(),
+                &|path, off, len| plan.keep(path, off, len),
+                self.progress,
+            )?;
+            let fetch = ms(t);
+            let t = Instant::now();
+            let (restored, filled) =
+                uffd::restore(self.criu, &req, self.store, &info, &plan, self.progress);
+            let took = ms(t);
+            match (&restored, filled) {
+                (Err(_), Err(store_err)) => {
+                    // A damaged chunk, or a copy the kernel refused, is why CRIU failed: say that.
+                    keep_log(self.store, &info.id, work.path());
+                    return Err(store_err.into());
+                }
+                (_, filled) => uffd_stats = filled.ok(),
+            }
+            (fetch, took, restored)
+        } else if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
             let t = Instant::now();
             let (restored, served) =
@@ -204,6 +240,7 @@ impl Flow<'_> {
                 fetch,
                 restore: restore_ms,
                 streamed: req.stream,
+                uffd: uffd_stats,
                 gpu: gpu_ms,
                 total: ms(started),
             },

@@ -342,6 +342,8 @@ unsafe impl zstd::zstd_safe::WriteBuf for ZstdBuf<'_> {
 pub struct Decoder {
     decompressor: zstd::bulk::Decompressor<'static>,
     out: Vec<u8>,
+    /// The last [`decode`](Decoder::decode) left its bytes in `out` (a zstd chunk), not in its input.
+    decoded_here: bool,
 }
 
 impl Decoder {
@@ -349,7 +351,20 @@ impl Decoder {
         Ok(Decoder {
             decompressor: zstd::bulk::Decompressor::new()?,
             out: Vec::with_capacity(max_chunk),
+            decoded_here: false,
         })
+    }
+
+    /// Hands over the buffer holding the last decoded chunk's bytes, if the decoder holds them (a zstd
+    /// chunk; a raw chunk's bytes are the input's), by swapping it with `spare`, which the decoder keeps
+    /// for the next chunk. Returns whether it did. Saves copying the bytes out of a buffer that is about to
+    /// be reused.
+    pub fn swap_output(&mut self, spare: &mut Vec<u8>) -> bool {
+        let held = std::mem::take(&mut self.decoded_here);
+        if held {
+            std::mem::swap(&mut self.out, spare);
+        }
+        held
     }
 
     /// Decodes a stored chunk and checks that it hashes to `id`. Returns the raw bytes, borrowed from `stored`
@@ -364,6 +379,7 @@ impl Decoder {
                 header.payload_len
             ));
         }
+        self.decoded_here = header.encoding == Encoding::Zstd;
         let raw: &[u8] = match header.encoding {
             Encoding::Raw => payload,
             Encoding::Zstd => {

@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::chunk::{ChunkId, Decoder};
 use super::error::{Error, Result};
 use super::ingest::Plan;
-use super::manifest::CheckpointInfo;
+use super::manifest::{CheckpointInfo, ChunkRef};
 use super::{Inner, Progress};
 use crate::util::{create_private_dir_all, create_private_file};
 
@@ -31,6 +31,16 @@ pub struct MaterializeStats {
     pub elapsed_ms: u64,
 }
 
+/// The worker plan of reading a checkpoint back (no compression level matters there).
+fn read_plan(inner: &Inner, info: &CheckpointInfo) -> Plan {
+    Plan::new(
+        info.stats.logical_bytes,
+        inner.opts.effective_threads(),
+        inner.opts.chunking,
+        1,
+    )
+}
+
 /// One chunk to fetch: file index, chunk index, offset in the file.
 type Task = (usize, usize, u64);
 
@@ -40,11 +50,22 @@ pub(super) fn materialize(
     dest: &Path,
     progress: &dyn Progress,
 ) -> Result<MaterializeStats> {
+    materialize_selected(inner, info, dest, &|_, _, _| true, progress)
+}
+
+/// [`materialize`] of the chunks `keep(path, offset, len)` selects; the others stay holes.
+pub(super) fn materialize_selected(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    dest: &Path,
+    keep: &(dyn Fn(&str, u64, u64) -> bool + Sync),
+    progress: &dyn Progress,
+) -> Result<MaterializeStats> {
     let started = Instant::now();
     let created_dest = !dest.exists();
     create_private_dir_all(dest).map_err(Error::io("cannot create folder", dest))?;
     let mut created: Vec<PathBuf> = Vec::new();
-    let result = write_all(inner, info, dest, progress, &mut created);
+    let result = write_all(inner, info, dest, keep, progress, &mut created);
     if result.is_err() {
         // Leave no partial image behind for CRIU to trip over.
         for p in &created {
@@ -63,6 +84,7 @@ fn write_all(
     inner: &Inner,
     info: &CheckpointInfo,
     dest: &Path,
+    keep: &(dyn Fn(&str, u64, u64) -> bool + Sync),
     progress: &dyn Progress,
     created: &mut Vec<PathBuf>,
 ) -> Result<MaterializeStats> {
@@ -93,30 +115,34 @@ fn write_all(
         files.push((file, path));
     }
 
+    let stored = |fi: usize, off: u64, c: &ChunkRef, kept: bool| {
+        c.id.is_some() && keep(&info.files[fi].path, off, c.len as u64) == kept
+    };
     let tasks: Vec<Task> = info
         .chunk_refs()
-        .filter(|(_, _, _, c)| c.id.is_some())
+        .filter(|(fi, _, off, c)| stored(*fi, *off, c, true))
         .map(|(fi, ci, off, _)| (fi, ci, off))
         .collect();
+    // Left as holes: counted as done for the progress bar.
+    let skipped: u64 = info
+        .chunk_refs()
+        .filter(|(fi, _, off, c)| stored(*fi, *off, c, false))
+        .map(|(_, _, _, c)| c.len as u64)
+        .sum();
     let total: u64 = info.stats.logical_bytes;
     let zero_bytes: u64 = info
         .chunk_refs()
         .filter(|(_, _, _, c)| c.id.is_none())
         .map(|(_, _, _, c)| c.len as u64)
         .sum();
-    let plan = Plan::new(
-        total,
-        inner.opts.effective_threads(),
-        inner.opts.chunking,
-        1,
-    );
+    let plan = read_plan(inner, info);
     let max_chunk = info.chunking.max_size as usize;
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let error: Mutex<Option<Error>> = Mutex::new(None);
     let totals = Mutex::new((0u64, 0u64));
     progress.start("restore images", total);
-    progress.advance(zero_bytes);
+    progress.advance(zero_bytes + skipped);
     std::thread::scope(|s| {
         for _ in 0..plan.workers.min(tasks.len()).max(1) {
             s.spawn(|| {
@@ -180,6 +206,75 @@ fn write_all(
         zero_bytes,
         elapsed_ms: 0,
     })
+}
+
+/// Calls `visit(offset, len, bytes)` with the verified bytes of every chunk of file `fi` that
+/// `want(offset, len)` selects, on the store's workers; see
+/// [`Store::visit_chunks`](super::Store::visit_chunks).
+pub(super) fn visit_chunks(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    fi: usize,
+    want: &(dyn Fn(u64, u64) -> bool + Sync),
+    visit: &super::ChunkVisitor<'_>,
+    progress: &dyn Progress,
+) -> Result<()> {
+    let tasks: Vec<(usize, u64, u64)> = info
+        .chunk_refs()
+        .filter(|(f, _, off, c)| *f == fi && want(*off, c.len as u64))
+        .map(|(_, ci, off, c)| (ci, off, c.len as u64))
+        .collect();
+    let plan = read_plan(inner, info);
+    let max_chunk = info.chunking.max_size as usize;
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let error: Mutex<Option<Error>> = Mutex::new(None);
+    let fail = |e: Error| {
+        failed.store(true, Ordering::SeqCst);
+        error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+    };
+    std::thread::scope(|s| {
+        for _ in 0..plan.workers.min(tasks.len()).max(1) {
+            s.spawn(|| {
+                let mut dec = match Decoder::new(max_chunk) {
+                    Ok(d) => d,
+                    Err(e) => return fail(Error::Other(format!("zstd: {e}"))),
+                };
+                let mut buf = Vec::new();
+                while !failed.load(Ordering::Relaxed) {
+                    let Some(&(ci, off, len)) = tasks.get(next.fetch_add(1, Ordering::Relaxed))
+                    else {
+                        break;
+                    };
+                    let r = if info.files[fi].chunks[ci].id.is_none() {
+                        visit(off, len, None)
+                    } else {
+                        match verify_raw_in_place(inner, info, fi, ci, off) {
+                            Ok(Some(map)) => {
+                                visit(off, len, Some(&map.bytes()[super::chunk::HEADER_LEN..]))
+                            }
+                            Ok(None) => {
+                                fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, off)
+                                    .and_then(|raw| visit(off, len, Some(raw)))
+                            }
+                            Err(e) => Err(e),
+                        }
+                    };
+                    match r {
+                        Ok(()) => progress.advance(len),
+                        Err(e) => fail(e),
+                    }
+                }
+            });
+        }
+    });
+    match error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// The error for chunk `ci` of file `fi` (at `offset` in the file): names checkpoint, file and chunk.
@@ -319,12 +414,7 @@ pub(super) fn stream_file(
         .filter(|&ci| file.chunks[ci].id.is_some())
         .collect();
     let max_chunk = info.chunking.max_size as usize;
-    let plan = Plan::new(
-        info.stats.logical_bytes,
-        inner.opts.effective_threads(),
-        inner.opts.chunking,
-        1,
-    );
+    let plan = read_plan(inner, info);
     // Chunks decoded ahead of the writer: enough to keep every worker busy, within the memory budget.
     let window = (2 * plan.workers + 2).min(stored.len().max(1));
     let workers = plan.workers.min(stored.len()).max(1);
@@ -388,12 +478,20 @@ pub(super) fn stream_file(
                     let r = match in_place {
                         Some(verified) => verified.map(Ready::InFile),
                         None => {
-                            let mut out = lock().spare.pop().unwrap_or_default();
+                            let mut bytes = lock().spare.pop().unwrap_or_default();
                             fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, offsets[ci])
-                                .map(|raw| {
-                                    out.clear();
-                                    out.extend_from_slice(raw);
-                                    Ready::Bytes(out)
+                                .map(|raw| raw.len())
+                                .map(|len| {
+                                    // The verified bytes are not copied for the writer: the buffer
+                                    // they lie in (the decoder's, or the read buffer after the
+                                    // header) goes to it, and the spare takes that buffer's place.
+                                    let start = if dec.swap_output(&mut bytes) {
+                                        0
+                                    } else {
+                                        std::mem::swap(&mut buf, &mut bytes);
+                                        super::chunk::HEADER_LEN
+                                    };
+                                    Ready::Bytes { bytes, start, len }
                                 })
                         }
                     };
@@ -442,9 +540,10 @@ pub(super) fn stream_file(
                     };
                     k += 1;
                     match raw {
-                        Ready::Bytes(raw) => {
-                            out.write_all(&raw).map_err(&write_err)?;
-                            lock().spare.push(raw);
+                        Ready::Bytes { bytes, start, len } => {
+                            out.write_all(&bytes[start..start + len])
+                                .map_err(&write_err)?;
+                            lock().spare.push(bytes);
                         }
                         Ready::InFile(src) => {
                             let pipe = splice_to
@@ -468,8 +567,12 @@ pub(super) fn stream_file(
 
 /// A verified chunk waiting for the writer.
 enum Ready {
-    /// Its bytes.
-    Bytes(Vec<u8>),
+    /// Its bytes: `bytes[start..start + len]`.
+    Bytes {
+        bytes: Vec<u8>,
+        start: usize,
+        len: usize,
+    },
     /// A raw chunk verified in its object file, to be spliced from there (the chunk's bytes after the
     /// header).
     InFile(Mapped),

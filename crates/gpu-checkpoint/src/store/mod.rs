@@ -36,6 +36,10 @@ pub use error::{Error, Result};
 pub use gc::GcReport;
 pub use ingest::{memory_budget, Ingest, Plan};
 pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
+
+/// What [`Store::visit_chunks`] calls for each chunk: offset in the file, length, and the verified bytes
+/// (`None` for an all-zero chunk).
+pub type ChunkVisitor<'a> = dyn Fn(u64, u64, Option<&[u8]>) -> Result<()> + Sync + 'a;
 pub use materialize::MaterializeStats;
 pub use stream::{Streamed, Streams};
 pub use verify::{VerifyProblem, VerifyReport};
@@ -332,6 +336,40 @@ impl Store {
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
         let info = self.get(id)?;
         materialize::materialize(&self.inner, &info, dest, progress)
+    }
+
+    /// [`Store::materialize`] of only the chunks `keep(path, offset, len)` selects: the others are left as
+    /// holes (zeros) in their files. For a restore whose page images are mostly filled by other means
+    /// (`restore --uffd` writes only the pages CRIU itself reads).
+    pub fn materialize_selected(
+        &self,
+        info: &CheckpointInfo,
+        dest: &Path,
+        keep: &(dyn Fn(&str, u64, u64) -> bool + Sync),
+        progress: &dyn Progress,
+    ) -> Result<MaterializeStats> {
+        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        materialize::materialize_selected(&self.inner, info, dest, keep, progress)
+    }
+
+    /// Calls `visit(offset, len, bytes)` for every chunk of image `name` that `want(offset, len)` selects,
+    /// with the chunk's verified bytes (`None` for an all-zero chunk, which is not stored), on the store's
+    /// worker threads, in no particular order. Raw chunks in local files are verified where they lie and
+    /// handed over mapped, without a copy. Stops at the first error, the store's (naming checkpoint, file
+    /// and chunk) or the visitor's. `Ok(None)` when the checkpoint has no such image.
+    pub fn visit_chunks(
+        &self,
+        info: &CheckpointInfo,
+        name: &str,
+        want: &(dyn Fn(u64, u64) -> bool + Sync),
+        visit: &ChunkVisitor<'_>,
+        progress: &dyn Progress,
+    ) -> Result<Option<()>> {
+        let Some(fi) = info.files.iter().position(|f| f.path == name) else {
+            return Ok(None);
+        };
+        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        materialize::visit_chunks(&self.inner, info, fi, want, visit, progress).map(Some)
     }
 
     /// Sends the image `name` of checkpoint `info` to `out` in order, every chunk verified before its bytes

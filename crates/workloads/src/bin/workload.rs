@@ -12,7 +12,9 @@
 //! - `files`    `--dir D`: a shared file mapping, a private read-only file mapping, and an append-only log
 //!   written through one open descriptor
 //! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum every
-//!   `--verify-ms MS` (default 200; 0: never, the process then idles, as the benchmark wants)
+//!   `--verify-ms MS` (default 200; 0: never, the process then idles, as the benchmark wants);
+//!   `--content mixed` fills it like a real heap instead: runs of zero, random, recurring and
+//!   compressible pages
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -407,19 +409,70 @@ fn files(opts: &Opts) -> Result<(), String> {
     }
 }
 
-/// `--mib N` of pseudo-random memory, hashed once, then re-verified in a loop.
+/// xorshift64: fast enough to fill a GiB in about a second, incompressible for the store.
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+fn fill_random(buf: &mut [u64], seed: u64) {
+    let mut x = seed;
+    for w in buf.iter_mut() {
+        *w = xorshift(&mut x);
+    }
+}
+
+/// Words per 4 KiB page.
+const PAGE_WORDS: usize = 512;
+
+/// Memory shaped like a real heap, as the store benchmark's images are: runs of 1-256 pages, about 30% zero
+/// pages (present: each is written once, so CRIU dumps it), 30% random, 20% recurring (one of 64 pages,
+/// as shared buffers or replicated tables are) and 20% compressible (small integers and pointers whose
+/// high bytes are zero).
+fn fill_mixed(buf: &mut [u64], seed: u64) {
+    let mut x = seed;
+    let recurring: Vec<u64> = (0..64 * PAGE_WORDS).map(|_| xorshift(&mut x)).collect();
+    let pages = buf.len() / PAGE_WORDS;
+    let mut p = 0;
+    while p < pages {
+        let r = xorshift(&mut x);
+        let run = ((r >> 8) % 256 + 1) as usize;
+        let end = (p + run).min(pages);
+        for page in buf[p * PAGE_WORDS..end * PAGE_WORDS].chunks_exact_mut(PAGE_WORDS) {
+            match r % 10 {
+                0..=2 => {
+                    // A volatile store: the compiler may drop plain stores of zero into zeroed memory,
+                    // and the page would then never be touched and not be dumped at all.
+                    // SAFETY: `page` is an exclusively borrowed, aligned slice of 512 words.
+                    unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) }
+                }
+                3..=5 => page.iter_mut().for_each(|w| *w = xorshift(&mut x)),
+                6..=7 => {
+                    let k = (xorshift(&mut x) % 64) as usize;
+                    page.copy_from_slice(&recurring[k * PAGE_WORDS..(k + 1) * PAGE_WORDS]);
+                }
+                _ => page
+                    .iter_mut()
+                    .for_each(|w| *w = xorshift(&mut x) & 0x0000_7fff_0000_00ff),
+            }
+        }
+        p = end;
+    }
+}
+
+/// `--mib N` of pseudo-random (or `--content mixed`) memory, hashed once, then re-verified in a loop.
 fn memory(opts: &Opts) -> Result<(), String> {
     let mib = opts.num("mib", 1024)? as usize;
     let s = state(opts, 1)?;
     put(&s, 0, &format!("pid={} phase=filling mib={mib}", pid()))?;
     let mut buf = vec![0u64; mib << 17];
-    let mut x = opts.num("seed", 0x9e37_79b9_7f4a_7c15)? | 1;
-    for w in buf.iter_mut() {
-        // xorshift64: fast enough to fill a GiB in about a second, incompressible for the store.
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *w = x;
+    let seed = opts.num("seed", 0x9e37_79b9_7f4a_7c15)? | 1;
+    match opts.rest.get("content").map(String::as_str) {
+        None | Some("random") => fill_random(&mut buf, seed),
+        Some("mixed") => fill_mixed(&mut buf, seed),
+        Some(other) => return Err(format!("--content: random or mixed, not {other:?}")),
     }
     let bytes = |b: &[u64]| -> blake3::Hash {
         // SAFETY: viewing initialized u64s as bytes.
