@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Benchmark: checkpoint + restore of an idle process holding N MiB of memory (incompressible, or
 # CONTENT=mixed: runs of zero, random, recurring and compressible pages, like a real heap), with
-# gpu-checkpoint streaming (the default: CRIU's images piped into the store's chunker, and on restore
-# verified chunks piped to CRIU), gpu-checkpoint staged (--staged: CRIU dumps into a staging folder that the
+# gpu-checkpoint streaming (the default: CRIU's images piped into the store's chunker; restored the default
+# way, memory copied from verified chunks into the process through userfaultfd, and with --stream, every
+# image piped to CRIU), gpu-checkpoint staged (--staged: CRIU dumps into a staging folder that the
 # store then ingests; restore materializes a work folder first), and plain `criu dump` / `criu restore -d`
 # into a folder on the same disk. All run on the same process, in an order that rotates every round,
 # because memory bandwidth on shared machines drifts; the figures are medians over the rounds.
@@ -55,6 +56,15 @@ ours() {
     "$GC" restore "$id" --storage "$DIR/store" --format json $mode >/dev/null
     t1=$(now)
     eval "${tag}_RS+=\" $(ms "$t0" "$t1")\""
+    if [ -z "$mode" ]; then
+        # The default restore copies the memory through userfaultfd; the streamed one pipes it to CRIU.
+        kill -9 "$PID"
+        wait_free "$PID"
+        t0=$(now)
+        "$GC" restore "$id" --storage "$DIR/store" --format json --stream >/dev/null
+        t1=$(now)
+        T_RS+=" $(ms "$t0" "$t1")"
+    fi
 }
 
 plain() {
@@ -78,9 +88,10 @@ plain() {
 echo "gpu-checkpoint (compression: ${COMPRESSION:-default}, memory: ${CONTENT:-random}) vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
 echo "disk: $(df -h "$DIR" | awk 'NR == 2 { print $1 " (" $2 ")" }'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "streamed: images piped between CRIU and the store (the default); staged: written to a folder first (--staged)"
-printf '%-6s | %-46s | %-40s\n' "size" "checkpoint: criu dump (+fsync) | streamed | staged" "restore: criu | streamed | staged"
+echo "restore: default = memory copied into the processes through userfaultfd; --stream = every image piped to CRIU"
+printf '%-6s | %-46s | %-40s\n' "size" "checkpoint: criu dump (+fsync) | streamed | staged" "restore: criu | default | --stream | --staged"
 for mib in "${SIZES[@]}"; do
-    S_CK= S_RS= G_CK= G_RS= P_CK= P_CKS= P_RS=
+    S_CK= S_RS= T_RS= G_CK= G_RS= P_CK= P_CKS= P_RS=
     PID=$("$BIN/workload" memory --mib "$mib" --content "${CONTENT:-random}" --verify-ms 0 --state "$DIR/state" --detach)
     until grep -q 'phase=verifying' "$DIR/state" 2>/dev/null; do sleep 0.1; done
     for r in $(seq 1 "$ROUNDS"); do
@@ -94,11 +105,11 @@ for mib in "${SIZES[@]}"; do
     wait_free "$PID"
     PID=
     pck=$(echo "$P_CK" | median) pcks=$(echo "$P_CKS" | median) prs=$(echo "$P_RS" | median)
-    sck=$(echo "$S_CK" | median) srs=$(echo "$S_RS" | median)
+    sck=$(echo "$S_CK" | median) srs=$(echo "$S_RS" | median) trs=$(echo "$T_RS" | median)
     gck=$(echo "$G_CK" | median) grs=$(echo "$G_RS" | median)
-    printf '%-6s | %5s (%5s) | %5s = %-5s | %5s = %-5s | %5s | %5s = %-5s | %5s = %-5s\n' \
+    printf '%-6s | %5s (%5s) | %5s = %-5s | %5s = %-5s | %5s | %5s = %-5s | %5s = %-5s | %5s = %-5s\n' \
         "${mib}M" "$pck" "$pcks" "$sck" "$(ratio "$sck" "$pcks")" "$gck" "$(ratio "$gck" "$pcks")" \
-        "$prs" "$srs" "$(ratio "$srs" "$prs")" "$grs" "$(ratio "$grs" "$prs")"
+        "$prs" "$srs" "$(ratio "$srs" "$prs")" "$trs" "$(ratio "$trs" "$prs")" "$grs" "$(ratio "$grs" "$prs")"
 done
 echo "ratios: ours / (criu dump + fsync) for checkpoints (ours is durable when it returns), ours / criu restore for restores"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

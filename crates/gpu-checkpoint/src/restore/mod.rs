@@ -6,7 +6,10 @@
 //!    A zombie holding one is waited for a little (its parent may be about to reap it; init does so
 //!    lazily on some systems), anything else is a conflict naming the PID and its holder.
 //! 3. The GPU step checks this node can take the GPU state ([`crate::checkpoint::GpuHook::prepare_restore`]).
-//! 4. The store materializes the images into a private temporary folder, verifying every chunk.
+//! 4. The images go to CRIU one of three ways ([`ImageTransfer`]), every chunk verified first: by default
+//!    the images without the processes' private memory are materialized into a private folder and the
+//!    memory is copied into the processes through userfaultfd while CRIU holds them stopped (`uffd.rs`);
+//!    or every image is streamed to CRIU through pipes (`stream.rs`); or every image is materialized.
 //! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores + unlocks its GPU
 //!    state, and if that fails the restored tree is killed.
 //! 6. CRIU's restore log is kept in the store's `logs/` folder; the temporary folder is removed.
