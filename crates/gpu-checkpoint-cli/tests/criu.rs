@@ -649,6 +649,9 @@ fn doctor_reports_criu_and_its_check() {
     // The text report says the same, and why a GPU backend is missing when one is.
     let text = ok(&gc(&["doctor"]));
     assert!(text.contains("criu check  ok"), "{text}");
+    // This kernel has userfaultfd (the default restore goes through it), and doctor says so both ways.
+    assert_eq!(v["userfaultfd"], true, "{v}");
+    assert!(text.contains("userfaultfd yes"), "{text}");
     let driver = text
         .lines()
         .find(|l| l.starts_with("cuda-driver"))

@@ -64,6 +64,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "host": host,
         "root": root,
         "criu": criu,
+        // How `restore` moves memory by default: through userfaultfd when it is there, else streamed.
+        "userfaultfd": gpu_checkpoint::restore::uffd_available(),
         "gpu": gpu_checkpoint::freeze::probe(),
         "ok": problem.is_none(),
     });
@@ -127,6 +129,14 @@ fn print_text(r: &serde_json::Value) {
     } else {
         println!("criu        not found: {}", s(&c["error"]));
     }
+    println!(
+        "userfaultfd {}",
+        if r["userfaultfd"] == json!(true) {
+            "yes (restore copies memory straight into the processes)"
+        } else {
+            "no (restore streams memory to CRIU: about 2x slower)"
+        }
+    );
     let g = &r["gpu"];
     match (&g["cuda_driver"], &g["cuda_driver_error"]) {
         (serde_json::Value::String(v), _) => {

@@ -51,17 +51,37 @@ struct UffdioCopy {
     copy: i64,
 }
 
-/// Whether this process may use userfaultfd (kernel support, and no seccomp filter or sysctl in the way):
-/// `restore` copies memory through it by default and streams to CRIU otherwise.
+/// `_IOWR(0xAA, 0x3F, struct uffdio_api)`.
+const UFFDIO_API: libc::c_ulong = 0xC018_AA3F;
+/// `UFFD_API`.
+const UFFD_API: u64 = 0xAA;
+
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+/// Whether this process may use userfaultfd (kernel support, and no seccomp filter or sysctl in the way)
+/// and the kernel speaks its API: `restore` copies memory through it by default and streams to CRIU
+/// otherwise. Only the basic service is needed (missing-page copies into anonymous memory, which CRIU
+/// registers): the processes never run with a registration, so no event feature is.
 pub fn available() -> bool {
-    // SAFETY: plain syscall; a descriptor it returns is closed right away.
+    // SAFETY: plain syscall; a descriptor it returns is owned below.
     let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
     if fd < 0 {
         return false;
     }
-    // SAFETY: closing the descriptor just opened.
-    unsafe { libc::close(fd as i32) };
-    true
+    // SAFETY: the descriptor was just opened and nothing else owns it; it closes on drop.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as RawFd) };
+    let mut api = UffdioApi {
+        api: UFFD_API,
+        features: 0,
+        ioctls: 0,
+    };
+    // SAFETY: UFFDIO_API with a valid struct on our descriptor.
+    unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api as *mut UffdioApi) == 0 }
 }
 
 fn page_size() -> u64 {
@@ -823,25 +843,20 @@ mod tests {
         // SAFETY: `fd` was just opened and is owned here.
         let uffd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         #[repr(C)]
-        struct Api {
-            api: u64,
-            features: u64,
-            ioctls: u64,
-        }
-        #[repr(C)]
         struct Register {
             start: u64,
             len: u64,
             mode: u64,
             ioctls: u64,
         }
-        let mut api = Api {
-            api: 0xAA,
+        assert!(available());
+        let mut api = UffdioApi {
+            api: UFFD_API,
             features: 0,
             ioctls: 0,
         };
-        // SAFETY: UFFDIO_API (_IOWR(0xAA, 0x3F, 24 bytes)) on our descriptor with a valid struct.
-        assert_eq!(unsafe { libc::ioctl(fd, 0xC018_AA3F, &mut api) }, 0);
+        // SAFETY: UFFDIO_API on our descriptor with a valid struct.
+        assert_eq!(unsafe { libc::ioctl(fd, UFFDIO_API, &mut api) }, 0);
 
         // The "process memory": 40 pages, of which a page image holds 36 lazily (pages 2..38).
         let pages = 40u64;
