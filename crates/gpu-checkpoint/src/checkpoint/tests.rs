@@ -157,6 +157,21 @@ impl Scene {
         .restore(&Target::Checkpoint(id.to_string()))
     }
 
+    /// Checkpoints a sleeping process (which then exits), and starts another that the fake's restores
+    /// name as the restored copy. Returns the checkpoint id and that stand-in.
+    fn checkpoint_and_stand_in(&self, gpu: &mut RecordingGpu) -> (String, Sleeper) {
+        let mut p = Sleeper::start();
+        let id = self
+            .checkpoint(gpu, &CheckpointOptions::new(p.pid()))
+            .unwrap()
+            .info
+            .id;
+        p.reap();
+        let copy = Sleeper::start();
+        self.criu.restore_as(copy.pid());
+        (id, copy)
+    }
+
     fn staging_empty(&self) -> bool {
         let staging = self.store.location().join("staging");
         !staging.exists() || std::fs::read_dir(staging).unwrap().next().is_none()
@@ -364,17 +379,8 @@ fn restore_refuses_a_taken_pid_and_a_failed_restore_keeps_the_checkpoint() {
 #[test]
 fn failed_gpu_restore_kills_the_restored_tree() {
     let s = Scene::new();
-    let mut p = Sleeper::start();
     let mut gpu = RecordingGpu::new(&s.criu);
-    let id = s
-        .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
-        .unwrap()
-        .info
-        .id;
-    p.reap();
-    // The fake "restores" by naming another live process, which stands for the restored copy.
-    let copy = Sleeper::start();
-    s.criu.restore_as(copy.pid());
+    let (id, copy) = s.checkpoint_and_stand_in(&mut gpu);
     gpu.fail_finish = true;
     s.restore(&mut gpu, &id).unwrap_err();
     assert_eq!(
@@ -390,6 +396,29 @@ fn failed_gpu_restore_kills_the_restored_tree() {
     let out = s.restore(&mut gpu, &id).unwrap();
     assert_eq!(out.pid, copy2.pid());
     assert!(out.log.is_some_and(|l| l.exists()));
+}
+
+/// The userfaultfd restore's failure paths, with a fake CRIU that cannot send descriptors: the copy at the
+/// post-restore notification fails, so the restore fails naming why and the checkpoint stays; and a CRIU
+/// that restores without notifying must not leave its copy running with memory never copied.
+#[test]
+fn a_uffd_restore_that_cannot_copy_the_memory_fails_and_leaves_nothing_running() {
+    let s = Scene {
+        images: ImageTransfer::Uffd,
+        ..Scene::new()
+    };
+    s.criu.image_bytes(64 << 10).lazy_memory();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let (id, copy) = s.checkpoint_and_stand_in(&mut gpu);
+    let err = s.restore(&mut gpu, &id).unwrap_err();
+    assert!(err.to_string().contains("sent no userfaultfd"), "{err}");
+    assert!(s.store.get(&id).is_ok(), "the checkpoint stays");
+
+    s.criu.skip_notifications();
+    let err = s.restore(&mut gpu, &id).unwrap_err();
+    assert!(err.to_string().contains("not copied"), "{err}");
+    assert!(!copy.running(), "a copy without its memory must not run on");
+    assert!(s.store.get(&id).is_ok(), "the checkpoint stays");
 }
 
 #[test]

@@ -39,6 +39,8 @@ struct FakeState {
     restore_pid: i32,
     image_bytes: usize,
     odd_file: bool,
+    lazy_memory: bool,
+    skip_notifications: bool,
 }
 
 impl FakeCriu {
@@ -81,6 +83,19 @@ impl FakeCriu {
     /// make the store write fail after a successful dump.
     pub fn leave_odd_file(&self) -> &Self {
         self.lock().odd_file = true;
+        self
+    }
+
+    /// Makes dumps also write the pagemap and mm images of a process whose page image (but its first
+    /// page, a stack) CRIU may leave to userfaultfd, as real dumps do for heap memory.
+    pub fn lazy_memory(&self) -> &Self {
+        self.lock().lazy_memory = true;
+        self
+    }
+
+    /// Makes restores skip the post-restore hook (a CRIU that never notifies).
+    pub fn skip_notifications(&self) -> &Self {
+        self.lock().skip_notifications = true;
         self
     }
 
@@ -143,13 +158,29 @@ impl Criu for FakeCriu {
         if let (Some(line), false) = (&error, req.stream) {
             return Err(fail_logged(Op::Dump, log, line)?);
         }
-        let images = [
+        let mut images = vec![
             (
                 format!("core-{}.img", req.pid),
                 req.pid.to_le_bytes().to_vec(),
             ),
             ("pages-1.img".to_string(), vec![0xa5; size]),
         ];
+        if self.lock().lazy_memory {
+            use crate::restore::criu_images::{encode, image, PE_LAZY, PE_PRESENT};
+            let (base, pages) = (0x7f00_0000_0000u64, (size as u64).div_ceil(4096));
+            images.push((
+                format!("pagemap-{}.img", req.pid),
+                image(&[
+                    encode::pagemap_head(1),
+                    encode::pagemap_entry(base, 1, PE_PRESENT),
+                    encode::pagemap_entry(base + 4096, pages - 1, PE_PRESENT | PE_LAZY),
+                ]),
+            ));
+            images.push((
+                format!("mm-{}.img", req.pid),
+                image(&[encode::mm(&[(base, base + pages * 4096)])]),
+            ));
+        }
         if req.stream {
             // Like `criu dump --stream`: every image goes through a pipe to the streamer; a broken pipe
             // (the streamer gave up) fails the dump.
@@ -232,7 +263,8 @@ impl Criu for FakeCriu {
         }
         // As CRIU does with `notify_scripts`: the hook runs with the tree restored, and its failure
         // aborts the restore.
-        if let Some(hook) = req.post_restore {
+        let notify = !self.lock().skip_notifications;
+        if let (Some(hook), true) = (req.post_restore, notify) {
             if let Err(e) = hook() {
                 return Err(fail_logged(
                     Op::Restore,

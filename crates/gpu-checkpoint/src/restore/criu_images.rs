@@ -177,8 +177,8 @@ pub fn parse_vmas(bytes: &[u8]) -> Result<Vec<(u64, u64)>, String> {
     Ok(vmas)
 }
 
-/// Encoding, for tests: a CRIU image of `msgs` (the type magic is not checked on reading).
-#[cfg(test)]
+/// Encoding, for tests and the fake CRIU: a CRIU image of `msgs` (the type magic is not checked on
+/// reading).
 pub(crate) fn image(msgs: &[Vec<u8>]) -> Vec<u8> {
     let mut out = IMG_COMMON_MAGIC.to_le_bytes().to_vec();
     out.extend_from_slice(&0x1234_5678u32.to_le_bytes());
@@ -189,9 +189,8 @@ pub(crate) fn image(msgs: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
-#[cfg(test)]
 pub(crate) mod encode {
-    //! Just enough protobuf encoding to build test images.
+    //! Just enough protobuf encoding to build test images (and the fake CRIU's).
     pub fn varint(mut v: u64, out: &mut Vec<u8>) {
         while v >= 0x80 {
             out.push((v as u8) | 0x80);

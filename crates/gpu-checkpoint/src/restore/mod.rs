@@ -17,7 +17,7 @@
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
 
-mod criu_images;
+pub(crate) mod criu_images;
 mod uffd;
 
 pub use uffd::{available as uffd_available, FillStats};
@@ -173,7 +173,16 @@ impl Flow<'_> {
                     keep_log(self.store, &info.id, work.path());
                     return Err(store_err.into());
                 }
-                (_, filled) => uffd_stats = filled.ok(),
+                (Ok(pid), Err(store_err)) => {
+                    // Restored, but its memory did not come: it must not run on.
+                    keep_log(self.store, &info.id, work.path());
+                    let left = tree::kill_tree(&tree_of(*pid, &pids), Duration::from_secs(10));
+                    if !left.is_empty() {
+                        tracing::error!("restored processes {left:?} could not be stopped");
+                    }
+                    return Err(store_err.into());
+                }
+                (_, Ok(stats)) => uffd_stats = Some(stats),
             }
             (fetch, took, restored)
         } else if req.stream {

@@ -470,11 +470,16 @@ pub(super) fn restore(
     let filled = outcome
         .into_inner()
         .unwrap_or_else(|e| e.into_inner())
-        .unwrap_or_else(|| {
-            // No notification: CRIU failed before; a fault-server error would say why.
-            Err(serve_result.err().unwrap_or_else(|| {
-                other("CRIU never reached its post-restore notification".into())
-            }))
+        .unwrap_or_else(|| match (&restored, serve_result) {
+            // CRIU failed before its notification; a fault-server error would say why, else CRIU's
+            // own error does.
+            (Err(_), served) => served.map(|()| FillStats::default()),
+            // Restored without the notification: the memory was never copied, and with the
+            // descriptors closed it would read as zeros. The caller must not let it run.
+            (Ok(_), _) => Err(other(
+                "CRIU restored without a post-restore notification: the memory was not copied"
+                    .into(),
+            )),
         })
         .map(|mut st| {
             st.faults_served = server.served.into_inner();
