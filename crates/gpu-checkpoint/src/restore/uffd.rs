@@ -252,9 +252,10 @@ impl Task {
                 // Split at mapping bounds: one UFFDIO_COPY stays within one mapping.
                 let (mut va, end) = (e.vaddr, e.vaddr + len);
                 while va < end {
+                    // `vmas` is sorted and its mappings do not overlap: the first that ends past `va`.
                     let &(_, vma_end) = vmas
-                        .iter()
-                        .find(|&&(s, e)| s <= va && va < e)
+                        .get(vmas.partition_point(|&(_, e)| e <= va))
+                        .filter(|&&(s, _)| s <= va)
                         .ok_or_else(|| format!("lazy pages at {va:#x} lie in no mapping"))?;
                     let n = end.min(vma_end) - va;
                     task.lazy.push(Run {
