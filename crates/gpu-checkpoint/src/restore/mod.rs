@@ -176,10 +176,7 @@ impl Flow<'_> {
                 (Ok(pid), Err(store_err)) => {
                     // Restored, but its memory did not come: it must not run on.
                     keep_log(self.store, &info.id, work.path());
-                    let left = tree::kill_tree(&tree_of(*pid, &pids), Duration::from_secs(10));
-                    if !left.is_empty() {
-                        tracing::error!("restored processes {left:?} could not be stopped");
-                    }
+                    kill_restored(*pid, &pids);
                     return Err(store_err.into());
                 }
                 (_, Ok(stats)) => uffd_stats = Some(stats),
@@ -236,10 +233,7 @@ impl Flow<'_> {
             Ok(v) => v,
             Err(e) => {
                 // A copy whose GPU state did not come back must not run on.
-                let left = tree::kill_tree(&tree_of(pid, &pids), Duration::from_secs(10));
-                if !left.is_empty() {
-                    tracing::error!("restored processes {left:?} could not be stopped");
-                }
+                kill_restored(pid, &pids);
                 return Err(e);
             }
         };
@@ -258,6 +252,14 @@ impl Flow<'_> {
             },
             gpu,
         })
+    }
+}
+
+/// Kills a restored tree that must not run on (its memory or GPU state did not come back).
+fn kill_restored(root: i32, recorded: &[i32]) {
+    let left = tree::kill_tree(&tree_of(root, recorded), Duration::from_secs(10));
+    if !left.is_empty() {
+        tracing::error!("restored processes {left:?} could not be stopped");
     }
 }
 

@@ -27,6 +27,7 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -290,8 +291,8 @@ impl Task {
         // Pages cut by a chunk boundary (chunks are content-defined, pages are not), assembled from the
         // chunks on either side: image offset of the page -> (bytes, how many are filled).
         let partial: Mutex<HashMap<u64, (Vec<u8>, u64)>> = Mutex::new(HashMap::new());
-        let copied = std::sync::atomic::AtomicU64::new(0);
-        let zero = std::sync::atomic::AtomicU64::new(0);
+        let copied = AtomicU64::new(0);
+        let zero = AtomicU64::new(0);
         let want = |off: u64, len: u64| overlapping(off, len).next().is_some();
         let visit = |off: u64, len: u64, bytes: Option<&[u8]>| -> crate::store::Result<()> {
             let end = off + len;
@@ -308,10 +309,10 @@ impl Task {
                             Some(d) => {
                                 uffd_copy(uffd, to(p), &d[(p - off) as usize..(q - off) as usize])
                                     .map_err(|e| copy_error(self.pid, to(p), q - p, e))?;
-                                copied.fetch_add(q - p, std::sync::atomic::Ordering::Relaxed);
+                                copied.fetch_add(q - p, Ordering::Relaxed);
                             }
                             None => {
-                                zero.fetch_add(q - p, std::sync::atomic::Ordering::Relaxed);
+                                zero.fetch_add(q - p, Ordering::Relaxed);
                             }
                         }
                         p = q;
@@ -333,7 +334,7 @@ impl Task {
                         drop(map);
                         uffd_copy(uffd, to(page_start), &buf)
                             .map_err(|e| copy_error(self.pid, to(page_start), page, e))?;
-                        copied.fetch_add(page, std::sync::atomic::Ordering::Relaxed);
+                        copied.fetch_add(page, Ordering::Relaxed);
                     }
                     p = q;
                 }
@@ -433,8 +434,8 @@ pub(super) fn restore(
         store,
         info,
         uffds: Mutex::new(HashMap::new()),
-        stop: std::sync::atomic::AtomicBool::new(false),
-        served: std::sync::atomic::AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+        served: AtomicU64::new(0),
     };
     let outcome: Mutex<Option<crate::store::Result<FillStats>>> = Mutex::new(None);
     let (restored, serve_result) = std::thread::scope(|s| {
@@ -442,7 +443,7 @@ pub(super) fn restore(
         let serving = Mutex::new(Some(serving));
         // Stops the fault server (the restorer is done touching memory) and returns its result.
         let stop_serving = || -> crate::store::Result<()> {
-            server.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            server.stop.store(true, Ordering::SeqCst);
             match serving.lock().unwrap_or_else(|e| e.into_inner()).take() {
                 Some(h) => h
                     .join()
@@ -514,14 +515,13 @@ struct Server<'a> {
     store: &'a Store,
     info: &'a CheckpointInfo,
     uffds: Mutex<HashMap<i32, OwnedFd>>,
-    stop: std::sync::atomic::AtomicBool,
-    served: std::sync::atomic::AtomicU64,
+    stop: AtomicBool,
+    served: AtomicU64,
 }
 
 impl Server<'_> {
     /// Until `stop`: accept CRIU's connection, take descriptors, serve faults.
     fn run(&self) -> crate::store::Result<()> {
-        use std::sync::atomic::Ordering;
         let io = |what: &str, e: std::io::Error| other(format!("{what}: {e}"));
         let mut conn: Option<UnixStream> = None;
         let mut conn_open = true;
@@ -681,8 +681,7 @@ impl Server<'_> {
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(copy_error(pid, addr, page, e)),
         }
-        self.served
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.served.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }

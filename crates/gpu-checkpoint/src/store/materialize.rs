@@ -5,7 +5,7 @@
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -135,69 +135,23 @@ fn write_all(
         .filter(|(_, _, _, c)| c.id.is_none())
         .map(|(_, _, _, c)| c.len as u64)
         .sum();
-    let plan = read_plan(inner, info);
-    let max_chunk = info.chunking.max_size as usize;
-    let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let error: Mutex<Option<Error>> = Mutex::new(None);
-    let totals = Mutex::new((0u64, 0u64));
+    let (stored, count) = (AtomicU64::new(0), AtomicU64::new(0));
     progress.start("restore images", total);
     progress.advance(zero_bytes + skipped);
-    std::thread::scope(|s| {
-        for _ in 0..plan.workers.min(tasks.len()).max(1) {
-            s.spawn(|| {
-                let mut dec = match Decoder::new(max_chunk) {
-                    Ok(d) => d,
-                    Err(e) => {
-                        failed.store(true, Ordering::SeqCst);
-                        error
-                            .lock()
-                            .unwrap()
-                            .get_or_insert(Error::Other(format!("zstd: {e}")));
-                        return;
-                    }
-                };
-                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
-                let (mut stored, mut count) = (0u64, 0u64);
-                while !failed.load(Ordering::Relaxed) {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(fi, ci, off)) = tasks.get(i) else {
-                        break;
-                    };
-                    let r = fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, off).and_then(
-                        |raw| {
-                            let (file, path) = &files[fi];
-                            file.write_all_at(raw, off)
-                                .map_err(Error::io("cannot write image file", path))?;
-                            Ok(raw.len() as u64)
-                        },
-                    );
-                    match r {
-                        Ok(n) => {
-                            stored += buf.len() as u64;
-                            count += 1;
-                            progress.advance(n);
-                        }
-                        Err(e) => {
-                            failed.store(true, Ordering::SeqCst);
-                            error
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .get_or_insert(e);
-                        }
-                    }
-                }
-                let mut t = totals.lock().unwrap_or_else(|p| p.into_inner());
-                t.0 += stored;
-                t.1 += count;
-            });
-        }
+    let result = on_workers(inner, info, &tasks, |&(fi, ci, off), dec, buf| {
+        let raw = fetch_verified(inner, info, dec, buf, fi, ci, off)?;
+        let (file, path) = &files[fi];
+        file.write_all_at(raw, off)
+            .map_err(Error::io("cannot write image file", path))?;
+        let n = raw.len() as u64;
+        stored.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        count.fetch_add(1, Ordering::Relaxed);
+        progress.advance(n);
+        Ok(())
     });
     progress.finish();
-    if let Some(e) = error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
-    }
-    let (stored_bytes_read, chunks_read) = totals.into_inner().unwrap_or_else(|p| p.into_inner());
+    result?;
+    let (stored_bytes_read, chunks_read) = (stored.into_inner(), count.into_inner());
     Ok(MaterializeStats {
         files: files.len() as u64,
         logical_bytes: total,
@@ -224,6 +178,32 @@ pub(super) fn visit_chunks(
         .filter(|(f, _, off, c)| *f == fi && want(*off, c.len as u64))
         .map(|(_, ci, off, c)| (ci, off, c.len as u64))
         .collect();
+    on_workers(inner, info, &tasks, |&(ci, off, len), dec, buf| {
+        if info.files[fi].chunks[ci].id.is_none() {
+            visit(off, len, None)?;
+        } else if let Some(map) = verify_raw_in_place(inner, info, fi, ci, off)? {
+            visit(off, len, Some(&map.bytes()[super::chunk::HEADER_LEN..]))?;
+        } else {
+            visit(
+                off,
+                len,
+                Some(fetch_verified(inner, info, dec, buf, fi, ci, off)?),
+            )?;
+        }
+        progress.advance(len);
+        Ok(())
+    })
+}
+
+/// Runs `work(task, decoder, read buffer)` for every task on the read workers (each with its own zstd
+/// decoder and buffer), tasks taken in order as workers come free. Stops at the first error, which it
+/// returns.
+fn on_workers<T: Sync>(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    tasks: &[T],
+    work: impl Fn(&T, &mut Decoder, &mut Vec<u8>) -> Result<()> + Sync,
+) -> Result<()> {
     let plan = read_plan(inner, info);
     let max_chunk = info.chunking.max_size as usize;
     let next = AtomicUsize::new(0);
@@ -243,29 +223,13 @@ pub(super) fn visit_chunks(
                     Ok(d) => d,
                     Err(e) => return fail(Error::Other(format!("zstd: {e}"))),
                 };
-                let mut buf = Vec::new();
+                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
                 while !failed.load(Ordering::Relaxed) {
-                    let Some(&(ci, off, len)) = tasks.get(next.fetch_add(1, Ordering::Relaxed))
-                    else {
+                    let Some(task) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) else {
                         break;
                     };
-                    let r = if info.files[fi].chunks[ci].id.is_none() {
-                        visit(off, len, None)
-                    } else {
-                        match verify_raw_in_place(inner, info, fi, ci, off) {
-                            Ok(Some(map)) => {
-                                visit(off, len, Some(&map.bytes()[super::chunk::HEADER_LEN..]))
-                            }
-                            Ok(None) => {
-                                fetch_verified(inner, info, &mut dec, &mut buf, fi, ci, off)
-                                    .and_then(|raw| visit(off, len, Some(raw)))
-                            }
-                            Err(e) => Err(e),
-                        }
-                    };
-                    match r {
-                        Ok(()) => progress.advance(len),
-                        Err(e) => fail(e),
+                    if let Err(e) = work(task, &mut dec, &mut buf) {
+                        fail(e);
                     }
                 }
             });
