@@ -14,6 +14,8 @@
 
 use std::fmt;
 
+use crate::util::AlignedBuf;
+
 /// How a chunk whose bytes do not hash to its name is described in errors.
 pub(crate) const HASH_MISMATCH: &str = "damaged (content does not match its BLAKE3 name)";
 
@@ -146,6 +148,22 @@ impl Header {
     pub fn stored_len(&self) -> u64 {
         HEADER_LEN as u64 + self.payload_len as u64
     }
+
+    fn raw(len: usize) -> Header {
+        Header {
+            encoding: Encoding::Raw,
+            raw_len: len as u32,
+            payload_len: len as u32,
+        }
+    }
+
+    fn zstd(raw_len: usize, payload_len: usize) -> Header {
+        Header {
+            encoding: Encoding::Zstd,
+            raw_len: raw_len as u32,
+            payload_len: payload_len as u32,
+        }
+    }
 }
 
 /// Reusable per-thread compression state, so that contexts and buffers are allocated once per worker and
@@ -153,7 +171,10 @@ impl Header {
 pub struct Encoder {
     /// `None`: compression is off for this store's new chunks, every chunk is stored raw.
     compressor: Option<zstd::bulk::Compressor<'static>>,
-    zbuf: Vec<u8>,
+    /// The chunk object being built: header room, then the zstd frame (or, for
+    /// [`Encoder::encode_object`], a raw chunk's copy). Page-aligned for direct I/O.
+    obj: AlignedBuf,
+    max_chunk: usize,
     predictor: Predictor,
 }
 
@@ -170,7 +191,8 @@ impl Encoder {
         };
         Ok(Encoder {
             compressor,
-            zbuf: Vec::with_capacity(if level.is_some() { max_chunk } else { 0 }),
+            obj: AlignedBuf::new(),
+            max_chunk,
             predictor: Predictor::default(),
         })
     }
@@ -182,30 +204,47 @@ impl Encoder {
     /// (encrypted or compressed data) is stored raw without running zstd; otherwise zstd's output buffer is
     /// capped at the limit, so zstd gives up early on whatever the predictor let through.
     pub fn encode<'a>(&'a mut self, raw: &'a [u8]) -> (Header, &'a [u8]) {
-        if let (Some(compressor), true) = (self.compressor.as_mut(), raw.len() >= 256) {
-            if !self.predictor.is_random(raw) {
-                let limit = raw.len() - raw.len() / 32;
-                self.zbuf.clear();
-                self.zbuf.reserve(limit);
-                let r = compressor.compress_to_buffer(raw, &mut ZstdBuf(&mut self.zbuf, limit));
-                if let Ok(n) = r {
-                    if n < limit {
-                        let header = Header {
-                            encoding: Encoding::Zstd,
-                            raw_len: raw.len() as u32,
-                            payload_len: n as u32,
-                        };
-                        return (header, &self.zbuf[..n]);
-                    }
-                }
-            }
+        match self.compress(raw) {
+            Some(n) => (
+                Header::zstd(raw.len(), n),
+                &self.obj.slice(HEADER_LEN + n)[HEADER_LEN..],
+            ),
+            None => (Header::raw(raw.len()), raw),
         }
-        let header = Header {
-            encoding: Encoding::Raw,
-            raw_len: raw.len() as u32,
-            payload_len: raw.len() as u32,
+    }
+
+    /// Encodes one chunk like [`Encoder::encode`] and returns the whole stored object, header then
+    /// payload, in one page-aligned buffer (for a backend writing with direct I/O): a raw chunk is copied
+    /// into it.
+    pub fn encode_object(&mut self, raw: &[u8]) -> (Header, &[u8]) {
+        let header = match self.compress(raw) {
+            Some(n) => Header::zstd(raw.len(), n),
+            None => {
+                self.obj.slice_mut(HEADER_LEN + raw.len())[HEADER_LEN..].copy_from_slice(raw);
+                Header::raw(raw.len())
+            }
         };
-        (header, raw)
+        let len = header.stored_len() as usize;
+        let obj = self.obj.slice_mut(len);
+        obj[..HEADER_LEN].copy_from_slice(&header.encode());
+        (header, obj)
+    }
+
+    /// Compresses `raw` into `obj` after the header room if that is worth it; returns the frame's length.
+    fn compress(&mut self, raw: &[u8]) -> Option<usize> {
+        let compressor = self.compressor.as_mut()?;
+        if raw.len() < 256 || self.predictor.is_random(raw) {
+            return None;
+        }
+        let limit = raw.len() - raw.len() / 32;
+        // Sized once for the largest chunk, so the buffer does not shrink and grow between chunks.
+        let room = HEADER_LEN + self.max_chunk.max(raw.len());
+        let out = &mut self.obj.slice_mut(room)[HEADER_LEN..HEADER_LEN + limit];
+        // A frame that does not fit in `limit` bytes fails with "destination too small": stored raw.
+        match compressor.compress_to_buffer(raw, out) {
+            Ok(n) if n < limit => Some(n),
+            _ => None,
+        }
     }
 }
 
@@ -319,25 +358,6 @@ impl Predictor {
     }
 }
 
-/// A `WriteBuf` over a Vec that exposes at most `limit` bytes of capacity to zstd.
-struct ZstdBuf<'a>(&'a mut Vec<u8>, usize);
-
-unsafe impl zstd::zstd_safe::WriteBuf for ZstdBuf<'_> {
-    fn as_slice(&self) -> &[u8] {
-        self.0.as_slice()
-    }
-    fn capacity(&self) -> usize {
-        self.1.min(self.0.capacity())
-    }
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr()
-    }
-    unsafe fn filled_until(&mut self, n: usize) {
-        // SAFETY: zstd initialised the first `n` bytes, and n <= capacity() <= the Vec's capacity.
-        unsafe { self.0.set_len(n) }
-    }
-}
-
 /// Reusable per-thread decompression state.
 pub struct Decoder {
     decompressor: zstd::bulk::Decompressor<'static>,
@@ -440,6 +460,38 @@ mod tests {
         let mut dec = Decoder::new(data.len()).unwrap();
         assert_eq!(dec.decode(&ChunkId::of(data), &stored).unwrap(), data);
         header.encoding
+    }
+
+    #[test]
+    fn whole_objects_are_aligned_and_decode_like_header_plus_payload() {
+        let text: Vec<u8> = (0..50_000u32)
+            .flat_map(|i| (i % 97).to_le_bytes())
+            .collect();
+        let random = xorshift(70_001, 3);
+        let mut enc = Encoder::new(Some(1), 80_000).unwrap();
+        let mut dec = Decoder::new(80_000).unwrap();
+        for (data, want) in [
+            (&text[..], Encoding::Zstd),
+            (&random[..], Encoding::Raw),
+            (&b"tiny"[..], Encoding::Raw),
+        ] {
+            // The split form first, then the whole object from the same encoder (its buffer reused).
+            let (h1, payload) = enc.encode(data);
+            let mut split = h1.encode().to_vec();
+            split.extend_from_slice(payload);
+            let (h2, object) = enc.encode_object(data);
+            assert_eq!(h1, h2);
+            assert_eq!(h2.encoding, want);
+            assert!(crate::util::is_direct_io_aligned(object));
+            assert_eq!(object.len() as u64, h2.stored_len());
+            assert_eq!(object, &split[..]);
+            assert_eq!(dec.decode(&ChunkId::of(data), object).unwrap(), data);
+        }
+        // Compression off: raw objects all the same.
+        let mut raw_only = Encoder::new(None, 80_000).unwrap();
+        let (h, object) = raw_only.encode_object(&text);
+        assert_eq!(h.encoding, Encoding::Raw);
+        assert_eq!(&object[HEADER_LEN..], &text[..]);
     }
 
     #[test]

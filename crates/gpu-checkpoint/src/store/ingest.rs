@@ -25,7 +25,7 @@ use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, Inges
 use super::stream::{Streamed, Streams};
 use super::{Inner, Progress};
 
-const MIB: u64 = 1024 * 1024;
+pub(super) const MIB: u64 = 1024 * 1024;
 
 /// Memory the tool may use for a checkpoint of `total` bytes: max(64 MiB, 1% of it).
 pub fn memory_budget(total: u64) -> u64 {
@@ -33,7 +33,7 @@ pub fn memory_budget(total: u64) -> u64 {
 }
 
 /// Part of the budget kept for everything but the pipeline: the binary, its heap, the manifest.
-const RESERVE: u64 = 8 * MIB;
+pub(super) const RESERVE: u64 = 8 * MIB;
 
 /// How many workers and buffers an ingest or materialize uses, derived from the memory budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -285,7 +285,7 @@ impl Ingest {
         let params = self.inner.opts.chunking;
         let plan = Plan::new(
             total,
-            self.inner.opts.effective_threads(),
+            self.inner.ingest_threads(),
             params,
             self.inner.opts.zstd_level,
         );
@@ -617,8 +617,15 @@ pub(super) fn store_piece(
     if let Some(stored) = backend.chunk_stored_len(&id)? {
         return Ok((cref, Outcome::Present(stored)));
     }
-    let (header, payload) = enc.encode(data);
-    backend.put_chunk(&id, &header.encode(), payload)?;
+    let header = if backend.aligned_objects() {
+        let (header, object) = enc.encode_object(data);
+        backend.put_chunk_object(&id, object)?;
+        header
+    } else {
+        let (header, payload) = enc.encode(data);
+        backend.put_chunk(&id, &header.encode(), payload)?;
+        header
+    };
     Ok((cref, Outcome::New(header.stored_len())))
 }
 

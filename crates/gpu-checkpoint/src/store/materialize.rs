@@ -16,7 +16,7 @@ use super::error::{Error, Result};
 use super::ingest::Plan;
 use super::manifest::{CheckpointInfo, ChunkRef};
 use super::{Inner, Progress};
-use crate::util::{create_private_dir_all, create_private_file};
+use crate::util::{create_private_dir_all, create_private_file, AlignedBuf};
 
 /// What [`Store::materialize`](super::Store::materialize) did.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -32,13 +32,72 @@ pub struct MaterializeStats {
 }
 
 /// The worker plan of reading a checkpoint back (no compression level matters there).
-fn read_plan(inner: &Inner, info: &CheckpointInfo) -> Plan {
-    Plan::new(
-        info.stats.logical_bytes,
-        inner.opts.effective_threads(),
-        inner.opts.chunking,
-        1,
-    )
+fn read_workers(inner: &Inner, info: &CheckpointInfo) -> usize {
+    let max = info.chunking.max_size as u64;
+    // A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context.
+    let per_worker = 2 * max + 2 * super::ingest::MIB;
+    let budget = super::ingest::memory_budget(info.stats.logical_bytes) - super::ingest::RESERVE;
+    inner
+        .read_threads()
+        .min((budget / per_worker) as usize)
+        .max(1)
+}
+
+/// How many chunks ahead of the workers the backend is asked to start reading ([`Backend::prefetch_chunk`]).
+/// Reading a chunk file from a cold cache on demand left the disk idle while the workers decoded and
+/// copied, and the workers idle while it read: a default restore of 4 GiB took 2.19 s from a cold cache
+/// against 1.05 s from a warm one. With 16 chunks (about 32 MiB) in flight the reads overlap the work.
+///
+/// [`Backend::prefetch_chunk`]: super::backend::Backend::prefetch_chunk
+const PREFETCH_AHEAD: usize = 16;
+
+/// Asks the backend to read chunks ahead of the workers, in task order, from a thread of its own: on a
+/// cold cache even opening a chunk file waits for the disk (folder and inode), which must not hold up a
+/// worker.
+struct Prefetcher {
+    ahead: usize,
+    /// Tasks the workers have taken so far, and whether to stop.
+    state: Mutex<(usize, bool)>,
+    cond: std::sync::Condvar,
+}
+
+impl Prefetcher {
+    fn new(ahead: usize) -> Prefetcher {
+        Prefetcher {
+            ahead,
+            state: Mutex::new((0, false)),
+            cond: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Calls `fetch(i)` for tasks `0..n` in order, never more than `ahead` tasks beyond those taken.
+    fn run(&self, n: usize, fetch: &dyn Fn(usize)) {
+        for i in 0..n {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            while !st.1 && i >= st.0 + self.ahead {
+                st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            if st.1 {
+                return;
+            }
+            drop(st);
+            fetch(i);
+        }
+    }
+
+    /// The workers have taken the first `taken` tasks.
+    fn taken(&self, taken: usize) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if taken > st.0 {
+            st.0 = taken;
+            self.cond.notify_one();
+        }
+    }
+
+    fn stop(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.cond.notify_one();
+    }
 }
 
 /// One chunk to fetch: file index, chunk index, offset in the file.
@@ -138,13 +197,14 @@ fn write_all(
     let (stored, count) = (AtomicU64::new(0), AtomicU64::new(0));
     progress.start("restore images", total);
     progress.advance(zero_bytes + skipped);
-    let result = on_workers(inner, info, &tasks, |&(fi, ci, off), dec, buf| {
-        let raw = fetch_verified(inner, info, dec, buf, fi, ci, off)?;
+    let chunk_of = |&(fi, ci, _): &Task| info.files[fi].chunks[ci].id;
+    let result = on_workers(inner, info, &tasks, chunk_of, |&(fi, ci, off), scratch| {
+        let (raw, stored_len) = fetch_any(inner, info, scratch, fi, ci, off)?;
         let (file, path) = &files[fi];
         file.write_all_at(raw, off)
             .map_err(Error::io("cannot write image file", path))?;
         let n = raw.len() as u64;
-        stored.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        stored.fetch_add(stored_len, Ordering::Relaxed);
         count.fetch_add(1, Ordering::Relaxed);
         progress.advance(n);
         Ok(())
@@ -178,16 +238,25 @@ pub(super) fn visit_chunks(
         .filter(|(f, _, off, c)| *f == fi && want(*off, c.len as u64))
         .map(|(_, ci, off, c)| (ci, off, c.len as u64))
         .collect();
-    on_workers(inner, info, &tasks, |&(ci, off, len), dec, buf| {
-        if info.files[fi].chunks[ci].id.is_none() {
-            visit(off, len, None)?;
+    let chunk_of = |&(ci, _, _): &(usize, u64, u64)| info.files[fi].chunks[ci].id;
+    on_workers(inner, info, &tasks, chunk_of, |&(ci, off, len), scratch| {
+        let Some(id) = info.files[fi].chunks[ci].id else {
+            return visit(off, len, None).map(|()| progress.advance(len));
+        };
+        // A cold chunk is read with direct I/O; a cached raw one is verified where it lies, mapped.
+        if let Some(n) = inner
+            .backend
+            .read_chunk_uncached(&id, &mut scratch.direct)?
+        {
+            let raw = decode_checked(info, &mut scratch.dec, scratch.direct.slice(n), fi, ci, off)?;
+            visit(off, len, Some(raw))?;
         } else if let Some(map) = verify_raw_in_place(inner, info, fi, ci, off)? {
             visit(off, len, Some(&map.bytes()[super::chunk::HEADER_LEN..]))?;
         } else {
             visit(
                 off,
                 len,
-                Some(fetch_verified(inner, info, dec, buf, fi, ci, off)?),
+                Some(fetch_any(inner, info, scratch, fi, ci, off)?.0),
             )?;
         }
         progress.advance(len);
@@ -195,16 +264,20 @@ pub(super) fn visit_chunks(
     })
 }
 
-/// Runs `work(task, decoder, read buffer)` for every task on the read workers (each with its own zstd
-/// decoder and buffer), tasks taken in order as workers come free. Stops at the first error, which it
-/// returns.
+/// Runs `work(task, scratch)` for every task on the read workers (each with its own decoder and buffers),
+/// tasks taken in order as workers come free. Stops at the first error, which it returns.
+///
+/// Where the backend reads cold chunks with direct I/O, the workers wait on the device themselves and two
+/// more of them keep it busy ([`read_workers`]); otherwise the chunk `chunk_of(task)` names is read ahead
+/// into the page cache [`PREFETCH_AHEAD`] tasks early.
 fn on_workers<T: Sync>(
     inner: &Inner,
     info: &CheckpointInfo,
     tasks: &[T],
-    work: impl Fn(&T, &mut Decoder, &mut Vec<u8>) -> Result<()> + Sync,
+    chunk_of: impl Fn(&T) -> Option<ChunkId> + Sync,
+    work: impl Fn(&T, &mut Scratch) -> Result<()> + Sync,
 ) -> Result<()> {
-    let plan = read_plan(inner, info);
+    let workers = read_workers(inner, info);
     let max_chunk = info.chunking.max_size as usize;
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -216,24 +289,49 @@ fn on_workers<T: Sync>(
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(e);
     };
+    let ahead = Prefetcher::new(PREFETCH_AHEAD);
     std::thread::scope(|s| {
-        for _ in 0..plan.workers.min(tasks.len()).max(1) {
+        if !inner.backend.reads_uncached() {
             s.spawn(|| {
-                let mut dec = match Decoder::new(max_chunk) {
-                    Ok(d) => d,
-                    Err(e) => return fail(Error::Other(format!("zstd: {e}"))),
-                };
-                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
-                while !failed.load(Ordering::Relaxed) {
-                    let Some(task) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                        break;
-                    };
-                    if let Err(e) = work(task, &mut dec, &mut buf) {
-                        fail(e);
+                ahead.run(tasks.len(), &|i| {
+                    if let Some(id) = chunk_of(&tasks[i]) {
+                        inner.backend.prefetch_chunk(&id);
                     }
-                }
+                })
             });
         }
+        let workers: Vec<_> = (0..workers.min(tasks.len()).max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let dec = match Decoder::new(max_chunk) {
+                        Ok(d) => d,
+                        Err(e) => return fail(Error::Other(format!("zstd: {e}"))),
+                    };
+                    let mut scratch = Scratch {
+                        dec,
+                        buf: Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN),
+                        direct: AlignedBuf::new(),
+                    };
+                    while !failed.load(Ordering::Relaxed) {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(task) = tasks.get(i) else {
+                            break;
+                        };
+                        ahead.taken(i + 1);
+                        if let Err(e) = work(task, &mut scratch) {
+                            fail(e);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            if let Err(panic) = w.join() {
+                ahead.stop();
+                std::panic::resume_unwind(panic);
+            }
+        }
+        ahead.stop();
     });
     match error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
@@ -276,14 +374,29 @@ pub(super) fn fetch_verified<'a>(
     ci: usize,
     offset: u64,
 ) -> Result<&'a [u8]> {
-    let file = &info.files[fi];
-    let cref = file.chunks[ci];
+    let id = info.files[fi].chunks[ci]
+        .id
+        .expect("only stored chunks are fetched");
+    if !inner.backend.read_chunk(&id, buf)? {
+        return Err(damaged_chunk(info, fi, ci, offset, "missing".into()));
+    }
+    decode_checked(info, dec, buf, fi, ci, offset)
+}
+
+/// Decodes stored object `stored` of chunk `ci` of file `fi` and checks it against the manifest (hash and
+/// length).
+fn decode_checked<'a>(
+    info: &CheckpointInfo,
+    dec: &'a mut Decoder,
+    stored: &'a [u8],
+    fi: usize,
+    ci: usize,
+    offset: u64,
+) -> Result<&'a [u8]> {
+    let cref = info.files[fi].chunks[ci];
     let id = cref.id.expect("only stored chunks are fetched");
     let damaged = |problem: String| damaged_chunk(info, fi, ci, offset, problem);
-    if !inner.backend.read_chunk(&id, buf)? {
-        return Err(damaged("missing".into()));
-    }
-    let raw = dec.decode(&id, buf).map_err(damaged)?;
+    let raw = dec.decode(&id, stored).map_err(damaged)?;
     if raw.len() != cref.len as usize {
         return Err(damaged(format!(
             "damaged ({} bytes, the manifest says {})",
@@ -292,6 +405,41 @@ pub(super) fn fetch_verified<'a>(
         )));
     }
     Ok(raw)
+}
+
+/// A read worker's reusable state.
+struct Scratch {
+    dec: Decoder,
+    /// Objects read through the page cache.
+    buf: Vec<u8>,
+    /// Objects read with direct I/O.
+    direct: AlignedBuf,
+}
+
+/// Like [`fetch_verified`], but a chunk missing from the page cache is read with direct I/O
+/// ([`Backend::read_chunk_uncached`]). Returns the verified bytes and the stored object's size.
+///
+/// [`Backend::read_chunk_uncached`]: super::backend::Backend::read_chunk_uncached
+fn fetch_any<'a>(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    s: &'a mut Scratch,
+    fi: usize,
+    ci: usize,
+    offset: u64,
+) -> Result<(&'a [u8], u64)> {
+    let id = info.files[fi].chunks[ci]
+        .id
+        .expect("only stored chunks are fetched");
+    if let Some(n) = inner.backend.read_chunk_uncached(&id, &mut s.direct)? {
+        let raw = decode_checked(info, &mut s.dec, s.direct.slice(n), fi, ci, offset)?;
+        return Ok((raw, n as u64));
+    }
+    if !inner.backend.read_chunk(&id, &mut s.buf)? {
+        return Err(damaged_chunk(info, fi, ci, offset, "missing".into()));
+    }
+    let n = s.buf.len() as u64;
+    Ok((decode_checked(info, &mut s.dec, &s.buf, fi, ci, offset)?, n))
 }
 
 /// A chunk object mapped read-only, unmapped on drop. Chunk objects are written once, complete, and
@@ -378,7 +526,12 @@ pub(super) fn stream_file(
         .filter(|&ci| file.chunks[ci].id.is_some())
         .collect();
     let max_chunk = info.chunking.max_size as usize;
-    let plan = read_plan(inner, info);
+    let plan = Plan::new(
+        info.stats.logical_bytes,
+        inner.opts.effective_threads(),
+        inner.opts.chunking,
+        1,
+    );
     // Chunks decoded ahead of the writer: enough to keep every worker busy, within the memory budget.
     let window = (2 * plan.workers + 2).min(stored.len().max(1));
     let workers = plan.workers.min(stored.len()).max(1);
@@ -403,8 +556,16 @@ pub(super) fn stream_file(
     });
     let cond = Condvar::new();
     let lock = || state.lock().unwrap_or_else(|p| p.into_inner());
+    let ahead = Prefetcher::new(PREFETCH_AHEAD);
 
     std::thread::scope(|s| {
+        s.spawn(|| {
+            ahead.run(stored.len(), &|k| {
+                if let Some(id) = file.chunks[stored[k]].id {
+                    inner.backend.prefetch_chunk(&id);
+                }
+            })
+        });
         for _ in 0..workers {
             s.spawn(|| {
                 let mut dec = match Decoder::new(max_chunk) {
@@ -431,6 +592,7 @@ pub(super) fn stream_file(
                         st.next += 1;
                         st.next - 1
                     };
+                    ahead.taken(k + 1);
                     let ci = stored[k];
                     // A local raw chunk is verified in its file and spliced from there when writing to a
                     // pipe; anything else is read, decoded and verified into a buffer. Buffers go round
@@ -525,6 +687,7 @@ pub(super) fn stream_file(
         st.stop = true;
         cond.notify_all();
         drop(st);
+        ahead.stop();
         result
     })
 }
@@ -631,4 +794,34 @@ fn verify_raw_in_place(
         ));
     }
     Ok(Some(map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefetcher_stays_ahead_by_at_most_its_window_and_stops() {
+        let p = Prefetcher::new(3);
+        let fetched = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            s.spawn(|| p.run(100, &|i| fetched.lock().unwrap().push(i)));
+            let wait_for = |n: usize| {
+                let t0 = Instant::now();
+                while fetched.lock().unwrap().len() < n {
+                    assert!(t0.elapsed().as_secs() < 10, "prefetcher stuck");
+                    std::thread::yield_now();
+                }
+            };
+            wait_for(3);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert_eq!(*fetched.lock().unwrap(), vec![0, 1, 2], "nothing taken yet");
+            p.taken(5);
+            wait_for(8);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert_eq!(fetched.lock().unwrap().len(), 8, "5 taken + 3 ahead");
+            p.stop();
+        });
+        assert_eq!(*fetched.lock().unwrap(), (0..8).collect::<Vec<_>>());
+    }
 }

@@ -105,7 +105,7 @@ impl<'a> Streams<'a> {
         let params = opts.chunking;
         let plan = Plan::new(
             expected_bytes,
-            opts.effective_threads(),
+            ingest.inner().ingest_threads(),
             params,
             opts.zstd_level,
         );

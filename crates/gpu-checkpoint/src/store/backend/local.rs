@@ -8,20 +8,26 @@
 //! STORE/staging/ID/         an ingest's private folder (CRIU writes its images here)
 //! ```
 //! Folders are 0700 and files 0600: chunks hold process memory.
+//!
+//! Chunk files are written with direct I/O ([`write_direct`]), and read with it when they are not in the
+//! page cache ([`Backend::read_chunk_uncached`]); [`DIRECT_IO_ENV`]`=0` turns both off.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
 use crate::store::chunk::{ChunkId, Header, HEADER_LEN};
 use crate::store::error::{Error, Result};
-use crate::util::{create_private_dir_all, fsync_dir, write_atomic, DIR_MODE, FILE_MODE};
+use crate::util::{
+    create_private_dir_all, fsync_dir, is_direct_io_aligned, write_atomic, AlignedBuf,
+    DIRECT_IO_ALIGN, DIR_MODE, FILE_MODE,
+};
 
 /// The store format this build writes and reads. Bump it on incompatible layout changes; older builds then
 /// refuse the store instead of misreading it.
@@ -45,10 +51,38 @@ pub struct LocalBackend {
     manifests: PathBuf,
     staging: PathBuf,
     tmp_counter: AtomicU64,
+    /// Whole chunk objects are written with `O_DIRECT` (see [`write_direct`]) until the filesystem refuses
+    /// it.
+    direct: AtomicBool,
+    /// Chunks missing from the page cache are read with `O_DIRECT` ([`Backend::read_chunk_uncached`]) until
+    /// the kernel or the filesystem cannot.
+    direct_reads: AtomicBool,
 }
 
+/// A chunk object as the ingest hands it over.
+#[derive(Clone, Copy)]
+enum Object<'a> {
+    /// Header and payload in separate buffers.
+    Parts(&'a [u8], &'a [u8]),
+    /// Header then payload in one buffer (page-aligned when built for direct I/O).
+    Whole(&'a [u8]),
+}
+
+/// Set to `0` to keep chunk files in the page cache: written and read through it, as before direct I/O
+/// (for a filesystem where direct I/O is slow, or to keep a checkpoint cached for a restore on the same
+/// node right after it).
+pub const DIRECT_IO_ENV: &str = "GPU_CHECKPOINT_DIRECT_IO";
+
 impl LocalBackend {
+    /// A backend on `root`, with direct I/O unless [`DIRECT_IO_ENV`] is `0`.
     pub fn new(root: &Path) -> LocalBackend {
+        let direct = std::env::var_os(DIRECT_IO_ENV).is_none_or(|v| v != "0");
+        LocalBackend::with_direct_io(root, direct)
+    }
+
+    /// A backend on `root` that writes new chunk files and reads cold ones with direct I/O (`true`, the
+    /// default; it falls back by itself where the filesystem refuses) or through the page cache.
+    pub fn with_direct_io(root: &Path, direct: bool) -> LocalBackend {
         // An absolute path keeps messages and manifest paths meaningful whatever the caller's cwd becomes.
         let root = std::path::absolute(root).unwrap_or_else(|_| root.to_path_buf());
         LocalBackend {
@@ -57,12 +91,98 @@ impl LocalBackend {
             staging: root.join("staging"),
             root,
             tmp_counter: AtomicU64::new(0),
+            direct: AtomicBool::new(direct),
+            direct_reads: AtomicBool::new(direct),
         }
     }
 
     fn chunk_path(&self, id: &ChunkId) -> PathBuf {
         let hex = id.to_hex();
         self.chunks.join(&hex[..2]).join(hex)
+    }
+
+    /// Writes a chunk object under a temporary name and renames it into place: readers see no chunk or a
+    /// complete one. Whole page-aligned objects are written with direct I/O while the filesystem takes it.
+    fn put(&self, id: &ChunkId, object: Object<'_>) -> Result<()> {
+        let path = self.chunk_path(id);
+        let dir = path.parent().expect("chunk paths have a parent");
+        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(
+            ".tmp.{}.{}.{}",
+            &id.to_hex()[..16],
+            std::process::id(),
+            n
+        ));
+        let direct = match object {
+            Object::Whole(o) => self.direct.load(Ordering::Relaxed) && is_direct_io_aligned(o),
+            Object::Parts(..) => false,
+        };
+        let open = || {
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(FILE_MODE)
+                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
+                .open(&tmp)
+        };
+        let file = match open() {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                create_private_dir_all(dir).map_err(Error::io("cannot create folder", dir))?;
+                open().map_err(Error::io("cannot create chunk", &tmp))?
+            }
+            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                self.no_direct_io(&e);
+                return self.put(id, object);
+            }
+            Err(e) => return Err(Error::io("cannot create chunk", &tmp)(e)),
+        };
+        let written = match object {
+            Object::Whole(o) if direct => write_direct(&file, o),
+            Object::Whole(o) => (&file).write_all(o),
+            Object::Parts(h, p) => (&file).write_all(h).and_then(|_| (&file).write_all(p)),
+        };
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            if direct && e.raw_os_error() == Some(libc::EINVAL) {
+                self.no_direct_io(&e);
+                return self.put(id, object);
+            }
+            return Err(Error::io("cannot write chunk", &tmp)(e));
+        }
+        // Start writeback of what went through the page cache (everything, or the last partial block of a
+        // direct write) so that the final sync finds little left to write; don't wait for it.
+        // SAFETY: valid fd; the flag only schedules writeback.
+        unsafe {
+            libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
+        }
+        drop(file);
+        // rename() is atomic. If a concurrent writer stored the same name first, its copy is byte-identical,
+        // so replacing it is harmless.
+        fs::rename(&tmp, &path).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            Error::io("cannot rename chunk into place", &path)(e)
+        })
+    }
+
+    /// Reads chunks through the page cache from now on (no `cachestat`, or no direct I/O here).
+    fn no_direct_reads(&self, e: &io::Error) {
+        if self.direct_reads.swap(false, Ordering::Relaxed) {
+            tracing::debug!(
+                "{}: chunks are read through the page cache ({e})",
+                self.root.display()
+            );
+        }
+    }
+
+    /// Writes chunks through the page cache from now on: the filesystem refused direct I/O.
+    fn no_direct_io(&self, e: &io::Error) {
+        if self.direct.swap(false, Ordering::Relaxed) {
+            tracing::debug!(
+                "{}: no direct I/O here ({e}); chunks go through the page cache",
+                self.root.display()
+            );
+        }
     }
 
     fn lock_file(&self) -> Result<File> {
@@ -244,50 +364,15 @@ impl Backend for LocalBackend {
     }
 
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {
-        let path = self.chunk_path(id);
-        let dir = path.parent().expect("chunk paths have a parent");
-        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
-        let tmp = dir.join(format!(
-            ".tmp.{}.{}.{}",
-            &id.to_hex()[..16],
-            std::process::id(),
-            n
-        ));
-        let open = || {
-            OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(FILE_MODE)
-                .open(&tmp)
-        };
-        let mut file = match open() {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                create_private_dir_all(dir).map_err(Error::io("cannot create folder", dir))?;
-                open().map_err(Error::io("cannot create chunk", &tmp))?
-            }
-            Err(e) => return Err(Error::io("cannot create chunk", &tmp)(e)),
-        };
-        let written = file
-            .write_all(header)
-            .and_then(|_| file.write_all(payload))
-            .map_err(Error::io("cannot write chunk", &tmp));
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(e);
-        }
-        // Start writeback now so that the final sync finds little left to write; don't wait for it.
-        // SAFETY: valid fd; the flag only schedules writeback.
-        unsafe {
-            libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
-        }
-        drop(file);
-        // rename() is atomic: readers see no chunk or a complete one. If a concurrent writer stored the same
-        // name first, its copy is byte-identical, so replacing it is harmless.
-        fs::rename(&tmp, &path).map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            Error::io("cannot rename chunk into place", &path)(e)
-        })
+        self.put(id, Object::Parts(header, payload))
+    }
+
+    fn aligned_objects(&self) -> bool {
+        self.direct.load(Ordering::Relaxed)
+    }
+
+    fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
+        self.put(id, Object::Whole(object))
     }
 
     fn sync_chunks(&self, written: &[ChunkId]) -> Result<()> {
@@ -333,6 +418,59 @@ impl Backend for LocalBackend {
         file.read_to_end(buf)
             .map_err(Error::io("cannot read chunk", &path))?;
         Ok(true)
+    }
+
+    fn reads_uncached(&self) -> bool {
+        self.direct_reads.load(Ordering::Relaxed)
+    }
+
+    fn read_chunk_uncached(&self, id: &ChunkId, buf: &mut AlignedBuf) -> Result<Option<usize>> {
+        if !self.direct_reads.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let path = self.chunk_path(id);
+        // Missing or unreadable: the usual read reports it.
+        let Ok(file) = File::open(&path) else {
+            return Ok(None);
+        };
+        let len = file
+            .metadata()
+            .map_err(Error::io("cannot stat chunk", &path))?
+            .len() as usize;
+        match cached_pages(&file) {
+            Ok(pages) if pages * DIRECT_IO_ALIGN as u64 >= len as u64 => return Ok(None),
+            Ok(_) => {}
+            Err(e) => {
+                self.no_direct_reads(&e);
+                return Ok(None);
+            }
+        }
+        if let Err(e) = set_direct(&file, true) {
+            self.no_direct_reads(&e);
+            return Ok(None);
+        }
+        let dst = buf.slice_mut(len.next_multiple_of(DIRECT_IO_ALIGN));
+        let mut n = 0;
+        while n < len {
+            match file.read_at(&mut dst[n..], n as u64) {
+                Ok(0) => break, // shorter than it was: the decoder reports the truncation
+                Ok(k) => n += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.no_direct_reads(&e);
+                    return Ok(None);
+                }
+                Err(e) => return Err(Error::io("cannot read chunk", &path)(e)),
+            }
+        }
+        Ok(Some(n))
+    }
+
+    fn prefetch_chunk(&self, id: &ChunkId) {
+        if let Ok(file) = File::open(self.chunk_path(id)) {
+            // SAFETY: fadvise on a valid fd; WILLNEED only starts reading the file into the page cache.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+        }
     }
 
     fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
@@ -481,6 +619,86 @@ impl Backend for LocalBackend {
     }
 }
 
+/// Writes a new chunk file opened with `O_DIRECT` from a page-aligned object: all whole blocks straight to
+/// the device, the last partial block through the page cache.
+///
+/// Why: a checkpoint's memory is written once and read back by a restore, usually on another machine or
+/// much later. Through the page cache every byte would be copied once more inside the kernel, with the
+/// filesystem's per-page bookkeeping and the writeback after it; the encoder's one copy into its aligned
+/// buffer (a raw chunk that was just hashed, still in the CPU cache) costs less. Measured on a 4 GiB
+/// checkpoint of random memory: about 12% less CPU (`docs/criu.md`). It also leaves the node's page cache
+/// to its jobs instead of filling it with dirty image pages. Durability is unchanged: the commit's
+/// `syncfs` or `fsync` still flushes the device and the metadata.
+fn write_direct(file: &File, object: &[u8]) -> io::Result<()> {
+    let aligned = object.len() / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+    if aligned > 0 {
+        file.write_all_at(&object[..aligned], 0)?;
+    }
+    if aligned < object.len() {
+        // Direct I/O takes whole blocks only: the rest goes through the page cache.
+        set_direct(file, false)?;
+        file.write_all_at(&object[aligned..], aligned as u64)?;
+    }
+    Ok(())
+}
+
+/// Sets or clears `O_DIRECT` on an open file.
+fn set_direct(file: &File, on: bool) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a valid fd.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let flags = if on {
+        flags | libc::O_DIRECT
+    } else {
+        flags & !libc::O_DIRECT
+    };
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// How many of the file's pages are in the page cache (`cachestat(2)`, Linux 6.5+).
+fn cached_pages(file: &File) -> io::Result<u64> {
+    /// The same number on every architecture (added after the tables were unified); the libc crate does
+    /// not name it for x86_64 yet.
+    const SYS_CACHESTAT: libc::c_long = 451;
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    let range = Range { off: 0, len: 0 }; // len 0: to the end of the file
+    let mut stat = Stat::default();
+    // SAFETY: cachestat reads `range` and writes `stat`, both live and of the kernel's layout.
+    let r = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut stat as *mut Stat,
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stat.nr_cache)
+}
+
 /// Bytes under a path (files only), for reporting what a cleanup freed.
 fn tree_size(path: &Path) -> u64 {
     let Ok(meta) = fs::symlink_metadata(path) else {
@@ -492,4 +710,104 @@ fn tree_size(path: &Path) -> u64 {
     fs::read_dir(path)
         .map(|entries| entries.flatten().map(|e| tree_size(&e.path())).sum())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::chunk::{Decoder, Encoder};
+    use std::os::unix::fs::PermissionsExt;
+
+    fn backend(dir: &Path, direct: bool) -> LocalBackend {
+        let b = LocalBackend::with_direct_io(&dir.join("store"), direct);
+        b.init().unwrap();
+        b
+    }
+
+    fn random(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn direct_writes_and_reads_keep_objects_of_every_length_exact() {
+        let t = tempfile::tempdir().unwrap();
+        let b = backend(t.path(), true);
+        assert!(b.aligned_objects() && b.reads_uncached());
+        let mut enc = Encoder::new(None, 1 << 20).unwrap();
+        let mut dec = Decoder::new(1 << 20).unwrap();
+        let mut direct = AlignedBuf::new();
+        // Shorter than a block, exactly blocks (header included), blocks and a tail.
+        for (i, len) in [1usize, 4096 - HEADER_LEN, 3 * 4096 + 100, 1 << 20]
+            .into_iter()
+            .enumerate()
+        {
+            let data = random(len, i as u64 + 1);
+            let id = ChunkId::of(&data);
+            let (_, object) = enc.encode_object(&data);
+            b.put_chunk_object(&id, object).unwrap();
+            let path = b.chunk_path(&id);
+            assert_eq!(fs::read(&path).unwrap(), object, "length {len}");
+            assert_eq!(
+                fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+                0o600
+            );
+            assert_eq!(b.chunk_stored_len(&id).unwrap(), Some(object.len() as u64));
+            // fs::read above cached every page: read the usual way now.
+            assert_eq!(b.read_chunk_uncached(&id, &mut direct).unwrap(), None);
+            let mut buf = Vec::new();
+            assert!(b.read_chunk(&id, &mut buf).unwrap());
+            assert_eq!(dec.decode(&id, &buf).unwrap(), &data[..]);
+        }
+        // A chunk written directly and not read since is not (all) cached: read with direct I/O, exact.
+        let data = random(2 * 4096 + 7, 99);
+        let id = ChunkId::of(&data);
+        let (_, object) = enc.encode_object(&data);
+        b.put_chunk_object(&id, object).unwrap();
+        let n = b
+            .read_chunk_uncached(&id, &mut direct)
+            .unwrap()
+            .expect("a freshly written chunk is read past the cache");
+        assert_eq!(dec.decode(&id, direct.slice(n)).unwrap(), &data[..]);
+        // Missing: left to the usual read, which reports it.
+        let missing = ChunkId::of(b"not stored");
+        assert_eq!(b.read_chunk_uncached(&missing, &mut direct).unwrap(), None);
+    }
+
+    #[test]
+    fn buffered_backends_and_unaligned_objects_go_through_the_page_cache() {
+        let t = tempfile::tempdir().unwrap();
+        let buffered = backend(t.path(), false);
+        assert!(!buffered.aligned_objects() && !buffered.reads_uncached());
+        let data = random(5000, 7);
+        let id = ChunkId::of(&data);
+        let mut enc = Encoder::new(None, 8192).unwrap();
+        let (_, object) = enc.encode_object(&data);
+        buffered.put_chunk_object(&id, object).unwrap();
+        let mut direct = AlignedBuf::new();
+        assert_eq!(
+            buffered.read_chunk_uncached(&id, &mut direct).unwrap(),
+            None
+        );
+        assert_eq!(fs::read(buffered.chunk_path(&id)).unwrap(), object);
+
+        // An object that is not page-aligned in memory cannot go direct: written through the cache.
+        let t2 = tempfile::tempdir().unwrap();
+        let b = backend(t2.path(), true);
+        let mut shifted = vec![0u8; object.len() + 1];
+        shifted[1..].copy_from_slice(object);
+        b.put_chunk_object(&id, &shifted[1..]).unwrap();
+        assert_eq!(fs::read(b.chunk_path(&id)).unwrap(), object);
+        assert!(
+            b.aligned_objects(),
+            "one unaligned object does not turn direct I/O off"
+        );
+    }
 }

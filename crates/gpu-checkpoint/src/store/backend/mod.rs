@@ -8,13 +8,14 @@
 mod local;
 mod memory;
 
-pub use local::LocalBackend;
+pub use local::{LocalBackend, DIRECT_IO_ENV};
 pub use memory::MemoryBackend;
 
 use std::path::{Path, PathBuf};
 
-use super::chunk::ChunkId;
+use super::chunk::{ChunkId, HEADER_LEN};
 use super::error::Result;
+use crate::util::AlignedBuf;
 
 /// Shared (readers and writers of checkpoints) or exclusive (gc) access to the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +71,19 @@ pub trait Backend: Send + Sync {
     /// name meanwhile, either copy may stay (they are identical). Not durable until [`Backend::sync_chunks`].
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()>;
 
+    /// Whether [`Backend::put_chunk_object`] is the cheaper way in: it writes a page-aligned object with
+    /// direct I/O. The ingest then builds each object in an aligned buffer ([`Encoder::encode_object`]).
+    ///
+    /// [`Encoder::encode_object`]: crate::store::chunk::Encoder::encode_object
+    fn aligned_objects(&self) -> bool {
+        false
+    }
+
+    /// Stores chunk `id` given as its whole object (header then payload), like [`Backend::put_chunk`].
+    fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
+        self.put_chunk(id, &object[..HEADER_LEN], &object[HEADER_LEN..])
+    }
+
     /// Makes the given chunks (written by this process with `put_chunk`) durable.
     fn sync_chunks(&self, written: &[ChunkId]) -> Result<()>;
 
@@ -81,6 +95,24 @@ pub trait Backend: Send + Sync {
     fn local_chunk_file(&self, _id: &ChunkId) -> Option<PathBuf> {
         None
     }
+
+    /// Whether [`Backend::read_chunk_uncached`] can read chunks past a cache (direct I/O).
+    fn reads_uncached(&self) -> bool {
+        false
+    }
+
+    /// Reads chunk `id`'s whole object into `buf` with direct I/O when it is not (all) in the page cache,
+    /// and returns its length. `Ok(None)`: read it the usual way ([`Backend::read_chunk`], or mapped): it is
+    /// cached, missing, or the backend cannot. A cold read through the page cache costs the kernel a page
+    /// allocation and insertion per 4 KiB and left this project's VMs at 2.4 GB/s, where direct reads of the
+    /// same files ran at 3.8 GB/s with a tenth of the system CPU.
+    fn read_chunk_uncached(&self, _id: &ChunkId, _buf: &mut AlignedBuf) -> Result<Option<usize>> {
+        Ok(None)
+    }
+
+    /// Hints that chunk `id` will be read soon: a backend that can start fetching it in the background
+    /// does (the local one asks the kernel to read the file ahead). Never fails; default: nothing.
+    fn prefetch_chunk(&self, _id: &ChunkId) {}
 
     /// Deletes a chunk; deleting a missing chunk is not an error.
     fn delete_chunk(&self, id: &ChunkId) -> Result<()>;
