@@ -7,6 +7,12 @@
 # store then ingests; restore materializes a work folder first), and plain `criu dump` / `criu restore -d`
 # into a folder on the same disk. All run on the same process, in an order that rotates every round,
 # because memory bandwidth on shared machines drifts; the figures are medians over the rounds.
+# Every timed step starts from the same state: the previous contender's output deleted, dirty data
+# written back, caches dropped (`settle`). Without that the order decided the figures: ext4 skips inodes
+# freed in the last minutes while it allocates new ones, so creating a store's 2,000 chunk files right
+# after deleting the previous round's cost ~10% more CPU than after a pause (CRIU's dozen image files do
+# not notice), and whoever ran after a 4 GiB write found the page cache full. Restores read cold, as on
+# another node or after the cache has moved on.
 #
 # Usage (root): scripts/bench-criu.sh [MIB...]        default: 1024 4096
 #   ROUNDS=3            rounds per size
@@ -37,6 +43,8 @@ trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
 
 now() { echo "$EPOCHREALTIME"; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", (b - a) * 1000 }'; }
+# Before every timed step: dirty data written back, page cache and inode caches dropped.
+settle() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 # Waits until no process holds the PID (init reaps the killed process, at its own pace).
 wait_free() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
@@ -44,14 +52,16 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }
 
 # Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.
 ours() {
-    rm -rf "$DIR/store" # a fresh store each time: no dedup against the previous round
+    rm -rf "$DIR/store" "$DIR/img" # a fresh store each time: no dedup against the previous round
     local mode=$1 tag=$2 t0 t1 out id
+    settle
     t0=$(now)
     out=$("$GC" checkpoint --pid "$PID" --storage "$DIR/store" --format json $mode ${COMPRESSION:+--compression "$COMPRESSION"})
     t1=$(now)
     eval "${tag}_CK+=\" $(ms "$t0" "$t1")\""
     id=$(echo "$out" | grep -o '"id": "[^"]*"' | head -1 | cut -d'"' -f4)
     wait_free "$PID"
+    settle
     t0=$(now)
     "$GC" restore "$id" --storage "$DIR/store" --format json $mode >/dev/null
     t1=$(now)
@@ -60,6 +70,7 @@ ours() {
         # The default restore copies the memory through userfaultfd; the streamed one pipes it to CRIU.
         kill -9 "$PID"
         wait_free "$PID"
+        settle
         t0=$(now)
         "$GC" restore "$id" --storage "$DIR/store" --format json --stream >/dev/null
         t1=$(now)
@@ -68,9 +79,10 @@ ours() {
 }
 
 plain() {
-    rm -rf "$DIR/img"
+    rm -rf "$DIR/img" "$DIR/store"
     mkdir "$DIR/img"
     local t0 t1
+    settle
     t0=$(now)
     "$CRIU" dump -t "$PID" -D "$DIR/img" -v4 -o dump.log
     t1=$(now)
@@ -79,6 +91,7 @@ plain() {
     sync -- "$DIR"/img/*
     P_CKS+=" $(ms "$t0" "$(now)")"
     wait_free "$PID"
+    settle
     t0=$(now)
     "$CRIU" restore -d -D "$DIR/img" -v4 -o restore.log
     t1=$(now)
