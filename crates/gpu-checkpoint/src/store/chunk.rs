@@ -220,14 +220,22 @@ impl Encoder {
         let header = match self.compress(raw) {
             Some(n) => Header::zstd(raw.len(), n),
             None => {
-                self.obj.slice_mut(HEADER_LEN + raw.len())[HEADER_LEN..].copy_from_slice(raw);
+                Self::object_room(&mut self.obj, self.max_chunk, raw.len())
+                    [HEADER_LEN..HEADER_LEN + raw.len()]
+                    .copy_from_slice(raw);
                 Header::raw(raw.len())
             }
         };
-        let len = header.stored_len() as usize;
-        let obj = self.obj.slice_mut(len);
+        let obj = &mut Self::object_room(&mut self.obj, self.max_chunk, raw.len())
+            [..header.stored_len() as usize];
         obj[..HEADER_LEN].copy_from_slice(&header.encode());
         (header, obj)
+    }
+
+    /// The object buffer `obj`, room for the header and a chunk of `len` raw bytes. Sized for the largest
+    /// chunk at once: growing it chunk by chunk would reallocate it (and lose its contents) every time.
+    fn object_room(obj: &mut AlignedBuf, max_chunk: usize, len: usize) -> &mut [u8] {
+        obj.slice_mut(HEADER_LEN + max_chunk.max(len))
     }
 
     /// Compresses `raw` into `obj` after the header room if that is worth it; returns the frame's length.
@@ -237,9 +245,8 @@ impl Encoder {
             return None;
         }
         let limit = raw.len() - raw.len() / 32;
-        // Sized once for the largest chunk, so the buffer does not shrink and grow between chunks.
-        let room = HEADER_LEN + self.max_chunk.max(raw.len());
-        let out = &mut self.obj.slice_mut(room)[HEADER_LEN..HEADER_LEN + limit];
+        let out = &mut Self::object_room(&mut self.obj, self.max_chunk, raw.len())
+            [HEADER_LEN..HEADER_LEN + limit];
         // A frame that does not fit in `limit` bytes fails with "destination too small": stored raw.
         match compressor.compress_to_buffer(raw, out) {
             Ok(n) if n < limit => Some(n),
@@ -449,7 +456,7 @@ pub fn zero_prefix_len(data: &[u8]) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn roundtrip(data: &[u8]) -> Encoding {
@@ -504,7 +511,8 @@ mod tests {
         assert_eq!(roundtrip(b"tiny"), Encoding::Raw);
     }
 
-    fn xorshift(n: usize, seed: u64) -> Vec<u8> {
+    /// Pseudo-random (incompressible) bytes, reproducible from `seed`; other modules' tests use it too.
+    pub(crate) fn xorshift(n: usize, seed: u64) -> Vec<u8> {
         // Spread the seed's bits: xorshift's first outputs from a small seed are mostly zero bytes.
         let mut x = (seed + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut out = Vec::with_capacity(n + 8);

@@ -715,6 +715,7 @@ fn tree_size(path: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::chunk::tests::xorshift as random;
     use crate::store::chunk::{Decoder, Encoder};
     use std::os::unix::fs::PermissionsExt;
 
@@ -722,18 +723,6 @@ mod tests {
         let b = LocalBackend::with_direct_io(&dir.join("store"), direct);
         b.init().unwrap();
         b
-    }
-
-    fn random(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 32) as u8
-            })
-            .collect()
     }
 
     #[test]
