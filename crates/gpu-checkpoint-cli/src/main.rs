@@ -85,15 +85,15 @@ fn main() {
 }
 
 /// Prints an error as one clear line plus its causes, and picks the exit code from the first library
-/// error in the chain (or from a [`commands::Exit`], e.g. a usage error).
+/// error in the chain, whichever stage's it is (or from a [`commands::Exit`], e.g. a usage error).
 fn report(err: &anyhow::Error) -> ExitStatus {
     eprintln!("error: {err}");
     for cause in err.chain().skip(1) {
         eprintln!("  caused by: {cause}");
     }
     for cause in err.chain() {
-        if let Some(e) = cause.downcast_ref::<gpu_checkpoint::Error>() {
-            return e.exit_status();
+        if let Some(status) = gpu_checkpoint::error::exit_status_of(cause) {
+            return status;
         }
         if let Some(e) = cause.downcast_ref::<commands::Exit>() {
             return e.0;

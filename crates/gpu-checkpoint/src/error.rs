@@ -1,33 +1,14 @@
-//! The library's error type and the exit-code contract of the binary.
+//! The library's umbrella error type, and how the binary finds the exit status in any error chain.
 //!
-//! Each stage has its own error enum (`detect::Error`, `freeze::Error`, ...); this one collects them so
-//! that the binary can map any failure to one documented exit code with [`Error::exit_status`].
+//! Each stage and flow has its own error enum (`detect::Error`, `store::Error`, `checkpoint::Error`, ...),
+//! each classifying itself into an exit code ([`Classify`], in the leaf module [`crate::exit`]). [`Error`]
+//! collects them for code that strings several stages together (the flows, the GPU hook). The binary does
+//! not convert anything: it passes whatever error it got up, and [`exit_status_of`] finds the first
+//! library error in the chain, whichever type it is.
 
 use thiserror::Error;
 
-/// Exit codes of the `gpu-checkpoint` binary. Scripts depend on them: never renumber.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(i32)]
-pub enum ExitStatus {
-    /// Anything not listed below.
-    Failure = 1,
-    /// Bad arguments or bad input files.
-    Usage = 2,
-    /// The process (or checkpoint's process) does not exist.
-    NoSuchProcess = 3,
-    /// Not permitted: not root / no CAP_CHECKPOINT_RESTORE / unreadable /proc files.
-    PermissionDenied = 4,
-    /// CRIU (or another required tool or driver library) missing or too old.
-    ToolMissing = 5,
-    /// Storage full or not writable.
-    Storage = 6,
-    /// Checkpoint not found or damaged.
-    CheckpointInvalid = 7,
-    /// Restore conflict (PID in use, GPUs do not match) or a checkpoint already in progress.
-    Conflict = 8,
-    /// A checkpoint was refused because the plan is `unsupported`.
-    Unsupported = 9,
-}
+use crate::exit::{Classify, ExitStatus};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -47,9 +28,8 @@ pub enum Error {
     Restore(#[from] crate::restore::Error),
 }
 
-impl Error {
-    /// The exit code the binary should use for this error.
-    pub fn exit_status(&self) -> ExitStatus {
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::Detect(e) => e.exit_status(),
             Error::Freeze(e) => e.exit_status(),
@@ -61,46 +41,91 @@ impl Error {
     }
 }
 
-/// Classifies an I/O error into an exit status; used by the stage errors.
-pub fn io_exit_status(e: &std::io::Error) -> ExitStatus {
-    match e.kind() {
-        std::io::ErrorKind::NotFound => ExitStatus::NoSuchProcess,
-        std::io::ErrorKind::PermissionDenied => ExitStatus::PermissionDenied,
-        _ => match e.raw_os_error() {
-            Some(libc::ENOSPC) | Some(libc::EROFS) | Some(libc::EDQUOT) => ExitStatus::Storage,
-            Some(libc::ESRCH) => ExitStatus::NoSuchProcess,
-            Some(libc::EPERM) => ExitStatus::PermissionDenied,
-            _ => ExitStatus::Failure,
-        },
-    }
+/// Every error type of the library, in one list: [`exit_status_of`] tries each.
+macro_rules! classified {
+    ($($ty:ty),+ $(,)?) => {
+        /// The exit status of `err` when it is one of the library's errors (any of them, wrapped or not).
+        pub fn exit_status_of(err: &(dyn std::error::Error + 'static)) -> Option<ExitStatus> {
+            $(
+                if let Some(e) = err.downcast_ref::<$ty>() {
+                    return Some(e.exit_status());
+                }
+            )+
+            None
+        }
+
+        #[cfg(test)]
+        const CLASSIFIED: &[&str] = &[$(stringify!($ty)),+];
+    };
 }
+
+classified!(
+    Error,
+    crate::detect::Error,
+    crate::freeze::Error,
+    crate::dump::Error,
+    crate::store::Error,
+    crate::checkpoint::Error,
+    crate::restore::Error,
+);
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Every `impl Classify for X` in the library's sources must be in [`exit_status_of`]'s list, or the
+    /// binary would report that error as a plain failure (exit 1).
     #[test]
-    fn io_errors_map_to_documented_exit_statuses() {
-        let os = std::io::Error::from_raw_os_error;
-        // Full, over quota or read-only storage is "storage" (6) whatever io::ErrorKind std gives them:
-        // the stages rely on this instead of checking these errnos themselves.
-        for errno in [libc::ENOSPC, libc::EDQUOT, libc::EROFS] {
-            assert_eq!(
-                io_exit_status(&os(errno)),
-                ExitStatus::Storage,
-                "errno {errno}"
+    fn every_classified_error_is_listed() {
+        fn visit(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    visit(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    for line in text.lines() {
+                        if let Some(rest) = line.trim().strip_prefix("impl Classify for ") {
+                            let ty = rest.trim_end_matches('{').trim().to_string();
+                            out.push((path.display().to_string(), ty));
+                        }
+                    }
+                }
+            }
+        }
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut found = Vec::new();
+        visit(&src, &mut found);
+        assert!(found.len() >= CLASSIFIED.len(), "{found:?}");
+        for (file, ty) in found {
+            // `Error` in `src/store/error.rs` is `crate::store::Error`: the module path from the file's.
+            let rel = file.strip_prefix(&src.display().to_string()).unwrap();
+            let module: Vec<&str> = rel
+                .trim_start_matches('/')
+                .trim_end_matches(".rs")
+                .split('/')
+                .filter(|p| !matches!(*p, "mod" | "error" | "lib"))
+                .collect();
+            let listed = CLASSIFIED.iter().any(|c| {
+                let c = c.replace(' ', "");
+                c == ty
+                    || c == format!("crate::{}::{ty}", module.join("::"))
+                    || (module.len() > 1 && c == format!("crate::{}::{ty}", module[0]))
+            });
+            assert!(
+                listed,
+                "{ty} ({file}) implements Classify but is not in exit_status_of's list"
             );
         }
-        assert_eq!(io_exit_status(&os(libc::ENOENT)), ExitStatus::NoSuchProcess);
-        assert_eq!(io_exit_status(&os(libc::ESRCH)), ExitStatus::NoSuchProcess);
-        assert_eq!(
-            io_exit_status(&os(libc::EACCES)),
-            ExitStatus::PermissionDenied
-        );
-        assert_eq!(
-            io_exit_status(&os(libc::EPERM)),
-            ExitStatus::PermissionDenied
-        );
-        assert_eq!(io_exit_status(&os(libc::EIO)), ExitStatus::Failure);
+    }
+
+    #[test]
+    fn finds_the_status_of_a_stage_error_anywhere_in_a_chain() {
+        let store = crate::store::Error::Conflict("busy".into());
+        assert_eq!(exit_status_of(&store), Some(ExitStatus::Conflict));
+        let wrapped = Error::from(crate::store::Error::Conflict("busy".into()));
+        assert_eq!(exit_status_of(&wrapped), Some(ExitStatus::Conflict));
+        let io = std::io::Error::other("not ours");
+        assert_eq!(exit_status_of(&io), None);
     }
 }

@@ -18,9 +18,11 @@ pub mod checkpoint;
 pub mod detect;
 pub mod dump;
 pub mod error;
+pub mod exit;
 pub mod freeze;
 pub mod restore;
 pub mod store;
 pub mod util;
 
-pub use error::{Error, ExitStatus, Result};
+pub use error::{Error, Result};
+pub use exit::{Classify, ExitStatus};

@@ -12,7 +12,7 @@ use gpu_checkpoint::detect::{
     detect_all_with, detect_pid, detect_pid_with, nvml::GpuProcess, nvml::StaticInventory,
     DetectOptions, Error, Report,
 };
-use gpu_checkpoint::ExitStatus;
+use gpu_checkpoint::{Classify, ExitStatus};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")

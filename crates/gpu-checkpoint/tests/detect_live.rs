@@ -12,6 +12,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use gpu_checkpoint::detect::{detect_all, detect_pid, DetectOptions, Error, Report};
+use gpu_checkpoint::Classify;
 use gpu_checkpoint::ExitStatus;
 
 const CHILD_ENV: &str = "DETECT_LIVE_CHILD";

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use gpu_checkpoint::store::{
     ChunkParams, Error, MemoryBackend, NoProgress, Progress, Store, StoreOptions,
 };
+use gpu_checkpoint::Classify;
 use gpu_checkpoint::ExitStatus;
 use proptest::prelude::*;
 

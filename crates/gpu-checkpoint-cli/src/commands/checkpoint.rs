@@ -82,10 +82,9 @@ impl Compression {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let found = discover(args.criu.as_deref()).map_err(gpu_checkpoint::Error::from)?;
+    let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
-    let store = Store::open(&args.store.storage, args.compression.store_options())
-        .map_err(gpu_checkpoint::Error::from)?;
+    let store = Store::open(&args.store.storage, args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend: Backend = args.gpu.gpu_backend.into();
     let mut gpu = FreezeHook::new(HookOptions {

@@ -170,7 +170,7 @@ impl Session {
         }
         let t = Instant::now();
         let backend: Backend = c.gpu_backend.into();
-        let driver = freeze::open(backend).map_err(gpu_checkpoint::Error::from)?;
+        let driver = freeze::open(backend)?;
         let open_ms = t.elapsed().as_secs_f64() * 1000.0;
         let mut s = Session {
             driver,
@@ -198,7 +198,7 @@ impl Session {
                 .as_deref()
                 .unwrap_or("version unknown")
         );
-        freeze::ensure_process(c.pid).map_err(gpu_checkpoint::Error::from)?;
+        freeze::ensure_process(c.pid)?;
         Ok(s)
     }
 
@@ -233,7 +233,7 @@ impl Session {
         let Some(map) = map else {
             return Ok(Vec::new());
         };
-        let map: DeviceMap = map.parse().map_err(gpu_checkpoint::Error::from)?;
+        let map: DeviceMap = map.parse()?;
         // Indices need this node's GPU list; UUIDs do not (so no NVML needed for them).
         let needs_list = map
             .0
@@ -242,14 +242,11 @@ impl Session {
         let gpus = if needs_list {
             self.driver()
                 .gpus()
-                .map_err(gpu_checkpoint::Error::from)
                 .context("listing this node's GPUs to resolve --device-map indices")?
         } else {
             Vec::new()
         };
-        Ok(map
-            .resolve(&gpus, &gpus)
-            .map_err(gpu_checkpoint::Error::from)?)
+        Ok(map.resolve(&gpus, &gpus)?)
     }
 
     fn finish(mut self, format: Format, result: freeze::Result<()>) -> anyhow::Result<()> {
@@ -274,7 +271,7 @@ impl Session {
                 tracing::info!("driver calls took {total:.3} ms in all");
             }
         }
-        result.map_err(|e| gpu_checkpoint::Error::from(e).into())
+        result.map_err(Into::into)
     }
 }
 

@@ -17,19 +17,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
     let id = match store.get(&args.checkpoint) {
         Ok(info) => {
-            store
-                .delete(&info.id)
-                .map_err(gpu_checkpoint::Error::from)?;
+            store.delete(&info.id)?;
             info.id
         }
         // A damaged manifest can still be deleted by its exact id.
         Err(StoreError::DamagedManifest { checkpoint, .. }) if checkpoint == args.checkpoint => {
-            store
-                .delete_damaged(&checkpoint)
-                .map_err(gpu_checkpoint::Error::from)?;
+            store.delete_damaged(&checkpoint)?;
             checkpoint
         }
-        Err(e) => return Err(gpu_checkpoint::Error::from(e).into()),
+        Err(e) => return Err(e.into()),
     };
     if args.store.format == Format::Json {
         println!("{}", serde_json::json!({ "deleted": id }));

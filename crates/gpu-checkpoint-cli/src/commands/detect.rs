@@ -55,8 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let report = match args.pid {
         Some(pid) => detect::detect_pid(pid, &opts),
         None => detect::detect_all(&opts),
-    }
-    .map_err(gpu_checkpoint::Error::from)?;
+    }?;
     for note in &report.notes {
         tracing::info!("{note}");
     }

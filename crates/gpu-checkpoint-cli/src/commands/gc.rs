@@ -12,7 +12,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
-    let r = store.gc().map_err(gpu_checkpoint::Error::from)?;
+    let r = store.gc()?;
     match args.store.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&r)?),
         Format::Text => {

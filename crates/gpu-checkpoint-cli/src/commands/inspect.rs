@@ -14,9 +14,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
-    let info = store
-        .get(&args.checkpoint)
-        .map_err(gpu_checkpoint::Error::from)?;
+    let info = store.get(&args.checkpoint)?;
     let manifest = store.manifest_path(&info.id);
     match args.store.format {
         Format::Json => {

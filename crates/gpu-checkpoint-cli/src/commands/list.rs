@@ -53,22 +53,19 @@ impl StoreArgs {
 
 fn open_store(storage: &std::path::Path) -> anyhow::Result<Store> {
     if !storage.is_dir() {
-        return Err(
-            gpu_checkpoint::Error::from(gpu_checkpoint::store::Error::NotFound {
-                what: "any checkpoint (no store here)".into(),
-                storage: storage.to_path_buf(),
-            })
-            .into(),
-        );
+        return Err(gpu_checkpoint::store::Error::NotFound {
+            what: "any checkpoint (no store here)".into(),
+            storage: storage.to_path_buf(),
+        }
+        .into());
     }
     Store::open(storage, StoreOptions::default())
-        .map_err(gpu_checkpoint::Error::from)
         .with_context(|| format!("cannot open store {}", storage.display()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
-    let entries = store.list_entries().map_err(gpu_checkpoint::Error::from)?;
+    let entries = store.list_entries()?;
     match args.store.format {
         Format::Json => {
             let values: Vec<serde_json::Value> = entries

@@ -51,16 +51,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, Some(m)) => Target::Manifest(m),
         _ => return Err(usage("give a CHECKPOINT or --metadata PATH, not both")),
     };
-    let found = discover(args.criu.as_deref()).map_err(gpu_checkpoint::Error::from)?;
+    let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     let store = args.store.open()?;
     let progress = Bar::new(args.store.format == Format::Text);
     let device_map = match args.device_map.as_deref() {
         None => None,
-        Some(m) => Some(
-            m.parse::<DeviceMap>()
-                .map_err(gpu_checkpoint::Error::from)?,
-        ),
+        Some(m) => Some(m.parse::<DeviceMap>()?),
     };
     let mut gpu = FreezeHook::new(HookOptions {
         backend: args.gpu.gpu_backend.into(),

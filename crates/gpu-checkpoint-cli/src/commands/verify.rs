@@ -15,9 +15,7 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
     let bar = Bar::new(args.store.format == Format::Text);
-    let report = store
-        .verify(args.checkpoint.as_deref(), &bar)
-        .map_err(gpu_checkpoint::Error::from)?;
+    let report = store.verify(args.checkpoint.as_deref(), &bar)?;
     match args.store.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         Format::Text => {
@@ -35,6 +33,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             );
         }
     }
-    report.into_result().map_err(gpu_checkpoint::Error::from)?;
+    report.into_result()?;
     Ok(())
 }

@@ -77,6 +77,7 @@ pub fn lock_pid(pid: i32) -> Result<PidLock, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Classify;
 
     #[test]
     fn second_lock_of_a_pid_is_refused_until_the_first_is_dropped() {

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::detect::{self, DetectOptions, StrategyName};
 use crate::dump::{AfterDump, Criu, DumpRequest};
-use crate::error::ExitStatus;
+use crate::exit::{Classify, ExitStatus};
 use crate::store::{CheckpointInfo, Ingest, Progress, Store};
 
 pub use gpu::{FreezeContext, GpuHook, NoGpu, RestoredTree};
@@ -64,12 +64,12 @@ pub enum Error {
     },
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::Busy { .. } => ExitStatus::Conflict,
-            Error::Lock { source, .. } => crate::error::io_exit_status(source),
+            Error::Lock { source, .. } => crate::exit::io_exit_status(source),
             Error::Unsupported { .. } | Error::NoGpuStep { .. } => ExitStatus::Unsupported,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::error::{io_exit_status, ExitStatus};
+use crate::exit::{io_exit_status, Classify, ExitStatus};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -51,8 +51,8 @@ pub enum Error {
     },
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::PermissionDenied { .. } => ExitStatus::PermissionDenied,
@@ -69,7 +69,9 @@ impl Error {
             },
         }
     }
+}
 
+impl Error {
     /// True when the error only means that the process went away while we looked at it.
     pub fn is_vanished(&self) -> bool {
         matches!(self, Error::NoSuchProcess { .. })

@@ -198,6 +198,7 @@ pub fn parse_pid(name: &[u8]) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Classify;
 
     #[test]
     fn parse_pid_accepts_only_positive_decimals() {

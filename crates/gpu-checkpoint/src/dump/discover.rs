@@ -187,6 +187,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Classify;
 
     #[test]
     fn parses_release_and_git_versions() {

@@ -17,7 +17,7 @@ pub mod streamer;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::error::ExitStatus;
+use crate::exit::{Classify, ExitStatus};
 
 pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
@@ -233,14 +233,14 @@ pub enum Error {
     },
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::NotFound { .. } | Error::TooOld { .. } => ExitStatus::ToolMissing,
             Error::NotRoot => ExitStatus::PermissionDenied,
             Error::Spawn { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ExitStatus::ToolMissing,
-                _ => crate::error::io_exit_status(source),
+                _ => crate::exit::io_exit_status(source),
             },
             Error::Failed(f) => match f.kind {
                 FailureKind::NoSuchProcess => ExitStatus::NoSuchProcess,
@@ -250,10 +250,12 @@ impl Error {
                 FailureKind::Other => ExitStatus::Failure,
             },
             Error::Protocol { .. } => ExitStatus::Failure,
-            Error::Io { source, .. } => crate::error::io_exit_status(source),
+            Error::Io { source, .. } => crate::exit::io_exit_status(source),
         }
     }
+}
 
+impl Error {
     /// The CRIU failure inside this error, if it is one.
     pub fn failure(&self) -> Option<&Failure> {
         match self {

@@ -607,6 +607,7 @@ pub fn nvml_driver_version() -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Classify;
     use std::mem::{offset_of, size_of};
 
     #[test]

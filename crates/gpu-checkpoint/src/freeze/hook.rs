@@ -242,6 +242,7 @@ impl GpuHook for FreezeHook {
 mod tests {
     use super::*;
     use crate::detect::Report;
+    use crate::Classify;
 
     fn report(procs: &[(i32, &str, bool)]) -> Report {
         report_with(procs, vec![])

@@ -32,7 +32,7 @@ pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
 pub use step::{match_gpus, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
 
-use crate::error::ExitStatus;
+use crate::exit::{Classify, ExitStatus};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,8 +99,8 @@ fn summarize(errors: &[Error]) -> String {
     }
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::LibraryMissing { .. }
             | Error::SymbolMissing { .. }
@@ -116,7 +116,9 @@ impl Error {
             _ => ExitStatus::Failure,
         }
     }
+}
 
+impl Error {
     /// True when the process simply has no CUDA state to checkpoint (it loaded libcuda or NVML but never
     /// created a context, or it is not a simulated GPU process): such processes are left alone.
     pub fn is_no_cuda(&self) -> bool {

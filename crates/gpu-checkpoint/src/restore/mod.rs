@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 pub use crate::checkpoint::Flow;
 use crate::checkpoint::{save_log, tree, CheckpointManifest, ImageTransfer, RestoredTree};
 use crate::dump::{FailureKind, RestoreRequest};
-use crate::error::ExitStatus;
+use crate::exit::{Classify, ExitStatus};
 use crate::store::{CheckpointInfo, Store};
 
 /// Name of CRIU's restore log in the images folder (and, prefixed with the id, in `logs/`).
@@ -61,13 +61,13 @@ pub enum Error {
     },
 }
 
-impl Error {
-    pub fn exit_status(&self) -> ExitStatus {
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::PidInUse { .. } => ExitStatus::Conflict,
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::NoGpuStep => ExitStatus::Unsupported,
-            Error::WorkDir { source, .. } => crate::error::io_exit_status(source),
+            Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }
     }
 }

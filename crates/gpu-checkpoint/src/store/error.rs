@@ -3,7 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use crate::error::ExitStatus;
+use crate::exit::{Classify, ExitStatus};
 
 /// Everything that can go wrong in the store. Messages name the storage path, the checkpoint, the file and
 /// the chunk wherever they are known, because "a chunk is damaged" alone is not actionable.
@@ -74,9 +74,9 @@ pub enum Error {
     Conflict(String),
 }
 
-impl Error {
+impl Classify for Error {
     /// The binary's exit status for this error (see `crate::error::ExitStatus`).
-    pub fn exit_status(&self) -> ExitStatus {
+    fn exit_status(&self) -> ExitStatus {
         match self {
             Error::Io { source, .. } => io_status(source),
             Error::Unwritable { .. } => ExitStatus::Storage,
@@ -90,7 +90,9 @@ impl Error {
             Error::Conflict(_) => ExitStatus::Conflict,
         }
     }
+}
 
+impl Error {
     /// Shorthand used all over the store: wraps an `io::Error` with the operation and the path.
     pub(crate) fn io(
         op: &'static str,
