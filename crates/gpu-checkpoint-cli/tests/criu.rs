@@ -215,9 +215,7 @@ fn pipes_case(extra: &[&str], restore_extra: &[&str]) {
         assert_eq!(num(c, "errors"), 0, "{c:?}");
         assert_eq!(num(c, "value"), chain(i + 100, num(c, "rounds")), "{c:?}");
         // The children came back too, under their PIDs.
-        assert!(gpu_checkpoint::checkpoint::tree::is_alive(
-            num(c, "pid") as i32
-        ));
+        assert!(gpu_checkpoint::proc::is_alive(num(c, "pid") as i32));
     }
 }
 

@@ -1,7 +1,7 @@
 //! The library's umbrella error type, and how the binary finds the exit status in any error chain.
 //!
 //! Each stage and flow has its own error enum (`detect::Error`, `store::Error`, `checkpoint::Error`, ...),
-//! each classifying itself into an exit code ([`Classify`], in the leaf module [`crate::exit`]). [`Error`]
+//! each classifying itself into an exit code ([`Classify`], in the leaf module [`crate::exit`]). [`enum@Error`]
 //! collects them for code that strings several stages together (the flows, the GPU hook). The binary does
 //! not convert anything: it passes whatever error it got up, and [`exit_status_of`] finds the first
 //! library error in the chain, whichever type it is.

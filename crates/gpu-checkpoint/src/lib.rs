@@ -14,15 +14,16 @@
 //! The library returns typed errors ([`Error`]); the `gpu-checkpoint` binary parses arguments, prints and
 //! shows progress.
 
-pub mod checkpoint;
 pub mod detect;
 pub mod dump;
 pub mod error;
 pub mod exit;
+pub mod flows;
 pub mod freeze;
-pub mod restore;
+pub mod proc;
 pub mod store;
 pub mod util;
 
 pub use error::{Error, Result};
 pub use exit::{Classify, ExitStatus};
+pub use flows::{checkpoint, restore};

@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-use gpu_checkpoint::checkpoint::{CheckpointOptions, Flow, ImageTransfer};
+use gpu_checkpoint::checkpoint::CheckpointOptions;
 use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::flows::{Flow, ImageTransfer};
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
 use gpu_checkpoint::store::{Store, StoreOptions};
 use serde_json::json;

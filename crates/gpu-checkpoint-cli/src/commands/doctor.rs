@@ -4,8 +4,8 @@
 
 use std::path::PathBuf;
 
-use gpu_checkpoint::checkpoint::HostInfo;
 use gpu_checkpoint::dump::{discover, Criu, CriuRpc};
+use gpu_checkpoint::flows::HostInfo;
 use gpu_checkpoint::ExitStatus;
 use serde_json::json;
 

@@ -2,10 +2,10 @@
 
 use std::path::PathBuf;
 
-use gpu_checkpoint::checkpoint::ImageTransfer;
 use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::flows::{Flow, ImageTransfer};
 use gpu_checkpoint::freeze::{DeviceMap, FreezeHook, HookOptions};
-use gpu_checkpoint::restore::{Flow, Target};
+use gpu_checkpoint::restore::Target;
 use serde_json::json;
 
 use super::cuda::GpuArgs;

@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use gpu_checkpoint::checkpoint::tree;
+use gpu_checkpoint::proc as tree;
 use gpu_checkpoint_workloads::{read_state, Record};
 
 /// The `gpu-checkpoint` binary under test.

@@ -117,59 +117,13 @@ pub fn parse_maps_line(line: &str) -> Result<MapEntry, String> {
     })
 }
 
-/// The fields of `/proc/<pid>/stat` detection needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stat {
-    pub comm: String,
-    pub state: char,
-    pub ppid: i32,
-    pub flags: u64,
-}
+/// The fields of `/proc/<pid>/stat`: one parser serves detection and the flows ([`crate::proc`]).
+pub use crate::proc::{ProcStat as Stat, PF_KTHREAD};
 
-/// `PF_KTHREAD` from the kernel's `include/linux/sched.h`: set in `stat`'s flags for kernel threads.
-pub const PF_KTHREAD: u64 = 0x0020_0000;
-
-impl Stat {
-    pub fn is_kernel_thread(&self) -> bool {
-        self.flags & PF_KTHREAD != 0
-    }
-}
-
-/// Parses `stat`. The command name is in parentheses and may itself hold spaces and parentheses, so we
-/// cut at the *last* `)`.
+/// Parses `stat` (see [`crate::proc::parse_stat`]), naming the file when it is malformed.
 pub fn parse_stat(data: &[u8], path: &Path) -> Result<Stat, Error> {
-    let text = String::from_utf8_lossy(data);
-    let bad = |reason: &str| malformed(path, 1, reason.to_string());
-    let open = text
-        .find('(')
-        .ok_or_else(|| bad("no '(' before the command name"))?;
-    let close = text
-        .rfind(')')
-        .ok_or_else(|| bad("no ')' after the command name"))?;
-    if close < open {
-        return Err(bad("')' before '('"));
-    }
-    let comm = text[open + 1..close].to_string();
-    let mut f = text[close + 1..].split_ascii_whitespace();
-    let state = f
-        .next()
-        .and_then(|s| s.chars().next())
-        .ok_or_else(|| bad("no state field"))?;
-    let ppid = f
-        .next()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("no ppid field"))?;
-    // pgrp session tty_nr tpgid, then flags.
-    let flags = f
-        .nth(4)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("no flags field"))?;
-    Ok(Stat {
-        comm,
-        state,
-        ppid,
-        flags,
-    })
+    crate::proc::parse_stat(&String::from_utf8_lossy(data))
+        .map_err(|reason| malformed(path, 1, reason))
 }
 
 /// `NSpid:` of `/proc/<pid>/status`: the pid in each PID namespace from the reader's down to the

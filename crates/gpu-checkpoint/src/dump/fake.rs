@@ -166,7 +166,7 @@ impl Criu for FakeCriu {
             ("pages-1.img".to_string(), vec![0xa5; size]),
         ];
         if self.lock().lazy_memory {
-            use crate::restore::criu_images::{encode, image, PE_LAZY, PE_PRESENT};
+            use super::images::{encode, image, PE_LAZY, PE_PRESENT};
             let (base, pages) = (0x7f00_0000_0000u64, (size as u64).div_ceil(4096));
             images.push((
                 format!("pagemap-{}.img", req.pid),

@@ -10,6 +10,7 @@
 
 mod discover;
 mod fake;
+pub mod images;
 mod log;
 mod rpc;
 pub mod streamer;

@@ -111,6 +111,73 @@ impl Drop for Listener {
     }
 }
 
+/// Runs `criu` (a CRIU call with `--stream`) while answering its image connection on `listener`, one
+/// thread per image running `transfer(name, pipe)`; on restore (`Mode::Serve`) only images `exists` accepts
+/// are announced. Returns CRIU's result and the serving's: the connection's own failure (as a dump error),
+/// else the first image thread's. The checkpoint and restore flows both stream through this one loop.
+pub fn serve_while<T, E>(
+    listener: &Listener,
+    exists: &(dyn Fn(&str) -> bool + Sync),
+    transfer: &(dyn Fn(String, File) -> Result<(), E> + Sync),
+    criu: impl FnOnce() -> T,
+) -> (T, Result<(), E>)
+where
+    E: From<super::Error> + Send,
+{
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let server = s.spawn(|| serve(listener, &stop, s, exists, transfer));
+        let result = criu();
+        stop.store(true, Ordering::SeqCst);
+        let served = server
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (result, served)
+    })
+}
+
+/// Answers CRIU's connection until CRIU hangs up (or finishes without connecting: its own error says why).
+fn serve<'scope, E>(
+    listener: &Listener,
+    stop: &AtomicBool,
+    s: &'scope std::thread::Scope<'scope, '_>,
+    exists: &(dyn Fn(&str) -> bool + Sync),
+    transfer: &'scope (dyn Fn(String, File) -> Result<(), E> + Sync),
+) -> Result<(), E>
+where
+    E: From<super::Error> + Send + 'scope,
+{
+    let proto = |e: io::Error| E::from(super::Error::io("CRIU's image streamer connection", e));
+    let Some(mut conn) = listener.accept(stop).map_err(proto)? else {
+        return Ok(());
+    };
+    let mut images = Vec::new();
+    let result = (|| {
+        while let Some(name) = conn.next_request().map_err(proto)? {
+            if listener.mode == Mode::Serve {
+                let found = exists(&name);
+                tracing::debug!("CRIU asks for image {name} (exists: {found})");
+                conn.reply(found).map_err(proto)?;
+                if !found {
+                    continue;
+                }
+            }
+            let pipe = conn.receive_pipe().map_err(proto)?;
+            images.push(s.spawn(move || transfer(name, pipe)));
+        }
+        Ok(())
+    })();
+    // Every image thread is waited for; the server's own error comes first, else the first thread's.
+    let mut first = result.err();
+    for t in images {
+        let r = t.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        if let (None, Err(e)) = (&first, r) {
+            first = Some(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
 fn wait_readable(fd: RawFd, timeout: Duration) -> io::Result<()> {
     let mut pfd = libc::pollfd {
         fd,

@@ -1,394 +1,134 @@
-//! The freeze stage as the flows' GPU hook ([`crate::checkpoint::GpuHook`]).
+//! The freeze stage's boundary with the flows: the GPU step as a hook the flows call at fixed points.
 //!
-//! The driver is opened only when a tree (or a checkpoint) actually holds GPU state, so that checkpoints
-//! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
+//! The flows own the order of operations and the undo on failure; a [`GpuHook`] only knows how to move
+//! GPU state out of and back into processes. [`NoGpu`] is the hook for trees without GPU state (strategy
+//! `none`); [`super::FreezeHook`] is the real one (CUDA driver API, `cuda-checkpoint`, the simulator).
+//! The trait lives in the freeze stage, which owns it, so that the stage depends on no flow.
+//!
+//! Checkpoint, in the order the flow runs it (the hook's calls in bold):
+//!
+//! 1. detect accepts the tree (strategy not `unsupported`); the store is writable; the PID is locked.
+//! 2. **[`GpuHook::freeze`]**: lock every GPU process of the tree, then checkpoint its GPU state into host
+//!    memory. The tree is running. On error the hook has already put back whatever it did (restore +
+//!    unlock the processes it handled), so that every process runs as before; the flow stops there.
+//! 3. CRIU dumps the tree into the store's staging folder, leaving it running (`--leave-running`) or
+//!    stopped (SIGSTOP, default) once the images are written.
+//! 4. With `--leave-running`, right after a successful dump: **[`GpuHook::thaw`]** (GPU restore +
+//!    unlock), so that GPU work resumes while the images are being stored.
+//! 5. The store commits the checkpoint (durable, manifest last).
+//! 6. Default (migration): the tree is killed. Its GPU state lives in the checkpoint; nothing to thaw.
+//!
+//! On a failure after step 2 and before the checkpoint is durable (CRIU dump failed, store write failed):
+//! the flow continues the tree if CRIU left it stopped, then calls **[`GpuHook::thaw`]** (unless step 4
+//! already did), and discards the partial checkpoint. The tree runs as before the checkpoint started.
+//!
+//! Restore:
+//!
+//! 1. **[`GpuHook::prepare_restore`]** with the `gpu` record [`GpuHook::freeze`] returned at checkpoint
+//!    time: check this node can take the GPU state (same GPU count and models, or a device map). Nothing
+//!    has been started yet: an error here leaves nothing to undo.
+//! 2. The images are fetched and verified; CRIU restores the tree. Its GPU processes come back running
+//!    but still locked, their GPU state in host memory.
+//! 3. **[`GpuHook::finish_restore`]**: GPU restore + unlock of each restored GPU process. On error the
+//!    flow kills the restored tree (a half-restored copy must not run) and keeps the checkpoint intact for
+//!    another try.
 
-use super::group::{GroupOptions, Skipped};
-use super::interrupt::InterruptGuard;
-use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
-use super::types::{DeviceMap, GpuPair};
-use super::{Backend, Error};
-use crate::checkpoint::{FreezeContext, GpuHook, RestoredTree};
-use crate::detect::{FindingKind, Report, StrategyName};
-use serde_json::{json, Value};
+use serde_json::Value;
 
-/// Options of the GPU step, from the command line.
-#[derive(Debug, Clone)]
-pub struct HookOptions {
-    pub backend: Backend,
-    pub group: GroupOptions,
-    /// `restore --device-map`.
-    pub device_map: Option<DeviceMap>,
+use super::Error;
+use crate::detect::{Report, StrategyName};
+
+/// What [`GpuHook::freeze`] is given.
+#[derive(Debug, Clone, Copy)]
+pub struct FreezeContext<'a> {
+    /// The root of the tree being checkpointed.
+    pub root_pid: i32,
+    /// Every process of the tree at the time of detection.
+    pub pids: &'a [i32],
+    /// The detect report of the tree, with its strategy (never `unsupported` here).
+    pub report: &'a Report,
+    /// The tree keeps running after the checkpoint (`--leave-running`).
+    pub leave_running: bool,
 }
 
-impl Default for HookOptions {
-    fn default() -> Self {
-        HookOptions {
-            backend: Backend::Auto,
-            group: GroupOptions::default(),
-            device_map: None,
-        }
-    }
+/// What [`GpuHook::finish_restore`] is given.
+#[derive(Debug, Clone, Copy)]
+pub struct RestoredTree<'a> {
+    /// The restored root's PID (CRIU restores every process under its original PID).
+    pub root_pid: i32,
+    /// Every process of the restored tree, as recorded in the checkpoint.
+    pub pids: &'a [i32],
 }
 
-/// The GPU hook of the checkpoint and restore flows.
-pub struct FreezeHook {
-    opts: HookOptions,
-    step: Option<GpuStep>,
-    /// Decided by `prepare_restore`, used by `finish_restore`.
-    pairs: Vec<GpuPair>,
-    name: String,
-    /// Held while processes are without their GPU state: a Ctrl-C then waits for the undo.
-    guard: Option<InterruptGuard>,
+/// The GPU step of the flows; see the module documentation for when each method runs and what it must
+/// undo. Every method may block (GPU calls with timeouts). Errors are the freeze stage's, and their exit
+/// status is the command's.
+pub trait GpuHook {
+    /// The name recorded in the manifest (`none`, `cuda-driver`, `cuda-cli`, `sim`...).
+    fn name(&self) -> &str;
+
+    /// Before the CRIU dump: lock + checkpoint the GPU state of every GPU process of the tree. Returns
+    /// the record kept in the manifest under `gpu` (driver version, GPUs, per-process states and timings);
+    /// [`GpuHook::prepare_restore`] and [`GpuHook::finish_restore`] get it back. On error nothing must be
+    /// left locked or checkpointed.
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, Error>;
+
+    /// After a dump with `--leave-running`, or after any failure following a successful
+    /// [`GpuHook::freeze`]: GPU restore + unlock of the processes `freeze` handled, in the original tree,
+    /// which is running. Called at most once per successful `freeze`. Returns timings for the report.
+    fn thaw(&mut self) -> Result<Value, Error>;
+
+    /// The checkpoint is durable and the tree is about to be stopped (migration): the processes
+    /// [`GpuHook::freeze`] handled stay checkpointed, and nothing must thaw them later.
+    fn committed(&mut self) {}
+
+    /// Before restoring: check this node can take the checkpoint's GPU state (`record` is what
+    /// [`GpuHook::freeze`] returned, `null` for a checkpoint without GPU state).
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), Error>;
+
+    /// After CRIU restored the tree: GPU restore + unlock of its GPU processes. On error the flow kills the
+    /// restored tree. Returns timings for the report.
+    fn finish_restore(
+        &mut self,
+        record: &Value,
+        restored: &RestoredTree<'_>,
+    ) -> Result<Value, Error>;
 }
 
-impl FreezeHook {
-    pub fn new(opts: HookOptions) -> Self {
-        FreezeHook {
-            name: opts.backend.as_str().to_string(),
-            opts,
-            step: None,
-            pairs: Vec::new(),
-            guard: None,
-        }
-    }
+/// The hook for trees without GPU state: refuses trees that have some (they need a GPU backend), and
+/// does nothing otherwise.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoGpu;
 
-    fn step(&mut self, backend: Backend) -> Result<&mut GpuStep, Error> {
-        if self.step.is_none() {
-            let driver = super::open(backend)?;
-            self.name = driver.backend().as_str().to_string();
-            self.step = Some(GpuStep::new(driver, self.opts.group.clone()));
-        }
-        Ok(self.step.as_mut().expect("just set"))
-    }
-
-    fn record(value: &Value) -> Result<GpuRecord, Error> {
-        let schema = value.get("schema").and_then(Value::as_u64);
-        if schema.is_some_and(|s| s > u64::from(RECORD_SCHEMA)) {
-            return Err(Error::Record(format!(
-                "GPU record schema {} is newer than this gpu-checkpoint understands ({RECORD_SCHEMA})",
-                schema.unwrap_or_default()
-            )));
-        }
-        serde_json::from_value(value.clone()).map_err(|e| Error::Record(e.to_string()))
-    }
-
-    /// The backend to restore with: the user's choice, which must fit how the checkpoint was taken (a
-    /// simulated checkpoint is never restored onto a real GPU, nor the reverse, and `auto` never picks
-    /// the simulator).
-    fn restore_backend(&self, rec: &GpuRecord) -> Result<Backend, Error> {
-        let chosen = self.opts.backend;
-        let sim_record = rec.backend == Backend::Sim;
-        match (sim_record, chosen) {
-            (true, Backend::Sim)
-            | (false, Backend::Auto | Backend::CudaDriver | Backend::CudaCli) => Ok(chosen),
-            (false, Backend::Fake) | (true, Backend::Fake) => Ok(chosen),
-            (true, _) => Err(Error::WrongBackend(
-                "the checkpoint holds SIMULATED GPU state; restore it with --gpu-backend sim"
-                    .into(),
-            )),
-            (false, _) => Err(Error::WrongBackend(format!(
-                "the checkpoint holds real GPU state ({}); the simulator cannot restore it",
-                rec.backend
-            ))),
-        }
-    }
-}
-
-/// Whether detect saw a CUDA context in `pid`: GPU memory (or the context's BAR window) of a
-/// `/dev/nvidiaN` mapped, or the many `/dev/nvidiactl` mappings a context makes. On driver 580 an
-/// NVML-only process (nvidia-smi) also answers the state query with RUNNING and accepts a lock, so the
-/// query alone cannot tell (docs/hardware.md); such a process maps at most one page of /dev/nvidiactl.
-fn has_cuda_context(report: &Report, pid: i32) -> bool {
-    report.findings_of(pid).any(|f| {
-        f.kind == FindingKind::DeviceMapping
-            && match f.evidence.path.as_deref() {
-                Some("/dev/nvidiactl") => f.evidence.mappings.unwrap_or(1) > 4,
-                Some(p) => p
-                    .strip_prefix("/dev/nvidia")
-                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
-                None => false,
-            }
-    })
-}
-
-impl GpuHook for FreezeHook {
+impl GpuHook for NoGpu {
     fn name(&self) -> &str {
-        &self.name
+        "none"
     }
 
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::Error> {
-        let mut candidates = Vec::new();
-        let mut skipped = Vec::new();
-        for p in &ctx.report.processes {
-            match p.strategy {
-                StrategyName::None => {}
-                StrategyName::CudaDriver | StrategyName::CudaCli => {
-                    // The simulator must never stand in for a real GPU: a real CUDA process would answer
-                    // "not a simulated process" and be skipped, its GPU state lost.
-                    if self.opts.backend == Backend::Sim && !p.simulated {
-                        return Err(Error::WrongBackend(format!(
-                            "pid {} holds real NVIDIA GPU state; --gpu-backend sim only handles the simulator",
-                            p.pid
-                        ))
-                        .into());
-                    }
-                    if p.simulated || has_cuda_context(ctx.report, p.pid) {
-                        candidates.push(p.pid);
-                    } else {
-                        skipped.push(Skipped {
-                            pid: p.pid,
-                            reason: "NVIDIA device files open but no GPU memory mapped: no CUDA context \
-                                     (an NVML-only process such as nvidia-smi, or libcuda loaded but unused)"
-                                .into(),
-                        });
-                    }
-                }
-                strategy => {
-                    return Err(crate::checkpoint::Error::NoGpuStep { strategy }.into());
-                }
-            }
-        }
-        if candidates.is_empty() {
-            if skipped.is_empty() {
-                return Ok(Value::Null);
-            }
-            // Nothing to freeze, but say who was left alone (without opening any driver).
-            for s in &skipped {
-                tracing::info!("pid {} left alone: {}", s.pid, s.reason);
-            }
-            let rec = GpuRecord {
-                schema: RECORD_SCHEMA,
-                backend: self.opts.backend,
-                driver_version: None,
-                gpus: Vec::new(),
-                lock_timeout_ms: None,
-                processes: Vec::new(),
-                skipped,
-                timings: Default::default(),
-                thaw: None,
-            };
-            return serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()).into());
-        }
-        let backend = self.opts.backend;
-        let guard = InterruptGuard::new();
-        let mut rec = self.step(backend)?.freeze(&candidates)?;
-        self.guard = Some(guard);
-        rec.skipped.splice(0..0, skipped);
-        serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()).into())
-    }
-
-    fn thaw(&mut self) -> Result<Value, crate::Error> {
-        match self.step.as_mut() {
-            None => Ok(Value::Null),
-            Some(step) => {
-                let records = step.thaw();
-                self.guard = None;
-                let records = records?;
-                serde_json::to_value(records).map_err(|e| Error::Record(e.to_string()).into())
-            }
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, Error> {
+        match ctx.report.strategy.name {
+            StrategyName::None => Ok(Value::Null),
+            strategy => Err(Error::NoGpuStep { strategy }),
         }
     }
 
-    fn committed(&mut self) {
-        if let Some(step) = self.step.as_mut() {
-            step.committed();
-        }
-        self.guard = None;
+    fn thaw(&mut self) -> Result<Value, Error> {
+        Ok(Value::Null)
     }
 
-    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::Error> {
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), Error> {
         if record.is_null() {
-            return Ok(());
+            Ok(())
+        } else {
+            Err(Error::NoGpuStepForRestore)
         }
-        let rec = Self::record(record)?;
-        if rec.processes.is_empty() {
-            return Ok(());
-        }
-        let backend = self.restore_backend(&rec)?;
-        let map = self.opts.device_map.clone();
-        self.pairs = self.step(backend)?.prepare_restore(&rec, map.as_ref())?;
-        // From the CRIU restore until the GPU restore, a restored copy would be stuck without it.
-        self.guard = Some(InterruptGuard::new());
-        Ok(())
     }
 
     fn finish_restore(
         &mut self,
-        record: &Value,
+        _record: &Value,
         _restored: &RestoredTree<'_>,
-    ) -> Result<Value, crate::Error> {
-        if record.is_null() {
-            return Ok(Value::Null);
-        }
-        let rec = Self::record(record)?;
-        if rec.processes.is_empty() {
-            return Ok(Value::Null);
-        }
-        let backend = self.restore_backend(&rec)?;
-        let pairs = self.pairs.clone();
-        let records = self.step(backend)?.finish_restore(&rec, &pairs);
-        self.guard = None;
-        let records = records?;
-        Ok(json!({
-            "backend": self.name,
-            "pairs": pairs,
-            "processes": records,
-        }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::detect::Report;
-    use crate::Classify;
-
-    fn report(procs: &[(i32, &str, bool)]) -> Report {
-        report_with(procs, vec![])
-    }
-
-    fn mapping(pid: i32, path: &str, mappings: u32) -> Value {
-        json!({"kind": "device-mapping", "pid": pid,
-               "evidence": {"detail": "x", "path": path, "mappings": mappings}})
-    }
-
-    fn report_with(procs: &[(i32, &str, bool)], findings: Vec<Value>) -> Report {
-        let processes: Vec<Value> = procs
-            .iter()
-            .map(|(pid, strategy, simulated)| {
-                json!({"pid": pid, "comm": "x", "ppid": 1, "strategy": strategy, "simulated": simulated})
-            })
-            .collect();
-        serde_json::from_value(json!({
-            "schema_version": 1, "pid": procs[0].0, "gpu": true, "processes": processes,
-            "findings": findings, "strategy": {"name": "cuda-driver", "blockers": []},
-            "driver_version": null, "elapsed_ms": 0.0
-        }))
-        .unwrap()
-    }
-
-    fn freeze(hook: &mut FreezeHook, r: &Report) -> Result<Value, crate::Error> {
-        let pids: Vec<i32> = r.processes.iter().map(|p| p.pid).collect();
-        hook.freeze(&FreezeContext {
-            root_pid: pids[0],
-            pids: &pids,
-            report: r,
-            leave_running: false,
-        })
-    }
-
-    fn sim_hook() -> FreezeHook {
-        FreezeHook::new(HookOptions {
-            backend: Backend::Sim,
-            ..HookOptions::default()
-        })
-    }
-
-    #[test]
-    fn cpu_only_trees_need_no_driver() {
-        // `auto` would fail to open on this machine; a tree without GPU state never asks.
-        let mut hook = FreezeHook::new(HookOptions::default());
-        let v = freeze(&mut hook, &report(&[(1, "none", false)])).unwrap();
-        assert!(v.is_null());
-        assert!(hook.step.is_none());
-        hook.prepare_restore(&Value::Null).unwrap();
-    }
-
-    #[test]
-    fn the_simulator_never_stands_in_for_a_real_gpu() {
-        let e = freeze(
-            &mut sim_hook(),
-            &report(&[(1, "cuda-driver", false), (2, "cuda-driver", true)]),
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("real NVIDIA GPU state"), "{e}");
-        assert_eq!(e.exit_status(), crate::ExitStatus::Usage);
-    }
-
-    #[test]
-    fn only_processes_with_a_cuda_context_are_frozen() {
-        // Real GPU state through the simulator is refused before anything is touched, so use the
-        // context check directly: a CUDA process maps /dev/nvidia0 and many /dev/nvidiactl pages,
-        // nvidia-smi one /dev/nvidiactl page.
-        let r = report_with(
-            &[
-                (1, "cuda-driver", false),
-                (2, "cuda-driver", false),
-                (3, "cuda-driver", false),
-            ],
-            vec![
-                mapping(1, "/dev/nvidia0", 3),
-                mapping(2, "/dev/nvidiactl", 1),
-                mapping(3, "/dev/nvidiactl", 27),
-            ],
-        );
-        assert!(has_cuda_context(&r, 1));
-        assert!(!has_cuda_context(&r, 2), "NVML-only");
-        assert!(has_cuda_context(&r, 3));
-        let r = report_with(
-            &[(4, "cuda-driver", false)],
-            vec![mapping(4, "/dev/nvidia-uvm", 1)],
-        );
-        assert!(!has_cuda_context(&r, 4));
-        // With only NVML-only processes nothing is frozen and no driver is opened.
-        let mut hook = FreezeHook::new(HookOptions::default());
-        let r = report_with(
-            &[(2, "cuda-driver", false)],
-            vec![mapping(2, "/dev/nvidiactl", 1)],
-        );
-        let v = freeze(&mut hook, &r).unwrap();
-        let rec: GpuRecord = serde_json::from_value(v.clone()).unwrap();
-        assert!(rec.processes.is_empty());
-        assert_eq!(rec.skipped[0].pid, 2, "left alone and reported");
-        assert!(hook.step.is_none());
-        // Its restore needs no driver either.
-        hook.prepare_restore(&v).unwrap();
-        assert!(hook.step.is_none());
-    }
-
-    #[test]
-    fn amd_gpus_are_refused() {
-        let e = freeze(&mut sim_hook(), &report(&[(1, "amdgpu", false)])).unwrap_err();
-        assert_eq!(e.exit_status(), crate::ExitStatus::Unsupported, "{e}");
-    }
-
-    #[test]
-    fn restore_backend_must_match_how_the_checkpoint_was_taken() {
-        let rec = |backend: Backend| GpuRecord {
-            schema: RECORD_SCHEMA,
-            backend,
-            driver_version: None,
-            gpus: vec![],
-            lock_timeout_ms: None,
-            processes: vec![],
-            skipped: vec![],
-            timings: Default::default(),
-            thaw: None,
-        };
-        let with = |b: Backend| {
-            FreezeHook::new(HookOptions {
-                backend: b,
-                ..HookOptions::default()
-            })
-        };
-        assert!(with(Backend::Auto)
-            .restore_backend(&rec(Backend::Sim))
-            .is_err());
-        assert!(with(Backend::CudaDriver)
-            .restore_backend(&rec(Backend::Sim))
-            .is_err());
-        assert!(with(Backend::Sim)
-            .restore_backend(&rec(Backend::Sim))
-            .is_ok());
-        assert!(with(Backend::Sim)
-            .restore_backend(&rec(Backend::CudaDriver))
-            .is_err());
-        assert!(with(Backend::Auto)
-            .restore_backend(&rec(Backend::CudaCli))
-            .is_ok());
-        // A record from a newer gpu-checkpoint is refused, not misread.
-        let newer = json!({"schema": RECORD_SCHEMA + 1});
-        assert!(matches!(FreezeHook::record(&newer), Err(Error::Record(_))));
+    ) -> Result<Value, Error> {
+        Ok(Value::Null)
     }
 }

@@ -15,6 +15,7 @@
 pub mod cuda_cli;
 pub mod cuda_driver;
 pub mod fake;
+pub mod freeze_hook;
 pub mod group;
 pub mod hook;
 pub mod interrupt;
@@ -24,10 +25,11 @@ pub mod step;
 mod types;
 
 pub use cuda_driver::SetupTimings;
+pub use freeze_hook::{FreezeHook, HookOptions};
 pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
-pub use hook::{FreezeHook, HookOptions};
+pub use hook::{FreezeContext, GpuHook, NoGpu, RestoredTree};
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
 pub use step::{match_gpus, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
@@ -83,6 +85,14 @@ pub enum Error {
     WrongBackend(String),
     #[error("the checkpoint's GPU record is unreadable: {0}")]
     Record(String),
+    /// A tree with GPU state met the hook for trees without it ([`NoGpu`]).
+    #[error("the tree holds GPU state (strategy `{strategy}`) but no GPU step is available in this build")]
+    NoGpuStep {
+        strategy: crate::detect::StrategyName,
+    },
+    /// A checkpoint with GPU state met the hook for trees without it ([`NoGpu`]).
+    #[error("the checkpoint holds GPU state but no GPU step is available in this build")]
+    NoGpuStepForRestore,
     /// Several processes failed in one group operation; the first error is the headline.
     #[error("{}", summarize(.0))]
     Many(Vec<Error>),
@@ -111,6 +121,7 @@ impl Classify for Error {
             Error::DeviceMap(_) | Error::WrongBackend(_) => ExitStatus::Usage,
             Error::GpuMismatch(_) => ExitStatus::Conflict,
             Error::Record(_) => ExitStatus::CheckpointInvalid,
+            Error::NoGpuStep { .. } | Error::NoGpuStepForRestore => ExitStatus::Unsupported,
             Error::Cuda { code, .. } if code.is_permission() => ExitStatus::PermissionDenied,
             Error::Many(v) => v.first().map_or(ExitStatus::Failure, Error::exit_status),
             _ => ExitStatus::Failure,
@@ -305,7 +316,7 @@ pub fn probe() -> Probe {
 /// Checks that `pid` exists before asking a driver about it, so that "no such process" is not
 /// mistaken for "no CUDA state".
 pub fn ensure_process(pid: i32) -> Result<()> {
-    if pid > 0 && crate::checkpoint::tree::pid_taken(pid) {
+    if pid > 0 && crate::proc::pid_taken(pid) {
         Ok(())
     } else {
         Err(Error::NoSuchProcess { pid })

@@ -10,9 +10,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::tree::TreeProcess;
 use crate::detect::{Report, StrategyName};
 use crate::dump::CriuVersion;
+use crate::proc::TreeProcess;
 
 /// Names this JSON shape, so that a stray JSON file is never taken for a checkpoint manifest.
 pub const SCHEMA: &str = "gpu-checkpoint/checkpoint";

@@ -14,23 +14,24 @@
 //! checkpoint would not contain: files written, messages sent after the dump would otherwise be done a
 //! second time by the restored copy.
 
-mod gpu;
 mod lock;
-pub mod manifest;
-pub(crate) mod stream;
-pub mod tree;
+mod stream;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use super::manifest::{
+    self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
+};
+use super::{ms, save_log, Flow, ImageTransfer};
 use crate::detect::{self, DetectOptions, StrategyName};
-use crate::dump::{AfterDump, Criu, DumpRequest};
+use crate::dump::{AfterDump, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
-use crate::store::{CheckpointInfo, Ingest, Progress, Store};
+use crate::freeze::{FreezeContext, GpuHook};
+use crate::proc as tree;
+use crate::store::{CheckpointInfo, Ingest, Store};
 
-pub use gpu::{FreezeContext, GpuHook, NoGpu, RestoredTree};
 pub use lock::{lock_pid, PidLock};
-pub use manifest::{CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes};
 
 /// Name of CRIU's dump log inside the checkpoint (stored with its images).
 pub const DUMP_LOG: &str = "dump.log";
@@ -52,8 +53,6 @@ pub enum Error {
     },
     #[error("refusing to checkpoint process {pid}: its plan is `unsupported`:{}", blockers.iter().map(|b| format!("\n  - {b}")).collect::<String>())]
     Unsupported { pid: i32, blockers: Vec<String> },
-    #[error("the tree holds GPU state (strategy `{strategy}`) but no GPU step is available in this build")]
-    NoGpuStep { strategy: StrategyName },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
     NotStopped { id: String, pids: Vec<i32> },
     #[error("measuring the images in {}: {source}", path.display())]
@@ -70,7 +69,7 @@ impl Classify for Error {
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::Busy { .. } => ExitStatus::Conflict,
             Error::Lock { source, .. } => crate::exit::io_exit_status(source),
-            Error::Unsupported { .. } | Error::NoGpuStep { .. } => ExitStatus::Unsupported,
+            Error::Unsupported { .. } => ExitStatus::Unsupported,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
         }
@@ -106,55 +105,6 @@ impl CheckpointOptions {
     }
 }
 
-/// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU
-/// or [`crate::dump::FakeCriu`], the GPU step or [`NoGpu`], a store, a progress display).
-pub struct Flow<'a> {
-    pub criu: &'a dyn Criu,
-    pub gpu: &'a mut dyn GpuHook,
-    pub store: &'a Store,
-    pub progress: &'a dyn Progress,
-    /// How CRIU's images travel between CRIU and the store.
-    pub images: ImageTransfer,
-}
-
-/// How CRIU's images travel between CRIU and the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ImageTransfer {
-    /// Through CRIU's image streamer (`--stream`): pipes straight into the store's chunker on checkpoint,
-    /// and from verified chunks straight to CRIU on restore. The images are written and read once.
-    #[default]
-    Stream,
-    /// Through files: CRIU writes its images into a staging folder that the store then ingests, and
-    /// restore materializes them into a work folder first. Twice the disk traffic; for CRIUs or setups
-    /// where streaming does not work.
-    Staged,
-    /// Restore only (a checkpoint streams): the processes' private memory is copied from the store
-    /// straight into them through userfaultfd, and CRIU restores everything else from a folder of the
-    /// other images, a few MiB (`restore --uffd`, `restore/uffd.rs`).
-    Uffd,
-}
-
-impl ImageTransfer {
-    /// How a restore moves the images unless told otherwise: `Uffd` where this process may use
-    /// userfaultfd (0.6x plain `criu restore`'s time for 4 GiB here, against 1.3x streamed), else `Stream`.
-    pub fn default_restore() -> ImageTransfer {
-        if crate::restore::uffd_available() {
-            ImageTransfer::Uffd
-        } else {
-            ImageTransfer::Stream
-        }
-    }
-
-    /// `Staged` when asked for (the CLI's `--staged`), else the default, `Stream`.
-    pub fn staged_if(staged: bool) -> ImageTransfer {
-        if staged {
-            ImageTransfer::Staged
-        } else {
-            ImageTransfer::Stream
-        }
-    }
-}
-
 /// Timings of one checkpoint, in milliseconds.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Timings {
@@ -180,10 +130,6 @@ pub struct CheckpointOutcome {
     pub timings: Timings,
     /// The tree was killed (false with `--leave-running`).
     pub stopped: bool,
-}
-
-fn ms(since: Instant) -> f64 {
-    since.elapsed().as_secs_f64() * 1000.0
 }
 
 impl Flow<'_> {
@@ -243,7 +189,7 @@ impl Flow<'_> {
             Ok(r) => r,
             Err(e) => {
                 discard(ingest);
-                return Err(e);
+                return Err(e.into());
             }
         };
         timings.freeze = ms(t);
@@ -280,7 +226,7 @@ impl Flow<'_> {
             match streamed {
                 Some(Err(store_err)) if store_err.exit_status() == ExitStatus::Storage => {
                     tracing::debug!("{e}");
-                    return Err(store_err.into());
+                    return Err(store_err);
                 }
                 Some(Err(store_err)) => {
                     tracing::debug!("while CRIU failed, the store: {store_err}")
@@ -323,7 +269,7 @@ impl Flow<'_> {
             Ok(s) => s,
             Err(e) => {
                 discard(ingest);
-                return Err(undo(self.gpu, false, e.into()));
+                return Err(undo(self.gpu, false, e));
             }
         };
         let mut thawed = false;
@@ -338,7 +284,7 @@ impl Flow<'_> {
                 }
                 Err(e) => {
                     discard(ingest);
-                    return Err(e);
+                    return Err(e.into());
                 }
             }
             thawed = true;
@@ -464,36 +410,6 @@ fn keep_failed_log(store: &Store, ingest: &Ingest, e: crate::dump::Error) -> cra
         Some(kept) => e.with_log_path(kept),
         None => e,
     }
-}
-
-/// Where the flows keep CRIU logs that are not part of a checkpoint: failed dumps, and restores.
-pub fn logs_dir(storage: &Path) -> PathBuf {
-    storage.join("logs")
-}
-
-/// Copies a log to `logs_dir(storage)/name` (0600), falling back to the temporary folder (also for a store
-/// that is not a local folder: `storage` `None`). Returns where it went, or `None` when it could be kept
-/// nowhere.
-pub fn save_log(storage: Option<&Path>, src: &Path, name: &str) -> Option<PathBuf> {
-    let fallback = std::env::temp_dir().join("gpu-checkpoint-logs");
-    for dir in storage.map(logs_dir).into_iter().chain([fallback]) {
-        if crate::util::create_private_dir_all(&dir).is_err() {
-            continue;
-        }
-        let dest = dir.join(name);
-        let copied = std::fs::read(src).and_then(|data| {
-            use std::io::Write;
-            let mut f = crate::util::create_private_file(&dest)?;
-            f.write_all(&data)
-        });
-        match copied {
-            Ok(()) => return Some(dest),
-            Err(_) => {
-                let _ = std::fs::remove_file(&dest);
-            }
-        }
-    }
-    None
 }
 
 #[cfg(test)]

@@ -1,5 +1,8 @@
-//! The process tree as /proc shows it: who is in the tree rooted at a PID, what holds a PID, and the
-//! signals the flows send to a tree (continue, kill) with the wait for it to be gone.
+//! Live processes as /proc shows them: one parser of `/proc/PID/stat` (detection reads it through its
+//! `ProcRoot`, the flows here), who is in the tree rooted at a PID, what holds a PID, and the signals the
+//! flows send to a tree (continue, kill) with the wait for it to be gone.
+//!
+//! A leaf module like `util`: stages and flows both use it, and it uses neither.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -26,13 +29,16 @@ pub struct ProcStat {
     /// The state letter: R, S, D, T, t, Z, X, I...
     pub state: char,
     pub ppid: i32,
+    /// The number of threads; 0 when the line stops before that field (a truncated capture).
     pub threads: u32,
     /// The kernel's `PF_*` flags of the (main) thread.
-    pub flags: u32,
+    pub flags: u64,
 }
 
 /// `PF_EXITING`: set as a task enters `do_exit`, before its memory is torn down.
-const PF_EXITING: u32 = 0x4;
+const PF_EXITING: u64 = 0x4;
+/// `PF_KTHREAD` from the kernel's `include/linux/sched.h`: set for kernel threads.
+pub const PF_KTHREAD: u64 = 0x0020_0000;
 
 impl ProcStat {
     pub fn is_zombie(&self) -> bool {
@@ -49,22 +55,38 @@ impl ProcStat {
     pub fn is_dying(&self) -> bool {
         self.is_zombie() || self.is_exiting()
     }
+
+    pub fn is_kernel_thread(&self) -> bool {
+        self.flags & PF_KTHREAD != 0
+    }
 }
 
-/// Parses the content of a `/proc/PID/stat` file. The command name may hold spaces and parentheses, so the
-/// fields after it are found from the last `)`.
-pub fn parse_stat(text: &str) -> Option<ProcStat> {
-    let open = text.find('(')?;
-    let close = text.rfind(')')?;
-    let pid = text[..open].trim().parse().ok()?;
-    let comm = text.get(open + 1..close)?.to_string();
-    let rest: Vec<&str> = text.get(close + 1..)?.split_whitespace().collect();
+/// Parses the content of a `/proc/PID/stat` file; the error says which field is missing. The command name
+/// may hold spaces and parentheses, so the fields after it are found from the last `)`.
+pub fn parse_stat(text: &str) -> Result<ProcStat, &'static str> {
+    let open = text.find('(').ok_or("no '(' before the command name")?;
+    let close = text.rfind(')').ok_or("no ')' after the command name")?;
+    if close < open {
+        return Err("')' before '('");
+    }
+    let pid = text[..open].trim().parse().map_err(|_| "no pid field")?;
+    let comm = text[open + 1..close].to_string();
     // After the name: state(3) ppid(4) ... flags(9) ... num_threads(20), numbered as in proc(5).
-    let state = rest.first()?.chars().next()?;
-    let ppid = rest.get(1)?.parse().ok()?;
-    let flags = rest.get(6)?.parse().ok()?;
-    let threads = rest.get(17)?.parse().ok()?;
-    Some(ProcStat {
+    let rest: Vec<&str> = text[close + 1..].split_ascii_whitespace().collect();
+    let state = rest
+        .first()
+        .and_then(|s| s.chars().next())
+        .ok_or("no state field")?;
+    let ppid = rest
+        .get(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no ppid field")?;
+    let flags = rest
+        .get(6)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no flags field")?;
+    let threads = rest.get(17).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Ok(ProcStat {
         pid,
         comm,
         state,
@@ -78,7 +100,7 @@ pub fn parse_stat(text: &str) -> Option<ProcStat> {
 pub fn stat(pid: i32) -> Option<ProcStat> {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|t| parse_stat(&t))
+        .and_then(|t| parse_stat(&t).ok())
 }
 
 fn cmdline(pid: i32) -> String {
@@ -194,8 +216,8 @@ mod tests {
         assert_eq!(s.state, 'S');
         assert_eq!(s.ppid, 1);
         assert_eq!(s.threads, 3);
-        assert!(parse_stat("garbage").is_none());
-        assert!(parse_stat("1 (x) Z").is_none());
+        assert!(parse_stat("garbage").is_err());
+        assert!(parse_stat("1 (x) Z").is_err());
     }
 
     #[test]

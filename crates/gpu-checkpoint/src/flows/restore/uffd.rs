@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::criu_images::{parse_pagemap, parse_vmas, PE_LAZY, PE_PARENT, PE_PRESENT};
+use crate::dump::images::{parse_pagemap, parse_vmas, PE_LAZY, PE_PARENT, PE_PRESENT};
 use crate::store::{CheckpointInfo, Progress, Store};
 
 /// The socket CRIU connects to (criu/uffd.c, `LAZY_PAGES_SOCK_NAME`), in its work folder.
@@ -223,7 +223,7 @@ impl Plan {
 impl Task {
     fn of(
         pid: i32,
-        pm: &super::criu_images::Pagemap,
+        pm: &crate::dump::images::Pagemap,
         vmas: &[(u64, u64)],
         page: u64,
     ) -> Result<Task, String> {
@@ -765,12 +765,12 @@ fn recv_fd(conn: &UnixStream) -> std::io::Result<OwnedFd> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::criu_images::{encode, image, parse_pagemap};
     use super::*;
+    use crate::dump::images::{encode, image, parse_pagemap};
 
     const P: u64 = 4096;
 
-    fn pagemap(entries: &[(u64, u64, u32)]) -> super::super::criu_images::Pagemap {
+    fn pagemap(entries: &[(u64, u64, u32)]) -> crate::dump::images::Pagemap {
         let mut msgs = vec![encode::pagemap_head(3)];
         msgs.extend(
             entries

@@ -9,6 +9,8 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
+use crate::flows::logs_dir;
+use crate::freeze::RestoredTree;
 use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 
@@ -40,17 +42,17 @@ impl RecordingGpu {
     }
 }
 
-fn injected() -> crate::Error {
-    crate::Error::Checkpoint(Error::NoGpuStep {
+fn injected() -> crate::freeze::Error {
+    crate::freeze::Error::NoGpuStep {
         strategy: StrategyName::CudaDriver,
-    })
+    }
 }
 
 impl GpuHook for RecordingGpu {
     fn name(&self) -> &str {
         "recording"
     }
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> crate::Result<Value> {
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::freeze::Error> {
         self.record("freeze");
         assert!(ctx.pids.contains(&ctx.root_pid));
         if self.fail_freeze {
@@ -58,14 +60,14 @@ impl GpuHook for RecordingGpu {
         }
         Ok(json!({"frozen": ctx.root_pid}))
     }
-    fn thaw(&mut self) -> crate::Result<Value> {
+    fn thaw(&mut self) -> Result<Value, crate::freeze::Error> {
         self.record("thaw");
         Ok(Value::Null)
     }
     fn committed(&mut self) {
         self.record("committed");
     }
-    fn prepare_restore(&mut self, record: &Value) -> crate::Result<()> {
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::freeze::Error> {
         self.record("prepare");
         assert!(
             record.get("frozen").is_some(),
@@ -73,7 +75,11 @@ impl GpuHook for RecordingGpu {
         );
         Ok(())
     }
-    fn finish_restore(&mut self, _record: &Value, tree: &RestoredTree<'_>) -> crate::Result<Value> {
+    fn finish_restore(
+        &mut self,
+        _record: &Value,
+        tree: &RestoredTree<'_>,
+    ) -> Result<Value, crate::freeze::Error> {
         self.record("finish");
         assert!(tree.root_pid > 0);
         if self.fail_finish {

@@ -1,0 +1,66 @@
+//! The flows: the checkpoint and the restore (and next the container and cluster flows), built on the
+//! stages below them (`detect`, `freeze`, `dump`, `store`). A flow owns the order of operations and the undo
+//! on failure; the stages know how to do one thing each.
+//!
+//! What the flows share lives here, not in one of them, so that no flow reaches into another: the outside
+//! world they work with ([`Flow`]), how images travel ([`ImageTransfer`]), the checkpoint's manifest
+//! ([`manifest`]) and where CRIU's logs are kept ([`save_log`]). Each flow adds its own `impl Flow` block
+//! (`Flow::checkpoint` in [`checkpoint`], `Flow::restore` in [`restore`]).
+
+pub mod checkpoint;
+mod logs;
+pub mod manifest;
+pub mod restore;
+
+use std::time::Instant;
+
+use crate::dump::Criu;
+use crate::freeze::GpuHook;
+use crate::store::{Progress, Store};
+
+pub use logs::{logs_dir, save_log};
+pub use manifest::{CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes};
+
+/// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU
+/// or [`crate::dump::FakeCriu`], the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).
+pub struct Flow<'a> {
+    pub criu: &'a dyn Criu,
+    pub gpu: &'a mut dyn GpuHook,
+    pub store: &'a Store,
+    pub progress: &'a dyn Progress,
+    /// How CRIU's images travel between CRIU and the store.
+    pub images: ImageTransfer,
+}
+
+/// How CRIU's images travel between CRIU and the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImageTransfer {
+    /// Through CRIU's image streamer (`--stream`): pipes straight into the store's chunker on checkpoint,
+    /// and from verified chunks straight to CRIU on restore. The images are written and read once.
+    #[default]
+    Stream,
+    /// Through files: CRIU writes its images into a staging folder that the store then ingests, and
+    /// restore materializes them into a work folder first. Twice the disk traffic; for CRIUs or setups
+    /// where streaming does not work.
+    Staged,
+    /// Restore only (a checkpoint streams): the processes' private memory is copied from the store
+    /// straight into them through userfaultfd, and CRIU restores everything else from a folder of the
+    /// other images, a few MiB (the default restore where userfaultfd is available, `restore/uffd.rs`).
+    Uffd,
+}
+
+impl ImageTransfer {
+    /// `Staged` when asked for (the CLI's `--staged`), else the default, `Stream`.
+    pub fn staged_if(staged: bool) -> ImageTransfer {
+        if staged {
+            ImageTransfer::Staged
+        } else {
+            ImageTransfer::Stream
+        }
+    }
+}
+
+/// Milliseconds since `since`, as the flows' timings record them.
+pub(crate) fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}

@@ -1,0 +1,393 @@
+//! The freeze stage as the flows' GPU hook ([`GpuHook`]).
+//!
+//! The driver is opened only when a tree (or a checkpoint) actually holds GPU state, so that checkpoints
+//! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
+
+use super::group::{GroupOptions, Skipped};
+use super::hook::{FreezeContext, GpuHook, RestoredTree};
+use super::interrupt::InterruptGuard;
+use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
+use super::types::{DeviceMap, GpuPair};
+use super::{Backend, Error};
+use crate::detect::{FindingKind, Report, StrategyName};
+use serde_json::{json, Value};
+
+/// Options of the GPU step, from the command line.
+#[derive(Debug, Clone)]
+pub struct HookOptions {
+    pub backend: Backend,
+    pub group: GroupOptions,
+    /// `restore --device-map`.
+    pub device_map: Option<DeviceMap>,
+}
+
+impl Default for HookOptions {
+    fn default() -> Self {
+        HookOptions {
+            backend: Backend::Auto,
+            group: GroupOptions::default(),
+            device_map: None,
+        }
+    }
+}
+
+/// The GPU hook of the checkpoint and restore flows.
+pub struct FreezeHook {
+    opts: HookOptions,
+    step: Option<GpuStep>,
+    /// Decided by `prepare_restore`, used by `finish_restore`.
+    pairs: Vec<GpuPair>,
+    name: String,
+    /// Held while processes are without their GPU state: a Ctrl-C then waits for the undo.
+    guard: Option<InterruptGuard>,
+}
+
+impl FreezeHook {
+    pub fn new(opts: HookOptions) -> Self {
+        FreezeHook {
+            name: opts.backend.as_str().to_string(),
+            opts,
+            step: None,
+            pairs: Vec::new(),
+            guard: None,
+        }
+    }
+
+    fn step(&mut self, backend: Backend) -> Result<&mut GpuStep, Error> {
+        if self.step.is_none() {
+            let driver = super::open(backend)?;
+            self.name = driver.backend().as_str().to_string();
+            self.step = Some(GpuStep::new(driver, self.opts.group.clone()));
+        }
+        Ok(self.step.as_mut().expect("just set"))
+    }
+
+    fn record(value: &Value) -> Result<GpuRecord, Error> {
+        let schema = value.get("schema").and_then(Value::as_u64);
+        if schema.is_some_and(|s| s > u64::from(RECORD_SCHEMA)) {
+            return Err(Error::Record(format!(
+                "GPU record schema {} is newer than this gpu-checkpoint understands ({RECORD_SCHEMA})",
+                schema.unwrap_or_default()
+            )));
+        }
+        serde_json::from_value(value.clone()).map_err(|e| Error::Record(e.to_string()))
+    }
+
+    /// The backend to restore with: the user's choice, which must fit how the checkpoint was taken (a
+    /// simulated checkpoint is never restored onto a real GPU, nor the reverse, and `auto` never picks
+    /// the simulator).
+    fn restore_backend(&self, rec: &GpuRecord) -> Result<Backend, Error> {
+        let chosen = self.opts.backend;
+        let sim_record = rec.backend == Backend::Sim;
+        match (sim_record, chosen) {
+            (true, Backend::Sim)
+            | (false, Backend::Auto | Backend::CudaDriver | Backend::CudaCli) => Ok(chosen),
+            (false, Backend::Fake) | (true, Backend::Fake) => Ok(chosen),
+            (true, _) => Err(Error::WrongBackend(
+                "the checkpoint holds SIMULATED GPU state; restore it with --gpu-backend sim"
+                    .into(),
+            )),
+            (false, _) => Err(Error::WrongBackend(format!(
+                "the checkpoint holds real GPU state ({}); the simulator cannot restore it",
+                rec.backend
+            ))),
+        }
+    }
+}
+
+/// Whether detect saw a CUDA context in `pid`: GPU memory (or the context's BAR window) of a
+/// `/dev/nvidiaN` mapped, or the many `/dev/nvidiactl` mappings a context makes. On driver 580 an
+/// NVML-only process (nvidia-smi) also answers the state query with RUNNING and accepts a lock, so the
+/// query alone cannot tell (docs/hardware.md); such a process maps at most one page of /dev/nvidiactl.
+fn has_cuda_context(report: &Report, pid: i32) -> bool {
+    report.findings_of(pid).any(|f| {
+        f.kind == FindingKind::DeviceMapping
+            && match f.evidence.path.as_deref() {
+                Some("/dev/nvidiactl") => f.evidence.mappings.unwrap_or(1) > 4,
+                Some(p) => p
+                    .strip_prefix("/dev/nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
+                None => false,
+            }
+    })
+}
+
+impl GpuHook for FreezeHook {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, Error> {
+        let mut candidates = Vec::new();
+        let mut skipped = Vec::new();
+        for p in &ctx.report.processes {
+            match p.strategy {
+                StrategyName::None => {}
+                StrategyName::CudaDriver | StrategyName::CudaCli => {
+                    // The simulator must never stand in for a real GPU: a real CUDA process would answer
+                    // "not a simulated process" and be skipped, its GPU state lost.
+                    if self.opts.backend == Backend::Sim && !p.simulated {
+                        return Err(Error::WrongBackend(format!(
+                            "pid {} holds real NVIDIA GPU state; --gpu-backend sim only handles the simulator",
+                            p.pid
+                        )));
+                    }
+                    if p.simulated || has_cuda_context(ctx.report, p.pid) {
+                        candidates.push(p.pid);
+                    } else {
+                        skipped.push(Skipped {
+                            pid: p.pid,
+                            reason: "NVIDIA device files open but no GPU memory mapped: no CUDA context \
+                                     (an NVML-only process such as nvidia-smi, or libcuda loaded but unused)"
+                                .into(),
+                        });
+                    }
+                }
+                strategy => {
+                    return Err(Error::NoGpuStep { strategy });
+                }
+            }
+        }
+        if candidates.is_empty() {
+            if skipped.is_empty() {
+                return Ok(Value::Null);
+            }
+            // Nothing to freeze, but say who was left alone (without opening any driver).
+            for s in &skipped {
+                tracing::info!("pid {} left alone: {}", s.pid, s.reason);
+            }
+            let rec = GpuRecord {
+                schema: RECORD_SCHEMA,
+                backend: self.opts.backend,
+                driver_version: None,
+                gpus: Vec::new(),
+                lock_timeout_ms: None,
+                processes: Vec::new(),
+                skipped,
+                timings: Default::default(),
+                thaw: None,
+            };
+            return serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()));
+        }
+        let backend = self.opts.backend;
+        let guard = InterruptGuard::new();
+        let mut rec = self.step(backend)?.freeze(&candidates)?;
+        self.guard = Some(guard);
+        rec.skipped.splice(0..0, skipped);
+        serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()))
+    }
+
+    fn thaw(&mut self) -> Result<Value, Error> {
+        match self.step.as_mut() {
+            None => Ok(Value::Null),
+            Some(step) => {
+                let records = step.thaw();
+                self.guard = None;
+                let records = records?;
+                serde_json::to_value(records).map_err(|e| Error::Record(e.to_string()))
+            }
+        }
+    }
+
+    fn committed(&mut self) {
+        if let Some(step) = self.step.as_mut() {
+            step.committed();
+        }
+        self.guard = None;
+    }
+
+    fn prepare_restore(&mut self, record: &Value) -> Result<(), Error> {
+        if record.is_null() {
+            return Ok(());
+        }
+        let rec = Self::record(record)?;
+        if rec.processes.is_empty() {
+            return Ok(());
+        }
+        let backend = self.restore_backend(&rec)?;
+        let map = self.opts.device_map.clone();
+        self.pairs = self.step(backend)?.prepare_restore(&rec, map.as_ref())?;
+        // From the CRIU restore until the GPU restore, a restored copy would be stuck without it.
+        self.guard = Some(InterruptGuard::new());
+        Ok(())
+    }
+
+    fn finish_restore(
+        &mut self,
+        record: &Value,
+        _restored: &RestoredTree<'_>,
+    ) -> Result<Value, Error> {
+        if record.is_null() {
+            return Ok(Value::Null);
+        }
+        let rec = Self::record(record)?;
+        if rec.processes.is_empty() {
+            return Ok(Value::Null);
+        }
+        let backend = self.restore_backend(&rec)?;
+        let pairs = self.pairs.clone();
+        let records = self.step(backend)?.finish_restore(&rec, &pairs);
+        self.guard = None;
+        let records = records?;
+        Ok(json!({
+            "backend": self.name,
+            "pairs": pairs,
+            "processes": records,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::Report;
+    use crate::Classify;
+
+    fn report(procs: &[(i32, &str, bool)]) -> Report {
+        report_with(procs, vec![])
+    }
+
+    fn mapping(pid: i32, path: &str, mappings: u32) -> Value {
+        json!({"kind": "device-mapping", "pid": pid,
+               "evidence": {"detail": "x", "path": path, "mappings": mappings}})
+    }
+
+    fn report_with(procs: &[(i32, &str, bool)], findings: Vec<Value>) -> Report {
+        let processes: Vec<Value> = procs
+            .iter()
+            .map(|(pid, strategy, simulated)| {
+                json!({"pid": pid, "comm": "x", "ppid": 1, "strategy": strategy, "simulated": simulated})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "schema_version": 1, "pid": procs[0].0, "gpu": true, "processes": processes,
+            "findings": findings, "strategy": {"name": "cuda-driver", "blockers": []},
+            "driver_version": null, "elapsed_ms": 0.0
+        }))
+        .unwrap()
+    }
+
+    fn freeze(hook: &mut FreezeHook, r: &Report) -> Result<Value, Error> {
+        let pids: Vec<i32> = r.processes.iter().map(|p| p.pid).collect();
+        hook.freeze(&FreezeContext {
+            root_pid: pids[0],
+            pids: &pids,
+            report: r,
+            leave_running: false,
+        })
+    }
+
+    fn sim_hook() -> FreezeHook {
+        FreezeHook::new(HookOptions {
+            backend: Backend::Sim,
+            ..HookOptions::default()
+        })
+    }
+
+    #[test]
+    fn cpu_only_trees_need_no_driver() {
+        // `auto` would fail to open on this machine; a tree without GPU state never asks.
+        let mut hook = FreezeHook::new(HookOptions::default());
+        let v = freeze(&mut hook, &report(&[(1, "none", false)])).unwrap();
+        assert!(v.is_null());
+        assert!(hook.step.is_none());
+        hook.prepare_restore(&Value::Null).unwrap();
+    }
+
+    #[test]
+    fn the_simulator_never_stands_in_for_a_real_gpu() {
+        let e = freeze(
+            &mut sim_hook(),
+            &report(&[(1, "cuda-driver", false), (2, "cuda-driver", true)]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("real NVIDIA GPU state"), "{e}");
+        assert_eq!(e.exit_status(), crate::ExitStatus::Usage);
+    }
+
+    #[test]
+    fn only_processes_with_a_cuda_context_are_frozen() {
+        // Real GPU state through the simulator is refused before anything is touched, so use the
+        // context check directly: a CUDA process maps /dev/nvidia0 and many /dev/nvidiactl pages,
+        // nvidia-smi one /dev/nvidiactl page.
+        let r = report_with(
+            &[
+                (1, "cuda-driver", false),
+                (2, "cuda-driver", false),
+                (3, "cuda-driver", false),
+            ],
+            vec![
+                mapping(1, "/dev/nvidia0", 3),
+                mapping(2, "/dev/nvidiactl", 1),
+                mapping(3, "/dev/nvidiactl", 27),
+            ],
+        );
+        assert!(has_cuda_context(&r, 1));
+        assert!(!has_cuda_context(&r, 2), "NVML-only");
+        assert!(has_cuda_context(&r, 3));
+        let r = report_with(
+            &[(4, "cuda-driver", false)],
+            vec![mapping(4, "/dev/nvidia-uvm", 1)],
+        );
+        assert!(!has_cuda_context(&r, 4));
+        // With only NVML-only processes nothing is frozen and no driver is opened.
+        let mut hook = FreezeHook::new(HookOptions::default());
+        let r = report_with(
+            &[(2, "cuda-driver", false)],
+            vec![mapping(2, "/dev/nvidiactl", 1)],
+        );
+        let v = freeze(&mut hook, &r).unwrap();
+        let rec: GpuRecord = serde_json::from_value(v.clone()).unwrap();
+        assert!(rec.processes.is_empty());
+        assert_eq!(rec.skipped[0].pid, 2, "left alone and reported");
+        assert!(hook.step.is_none());
+        // Its restore needs no driver either.
+        hook.prepare_restore(&v).unwrap();
+        assert!(hook.step.is_none());
+    }
+
+    #[test]
+    fn amd_gpus_are_refused() {
+        let e = freeze(&mut sim_hook(), &report(&[(1, "amdgpu", false)])).unwrap_err();
+        assert_eq!(e.exit_status(), crate::ExitStatus::Unsupported, "{e}");
+    }
+
+    #[test]
+    fn restore_backend_must_match_how_the_checkpoint_was_taken() {
+        let rec = |backend: Backend| GpuRecord {
+            schema: RECORD_SCHEMA,
+            backend,
+            driver_version: None,
+            gpus: vec![],
+            lock_timeout_ms: None,
+            processes: vec![],
+            skipped: vec![],
+            timings: Default::default(),
+            thaw: None,
+        };
+        let with = |b: Backend| {
+            FreezeHook::new(HookOptions {
+                backend: b,
+                ..HookOptions::default()
+            })
+        };
+        assert!(with(Backend::Auto)
+            .restore_backend(&rec(Backend::Sim))
+            .is_err());
+        assert!(with(Backend::CudaDriver)
+            .restore_backend(&rec(Backend::Sim))
+            .is_err());
+        assert!(with(Backend::Sim)
+            .restore_backend(&rec(Backend::Sim))
+            .is_ok());
+        assert!(with(Backend::Sim)
+            .restore_backend(&rec(Backend::CudaDriver))
+            .is_err());
+        assert!(with(Backend::Auto)
+            .restore_backend(&rec(Backend::CudaCli))
+            .is_ok());
+        // A record from a newer gpu-checkpoint is refused, not misread.
+        let newer = json!({"schema": RECORD_SCHEMA + 1});
+        assert!(matches!(FreezeHook::record(&newer), Err(Error::Record(_))));
+    }
+}
