@@ -43,26 +43,25 @@ impl From<BackendArg> for Backend {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Timeout(pub Option<Duration>);
 
-/// Parses `--lock-timeout`: `10s`, `500ms`, `1.5` (seconds), or `0` for no limit.
+/// Parses `--lock-timeout`: `10s`, `500ms`, `1.5` (seconds), `1.5s`, anything humantime reads (`2m`,
+/// `1h 30m`), or `0` for no limit. Out-of-range values are an error, not a panic.
 pub fn parse_timeout(s: &str) -> Result<Timeout, String> {
     let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else {
-        (s, 1.0)
+    let bad = || format!("`{s}` is not a duration (10s, 500ms, 1.5)");
+    // Fractions of seconds, which humantime does not take, the way scripts have passed them so far.
+    let decimal = s
+        .strip_suffix("ms")
+        .map(|n| (n, 0.001))
+        .or_else(|| s.strip_suffix('s').map(|n| (n, 1.0)))
+        .unwrap_or((s, 1.0));
+    let d = match decimal.0.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => {
+            Duration::try_from_secs_f64(v * decimal.1).map_err(|_| bad())?
+        }
+        Ok(_) => return Err(bad()),
+        Err(_) => humantime::parse_duration(s).map_err(|_| bad())?,
     };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}` is not a duration (10s, 500ms, 1.5)"))?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(format!("`{s}` is not a duration (10s, 500ms, 1.5)"));
-    }
-    Ok(Timeout(
-        (v > 0.0).then(|| Duration::from_secs_f64(v * scale)),
-    ))
+    Ok(Timeout((!d.is_zero()).then_some(d)))
 }
 
 /// `--gpu-backend` and `--lock-timeout` for the checkpoint and restore commands.
@@ -393,5 +392,11 @@ mod tests {
         assert_eq!(parse_timeout("0"), Ok(Timeout(None)));
         assert!(parse_timeout("-1s").is_err());
         assert!(parse_timeout("soon").is_err());
+        // humantime's forms, and a value too large for a Duration (a panic before humantime).
+        assert_eq!(
+            parse_timeout("2m 30s"),
+            Ok(Timeout(Some(Duration::from_secs(150))))
+        );
+        assert!(parse_timeout("99999999999999999999s").is_err());
     }
 }

@@ -85,31 +85,41 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 println!("no checkpoints in {}", store.location().display());
                 return Ok(());
             }
-            println!(
-                "{:<26} {:<16} {:<24} {:>10} {:>10} {:>10} {:>6} {:>6} {:>8}",
-                "ID", "NAME", "CREATED", "LOGICAL", "STORED", "NEW", "DEDUP", "COMPR", "INGEST"
-            );
+            // Columns sized to their content: ids and names of any length stay aligned.
+            let mut table = comfy_table::Table::new();
+            table.load_style(comfy_table::presets::NOTHING);
+            table.set_header([
+                "ID", "NAME", "CREATED", "LOGICAL", "STORED", "NEW", "DEDUP", "COMPR", "INGEST",
+            ]);
+            let mut damaged = Vec::new();
             for e in &entries {
                 match e {
                     ListEntry::Ok(i) => {
                         let s = &i.stats;
-                        println!(
-                            "{:<26} {:<16} {:<24} {:>10} {:>10} {:>10} {:>5.2}x {:>5.2}x {:>8}",
-                            i.id,
-                            i.name.as_deref().unwrap_or("-"),
-                            i.created,
+                        table.add_row([
+                            i.id.clone(),
+                            i.name.clone().unwrap_or_else(|| "-".into()),
+                            i.created.clone(),
                             bytes(s.logical_bytes),
                             bytes(s.stored_bytes),
                             bytes(s.new_bytes),
-                            s.dedup_ratio,
-                            s.compression_ratio,
-                            millis(s.ingest_ms)
-                        );
+                            format!("{:.2}x", s.dedup_ratio),
+                            format!("{:.2}x", s.compression_ratio),
+                            millis(s.ingest_ms),
+                        ]);
                     }
-                    ListEntry::Damaged { id, reason } => {
-                        println!("{id:<26} DAMAGED: {reason}");
-                    }
+                    ListEntry::Damaged { id, reason } => damaged.push((id, reason)),
                 }
+            }
+            for (i, col) in table.column_iter_mut().enumerate() {
+                col.set_padding((0, 2));
+                if i >= 3 {
+                    col.set_cell_alignment(comfy_table::CellAlignment::Right);
+                }
+            }
+            println!("{}", table.trim_fmt());
+            for (id, reason) in damaged {
+                println!("{id} DAMAGED: {reason}");
             }
         }
     }
