@@ -661,3 +661,24 @@ fn doctor_reports_criu_and_its_check() {
         (None, None) => panic!("doctor gives neither a driver nor a reason: {v}"),
     }
 }
+
+#[test]
+fn logs_piped_into_a_file_carry_no_colour_codes() {
+    let Some((dir, store)) = scene() else { return };
+    let w = Workload::start("counter", dir.path(), &[]);
+    let out = std::process::Command::new(gc_bin())
+        .args(["checkpoint", "--pid", &w.pid.to_string(), "--storage"])
+        .arg(&store)
+        .arg("--leave-running")
+        .env("RUST_LOG", "debug")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("DEBUG"), "debug lines were asked for: {err}");
+    assert!(!err.contains('\x1b'), "escape codes in piped logs: {err:?}");
+}
