@@ -11,9 +11,10 @@ use std::time::Instant;
 /// Version of [`GpuRecord`]'s layout; bump on incompatible changes.
 pub const RECORD_SCHEMA: u32 = 1;
 
-/// One CUDA process of a checkpoint.
+/// One CUDA process of a checkpoint, as its [`GpuRecord`] keeps it (named apart from the typestate
+/// [`super::GpuProcess`], which is a live process, and from [`ProcessRecord`], the transitions alone).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GpuProcess {
+pub struct RecordedProcess {
     pub pid: i32,
     /// The GPUs it used, when the backend can tell (NVML, or the simulator).
     #[serde(default)]
@@ -41,7 +42,7 @@ pub struct GpuRecord {
     /// This node's GPUs at checkpoint time.
     pub gpus: Vec<GpuInfo>,
     pub lock_timeout_ms: Option<u64>,
-    pub processes: Vec<GpuProcess>,
+    pub processes: Vec<RecordedProcess>,
     /// Processes of the tree left alone (no CUDA context).
     pub skipped: Vec<Skipped>,
     pub timings: StepTimings,
@@ -133,7 +134,7 @@ impl GpuStep {
             lock_timeout_ms: self.opts.lock_timeout.map(|d| d.as_millis() as u64),
             processes: per_process
                 .into_iter()
-                .map(|(pid, gpus)| GpuProcess {
+                .map(|(pid, gpus)| RecordedProcess {
                     pid,
                     gpus,
                     steps: records
@@ -296,7 +297,7 @@ mod tests {
             driver_version: None,
             gpus,
             lock_timeout_ms: Some(10_000),
-            processes: vec![GpuProcess {
+            processes: vec![RecordedProcess {
                 pid: 1,
                 gpus: used,
                 steps: vec![],
