@@ -278,8 +278,8 @@ impl Flow<'_> {
             match self.gpu.thaw() {
                 // The GPU restore + unlock timings belong with the lock + checkpoint ones.
                 Ok(thaw) => {
-                    if let (Some(record), false) = (gpu_record.as_object_mut(), thaw.is_null()) {
-                        record.insert("thaw".into(), thaw);
+                    if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
+                        record.thaw = Some(thaw);
                     }
                 }
                 Err(e) => {
@@ -306,6 +306,14 @@ impl Flow<'_> {
                 return Err(undo(self.gpu, thawed, e.into()));
             }
         };
+        let gpu = match serde_json::to_value(&gpu_record) {
+            Ok(v) => v,
+            Err(e) => {
+                discard(ingest);
+                let e = crate::store::Error::Invalid(format!("encoding the manifest: {e}"));
+                return Err(undo(self.gpu, thawed, e.into()));
+            }
+        };
         let manifest = CheckpointManifest {
             schema: manifest::SCHEMA.into(),
             schema_version: manifest::SCHEMA_VERSION,
@@ -323,7 +331,7 @@ impl Flow<'_> {
             strategy: report.strategy.name,
             detect: report,
             gpu_step: self.gpu.name().to_string(),
-            gpu: gpu_record,
+            gpu,
             options: OptionsRecord {
                 leave_running: opts.leave_running,
                 tcp_established: opts.tcp_established,

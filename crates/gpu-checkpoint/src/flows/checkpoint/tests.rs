@@ -5,12 +5,13 @@ use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
 use crate::flows::logs_dir;
-use crate::freeze::RestoredTree;
+use crate::freeze::step::{RecordedProcess, RECORD_SCHEMA};
+use crate::freeze::{Backend, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
 use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 
@@ -20,6 +21,8 @@ struct RecordingGpu {
     events: Arc<Mutex<Vec<(String, usize)>>>,
     fail_freeze: bool,
     fail_finish: bool,
+    /// What the last freeze returned, for restore to compare against.
+    frozen: Option<GpuRecord>,
 }
 
 impl RecordingGpu {
@@ -29,6 +32,7 @@ impl RecordingGpu {
             events: Arc::default(),
             fail_freeze: false,
             fail_finish: false,
+            frozen: None,
         }
     }
 
@@ -42,6 +46,26 @@ impl RecordingGpu {
     }
 }
 
+/// What [`RecordingGpu`] "freezes" in the tree rooted at `pid`: one process, the root, recognisable in
+/// the manifest and in what restore hands back.
+fn frozen_record(pid: i32) -> GpuRecord {
+    GpuRecord {
+        schema: RECORD_SCHEMA,
+        backend: Backend::Fake,
+        driver_version: None,
+        gpus: vec![],
+        lock_timeout_ms: None,
+        processes: vec![RecordedProcess {
+            pid,
+            gpus: vec![],
+            steps: vec![],
+        }],
+        skipped: vec![],
+        timings: Default::default(),
+        thaw: None,
+    }
+}
+
 fn injected() -> crate::freeze::Error {
     crate::freeze::Error::NoGpuStep {
         strategy: StrategyName::CudaDriver,
@@ -52,40 +76,46 @@ impl GpuHook for RecordingGpu {
     fn name(&self) -> &str {
         "recording"
     }
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::freeze::Error> {
+    fn freeze(
+        &mut self,
+        ctx: &FreezeContext<'_>,
+    ) -> Result<Option<GpuRecord>, crate::freeze::Error> {
         self.record("freeze");
         assert!(ctx.pids.contains(&ctx.root_pid));
         if self.fail_freeze {
             return Err(injected());
         }
-        Ok(json!({"frozen": ctx.root_pid}))
+        self.frozen = Some(frozen_record(ctx.root_pid));
+        Ok(self.frozen.clone())
     }
-    fn thaw(&mut self) -> Result<Value, crate::freeze::Error> {
+    fn thaw(&mut self) -> Result<Option<ThawRecord>, crate::freeze::Error> {
         self.record("thaw");
-        Ok(Value::Null)
+        Ok(None)
     }
     fn committed(&mut self) {
         self.record("committed");
     }
-    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::freeze::Error> {
+    fn prepare_restore(&mut self, record: Option<&GpuRecord>) -> Result<(), crate::freeze::Error> {
         self.record("prepare");
-        assert!(
-            record.get("frozen").is_some(),
+        assert_eq!(
+            record,
+            self.frozen.as_ref(),
             "gets back what freeze returned"
         );
+        assert!(record.is_some());
         Ok(())
     }
     fn finish_restore(
         &mut self,
-        _record: &Value,
+        _record: Option<&GpuRecord>,
         tree: &RestoredTree<'_>,
-    ) -> Result<Value, crate::freeze::Error> {
+    ) -> Result<Option<RestoreRecord>, crate::freeze::Error> {
         self.record("finish");
         assert!(tree.root_pid > 0);
         if self.fail_finish {
             return Err(injected());
         }
-        Ok(Value::Null)
+        Ok(None)
     }
 }
 
@@ -216,7 +246,7 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
     let m = CheckpointManifest::from_metadata(&listed[0].metadata).unwrap();
     assert_eq!(m.root_pid, p.pid());
     assert_eq!(m.gpu_step, "recording");
-    assert_eq!(m.gpu, json!({"frozen": p.pid()}));
+    assert_eq!(m.gpu_record().unwrap(), Some(frozen_record(p.pid())));
     assert_eq!(m.process_tree[0].comm, "sleep");
     assert_eq!(m.criu.version.major, 4);
     assert!(m.sizes.pages_bytes > 0 && m.sizes.image_files >= 3);
