@@ -11,7 +11,7 @@ use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
 use crate::flows::logs_dir;
 use crate::freeze::step::{RecordedProcess, RECORD_SCHEMA};
-use crate::freeze::{Backend, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
+use crate::freeze::{Backend, GpuHook, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
 use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 
@@ -20,9 +20,13 @@ struct RecordingGpu {
     criu: Arc<FakeCriu>,
     events: Arc<Mutex<Vec<(String, usize)>>>,
     fail_freeze: bool,
+    fail_thaw: bool,
     fail_finish: bool,
     /// What the last freeze returned, for restore to compare against.
     frozen: Option<GpuRecord>,
+    /// A process to look at when thawing: whether it was stopped then.
+    watch: Option<i32>,
+    stopped_at_thaw: Option<bool>,
 }
 
 impl RecordingGpu {
@@ -31,8 +35,11 @@ impl RecordingGpu {
             criu: Arc::clone(criu),
             events: Arc::default(),
             fail_freeze: false,
+            fail_thaw: false,
             fail_finish: false,
             frozen: None,
+            watch: None,
+            stopped_at_thaw: None,
         }
     }
 
@@ -90,6 +97,12 @@ impl GpuHook for RecordingGpu {
     }
     fn thaw(&mut self) -> Result<Option<ThawRecord>, crate::freeze::Error> {
         self.record("thaw");
+        if let Some(pid) = self.watch {
+            self.stopped_at_thaw = Some(tree::stat(pid).is_some_and(|s| s.state == 'T'));
+        }
+        if self.fail_thaw {
+            return Err(injected());
+        }
         Ok(None)
     }
     fn committed(&mut self) {
@@ -314,11 +327,14 @@ fn failed_store_write_continues_the_stopped_tree_and_thaws() {
     let p = Sleeper::start();
     s.criu.leave_odd_file();
     let mut gpu = RecordingGpu::new(&s.criu);
+    gpu.watch = Some(p.pid());
     let err = s
         .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
         .unwrap_err();
     assert!(matches!(err, crate::Error::Store(_)), "{err}");
     assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    // Continued first: the GPU restore runs in the processes themselves, which a stopped one cannot do.
+    assert_eq!(gpu.stopped_at_thaw, Some(false));
     // The fake left the tree stopped like CRIU's leave_stopped; the flow continued it.
     assert!(tree::wait_until(Duration::from_secs(5), || {
         if p.running() {
@@ -330,6 +346,69 @@ fn failed_store_write_continues_the_stopped_tree_and_thaws() {
     .is_empty());
     assert!(s.store.list().unwrap().is_empty());
     assert!(s.staging_empty());
+}
+
+#[test]
+fn the_gpu_guard_thaws_once_unless_committed() {
+    let criu = Arc::new(FakeCriu::new());
+    let mut gpu = RecordingGpu::new(&criu);
+    drop(GpuThawGuard::new(&mut gpu));
+    assert_eq!(names(&gpu.events()), ["thaw"], "dropped: thawed");
+
+    let mut gpu = RecordingGpu::new(&criu);
+    gpu.fail_thaw = true;
+    let mut guard = GpuThawGuard::new(&mut gpu);
+    assert_eq!(guard.name(), "recording");
+    assert!(guard.thaw().is_err());
+    drop(guard);
+    assert_eq!(
+        names(&gpu.events()),
+        ["thaw"],
+        "a failed explicit thaw is not tried again"
+    );
+
+    let mut gpu = RecordingGpu::new(&criu);
+    GpuThawGuard::new(&mut gpu).committed();
+    assert_eq!(names(&gpu.events()), ["committed"], "never thawed");
+
+    let mut gpu = RecordingGpu::new(&criu);
+    let mut guard = GpuThawGuard::new(&mut gpu);
+    guard.thaw().unwrap();
+    guard.committed();
+    assert_eq!(
+        names(&gpu.events()),
+        ["thaw"],
+        "thawed: nothing left frozen to keep"
+    );
+}
+
+#[test]
+fn the_continue_guard_continues_a_stopped_tree_unless_disarmed() {
+    let p = Sleeper::start();
+    let stop = || {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(p.pid(), libc::SIGSTOP) };
+        let stopped = tree::wait_until(Duration::from_secs(5), || {
+            if p.running() {
+                vec![p.pid()]
+            } else {
+                vec![]
+            }
+        });
+        assert!(stopped.is_empty(), "SIGSTOP took no effect");
+    };
+    stop();
+    drop(ContinueGuard::new(vec![p.pid()], true));
+    assert!(p.running(), "dropped: continued");
+
+    stop();
+    assert_eq!(
+        ContinueGuard::new(vec![p.pid()], true).disarm(),
+        vec![p.pid()]
+    );
+    drop(ContinueGuard::new(vec![p.pid()], false));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!p.running(), "disarmed, or never stopped: left alone");
 }
 
 #[test]
