@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use gpu_checkpoint::detect::{
-    detect_all_with, detect_pid, detect_pid_with, nvml::GpuProcess, nvml::StaticInventory,
+    detect_all_with, detect_pid, detect_pid_with, nvml::ComputeProcess, nvml::StaticInventory,
     DetectOptions, Error, Report,
 };
 use gpu_checkpoint::{Classify, ExitStatus};
@@ -411,18 +411,18 @@ fn nvml_processes_are_added_and_mapped_through_nspid() {
         driver_version: Some("575.51.03".into()),
         processes: vec![
             // A host pid that this tree shows as is.
-            GpuProcess {
+            ComputeProcess {
                 pid: 7900,
                 gpu: 1,
                 used_memory: Some(512 << 20),
             },
             // 17 is 4242's pid inside its container (NSpid 4242 17).
-            GpuProcess {
+            ComputeProcess {
                 pid: 17,
                 gpu: 0,
                 used_memory: None,
             },
-            GpuProcess {
+            ComputeProcess {
                 pid: 31337,
                 gpu: 0,
                 used_memory: None,

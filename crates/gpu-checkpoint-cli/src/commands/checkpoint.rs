@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use gpu_checkpoint::checkpoint::CheckpointOptions;
 use gpu_checkpoint::dump::{discover, CriuRpc};
-use gpu_checkpoint::flows::{Flow, ImageTransfer};
+use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer};
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
 use gpu_checkpoint::store::{Store, StoreOptions};
 use serde_json::json;
@@ -164,7 +164,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "  detect {:.0} ms, freeze {:.0} ms, {dump} {:.0} ms, {write} {:.0} ms, stop {:.0} ms; total {:.0} ms",
                 t.detect, t.freeze, t.dump, t.write, t.stop, t.total
             );
-            if let Some(line) = gpu_summary(&out.manifest.gpu) {
+            if let Some(line) = gpu_summary(&out.manifest) {
                 eprintln!("  {line}");
             }
             eprintln!(
@@ -181,9 +181,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One line about the GPU step, from the manifest's `gpu` record.
-fn gpu_summary(gpu: &serde_json::Value) -> Option<String> {
-    let rec: gpu_checkpoint::freeze::GpuRecord = serde_json::from_value(gpu.clone()).ok()?;
+/// One line about the GPU step, from the manifest's `gpu` record (none without GPU state).
+fn gpu_summary(manifest: &CheckpointManifest) -> Option<String> {
+    let rec = manifest.gpu_record().ok()??;
     let skipped = if rec.skipped.is_empty() {
         String::new()
     } else {

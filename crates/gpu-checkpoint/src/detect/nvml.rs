@@ -4,9 +4,10 @@
 //! never an error. NVML misses processes it cannot see (other PID namespaces, NVML-less drivers, AMD),
 //! so detection always scans /proc as well.
 
-/// One compute process as the driver reports it.
+/// One compute process as the driver reports it (what `nvidia-smi --query-compute-apps` lists: a PID on a
+/// GPU, not yet a process detect has looked at).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GpuProcess {
+pub struct ComputeProcess {
     /// PID as NVML reports it (the host's, or the caller's namespace's on newer drivers).
     pub pid: u32,
     /// GPU index.
@@ -20,21 +21,21 @@ pub trait GpuInventory {
     /// Driver version (`570.86.15`), when known.
     fn driver_version(&self) -> Option<String>;
     /// Every compute process on every GPU.
-    fn compute_processes(&self) -> Result<Vec<GpuProcess>, String>;
+    fn compute_processes(&self) -> Result<Vec<ComputeProcess>, String>;
 }
 
 /// A fixed answer, for tests.
 #[derive(Clone, Debug, Default)]
 pub struct StaticInventory {
     pub driver_version: Option<String>,
-    pub processes: Vec<GpuProcess>,
+    pub processes: Vec<ComputeProcess>,
 }
 
 impl GpuInventory for StaticInventory {
     fn driver_version(&self) -> Option<String> {
         self.driver_version.clone()
     }
-    fn compute_processes(&self) -> Result<Vec<GpuProcess>, String> {
+    fn compute_processes(&self) -> Result<Vec<ComputeProcess>, String> {
         Ok(self.processes.clone())
     }
 }
@@ -63,7 +64,7 @@ impl GpuInventory for NvmlInventory {
         self.nvml.sys_driver_version().ok()
     }
 
-    fn compute_processes(&self) -> Result<Vec<GpuProcess>, String> {
+    fn compute_processes(&self) -> Result<Vec<ComputeProcess>, String> {
         let count = self
             .nvml
             .device_count()
@@ -77,7 +78,7 @@ impl GpuInventory for NvmlInventory {
             let procs = dev
                 .running_compute_processes()
                 .map_err(|e| format!("NVML compute processes of GPU {i}: {e}"))?;
-            out.extend(procs.into_iter().map(|p| GpuProcess {
+            out.extend(procs.into_iter().map(|p| ComputeProcess {
                 pid: p.pid,
                 gpu: i,
                 used_memory: match p.used_gpu_memory {

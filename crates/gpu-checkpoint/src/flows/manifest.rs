@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::detect::{Report, StrategyName};
 use crate::dump::CriuVersion;
+use crate::freeze::GpuRecord;
 use crate::proc::TreeProcess;
 
 /// Names this JSON shape, so that a stray JSON file is never taken for a checkpoint manifest.
@@ -45,6 +46,9 @@ pub struct CheckpointManifest {
     pub strategy: StrategyName,
     /// The GPU step's name and its record (`null` without GPU state); see [`super::GpuHook`].
     pub gpu_step: String,
+    /// A [`GpuRecord`], kept as JSON here so that a record from a newer gpu-checkpoint is refused by
+    /// [`CheckpointManifest::gpu_record`] with the GPU step's own error when it is used (restore), not as
+    /// an unreadable manifest.
     pub gpu: serde_json::Value,
     pub options: OptionsRecord,
     /// Phase timings in milliseconds; the write phase is the store's `stats.ingest_ms`.
@@ -166,6 +170,11 @@ impl CheckpointManifest {
             None => return Err("manifest has no schema_version".into()),
         }
         serde_json::from_value(metadata.clone()).map_err(|e| format!("bad manifest: {e}"))
+    }
+
+    /// The GPU step's record, `None` for a checkpoint without GPU state; see [`GpuRecord::from_manifest`].
+    pub fn gpu_record(&self) -> Result<Option<GpuRecord>, crate::freeze::Error> {
+        GpuRecord::from_manifest(&self.gpu)
     }
 
     /// Every PID of the checkpointed tree, root first.

@@ -4,13 +4,12 @@
 //! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
 
 use super::group::{GroupOptions, Skipped};
-use super::hook::{FreezeContext, GpuHook, RestoredTree};
+use super::hook::{FreezeContext, GpuHook, RestoreRecord, RestoredTree, ThawRecord};
 use super::interrupt::InterruptGuard;
 use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
 use super::{Backend, Error};
 use crate::detect::{FindingKind, Report, StrategyName};
-use serde_json::{json, Value};
 
 /// Options of the GPU step, from the command line.
 #[derive(Debug, Clone)]
@@ -62,17 +61,6 @@ impl FreezeHook {
         Ok(self.step.as_mut().expect("just set"))
     }
 
-    fn record(value: &Value) -> Result<GpuRecord, Error> {
-        let schema = value.get("schema").and_then(Value::as_u64);
-        if schema.is_some_and(|s| s > u64::from(RECORD_SCHEMA)) {
-            return Err(Error::Record(format!(
-                "GPU record schema {} is newer than this gpu-checkpoint understands ({RECORD_SCHEMA})",
-                schema.unwrap_or_default()
-            )));
-        }
-        serde_json::from_value(value.clone()).map_err(|e| Error::Record(e.to_string()))
-    }
-
     /// The backend to restore with: the user's choice, which must fit how the checkpoint was taken (a
     /// simulated checkpoint is never restored onto a real GPU, nor the reverse, and `auto` never picks
     /// the simulator).
@@ -117,7 +105,7 @@ impl GpuHook for FreezeHook {
         &self.name
     }
 
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, Error> {
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error> {
         let mut candidates = Vec::new();
         let mut skipped = Vec::new();
         for p in &ctx.report.processes {
@@ -150,7 +138,7 @@ impl GpuHook for FreezeHook {
         }
         if candidates.is_empty() {
             if skipped.is_empty() {
-                return Ok(Value::Null);
+                return Ok(None);
             }
             // Nothing to freeze, but say who was left alone (without opening any driver).
             for s in &skipped {
@@ -167,24 +155,23 @@ impl GpuHook for FreezeHook {
                 timings: Default::default(),
                 thaw: None,
             };
-            return serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()));
+            return Ok(Some(rec));
         }
         let backend = self.opts.backend;
         let guard = InterruptGuard::new();
         let mut rec = self.step(backend)?.freeze(&candidates)?;
         self.guard = Some(guard);
         rec.skipped.splice(0..0, skipped);
-        serde_json::to_value(&rec).map_err(|e| Error::Record(e.to_string()))
+        Ok(Some(rec))
     }
 
-    fn thaw(&mut self) -> Result<Value, Error> {
+    fn thaw(&mut self) -> Result<Option<ThawRecord>, Error> {
         match self.step.as_mut() {
-            None => Ok(Value::Null),
+            None => Ok(None),
             Some(step) => {
                 let records = step.thaw();
                 self.guard = None;
-                let records = records?;
-                serde_json::to_value(records).map_err(|e| Error::Record(e.to_string()))
+                records.map(Some)
             }
         }
     }
@@ -196,17 +183,13 @@ impl GpuHook for FreezeHook {
         self.guard = None;
     }
 
-    fn prepare_restore(&mut self, record: &Value) -> Result<(), Error> {
-        if record.is_null() {
+    fn prepare_restore(&mut self, record: Option<&GpuRecord>) -> Result<(), Error> {
+        let Some(rec) = record.filter(|r| !r.processes.is_empty()) else {
             return Ok(());
-        }
-        let rec = Self::record(record)?;
-        if rec.processes.is_empty() {
-            return Ok(());
-        }
-        let backend = self.restore_backend(&rec)?;
+        };
+        let backend = self.restore_backend(rec)?;
         let map = self.opts.device_map.clone();
-        self.pairs = self.step(backend)?.prepare_restore(&rec, map.as_ref())?;
+        self.pairs = self.step(backend)?.prepare_restore(rec, map.as_ref())?;
         // From the CRIU restore until the GPU restore, a restored copy would be stuck without it.
         self.guard = Some(InterruptGuard::new());
         Ok(())
@@ -214,25 +197,21 @@ impl GpuHook for FreezeHook {
 
     fn finish_restore(
         &mut self,
-        record: &Value,
+        record: Option<&GpuRecord>,
         _restored: &RestoredTree<'_>,
-    ) -> Result<Value, Error> {
-        if record.is_null() {
-            return Ok(Value::Null);
-        }
-        let rec = Self::record(record)?;
-        if rec.processes.is_empty() {
-            return Ok(Value::Null);
-        }
-        let backend = self.restore_backend(&rec)?;
+    ) -> Result<Option<RestoreRecord>, Error> {
+        let Some(rec) = record.filter(|r| !r.processes.is_empty()) else {
+            return Ok(None);
+        };
+        let backend = self.restore_backend(rec)?;
         let pairs = self.pairs.clone();
-        let records = self.step(backend)?.finish_restore(&rec, &pairs);
+        let records = self.step(backend)?.finish_restore(rec, &pairs);
         self.guard = None;
         let records = records?;
-        Ok(json!({
-            "backend": self.name,
-            "pairs": pairs,
-            "processes": records,
+        Ok(Some(RestoreRecord {
+            backend: self.name.clone(),
+            pairs,
+            processes: records,
         }))
     }
 }
@@ -242,6 +221,7 @@ mod tests {
     use super::*;
     use crate::detect::Report;
     use crate::Classify;
+    use serde_json::{json, Value};
 
     fn report(procs: &[(i32, &str, bool)]) -> Report {
         report_with(procs, vec![])
@@ -267,7 +247,7 @@ mod tests {
         .unwrap()
     }
 
-    fn freeze(hook: &mut FreezeHook, r: &Report) -> Result<Value, Error> {
+    fn freeze(hook: &mut FreezeHook, r: &Report) -> Result<Option<GpuRecord>, Error> {
         let pids: Vec<i32> = r.processes.iter().map(|p| p.pid).collect();
         hook.freeze(&FreezeContext {
             root_pid: pids[0],
@@ -289,9 +269,9 @@ mod tests {
         // `auto` would fail to open on this machine; a tree without GPU state never asks.
         let mut hook = FreezeHook::new(HookOptions::default());
         let v = freeze(&mut hook, &report(&[(1, "none", false)])).unwrap();
-        assert!(v.is_null());
+        assert!(v.is_none());
         assert!(hook.step.is_none());
-        hook.prepare_restore(&Value::Null).unwrap();
+        hook.prepare_restore(None).unwrap();
     }
 
     #[test]
@@ -336,13 +316,12 @@ mod tests {
             &[(2, "cuda-driver", false)],
             vec![mapping(2, "/dev/nvidiactl", 1)],
         );
-        let v = freeze(&mut hook, &r).unwrap();
-        let rec: GpuRecord = serde_json::from_value(v.clone()).unwrap();
+        let rec = freeze(&mut hook, &r).unwrap().unwrap();
         assert!(rec.processes.is_empty());
         assert_eq!(rec.skipped[0].pid, 2, "left alone and reported");
         assert!(hook.step.is_none());
         // Its restore needs no driver either.
-        hook.prepare_restore(&v).unwrap();
+        hook.prepare_restore(Some(&rec)).unwrap();
         assert!(hook.step.is_none());
     }
 
@@ -388,6 +367,9 @@ mod tests {
             .is_ok());
         // A record from a newer gpu-checkpoint is refused, not misread.
         let newer = json!({"schema": RECORD_SCHEMA + 1});
-        assert!(matches!(FreezeHook::record(&newer), Err(Error::Record(_))));
+        assert!(matches!(
+            GpuRecord::from_manifest(&newer),
+            Err(Error::Record(_))
+        ));
     }
 }

@@ -25,18 +25,37 @@
 //! Restore:
 //!
 //! 1. **[`GpuHook::prepare_restore`]** with the `gpu` record [`GpuHook::freeze`] returned at checkpoint
-//!    time: check this node can take the GPU state (same GPU count and models, or a device map). Nothing
-//!    has been started yet: an error here leaves nothing to undo.
+//!    time, as the flow read it back from the manifest ([`GpuRecord::from_manifest`], which refuses a
+//!    record from a newer gpu-checkpoint): check this node can take the GPU state (same GPU count and
+//!    models, or a device map). Nothing has been started yet: an error here leaves nothing to undo.
 //! 2. The images are fetched and verified; CRIU restores the tree. Its GPU processes come back running
 //!    but still locked, their GPU state in host memory.
 //! 3. **[`GpuHook::finish_restore`]**: GPU restore + unlock of each restored GPU process. On error the
 //!    flow kills the restored tree (a half-restored copy must not run) and keeps the checkpoint intact for
 //!    another try.
 
-use serde_json::Value;
+use serde::{Deserialize, Serialize};
 
+use super::group::ProcessRecord;
+use super::step::GpuRecord;
+use super::types::GpuPair;
 use super::Error;
 use crate::detect::{Report, StrategyName};
+
+/// What [`GpuHook::thaw`] did: the GPU restore + unlock of each process `freeze` handled, with timings.
+/// After a `--leave-running` checkpoint the GPU record keeps it as `thaw`.
+pub type ThawRecord = Vec<ProcessRecord>;
+
+/// What [`GpuHook::finish_restore`] did, for the report (`restore --format json` prints it as `gpu`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreRecord {
+    /// The backend that restored the GPU state.
+    pub backend: String,
+    /// The GPUs restored onto, by UUID (empty: the same GPUs, by index).
+    pub pairs: Vec<GpuPair>,
+    /// Each process's GPU restore + unlock.
+    pub processes: Vec<ProcessRecord>,
+}
 
 /// What [`GpuHook::freeze`] is given.
 #[derive(Debug, Clone, Copy)]
@@ -68,31 +87,32 @@ pub trait GpuHook {
     fn name(&self) -> &str;
 
     /// Before the CRIU dump: lock + checkpoint the GPU state of every GPU process of the tree. Returns
-    /// the record kept in the manifest under `gpu` (driver version, GPUs, per-process states and timings);
-    /// [`GpuHook::prepare_restore`] and [`GpuHook::finish_restore`] get it back. On error nothing must be
-    /// left locked or checkpointed.
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, Error>;
+    /// the record kept in the manifest under `gpu` (driver version, GPUs, per-process states and timings),
+    /// `None` for a tree without GPU state (`null` in the manifest); [`GpuHook::prepare_restore`] and
+    /// [`GpuHook::finish_restore`] get it back. On error nothing must be left locked or checkpointed.
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error>;
 
     /// After a dump with `--leave-running`, or after any failure following a successful
     /// [`GpuHook::freeze`]: GPU restore + unlock of the processes `freeze` handled, in the original tree,
-    /// which is running. Called at most once per successful `freeze`. Returns timings for the report.
-    fn thaw(&mut self) -> Result<Value, Error>;
+    /// which is running. Called at most once per successful `freeze`. Returns timings for the report,
+    /// `None` when nothing was frozen.
+    fn thaw(&mut self) -> Result<Option<ThawRecord>, Error>;
 
     /// The checkpoint is durable and the tree is about to be stopped (migration): the processes
     /// [`GpuHook::freeze`] handled stay checkpointed, and nothing must thaw them later.
     fn committed(&mut self) {}
 
     /// Before restoring: check this node can take the checkpoint's GPU state (`record` is what
-    /// [`GpuHook::freeze`] returned, `null` for a checkpoint without GPU state).
-    fn prepare_restore(&mut self, record: &Value) -> Result<(), Error>;
+    /// [`GpuHook::freeze`] returned, `None` for a checkpoint without GPU state).
+    fn prepare_restore(&mut self, record: Option<&GpuRecord>) -> Result<(), Error>;
 
     /// After CRIU restored the tree: GPU restore + unlock of its GPU processes. On error the flow kills the
-    /// restored tree. Returns timings for the report.
+    /// restored tree. Returns timings for the report, `None` when there was no GPU state to restore.
     fn finish_restore(
         &mut self,
-        record: &Value,
+        record: Option<&GpuRecord>,
         restored: &RestoredTree<'_>,
-    ) -> Result<Value, Error>;
+    ) -> Result<Option<RestoreRecord>, Error>;
 }
 
 /// The hook for trees without GPU state: refuses trees that have some (they need a GPU backend), and
@@ -105,30 +125,52 @@ impl GpuHook for NoGpu {
         "none"
     }
 
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, Error> {
+    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error> {
         match ctx.report.strategy.name {
-            StrategyName::None => Ok(Value::Null),
+            StrategyName::None => Ok(None),
             strategy => Err(Error::NoGpuStep { strategy }),
         }
     }
 
-    fn thaw(&mut self) -> Result<Value, Error> {
-        Ok(Value::Null)
+    fn thaw(&mut self) -> Result<Option<ThawRecord>, Error> {
+        Ok(None)
     }
 
-    fn prepare_restore(&mut self, record: &Value) -> Result<(), Error> {
-        if record.is_null() {
-            Ok(())
-        } else {
-            Err(Error::NoGpuStepForRestore)
+    fn prepare_restore(&mut self, record: Option<&GpuRecord>) -> Result<(), Error> {
+        match record {
+            None => Ok(()),
+            Some(_) => Err(Error::NoGpuStepForRestore),
         }
     }
 
     fn finish_restore(
         &mut self,
-        _record: &Value,
+        _record: Option<&GpuRecord>,
         _restored: &RestoredTree<'_>,
-    ) -> Result<Value, Error> {
-        Ok(Value::Null)
+    ) -> Result<Option<RestoreRecord>, Error> {
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_restore_record_prints_as_it_always_did() {
+        // `restore --format json` printed `json!({"backend", "pairs", "processes"})`, or null.
+        let r = RestoreRecord {
+            backend: "sim".into(),
+            pairs: vec![],
+            processes: vec![ProcessRecord::new(7)],
+        };
+        assert_eq!(
+            serde_json::to_value(&r).unwrap(),
+            json!({"backend": "sim", "pairs": [], "processes": [{"pid": 7, "steps": []}]})
+        );
+        assert!(serde_json::to_value(None::<RestoreRecord>)
+            .unwrap()
+            .is_null());
     }
 }

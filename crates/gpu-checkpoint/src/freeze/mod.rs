@@ -29,7 +29,7 @@ pub use freeze_hook::{FreezeHook, HookOptions};
 pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
-pub use hook::{FreezeContext, GpuHook, NoGpu, RestoredTree};
+pub use hook::{FreezeContext, GpuHook, NoGpu, RestoreRecord, RestoredTree, ThawRecord};
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
 pub use step::{match_gpus, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};

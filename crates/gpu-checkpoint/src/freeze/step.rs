@@ -2,6 +2,7 @@
 //! manifest, and the restore-time check that this node can take the checkpoint's GPU state.
 
 use super::group::{self, Frozen, GroupOptions, Plan, ProcessRecord, Skipped};
+use super::hook::ThawRecord;
 use super::types::{DeviceMap, GpuInfo, GpuPair, GpuUuid, Op};
 use super::{Backend, Error, GpuDriver, Result};
 use serde::{Deserialize, Serialize};
@@ -11,9 +12,10 @@ use std::time::Instant;
 /// Version of [`GpuRecord`]'s layout; bump on incompatible changes.
 pub const RECORD_SCHEMA: u32 = 1;
 
-/// One CUDA process of a checkpoint.
+/// One CUDA process of a checkpoint, as its [`GpuRecord`] keeps it (named apart from the typestate
+/// [`super::GpuProcess`], which is a live process, and from [`ProcessRecord`], the transitions alone).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GpuProcess {
+pub struct RecordedProcess {
     pub pid: i32,
     /// The GPUs it used, when the backend can tell (NVML, or the simulator).
     #[serde(default)]
@@ -41,16 +43,35 @@ pub struct GpuRecord {
     /// This node's GPUs at checkpoint time.
     pub gpus: Vec<GpuInfo>,
     pub lock_timeout_ms: Option<u64>,
-    pub processes: Vec<GpuProcess>,
+    pub processes: Vec<RecordedProcess>,
     /// Processes of the tree left alone (no CUDA context).
     pub skipped: Vec<Skipped>,
     pub timings: StepTimings,
     /// With `--leave-running`: the GPU restore + unlock right after the dump, per process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub thaw: Option<Vec<ProcessRecord>>,
+    pub thaw: Option<ThawRecord>,
 }
 
 impl GpuRecord {
+    /// Reads a manifest's `gpu` (`null`: the checkpoint holds no GPU state). A record from a newer
+    /// gpu-checkpoint is refused before it is parsed: its layout may have changed in ways that would
+    /// otherwise be misread rather than rejected.
+    pub fn from_manifest(value: &serde_json::Value) -> Result<Option<GpuRecord>> {
+        if value.is_null() {
+            return Ok(None);
+        }
+        let schema = value.get("schema").and_then(serde_json::Value::as_u64);
+        if schema.is_some_and(|s| s > u64::from(RECORD_SCHEMA)) {
+            return Err(Error::Record(format!(
+                "GPU record schema {} is newer than this gpu-checkpoint understands ({RECORD_SCHEMA})",
+                schema.unwrap_or_default()
+            )));
+        }
+        serde_json::from_value(value.clone())
+            .map(Some)
+            .map_err(|e| Error::Record(e.to_string()))
+    }
+
     pub fn pids(&self) -> Vec<i32> {
         self.processes.iter().map(|p| p.pid).collect()
     }
@@ -133,7 +154,7 @@ impl GpuStep {
             lock_timeout_ms: self.opts.lock_timeout.map(|d| d.as_millis() as u64),
             processes: per_process
                 .into_iter()
-                .map(|(pid, gpus)| GpuProcess {
+                .map(|(pid, gpus)| RecordedProcess {
                     pid,
                     gpus,
                     steps: records
@@ -296,7 +317,7 @@ mod tests {
             driver_version: None,
             gpus,
             lock_timeout_ms: Some(10_000),
-            processes: vec![GpuProcess {
+            processes: vec![RecordedProcess {
                 pid: 1,
                 gpus: used,
                 steps: vec![],
@@ -378,5 +399,42 @@ mod tests {
         assert!(step.finish_restore(&rec, &pairs).is_err());
         step.finish_restore(&rec, &pairs).unwrap();
         assert_eq!(d.state(20).unwrap(), ProcessState::Running);
+    }
+
+    #[test]
+    fn the_manifest_reads_and_writes_the_record_as_it_always_did() {
+        // As the GPU hook wrote it when it handed the flow JSON: `thaw` only when a thaw returned one.
+        let written = serde_json::json!({
+            "schema": 1, "backend": "fake", "driver_version": null, "gpus": [], "lock_timeout_ms": 10000,
+            "processes": [{"pid": 1, "gpus": [], "steps": [{"op": "lock", "ok": true, "ms": 1.5}]}],
+            "skipped": [{"pid": 2, "reason": "no CUDA context"}],
+            "timings": {"plan_ms": 0.5, "freeze_ms": 2.0, "lock_ms": 1.5, "checkpoint_ms": 0.0},
+        });
+        let rec = GpuRecord::from_manifest(&written).unwrap().unwrap();
+        assert_eq!(rec.pids(), vec![1]);
+        assert_eq!(serde_json::to_value(&rec).unwrap(), written);
+        let mut thawed = written.clone();
+        thawed["thaw"] = serde_json::json!([{"pid": 1, "steps": []}]);
+        let rec = GpuRecord::from_manifest(&thawed).unwrap().unwrap();
+        assert_eq!(rec.thaw, Some(vec![ProcessRecord::new(1)]));
+        assert_eq!(serde_json::to_value(&rec).unwrap(), thawed);
+        // No GPU state: `null`, both ways.
+        assert_eq!(
+            GpuRecord::from_manifest(&serde_json::Value::Null).unwrap(),
+            None
+        );
+        assert!(serde_json::to_value(None::<GpuRecord>).unwrap().is_null());
+        // A newer record is refused by its schema, before its layout is looked at.
+        let e = GpuRecord::from_manifest(&serde_json::json!({"schema": RECORD_SCHEMA + 1}))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the checkpoint's GPU record is unreadable: GPU record schema 2 is newer than this \
+             gpu-checkpoint understands (1)"
+        );
+        assert!(matches!(
+            GpuRecord::from_manifest(&serde_json::json!({"schema": 1})),
+            Err(Error::Record(_))
+        ));
     }
 }

@@ -3,9 +3,11 @@
 //! Order, and why:
 //! 1. Everything that can refuse does so before the process is touched: the PID exists, the store is
 //!    writable, no other checkpoint of this PID runs (per-PID lock), detect does not say `unsupported`.
-//! 2. GPU freeze (the [`GpuHook`]), then CRIU dumps the tree into the store's staging folder. CRIU never
-//!    kills the tree: it leaves it running (`--leave-running`) or stopped (SIGSTOP, the default), so a
-//!    failure of anything until the checkpoint is durable is undone by continuing the tree.
+//! 2. GPU freeze (the [`crate::freeze::GpuHook`]), then CRIU dumps the tree into the store's staging
+//!    folder. CRIU never kills the tree: it leaves it running (`--leave-running`) or stopped (SIGSTOP, the
+//!    default), so a failure of anything until the checkpoint is durable is undone by continuing the tree
+//!    and putting its GPU state back. Guards do that when dropped (`undo.rs`), so that no way out of the
+//!    flow can forget it.
 //! 3. The store commits the checkpoint: every chunk durable, then the manifest (the checkpoint exists
 //!    only from that moment on).
 //! 4. Only then, without `--leave-running`, the tree is killed (migration).
@@ -16,20 +18,22 @@
 
 mod lock;
 mod stream;
+mod undo;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
 use super::{ms, save_log, Flow, ImageTransfer};
-use crate::detect::{self, DetectOptions, StrategyName};
-use crate::dump::{AfterDump, DumpRequest};
+use crate::detect::{self, DetectOptions, Report, StrategyName};
+use crate::dump::{AfterDump, Criu, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
-use crate::freeze::{FreezeContext, GpuHook};
+use crate::freeze::FreezeContext;
 use crate::proc as tree;
-use crate::store::{CheckpointInfo, Ingest, Store};
+use crate::store::{CheckpointInfo, Ingest, Progress, Store, Streamed};
+use undo::{ContinueGuard, GpuThawGuard};
 
 pub use lock::{lock_pid, PidLock};
 
@@ -103,6 +107,15 @@ impl CheckpointOptions {
             },
         }
     }
+
+    /// The options the manifest keeps.
+    fn record(&self) -> OptionsRecord {
+        OptionsRecord {
+            leave_running: self.leave_running,
+            tcp_established: self.tcp_established,
+            shell_job: self.shell_job,
+        }
+    }
 }
 
 /// Timings of one checkpoint, in milliseconds.
@@ -120,6 +133,18 @@ pub struct Timings {
     /// Killing the tree after the checkpoint (0 with `--leave-running`).
     pub stop: f64,
     pub total: f64,
+}
+
+impl Timings {
+    /// The timings the manifest keeps (the write phase is the store's own `stats.ingest_ms`).
+    fn phases(&self) -> PhaseTimings {
+        PhaseTimings {
+            detect: self.detect,
+            freeze: self.freeze,
+            dump: self.dump,
+            streamed: self.streamed,
+        }
+    }
 }
 
 /// A finished checkpoint.
@@ -141,6 +166,7 @@ impl Flow<'_> {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let pid = opts.pid;
+        // 1. Refuse before touching the tree.
         if !tree::is_alive(pid) {
             return Err(Error::NoSuchProcess { pid }.into());
         }
@@ -149,49 +175,30 @@ impl Flow<'_> {
         let _lock = lock_pid(pid)?;
 
         let t = Instant::now();
-        let detect_opts = DetectOptions {
-            tree: true,
-            ..opts.detect.clone()
-        };
-        let report = detect::detect_pid(pid, &detect_opts)?;
+        let report = detect_tree(pid, &opts.detect)?;
         let mut timings = Timings {
             detect: ms(t),
             streamed: self.images != ImageTransfer::Staged,
             ..Timings::default()
         };
-        if report.strategy.name == StrategyName::Unsupported {
-            let blockers = report
-                .strategy
-                .blockers
-                .iter()
-                .map(|b| {
-                    format!(
-                        "pid {} {}: {} (remedy: {})",
-                        b.pid, b.kind, b.message, b.remedy
-                    )
-                })
-                .collect();
-            return Err(Error::Unsupported { pid, blockers }.into());
-        }
-        let criu_version = self.criu.version()?;
-
+        let criu = CriuInfo {
+            version: self.criu.version()?,
+            path: self.criu.describe(),
+        };
         let ingest = self.store.begin(opts.name.as_deref())?;
-        let detected_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
 
-        // From here on every failure must put the tree back the way it was.
+        // 2. Freeze and dump. From here on every way out before the commit puts the tree back the way it
+        // was: the guards undo when dropped (see `undo.rs` for their order) and `ingest` removes the
+        // staging folder.
+        let detected_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let t = Instant::now();
-        let mut gpu_record = match self.gpu.freeze(&FreezeContext {
+        let mut gpu_record = self.gpu.freeze(&FreezeContext {
             root_pid: pid,
             pids: &detected_pids,
             report: &report,
             leave_running: opts.leave_running,
-        }) {
-            Ok(r) => r,
-            Err(e) => {
-                discard(ingest);
-                return Err(e.into());
-            }
-        };
+        })?;
+        let mut gpu = GpuThawGuard::new(&mut *self.gpu);
         timings.freeze = ms(t);
 
         let after = if opts.leave_running {
@@ -209,103 +216,33 @@ impl Flow<'_> {
             shell_job: opts.shell_job,
             stream: self.images != ImageTransfer::Staged,
         };
-        let (dumped, streamed) = if req.stream {
-            let expected = stream::resident_bytes(&detected_pids);
-            let d = stream::dump_streamed(self.criu, &req, &ingest, expected, self.progress);
-            (d.dumped, Some(d.stored))
-        } else {
-            (self.criu.dump(&req), None)
-        };
+        let stored = dump_tree(
+            self.criu,
+            self.store,
+            self.progress,
+            &req,
+            &ingest,
+            &detected_pids,
+        )?;
         timings.dump = ms(t);
-        if let Err(e) = dumped {
-            // CRIU resumed (or never stopped) the tree; only the GPU state needs putting back. When the
-            // store gave up first (disk full), CRIU only saw a broken pipe: the store's error says why.
-            let e = keep_failed_log(self.store, &ingest, e);
-            thaw_after_failure(self.gpu);
-            discard(ingest);
-            match streamed {
-                Some(Err(store_err)) if store_err.exit_status() == ExitStatus::Storage => {
-                    tracing::debug!("{e}");
-                    return Err(store_err);
-                }
-                Some(Err(store_err)) => {
-                    tracing::debug!("while CRIU failed, the store: {store_err}")
-                }
-                _ => {}
-            }
-            return Err(e.into());
-        }
-        // The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the
-        // tree goes on and this is the best knowledge we have.
-        let mut process_tree = tree::process_tree(pid);
-        if process_tree.is_empty() {
-            // The root died right after CRIU let it go (leave_running): the images still hold the tree.
-            process_tree = report
-                .processes
-                .iter()
-                .map(|p| tree::TreeProcess {
-                    pid: p.pid,
-                    ppid: p.ppid,
-                    comm: p.comm.clone(),
-                    cmdline: String::new(),
-                    threads: 0,
-                })
-                .collect();
-        }
-        let pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
-        // Puts the tree back after a failure from here on: continues it (it was left stopped) and, unless
-        // that already happened, puts GPU state back.
-        let undo = |gpu: &mut dyn GpuHook, thawed: bool, e: crate::Error| -> crate::Error {
-            if after == AfterDump::Stop {
-                tree::continue_tree(&pids);
-            }
-            if !thawed {
-                thaw_after_failure(gpu);
-            }
-            e
-        };
+        let process_tree = dumped_tree(pid, &report);
+        let stopped_tree = ContinueGuard::new(
+            process_tree.iter().map(|p| p.pid).collect(),
+            after == AfterDump::Stop,
+        );
         // CRIU finished, but the store may not have taken every image.
-        let streamed = match streamed.transpose() {
-            Ok(s) => s,
-            Err(e) => {
-                discard(ingest);
-                return Err(undo(self.gpu, false, e));
-            }
-        };
-        let mut thawed = false;
+        let streamed = stored.transpose()?;
         if opts.leave_running {
-            // GPU work resumes while the images are stored.
-            match self.gpu.thaw() {
-                // The GPU restore + unlock timings belong with the lock + checkpoint ones.
-                Ok(thaw) => {
-                    if let (Some(record), false) = (gpu_record.as_object_mut(), thaw.is_null()) {
-                        record.insert("thaw".into(), thaw);
-                    }
-                }
-                Err(e) => {
-                    discard(ingest);
-                    return Err(e.into());
-                }
+            // GPU work resumes while the images are stored. The GPU restore + unlock timings belong with
+            // the lock + checkpoint ones.
+            let thaw = gpu.thaw()?;
+            if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
+                record.thaw = Some(thaw);
             }
-            thawed = true;
         }
 
-        let sizes = match Sizes::of_dir(ingest.staging_dir()) {
-            Ok(mut s) => {
-                if let Some(st) = &streamed {
-                    s.add_streamed(st.files());
-                }
-                s
-            }
-            Err(source) => {
-                let e = Error::Images {
-                    path: ingest.staging_dir().to_path_buf(),
-                    source,
-                };
-                discard(ingest);
-                return Err(undo(self.gpu, thawed, e.into()));
-            }
-        };
+        // 3. Commit.
+        let sizes = image_sizes(ingest.staging_dir(), streamed.as_ref())?;
         let manifest = CheckpointManifest {
             schema: manifest::SCHEMA.into(),
             schema_version: manifest::SCHEMA_VERSION,
@@ -313,52 +250,31 @@ impl Flow<'_> {
             name: opts.name.clone(),
             started_unix_ms,
             host: HostInfo::current(),
-            criu: CriuInfo {
-                version: criu_version,
-                path: self.criu.describe(),
-            },
+            criu,
             tool_version: env!("CARGO_PKG_VERSION").to_string(),
             root_pid: pid,
             process_tree,
             strategy: report.strategy.name,
             detect: report,
-            gpu_step: self.gpu.name().to_string(),
-            gpu: gpu_record,
-            options: OptionsRecord {
-                leave_running: opts.leave_running,
-                tcp_established: opts.tcp_established,
-                shell_job: opts.shell_job,
-            },
-            timings_ms: PhaseTimings {
-                detect: timings.detect,
-                freeze: timings.freeze,
-                dump: timings.dump,
-                streamed: timings.streamed,
-            },
+            gpu_step: gpu.name().to_string(),
+            gpu: encode(&gpu_record)?,
+            options: opts.record(),
+            timings_ms: timings.phases(),
             sizes,
         };
-        let metadata = match serde_json::to_value(&manifest) {
-            Ok(v) => v,
-            Err(e) => {
-                discard(ingest);
-                let e = crate::store::Error::Invalid(format!("encoding the manifest: {e}"));
-                return Err(undo(self.gpu, thawed, e.into()));
-            }
-        };
+        let metadata = encode(&manifest)?;
 
         let t = Instant::now();
         // On error the store removes the staging folder and keeps nothing: no partial checkpoint.
-        let info =
-            match ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress) {
-                Ok(info) => info,
-                Err(e) => return Err(undo(self.gpu, thawed, e.into())),
-            };
+        let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
         timings.write = ms(t);
 
+        // 4. The checkpoint is durable: nothing is to be undone any more; stop the tree (migration).
+        let pids = stopped_tree.disarm();
         let t = Instant::now();
         let stopped = !opts.leave_running;
         if stopped {
-            self.gpu.committed();
+            gpu.committed();
             let left = tree::kill_tree(&pids, KILL_TIMEOUT);
             if !left.is_empty() {
                 return Err(Error::NotStopped {
@@ -379,20 +295,109 @@ impl Flow<'_> {
     }
 }
 
-/// Puts GPU state back after a failed checkpoint. The checkpoint's own error is what the user must see;
-/// a failure here is logged next to it.
-fn thaw_after_failure(gpu: &mut dyn GpuHook) {
-    if let Err(e) = gpu.thaw() {
-        tracing::error!("after the failed checkpoint, putting the GPU state back failed too: {e}");
+/// Detect's report of the tree rooted at `pid` (`tree` forced on: checkpoints act on trees), refused
+/// when its strategy is `unsupported`.
+fn detect_tree(pid: i32, opts: &DetectOptions) -> crate::Result<Report> {
+    let report = detect::detect_pid(
+        pid,
+        &DetectOptions {
+            tree: true,
+            ..opts.clone()
+        },
+    )?;
+    if report.strategy.name == StrategyName::Unsupported {
+        let blockers = report
+            .strategy
+            .blockers
+            .iter()
+            .map(|b| {
+                format!(
+                    "pid {} {}: {} (remedy: {})",
+                    b.pid, b.kind, b.message, b.remedy
+                )
+            })
+            .collect();
+        return Err(Error::Unsupported { pid, blockers }.into());
+    }
+    Ok(report)
+}
+
+/// CRIU dumps the tree into the staging folder, or straight into the store (`req.stream`). Returns the
+/// store's side of a streamed dump, which may have failed though CRIU finished (the caller's undo then
+/// also continues the tree CRIU left stopped).
+///
+/// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
+/// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
+/// full), CRIU only saw a broken pipe: the store's error says why.
+fn dump_tree(
+    criu: &dyn Criu,
+    store: &Store,
+    progress: &dyn Progress,
+    req: &DumpRequest<'_>,
+    ingest: &Ingest,
+    pids: &[i32],
+) -> crate::Result<Option<crate::Result<Streamed>>> {
+    let (dumped, stored) = if req.stream {
+        let expected = stream::resident_bytes(pids);
+        let d = stream::dump_streamed(criu, req, ingest, expected, progress);
+        (d.dumped, Some(d.stored))
+    } else {
+        (criu.dump(req), None)
+    };
+    let Err(e) = dumped else {
+        return Ok(stored);
+    };
+    let e = keep_failed_log(store, ingest, e);
+    match stored {
+        Some(Err(store_err)) if store_err.exit_status() == ExitStatus::Storage => {
+            tracing::debug!("{e}");
+            Err(store_err)
+        }
+        Some(Err(store_err)) => {
+            tracing::debug!("while CRIU failed, the store: {store_err}");
+            Err(e.into())
+        }
+        _ => Err(e.into()),
     }
 }
 
-/// Drops a staging folder; a failure to remove it is only logged (gc removes dead staging folders).
-fn discard(ingest: Ingest) {
-    let id = ingest.id().to_string();
-    if let Err(e) = ingest.abort() {
-        tracing::warn!("checkpoint {id}: could not remove its staging folder: {e}");
+/// The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the tree
+/// goes on and this is the best knowledge we have.
+fn dumped_tree(pid: i32, report: &Report) -> Vec<tree::TreeProcess> {
+    let process_tree = tree::process_tree(pid);
+    if !process_tree.is_empty() {
+        return process_tree;
     }
+    // The root died right after CRIU let it go (leave_running): the images still hold the tree.
+    report
+        .processes
+        .iter()
+        .map(|p| tree::TreeProcess {
+            pid: p.pid,
+            ppid: p.ppid,
+            comm: p.comm.clone(),
+            cmdline: String::new(),
+            threads: 0,
+        })
+        .collect()
+}
+
+/// The sizes of CRIU's images: the files in the staging folder, plus those that came as streams.
+fn image_sizes(staging: &Path, streamed: Option<&Streamed>) -> Result<Sizes, Error> {
+    let mut sizes = Sizes::of_dir(staging).map_err(|source| Error::Images {
+        path: staging.to_path_buf(),
+        source,
+    })?;
+    if let Some(st) = streamed {
+        sizes.add_streamed(st.files());
+    }
+    Ok(sizes)
+}
+
+/// The manifest (or a part of it) as the JSON the store keeps.
+fn encode(value: &impl serde::Serialize) -> crate::Result<serde_json::Value> {
+    serde_json::to_value(value)
+        .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")).into())
 }
 
 /// Copies CRIU's log out of the staging folder (which is about to go) into the store's `logs/` folder,

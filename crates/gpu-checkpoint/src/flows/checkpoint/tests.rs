@@ -5,12 +5,13 @@ use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
 use crate::flows::logs_dir;
-use crate::freeze::RestoredTree;
+use crate::freeze::step::{RecordedProcess, RECORD_SCHEMA};
+use crate::freeze::{Backend, GpuHook, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
 use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 
@@ -19,7 +20,13 @@ struct RecordingGpu {
     criu: Arc<FakeCriu>,
     events: Arc<Mutex<Vec<(String, usize)>>>,
     fail_freeze: bool,
+    fail_thaw: bool,
     fail_finish: bool,
+    /// What the last freeze returned, for restore to compare against.
+    frozen: Option<GpuRecord>,
+    /// A process to look at when thawing: whether it was stopped then.
+    watch: Option<i32>,
+    stopped_at_thaw: Option<bool>,
 }
 
 impl RecordingGpu {
@@ -28,7 +35,11 @@ impl RecordingGpu {
             criu: Arc::clone(criu),
             events: Arc::default(),
             fail_freeze: false,
+            fail_thaw: false,
             fail_finish: false,
+            frozen: None,
+            watch: None,
+            stopped_at_thaw: None,
         }
     }
 
@@ -42,6 +53,26 @@ impl RecordingGpu {
     }
 }
 
+/// What [`RecordingGpu`] "freezes" in the tree rooted at `pid`: one process, the root, recognisable in
+/// the manifest and in what restore hands back.
+fn frozen_record(pid: i32) -> GpuRecord {
+    GpuRecord {
+        schema: RECORD_SCHEMA,
+        backend: Backend::Fake,
+        driver_version: None,
+        gpus: vec![],
+        lock_timeout_ms: None,
+        processes: vec![RecordedProcess {
+            pid,
+            gpus: vec![],
+            steps: vec![],
+        }],
+        skipped: vec![],
+        timings: Default::default(),
+        thaw: None,
+    }
+}
+
 fn injected() -> crate::freeze::Error {
     crate::freeze::Error::NoGpuStep {
         strategy: StrategyName::CudaDriver,
@@ -52,40 +83,52 @@ impl GpuHook for RecordingGpu {
     fn name(&self) -> &str {
         "recording"
     }
-    fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Value, crate::freeze::Error> {
+    fn freeze(
+        &mut self,
+        ctx: &FreezeContext<'_>,
+    ) -> Result<Option<GpuRecord>, crate::freeze::Error> {
         self.record("freeze");
         assert!(ctx.pids.contains(&ctx.root_pid));
         if self.fail_freeze {
             return Err(injected());
         }
-        Ok(json!({"frozen": ctx.root_pid}))
+        self.frozen = Some(frozen_record(ctx.root_pid));
+        Ok(self.frozen.clone())
     }
-    fn thaw(&mut self) -> Result<Value, crate::freeze::Error> {
+    fn thaw(&mut self) -> Result<Option<ThawRecord>, crate::freeze::Error> {
         self.record("thaw");
-        Ok(Value::Null)
+        if let Some(pid) = self.watch {
+            self.stopped_at_thaw = Some(tree::stat(pid).is_some_and(|s| s.state == 'T'));
+        }
+        if self.fail_thaw {
+            return Err(injected());
+        }
+        Ok(None)
     }
     fn committed(&mut self) {
         self.record("committed");
     }
-    fn prepare_restore(&mut self, record: &Value) -> Result<(), crate::freeze::Error> {
+    fn prepare_restore(&mut self, record: Option<&GpuRecord>) -> Result<(), crate::freeze::Error> {
         self.record("prepare");
-        assert!(
-            record.get("frozen").is_some(),
+        assert_eq!(
+            record,
+            self.frozen.as_ref(),
             "gets back what freeze returned"
         );
+        assert!(record.is_some());
         Ok(())
     }
     fn finish_restore(
         &mut self,
-        _record: &Value,
+        _record: Option<&GpuRecord>,
         tree: &RestoredTree<'_>,
-    ) -> Result<Value, crate::freeze::Error> {
+    ) -> Result<Option<RestoreRecord>, crate::freeze::Error> {
         self.record("finish");
         assert!(tree.root_pid > 0);
         if self.fail_finish {
             return Err(injected());
         }
-        Ok(Value::Null)
+        Ok(None)
     }
 }
 
@@ -216,7 +259,7 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
     let m = CheckpointManifest::from_metadata(&listed[0].metadata).unwrap();
     assert_eq!(m.root_pid, p.pid());
     assert_eq!(m.gpu_step, "recording");
-    assert_eq!(m.gpu, json!({"frozen": p.pid()}));
+    assert_eq!(m.gpu_record().unwrap(), Some(frozen_record(p.pid())));
     assert_eq!(m.process_tree[0].comm, "sleep");
     assert_eq!(m.criu.version.major, 4);
     assert!(m.sizes.pages_bytes > 0 && m.sizes.image_files >= 3);
@@ -284,11 +327,14 @@ fn failed_store_write_continues_the_stopped_tree_and_thaws() {
     let p = Sleeper::start();
     s.criu.leave_odd_file();
     let mut gpu = RecordingGpu::new(&s.criu);
+    gpu.watch = Some(p.pid());
     let err = s
         .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
         .unwrap_err();
     assert!(matches!(err, crate::Error::Store(_)), "{err}");
     assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    // Continued first: the GPU restore runs in the processes themselves, which a stopped one cannot do.
+    assert_eq!(gpu.stopped_at_thaw, Some(false));
     // The fake left the tree stopped like CRIU's leave_stopped; the flow continued it.
     assert!(tree::wait_until(Duration::from_secs(5), || {
         if p.running() {
@@ -300,6 +346,69 @@ fn failed_store_write_continues_the_stopped_tree_and_thaws() {
     .is_empty());
     assert!(s.store.list().unwrap().is_empty());
     assert!(s.staging_empty());
+}
+
+#[test]
+fn the_gpu_guard_thaws_once_unless_committed() {
+    let criu = Arc::new(FakeCriu::new());
+    let mut gpu = RecordingGpu::new(&criu);
+    drop(GpuThawGuard::new(&mut gpu));
+    assert_eq!(names(&gpu.events()), ["thaw"], "dropped: thawed");
+
+    let mut gpu = RecordingGpu::new(&criu);
+    gpu.fail_thaw = true;
+    let mut guard = GpuThawGuard::new(&mut gpu);
+    assert_eq!(guard.name(), "recording");
+    assert!(guard.thaw().is_err());
+    drop(guard);
+    assert_eq!(
+        names(&gpu.events()),
+        ["thaw"],
+        "a failed explicit thaw is not tried again"
+    );
+
+    let mut gpu = RecordingGpu::new(&criu);
+    GpuThawGuard::new(&mut gpu).committed();
+    assert_eq!(names(&gpu.events()), ["committed"], "never thawed");
+
+    let mut gpu = RecordingGpu::new(&criu);
+    let mut guard = GpuThawGuard::new(&mut gpu);
+    guard.thaw().unwrap();
+    guard.committed();
+    assert_eq!(
+        names(&gpu.events()),
+        ["thaw"],
+        "thawed: nothing left frozen to keep"
+    );
+}
+
+#[test]
+fn the_continue_guard_continues_a_stopped_tree_unless_disarmed() {
+    let p = Sleeper::start();
+    let stop = || {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(p.pid(), libc::SIGSTOP) };
+        let stopped = tree::wait_until(Duration::from_secs(5), || {
+            if p.running() {
+                vec![p.pid()]
+            } else {
+                vec![]
+            }
+        });
+        assert!(stopped.is_empty(), "SIGSTOP took no effect");
+    };
+    stop();
+    drop(ContinueGuard::new(vec![p.pid()], true));
+    assert!(p.running(), "dropped: continued");
+
+    stop();
+    assert_eq!(
+        ContinueGuard::new(vec![p.pid()], true).disarm(),
+        vec![p.pid()]
+    );
+    drop(ContinueGuard::new(vec![p.pid()], false));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!p.running(), "disarmed, or never stopped: left alone");
 }
 
 #[test]

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer};
 use crate::dump::{FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
-use crate::freeze::RestoredTree;
+use crate::freeze::{RestoreRecord, RestoredTree};
 use crate::proc as tree;
 use crate::store::{CheckpointInfo, Store};
 
@@ -116,7 +116,8 @@ pub struct RestoreOutcome {
     /// CRIU's restore log, kept.
     pub log: Option<PathBuf>,
     pub timings: Timings,
-    pub gpu: serde_json::Value,
+    /// The GPU step's restore (`None` without GPU state).
+    pub gpu: Option<RestoreRecord>,
 }
 
 impl Flow<'_> {
@@ -142,7 +143,8 @@ impl Flow<'_> {
         let (info, manifest) = self.find(target)?;
         let pids = manifest.pids();
         check_pids_free(&info.id, &pids)?;
-        self.gpu.prepare_restore(&manifest.gpu)?;
+        let gpu_record = manifest.gpu_record()?;
+        self.gpu.prepare_restore(gpu_record.as_ref())?;
 
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
         let req = RestoreRequest {
@@ -228,7 +230,7 @@ impl Flow<'_> {
 
         let t = Instant::now();
         let gpu = match self.gpu.finish_restore(
-            &manifest.gpu,
+            gpu_record.as_ref(),
             &RestoredTree {
                 root_pid: pid,
                 pids: &pids,
