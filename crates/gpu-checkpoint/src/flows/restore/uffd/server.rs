@@ -102,7 +102,8 @@ impl Server<'_> {
                                 let pid = i32::from_ne_bytes(word);
                                 if pid > 0 && pid != RESTORE_FINISHED {
                                     let fd =
-                                        recv_fd(c).map_err(|e| io("receiving a userfaultfd", e))?;
+                                        crate::fdpass::receive_one(c, "the process's userfaultfd")
+                                            .map_err(|e| io("receiving a userfaultfd", e))?;
                                     self.uffds
                                         .lock()
                                         .unwrap_or_else(|e| e.into_inner())
@@ -216,31 +217,4 @@ impl Drop for LazySocket {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-/// One descriptor sent with `SCM_RIGHTS` (CRIU sends it with a one-byte payload).
-fn recv_fd(conn: &UnixStream) -> std::io::Result<OwnedFd> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-    use std::os::fd::FromRawFd;
-    let mut byte = [0u8; 1];
-    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!(RawFd);
-    let msg = recvmsg::<()>(
-        conn.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .map_err(std::io::Error::from)?;
-    for c in msg.cmsgs().map_err(std::io::Error::from)? {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            if let Some(&fd) = fds.first() {
-                // SAFETY: the kernel just installed `fd` in our table for us; nobody else owns it.
-                return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
-            }
-        }
-    }
-    Err(std::io::Error::other(
-        "CRIU sent a PID without its userfaultfd",
-    ))
 }
