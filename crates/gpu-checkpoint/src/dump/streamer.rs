@@ -83,25 +83,10 @@ impl Listener {
     /// Waits for CRIU to connect; `Ok(None)` once `stop` is set (CRIU finished or failed without
     /// connecting).
     pub fn accept(&self, stop: &AtomicBool) -> io::Result<Option<Connection>> {
-        loop {
-            match self.listener.accept() {
-                Ok((sock, _)) => {
-                    sock.set_nonblocking(false)?;
-                    return Ok(Some(Connection {
-                        sock,
-                        mode: self.mode,
-                    }));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if stop.load(Ordering::SeqCst) {
-                        return Ok(None);
-                    }
-                    wait_readable(self.listener.as_raw_fd(), Duration::from_millis(20))?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+        Ok(accept_until(&self.listener, stop)?.map(|sock| Connection {
+            sock,
+            mode: self.mode,
+        }))
     }
 }
 
@@ -269,6 +254,30 @@ pub(crate) fn bind_in(dir: &Path, name: &str) -> io::Result<UnixListener> {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     listener.set_nonblocking(true)?;
     Ok(listener)
+}
+
+/// Waits for the one connection to a socket made by [`bind_in`] and returns it blocking; `Ok(None)` once
+/// `stop` is set (the peer, CRIU, finished or failed without connecting).
+pub(crate) fn accept_until(
+    listener: &UnixListener,
+    stop: &AtomicBool,
+) -> io::Result<Option<UnixStream>> {
+    loop {
+        match listener.accept() {
+            Ok((sock, _)) => {
+                sock.set_nonblocking(false)?;
+                return Ok(Some(sock));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if stop.load(Ordering::SeqCst) {
+                    return Ok(None);
+                }
+                wait_readable(listener.as_raw_fd(), Duration::from_millis(20))?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Reads exactly `buf.len()` bytes; `false` if the stream ended before the first byte.

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::dump::streamer::{accept_until, bind_in};
 use crate::store::{CheckpointInfo, Store};
 
 use super::plan::Plan;
@@ -45,7 +46,14 @@ impl Server<'_> {
     /// Until `stop`: accept CRIU's connection, take descriptors, serve faults.
     pub(super) fn run(&self) -> crate::store::Result<()> {
         let io = |what: &str, e: std::io::Error| other(format!("{what}: {e}"));
-        let mut conn: Option<UnixStream> = None;
+        // Every descriptor comes over the connection: until CRIU connects there is nothing else to serve.
+        let Some(mut conn) = accept_until(&self.socket.listener, &self.stop)
+            .map_err(|e| io("accepting CRIU's lazy-pages connection", e))?
+        else {
+            return Ok(());
+        };
+        conn.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| io("CRIU's lazy-pages connection", e))?;
         let mut conn_open = true;
         while !self.stop.load(Ordering::SeqCst) {
             let uffds: Vec<(i32, RawFd)> = self
@@ -56,13 +64,9 @@ impl Server<'_> {
                 .map(|(p, f)| (*p, f.as_raw_fd()))
                 .collect();
             let mut fds: Vec<libc::pollfd> = Vec::with_capacity(uffds.len() + 1);
-            let head = match &conn {
-                None => self.socket.listener.as_raw_fd(),
-                Some(c) if conn_open => c.as_raw_fd(),
-                Some(_) => -1, // poll ignores negative descriptors
-            };
             fds.push(libc::pollfd {
-                fd: head,
+                // poll ignores negative descriptors
+                fd: if conn_open { conn.as_raw_fd() } else { -1 },
                 events: libc::POLLIN,
                 revents: 0,
             });
@@ -81,39 +85,24 @@ impl Server<'_> {
                 return Err(io("waiting for CRIU", e));
             }
             if fds[0].revents != 0 {
-                match conn.as_mut() {
-                    None => match self.socket.listener.accept() {
-                        Ok((c, _)) => {
-                            c.set_nonblocking(false)
-                                .and_then(|()| c.set_read_timeout(Some(Duration::from_secs(5))))
-                                .map_err(|e| io("CRIU's lazy-pages connection", e))?;
-                            conn = Some(c);
+                let mut word = [0u8; 4];
+                match conn.read(&mut word[..1]) {
+                    Ok(0) => conn_open = false,
+                    Ok(_) => {
+                        conn.read_exact(&mut word[1..])
+                            .map_err(|e| io("reading CRIU's lazy-pages message", e))?;
+                        let pid = i32::from_ne_bytes(word);
+                        if pid > 0 && pid != RESTORE_FINISHED {
+                            let fd = crate::fdpass::receive_one(&conn, "the process's userfaultfd")
+                                .map_err(|e| io("receiving a userfaultfd", e))?;
+                            self.uffds
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(pid, fd);
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Err(io("accepting CRIU's lazy-pages connection", e)),
-                    },
-                    Some(c) => {
-                        let mut word = [0u8; 4];
-                        match c.read(&mut word[..1]) {
-                            Ok(0) => conn_open = false,
-                            Ok(_) => {
-                                c.read_exact(&mut word[1..])
-                                    .map_err(|e| io("reading CRIU's lazy-pages message", e))?;
-                                let pid = i32::from_ne_bytes(word);
-                                if pid > 0 && pid != RESTORE_FINISHED {
-                                    let fd =
-                                        crate::fdpass::receive_one(c, "the process's userfaultfd")
-                                            .map_err(|e| io("receiving a userfaultfd", e))?;
-                                    self.uffds
-                                        .lock()
-                                        .unwrap_or_else(|e| e.into_inner())
-                                        .insert(pid, fd);
-                                }
-                                // pid < 0: a zombie (no memory); RESTORE_FINISHED: nothing to do.
-                            }
-                            Err(e) => return Err(io("reading CRIU's lazy-pages message", e)),
-                        }
+                        // pid < 0: a zombie (no memory); RESTORE_FINISHED: nothing to do.
                     }
+                    Err(e) => return Err(io("reading CRIU's lazy-pages message", e)),
                 }
             }
             for (k, &(pid, fd)) in uffds.iter().enumerate() {
@@ -123,7 +112,7 @@ impl Server<'_> {
             }
         }
         // CRIU writes "restore finished" on the connection later: keep it open until the socket goes.
-        *self.socket.conn.lock().unwrap_or_else(|e| e.into_inner()) = conn;
+        *self.socket.conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
         Ok(())
     }
 
@@ -204,7 +193,7 @@ impl LazySocket {
     /// Only root may connect: whoever sends a descriptor there gets memory written into it.
     pub(super) fn bind(dir: &Path) -> std::io::Result<LazySocket> {
         let path = dir.join(SOCKET);
-        let listener = crate::dump::streamer::bind_in(dir, SOCKET)?;
+        let listener = bind_in(dir, SOCKET)?;
         Ok(LazySocket {
             listener,
             path,
