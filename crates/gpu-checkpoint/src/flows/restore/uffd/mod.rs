@@ -34,9 +34,8 @@ mod sys;
 pub use fill::FillStats;
 pub(super) use plan::Plan;
 
-use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use crate::store::{CheckpointInfo, Progress, Store};
@@ -91,15 +90,7 @@ pub(super) fn restore(
             return (Err(e), Ok(FillStats::default()));
         }
     };
-    let server = Server {
-        socket: &socket,
-        plan,
-        store,
-        info,
-        uffds: Mutex::new(HashMap::new()),
-        stop: AtomicBool::new(false),
-        served: AtomicU64::new(0),
-    };
+    let server = Server::new(&socket, plan, store, info);
     let outcome: Mutex<Option<crate::store::Result<FillStats>>> = Mutex::new(None);
     let (restored, serve_result) = std::thread::scope(|s| {
         let serving = s.spawn(|| server.run());

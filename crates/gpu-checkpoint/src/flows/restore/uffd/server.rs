@@ -33,16 +33,33 @@ const RESTORE_FINISHED: i32 = 0x5253_5446;
 /// memory while completing a process, e.g. the thread's rseq area). The processes are not running yet,
 /// so no other event can come.
 pub(super) struct Server<'a> {
-    pub(super) socket: &'a LazySocket,
-    pub(super) plan: &'a Plan,
-    pub(super) store: &'a Store,
-    pub(super) info: &'a CheckpointInfo,
+    socket: &'a LazySocket,
+    plan: &'a Plan,
+    store: &'a Store,
+    info: &'a CheckpointInfo,
     pub(super) uffds: Mutex<HashMap<i32, OwnedFd>>,
     pub(super) stop: AtomicBool,
     pub(super) served: AtomicU64,
 }
 
-impl Server<'_> {
+impl<'a> Server<'a> {
+    pub(super) fn new(
+        socket: &'a LazySocket,
+        plan: &'a Plan,
+        store: &'a Store,
+        info: &'a CheckpointInfo,
+    ) -> Self {
+        Server {
+            socket,
+            plan,
+            store,
+            info,
+            uffds: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            served: AtomicU64::new(0),
+        }
+    }
+
     /// Until `stop`: accept CRIU's connection, take descriptors, serve faults.
     pub(super) fn run(&self) -> crate::store::Result<()> {
         let io = |what: &str, e: std::io::Error| other(format!("{what}: {e}"));
