@@ -18,6 +18,7 @@ pub mod detect;
 pub mod dump;
 pub mod error;
 pub mod exit;
+pub mod fdpass;
 pub mod flows;
 pub mod freeze;
 pub mod proc;

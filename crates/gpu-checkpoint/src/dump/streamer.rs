@@ -20,7 +20,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -83,25 +83,10 @@ impl Listener {
     /// Waits for CRIU to connect; `Ok(None)` once `stop` is set (CRIU finished or failed without
     /// connecting).
     pub fn accept(&self, stop: &AtomicBool) -> io::Result<Option<Connection>> {
-        loop {
-            match self.listener.accept() {
-                Ok((sock, _)) => {
-                    sock.set_nonblocking(false)?;
-                    return Ok(Some(Connection {
-                        sock,
-                        mode: self.mode,
-                    }));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if stop.load(Ordering::SeqCst) {
-                        return Ok(None);
-                    }
-                    wait_readable(self.listener.as_raw_fd(), Duration::from_millis(20))?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
+        Ok(accept_until(&self.listener, stop)?.map(|sock| Connection {
+            sock,
+            mode: self.mode,
+        }))
     }
 }
 
@@ -234,44 +219,7 @@ impl Connection {
 
     /// Receives the pipe for the image just requested: the read end on dump, the write end on restore.
     pub fn receive_pipe(&mut self) -> io::Result<File> {
-        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-        let mut byte = [0u8; 1];
-        let mut iov = [io::IoSliceMut::new(&mut byte)];
-        let mut space = nix::cmsg_space!([RawFd; 1]);
-        let msg = recvmsg::<()>(
-            self.sock.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(io::Error::from)?;
-        if msg.bytes == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "CRIU closed the image-streamer socket before sending the pipe",
-            ));
-        }
-        let mut fds = Vec::new();
-        for c in msg.cmsgs().map_err(io::Error::from)? {
-            if let ControlMessageOwned::ScmRights(r) = c {
-                fds.extend(r);
-            }
-        }
-        // SAFETY: the kernel just installed these descriptors in our table; we own them now.
-        let mut owned: Vec<OwnedFd> = fds
-            .into_iter()
-            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
-            .collect();
-        if owned.len() != 1 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "expected one pipe from CRIU, got {} descriptors",
-                    owned.len()
-                ),
-            ));
-        }
-        let pipe = File::from(owned.remove(0));
+        let pipe = File::from(crate::fdpass::receive_one(&self.sock, "the image's pipe")?);
         // A large pipe lets CRIU and us work at the same time: the store cuts a segment of several MiB at
         // once, and with a 64 KiB (default) or 1 MiB pipe CRIU would wait idle meanwhile (and on restore,
         // a whole chunk fits in the pipe, so CRIU reads while we verify the next). Root may exceed
@@ -306,6 +254,30 @@ pub(crate) fn bind_in(dir: &Path, name: &str) -> io::Result<UnixListener> {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     listener.set_nonblocking(true)?;
     Ok(listener)
+}
+
+/// Waits for the one connection to a socket made by [`bind_in`] and returns it blocking; `Ok(None)` once
+/// `stop` is set (the peer, CRIU, finished or failed without connecting).
+pub(crate) fn accept_until(
+    listener: &UnixListener,
+    stop: &AtomicBool,
+) -> io::Result<Option<UnixStream>> {
+    loop {
+        match listener.accept() {
+            Ok((sock, _)) => {
+                sock.set_nonblocking(false)?;
+                return Ok(Some(sock));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if stop.load(Ordering::SeqCst) {
+                    return Ok(None);
+                }
+                wait_readable(listener.as_raw_fd(), Duration::from_millis(20))?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Reads exactly `buf.len()` bytes; `false` if the stream ended before the first byte.
