@@ -45,7 +45,7 @@ pub enum ImageTransfer {
     Staged,
     /// Restore only (a checkpoint streams): the processes' private memory is copied from the store
     /// straight into them through userfaultfd, and CRIU restores everything else from a folder of the
-    /// other images, a few MiB (the default restore where userfaultfd is available, `restore/uffd.rs`).
+    /// other images, a few MiB (the default restore where userfaultfd is available, `restore/uffd/`).
     Uffd,
 }
 

@@ -8,7 +8,7 @@
 //! 3. The GPU step checks this node can take the GPU state ([`crate::freeze::GpuHook::prepare_restore`]).
 //! 4. The images go to CRIU one of three ways ([`ImageTransfer`]), every chunk verified first: by default
 //!    the images without the processes' private memory are materialized into a private folder and the
-//!    memory is copied into the processes through userfaultfd while CRIU holds them stopped (`uffd.rs`);
+//!    memory is copied into the processes through userfaultfd while CRIU holds them stopped (`uffd/`);
 //!    or every image is streamed to CRIU through pipes (`stream.rs`); or every image is materialized.
 //! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores + unlocks its GPU
 //!    state, and if that fails the restored tree is killed.
