@@ -18,14 +18,96 @@ pub fn create_private_dir_all(path: &Path) -> io::Result<()> {
         .create(path)
 }
 
-/// Creates (truncating) a file with mode 0600.
+/// Creates (truncating) a file with mode 0600. A symbolic link in its place is refused (`O_NOFOLLOW`), never
+/// written through: the tool runs as root, and a link could point at any file.
 pub fn create_private_file(path: &Path) -> io::Result<File> {
     OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
+}
+
+/// Creates a file with mode 0600 that must not exist yet (`O_EXCL`: nothing planted in its place is opened,
+/// link or not).
+pub fn create_new_private_file(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// Checks that `dir` is a folder (not a link) that no one but this user and root can change: owned by root or
+/// the effective user, and writable by group or others only when sticky (like /tmp, where no one can
+/// rename or remove another user's entries). Folders created inside such a parent with unpredictable names
+/// cannot be swapped by a local user.
+pub fn check_trusted_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::symlink_metadata(dir)?;
+    let refuse = |why: String| Err(io::Error::new(io::ErrorKind::PermissionDenied, why));
+    if !meta.file_type().is_dir() {
+        return refuse(format!("{} is not a folder", dir.display()));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != 0 && meta.uid() != me {
+        return refuse(format!(
+            "{} belongs to uid {}, not to this user (uid {me}) or root",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    let sticky = meta.mode() & libc::S_ISVTX != 0;
+    if meta.mode() & 0o022 != 0 && !sticky {
+        return refuse(format!(
+            "{} can be changed by other users (mode {:o})",
+            dir.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
+/// Makes sure `dir` is a private folder of this user: created 0700 when missing; an existing one must be a
+/// real folder owned by this user that no one else can enter (else `PermissionDenied`: it is not used).
+pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    match fs::DirBuilder::new().mode(DIR_MODE).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !meta.file_type().is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a private folder of uid {me} (a link, another owner, or open to others)",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates a new private folder (0700) named `PREFIX` followed by random characters inside `parent`, which
+/// must pass [`check_trusted_dir`]. The name cannot be guessed, and the folder is new (mkdir fails on an
+/// existing name), so nothing planted beforehand is used.
+pub fn create_unique_private_dir(parent: &Path, prefix: &str) -> io::Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    check_trusted_dir(parent)?;
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .rand_bytes(12)
+        .permissions(fs::Permissions::from_mode(DIR_MODE))
+        .tempdir_in(parent)?;
+    Ok(dir.keep())
 }
 
 /// fsyncs a folder so that renames and creations inside it are durable.

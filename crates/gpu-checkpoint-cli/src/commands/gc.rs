@@ -1,5 +1,7 @@
 //! `gpu-checkpoint gc`
 
+use anyhow::Context;
+
 use super::list::StoreArgs;
 use super::Format;
 use crate::progress::{bytes, millis};
@@ -13,8 +15,22 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
     let r = store.gc()?;
+    // Work folders of killed restores (images, logs) live in the store's folder too.
+    let stale_work = match store.local_dir() {
+        Some(dir) => gpu_checkpoint::restore::remove_stale_work_dirs(dir).with_context(|| {
+            format!(
+                "removing interrupted restores' work folders in {}",
+                dir.display()
+            )
+        })?,
+        None => 0,
+    };
     match args.store.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+        Format::Json => {
+            let mut v = serde_json::to_value(&r)?;
+            v["stale_restore_work_removed"] = stale_work.into();
+            println!("{}", serde_json::to_string_pretty(&v)?)
+        }
         Format::Text => {
             println!(
                 "removed {} unreferenced chunks ({}); kept {} chunks ({}) of {} checkpoint(s)",
@@ -31,6 +47,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     r.stale_temp_removed,
                     bytes(r.stale_bytes_removed)
                 );
+            }
+            if stale_work > 0 {
+                println!("removed {stale_work} work folder(s) of interrupted restores");
             }
             if r.waited_ms > 0 {
                 println!(

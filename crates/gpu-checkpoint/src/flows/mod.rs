@@ -18,7 +18,7 @@ use crate::dump::Criu;
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
 
-pub use logs::{logs_dir, save_log};
+pub use logs::{fallback_logs_dir, logs_dir, save_log};
 pub use manifest::{CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes};
 
 /// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU

@@ -658,10 +658,7 @@ fn logs_of_a_store_that_is_not_a_folder_go_to_the_temporary_folder() {
     std::fs::write(&src, "Error (criu/cr-dump.c:1): test\n").unwrap();
     let name = format!("test-{}.dump.log", std::process::id());
     let kept = save_log(store.local_dir(), &src, &name).unwrap();
-    assert_eq!(
-        kept,
-        std::env::temp_dir().join("gpu-checkpoint-logs").join(&name)
-    );
+    assert_eq!(kept, crate::flows::fallback_logs_dir().join(&name));
     assert_eq!(
         std::fs::read_to_string(&kept).unwrap(),
         "Error (criu/cr-dump.c:1): test\n"

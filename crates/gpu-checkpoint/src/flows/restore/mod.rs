@@ -146,6 +146,14 @@ impl Flow<'_> {
         let gpu_record = manifest.gpu_record()?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
 
+        if let Some(dir) = self.store.local_dir() {
+            // What killed restores left: a restore needs free space on the store's disk.
+            match remove_stale_work_dirs(dir) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!("removed {n} work folder(s) of interrupted restores"),
+                Err(e) => tracing::debug!("looking for interrupted restores' work folders: {e}"),
+            }
+        }
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
         let req = RestoreRequest {
             images_dir: work.path(),
@@ -325,26 +333,54 @@ fn check_pids_free_now(id: &str, pids: &[i32]) -> Result<(), Error> {
     Ok(())
 }
 
+/// The folder in a store that holds the restores' work folders.
+const WORK_FOLDER: &str = "restore-work";
+
 /// A private folder for the materialized images, removed on drop. It lives in the store's folder when
 /// possible (same disk as the chunks, no tmpfs filling RAM with a copy of the process), else in the
 /// temporary folder (read-only store, or one that is not a local folder).
+///
+/// Its name is unpredictable and it is created new (0700), inside a parent only root or this user can
+/// change: a local user can neither guess it nor put one of their own in its place (root's CRIU would
+/// read their images). An exclusive lock on it is held while it is in use, so a folder left by a killed
+/// restore is recognised as such and removed by the next restore or `gc` ([`remove_stale_work_dirs`]).
 struct WorkDir {
     path: PathBuf,
+    _lock: nix::fcntl::Flock<std::fs::File>,
 }
 
 impl WorkDir {
     fn create(storage: Option<&Path>, id: &str) -> Result<WorkDir, Error> {
-        let name = format!("{id}.{}", std::process::id());
-        let candidates = storage
-            .map(|s| s.join("restore-work"))
-            .into_iter()
-            .chain([std::env::temp_dir().join("gpu-checkpoint-restore")]);
+        let in_store = storage.map(|s| (s.join(WORK_FOLDER), format!("{id}.")));
+        let in_temp = (
+            std::env::temp_dir(),
+            format!("gpu-checkpoint-restore.{id}."),
+        );
         let mut failed = None;
-        for path in candidates.map(|dir| dir.join(&name)) {
-            let _ = std::fs::remove_dir_all(&path);
-            match crate::util::create_private_dir_all(&path) {
-                Ok(()) => return Ok(WorkDir { path }),
-                Err(source) => failed = Some(Error::WorkDir { path, source }),
+        for (parent, prefix) in in_store.into_iter().chain([in_temp]) {
+            if storage.is_some_and(|s| parent.starts_with(s)) {
+                if let Err(source) = crate::util::ensure_private_dir(&parent) {
+                    failed = Some(Error::WorkDir {
+                        path: parent,
+                        source,
+                    });
+                    continue;
+                }
+            }
+            let made = crate::util::create_unique_private_dir(&parent, &prefix)
+                .and_then(|path| Ok((lock_dir(&path)?, path)));
+            match made {
+                Ok((Some(lock), path)) => return Ok(WorkDir { path, _lock: lock }),
+                Ok((None, path)) => {
+                    let source = std::io::Error::other("locked by another process");
+                    failed = Some(Error::WorkDir { path, source });
+                }
+                Err(source) => {
+                    failed = Some(Error::WorkDir {
+                        path: parent,
+                        source,
+                    })
+                }
             }
         }
         // The temporary folder is always a candidate, so `failed` is its error.
@@ -364,9 +400,106 @@ impl Drop for WorkDir {
                 self.path.display()
             );
         }
-        // The parent is shared by concurrent restores: removed only when empty.
-        if let Some(parent) = self.path.parent() {
-            let _ = std::fs::remove_dir(parent);
+    }
+}
+
+/// Opens `dir` (never through a link) and takes its exclusive lock: `Ok(None)` when another process holds
+/// it.
+fn lock_dir(dir: &Path) -> std::io::Result<Option<nix::fcntl::Flock<std::fs::File>>> {
+    use nix::fcntl::{Flock, FlockArg};
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(e.into()),
+    }
+}
+
+/// Removes the work folders that killed restores left in a store (their lock died with them); folders of
+/// restores still running are locked and kept. Returns how many were removed. Run at the start of every
+/// restore and by `gc`.
+pub fn remove_stale_work_dirs(storage: &Path) -> std::io::Result<u64> {
+    let root = storage.join(WORK_FOLDER);
+    let entries = match std::fs::read_dir(&root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let path = entry?.path();
+        // A link or a file is nothing a restore made: leave it (and never follow it).
+        if !std::fs::symlink_metadata(&path)?.is_dir() {
+            continue;
         }
+        if let Some(_lock) = lock_dir(&path)? {
+            std::fs::remove_dir_all(&path)?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{symlink, MetadataExt};
+
+    /// A store whose `restore-work` was replaced by a link to someone else's folder: the work folder must not
+    /// be made through it (root's CRIU would read images that user can swap).
+    #[test]
+    fn work_folder_is_private_and_never_made_through_a_planted_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        let theirs = dir.path().join("theirs");
+        std::fs::create_dir_all(&store).unwrap();
+        std::fs::create_dir(&theirs).unwrap();
+        symlink(&theirs, store.join(WORK_FOLDER)).unwrap();
+        let work = WorkDir::create(Some(&store), "20261124T000000Z-00000000").unwrap();
+        assert!(
+            std::fs::read_dir(&theirs).unwrap().next().is_none(),
+            "nothing made in the linked folder"
+        );
+        assert!(
+            !work.path().starts_with(&store),
+            "{}",
+            work.path().display()
+        );
+        let meta = std::fs::symlink_metadata(work.path()).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o777, 0o700);
+        // Two restores of one checkpoint get two different, unguessable folders.
+        std::fs::remove_file(store.join(WORK_FOLDER)).unwrap();
+        let a = WorkDir::create(Some(&store), "X").unwrap();
+        let b = WorkDir::create(Some(&store), "X").unwrap();
+        assert_ne!(a.path(), b.path());
+        assert!(a.path().starts_with(store.join(WORK_FOLDER)));
+        let name = a.path().file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.len() >= "X.".len() + 12, "{name}");
+    }
+
+    /// A restore killed mid-way leaves its work folder (images, logs): the next restore or gc removes it,
+    /// while the folder of a restore still running stays.
+    #[test]
+    fn stale_work_folders_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        std::fs::create_dir_all(store.join(WORK_FOLDER).join("ID.dead-restore")).unwrap();
+        std::fs::write(
+            store.join(WORK_FOLDER).join("ID.dead-restore/pages-1.img"),
+            b"x",
+        )
+        .unwrap();
+        let live = WorkDir::create(Some(&store), "ID").unwrap();
+        assert_eq!(remove_stale_work_dirs(&store).unwrap(), 1);
+        assert!(!store.join(WORK_FOLDER).join("ID.dead-restore").exists());
+        assert!(live.path().is_dir(), "a running restore's folder is kept");
+        drop(live);
+        assert_eq!(remove_stale_work_dirs(&store).unwrap(), 0);
+        assert_eq!(remove_stale_work_dirs(&dir.path().join("none")).unwrap(), 0);
     }
 }
