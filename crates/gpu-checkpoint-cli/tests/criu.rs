@@ -608,6 +608,10 @@ fn missing_process_concurrent_checkpoint_and_missing_checkpoint() {
     gone.kill_and_wait_free();
     let err = checkpoint_fails(gone.pid, &store, 3);
     assert!(err.contains(&gone.pid.to_string()), "{err}");
+    assert!(
+        !store.exists(),
+        "a checkpoint refused before touching anything creates no store folder"
+    );
     assert!(list_ids(&store).is_empty());
 
     // A checkpoint of a PID that is being checkpointed: exit 8, the process untouched.

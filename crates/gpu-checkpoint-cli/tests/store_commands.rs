@@ -137,11 +137,17 @@ fn gc_removes_work_folders_of_killed_restores() {
     let t = tempfile::tempdir().unwrap();
     let dir = t.path().join("store");
     Store::open(&dir, StoreOptions::default()).unwrap();
-    let stale = dir.join("restore-work").join("20261124T000000Z-00000000.killed");
+    let stale = dir
+        .join("restore-work")
+        .join("20261124T000000Z-00000000.killed");
     fs::create_dir_all(&stale).unwrap();
     fs::write(stale.join("pages-1.img"), b"memory of a process").unwrap();
     let out = bin(&["gc", "--format", "json"], &dir);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(json(&out)["stale_restore_work_removed"], 1);
     assert!(!stale.exists());
 }

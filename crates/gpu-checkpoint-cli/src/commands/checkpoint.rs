@@ -85,6 +85,11 @@ impl Compression {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
+    // What refuses without touching anything refuses before the store folder is created, too.
+    gpu_checkpoint::dump::Criu::check_permitted(&criu)?;
+    if !gpu_checkpoint::proc::is_alive(args.pid) {
+        return Err(gpu_checkpoint::checkpoint::Error::NoSuchProcess { pid: args.pid }.into());
+    }
     let store = Store::open(&args.store.storage, args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend: Backend = args.gpu.gpu_backend.into();
