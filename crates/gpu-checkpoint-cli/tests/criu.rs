@@ -686,3 +686,52 @@ fn logs_piped_into_a_file_carry_no_colour_codes() {
     assert!(err.contains("DEBUG"), "debug lines were asked for: {err}");
     assert!(!err.contains('\x1b'), "escape codes in piped logs: {err:?}");
 }
+
+/// Starts `sleep` under PID `want` (through `ns_last_pid`); `None` when another process took it first
+/// every time.
+fn sleeper_at(want: i32) -> Option<std::process::Child> {
+    for _ in 0..50 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (want - 1).to_string()).ok()?;
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        if child.id() as i32 == want {
+            return Some(child);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    None
+}
+
+#[test]
+fn restore_refuses_a_thread_id_in_use_and_names_its_holder() {
+    let Some((dir, store)) = scene() else { return };
+    let w = Workload::start("threads", dir.path(), &["--threads", "2"]);
+    w.wait_state("2 threads ticking", |r| r.len() == 2);
+    let tids: Vec<i32> = std::fs::read_dir(format!("/proc/{}/task", w.pid))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|t| *t != w.pid)
+        .collect();
+    assert!(!tids.is_empty(), "the workload has threads");
+    checkpoint(w.pid, &store, &["--name", "threads"]);
+    wait_pid_free(w.pid);
+    let tid = tids[0];
+    let Some(mut holder) = sleeper_at(tid) else {
+        panic!("could not start a process under the free thread id {tid}");
+    };
+    let err = fails_with(
+        &gc(&["restore", "threads", "--storage", store.to_str().unwrap()]),
+        8,
+    );
+    assert!(
+        err.contains(&format!("PID {tid} is in use")) && err.contains("sleep"),
+        "{err}"
+    );
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let pid = restore("threads", &store);
+    assert_eq!(pid, w.pid);
+}

@@ -67,18 +67,18 @@ fn messages(bytes: &[u8]) -> Result<Vec<&[u8]>, String> {
     Ok(out)
 }
 
-/// Walks a message's fields: `f(field number, stream)` reads the fields it wants and returns `false` for
-/// the others, which are skipped.
+/// Walks a message's fields: `f(field number, wire type, stream)` reads the fields it wants and returns
+/// `false` for the others, which are skipped.
 fn fields(
     msg: &[u8],
-    mut f: impl FnMut(u32, &mut CodedInputStream<'_>) -> protobuf::Result<bool>,
+    mut f: impl FnMut(u32, WireType, &mut CodedInputStream<'_>) -> protobuf::Result<bool>,
 ) -> Result<(), String> {
     let mut is = CodedInputStream::from_bytes(msg);
     let bad = |e: protobuf::Error| format!("bad protobuf message: {e}");
     while let Some(tag) = is.read_raw_tag_or_eof().map_err(bad)? {
         let wire = WireType::new(tag & 7)
             .ok_or_else(|| format!("bad protobuf message: wire type {}", tag & 7))?;
-        if !f(tag >> 3, &mut is).map_err(bad)? {
+        if !f(tag >> 3, wire, &mut is).map_err(bad)? {
             is.skip_field(wire).map_err(bad)?;
         }
     }
@@ -90,7 +90,7 @@ pub fn parse_pagemap(bytes: &[u8]) -> Result<Pagemap, String> {
     let msgs = messages(bytes)?;
     let (head, rest) = msgs.split_first().ok_or("no pagemap head")?;
     let mut pages_id = None;
-    fields(head, |n, is| {
+    fields(head, |n, _, is| {
         Ok(match n {
             1 => {
                 pages_id = Some(is.read_uint32()?);
@@ -103,7 +103,7 @@ pub fn parse_pagemap(bytes: &[u8]) -> Result<Pagemap, String> {
     let mut entries = Vec::with_capacity(rest.len());
     for msg in rest {
         let (mut vaddr, mut compat, mut nr, mut flags) = (None, None, None, 0);
-        fields(msg, |n, is| {
+        fields(msg, |n, _, is| {
             Ok(match n {
                 1 => {
                     vaddr = Some(is.read_uint64()?);
@@ -141,13 +141,13 @@ pub fn parse_vmas(bytes: &[u8]) -> Result<Vec<(u64, u64)>, String> {
     let mm = msgs.first().ok_or("empty mm image")?;
     let mut vmas = Vec::new();
     let mut bad = None;
-    fields(mm, |n, is| {
+    fields(mm, |n, _, is| {
         if n != 14 {
             return Ok(false);
         }
         let vma = is.read_bytes()?;
         let (mut start, mut end) = (None, None);
-        if let Err(e) = fields(&vma, |n, is| {
+        if let Err(e) = fields(&vma, |n, _, is| {
             Ok(match n {
                 1 => {
                     start = Some(is.read_uint64()?);
@@ -175,6 +175,50 @@ pub fn parse_vmas(bytes: &[u8]) -> Result<Vec<(u64, u64)>, String> {
     }
     vmas.sort_unstable();
     Ok(vmas)
+}
+
+/// One process of `pstree.img`: its PID, parent, and the IDs of its threads (the main thread's is the PID).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PstreeEntry {
+    pub pid: u32,
+    pub ppid: u32,
+    pub threads: Vec<u32>,
+}
+
+/// Parses `pstree.img` (`images/pstree.proto`: pid 1, ppid 2, pgid 3, sid 4, repeated threads 5). CRIU
+/// restores every thread under its recorded ID too, so a restore needs all of them free, not only the PIDs.
+pub fn parse_pstree(bytes: &[u8]) -> Result<Vec<PstreeEntry>, String> {
+    let mut out = Vec::new();
+    for msg in messages(bytes)? {
+        let (mut pid, mut ppid, mut threads) = (None, 0, Vec::new());
+        fields(msg, |n, wire, is| {
+            Ok(match (n, wire) {
+                (1, _) => {
+                    pid = Some(is.read_uint32()?);
+                    true
+                }
+                (2, _) => {
+                    ppid = is.read_uint32()?;
+                    true
+                }
+                (5, WireType::LengthDelimited) => {
+                    is.read_repeated_packed_uint32_into(&mut threads)?;
+                    true
+                }
+                (5, _) => {
+                    threads.push(is.read_uint32()?);
+                    true
+                }
+                _ => false,
+            })
+        })?;
+        out.push(PstreeEntry {
+            pid: pid.ok_or("pstree entry without pid")?,
+            ppid,
+            threads,
+        });
+    }
+    Ok(out)
 }
 
 /// Encoding, for tests and the fake CRIU: a CRIU image of `msgs` (the type magic is not checked on
@@ -238,6 +282,39 @@ pub(crate) mod encode {
 mod tests {
     use super::encode::*;
     use super::*;
+
+    #[test]
+    fn reads_thread_ids_of_a_pstree() {
+        let mut one = Vec::new();
+        uint(1, 100, &mut one);
+        uint(2, 1, &mut one);
+        uint(3, 100, &mut one);
+        for t in [100, 101, 102] {
+            uint(5, t, &mut one);
+        }
+        uint(9, 7, &mut one); // a field added by a later CRIU
+        let mut two = Vec::new();
+        uint(1, 103, &mut two);
+        uint(2, 100, &mut two);
+        bytes(5, &[103], &mut two); // packed
+        let got = parse_pstree(&image(&[one, two])).unwrap();
+        assert_eq!(
+            got,
+            [
+                PstreeEntry {
+                    pid: 100,
+                    ppid: 1,
+                    threads: vec![100, 101, 102]
+                },
+                PstreeEntry {
+                    pid: 103,
+                    ppid: 100,
+                    threads: vec![103]
+                },
+            ]
+        );
+        assert!(parse_pstree(b"junk").is_err());
+    }
 
     #[test]
     fn reads_a_pagemap_and_skips_unknown_fields() {

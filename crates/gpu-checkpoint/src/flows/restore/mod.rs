@@ -142,7 +142,9 @@ impl Flow<'_> {
         self.criu.check_permitted()?;
         let (info, manifest) = self.find(target)?;
         let pids = manifest.pids();
-        check_pids_free(&info.id, &pids)?;
+        // CRIU gives every thread back its ID too: those must be free as well as the PIDs.
+        let ids = with_thread_ids(self.store, &info, &pids)?;
+        check_pids_free(&info.id, &ids)?;
         let gpu_record = manifest.gpu_record()?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
 
@@ -227,7 +229,7 @@ impl Flow<'_> {
                 };
                 // A PID taken between our check and CRIU's fork: say by whom.
                 if e.failure().map(|f| f.kind) == Some(FailureKind::PidInUse) {
-                    if let Err(conflict) = check_pids_free_now(&info.id, &pids) {
+                    if let Err(conflict) = check_pids_free_now(&info.id, &ids) {
                         tracing::debug!("CRIU: {e}");
                         return Err(conflict.into());
                     }
@@ -303,6 +305,30 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
         &src,
         &format!("{id}.restore-{stamp}.log"),
     )
+}
+
+/// The tree's PIDs followed by the IDs of its other threads, as CRIU recorded them in `pstree.img`. A
+/// checkpoint without that image (made by a stand-in CRIU) has only the PIDs.
+fn with_thread_ids(store: &Store, info: &CheckpointInfo, pids: &[i32]) -> crate::Result<Vec<i32>> {
+    let mut ids = pids.to_vec();
+    let mut image = Vec::new();
+    if store
+        .stream_file(info, "pstree.img", &mut image, &crate::store::NoProgress)?
+        .is_none()
+    {
+        return Ok(ids);
+    }
+    let tree = crate::dump::images::parse_pstree(&image).map_err(|reason| Error::BadManifest {
+        id: info.id.clone(),
+        reason: format!("pstree.img: {reason}"),
+    })?;
+    for tid in tree.iter().flat_map(|p| &p.threads) {
+        let tid = *tid as i32;
+        if !ids.contains(&tid) {
+            ids.push(tid);
+        }
+    }
+    Ok(ids)
 }
 
 /// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies
