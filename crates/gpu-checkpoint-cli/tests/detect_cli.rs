@@ -277,3 +277,29 @@ fn permission_denied_is_exit_4() {
         stderr(&o)
     );
 }
+
+/// A credential in a GPU-prefixed variable is named in the report (evidence) but its value is never printed.
+#[test]
+fn detect_verbose_never_prints_a_credential() {
+    let mut child = Command::new("sleep")
+        .arg("30")
+        .env("GPU_API_KEY", "gpu-secret-value-1")
+        .env("CUDA_VISIBLE_DEVICES", "0")
+        .spawn()
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+        .args(["detect", "--pid", &child.id().to_string(), "--verbose"])
+        .output()
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!text.contains("gpu-secret-value-1"), "{text}");
+    assert!(text.contains("GPU_API_KEY=<redacted>"), "{text}");
+    assert!(text.contains("CUDA_VISIBLE_DEVICES=0"), "{text}");
+}

@@ -147,8 +147,44 @@ pub const GPU_ENV_PREFIXES: &[&str] = &["CUDA_", "NCCL_", "NVIDIA_", "HIP_", "RO
 /// this tool, and every process our scripts start inherits them, so they are no evidence of GPU state.
 const OWN_ENV_PREFIX: &str = "GPU_CHECKPOINT_";
 
+/// What stands in for a value that is not kept.
+pub const REDACTED: &str = "<redacted>";
+
+/// Words that mark a variable as a credential whatever its prefix (`GPU_API_KEY`, `NVIDIA_API_TOKEN`,
+/// `CUDA_..._PASSWORD`): its value is never kept. `scripts/capture-proc.sh` uses the same list.
+const SECRET_NAME_WORDS: &[&str] = &[
+    "KEY",
+    "TOKEN",
+    "SECRET",
+    "PASSW",
+    "PASSPHRASE",
+    "CREDENTIAL",
+    "AUTH",
+    "COOKIE",
+    "SESSION",
+    "PRIVATE",
+    "SIGNATURE",
+];
+
+/// Whether a GPU variable's value may be kept (in reports, manifests, printed): not when its name looks like
+/// a credential's, nor when the value carries a password (`scheme://user:password@host`). Device lists,
+/// versions and paths, which detection uses as evidence, stay.
+pub fn keeps_value(name: &str, value: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    let secret_name = SECRET_NAME_WORDS.iter().any(|w| upper.contains(w));
+    let userinfo = value.split("://").skip(1).any(|rest| {
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+        authority
+            .rsplit_once('@')
+            .is_some_and(|(user, _)| user.contains(':'))
+    });
+    !secret_name && !userinfo
+}
+
 /// Parses `environ` (NUL-separated `NAME=VALUE`), keeping only variables whose name starts with one of
-/// [`GPU_ENV_PREFIXES`]. Values of other variables never leave this function: they may hold secrets.
+/// [`GPU_ENV_PREFIXES`]. Values of other variables never leave this function: they may hold secrets; nor do
+/// values of GPU variables that look like credentials ([`keeps_value`]): their names stay as evidence, with
+/// [`REDACTED`] as the value.
 pub fn parse_gpu_environ(data: &[u8]) -> Vec<(String, String)> {
     data.split(|&b| b == 0)
         .filter(|rec| {
@@ -159,10 +195,14 @@ pub fn parse_gpu_environ(data: &[u8]) -> Vec<(String, String)> {
         })
         .filter_map(|rec| {
             let eq = rec.iter().position(|&b| b == b'=')?;
-            Some((
-                String::from_utf8_lossy(&rec[..eq]).into_owned(),
-                String::from_utf8_lossy(&rec[eq + 1..]).into_owned(),
-            ))
+            let name = String::from_utf8_lossy(&rec[..eq]).into_owned();
+            let value = String::from_utf8_lossy(&rec[eq + 1..]);
+            let value = if keeps_value(&name, &value) {
+                value.into_owned()
+            } else {
+                REDACTED.to_string()
+            };
+            Some((name, value))
         })
         .collect()
 }
@@ -332,6 +372,27 @@ mod tests {
                 ("GPU_DEVICE_ORDINAL".to_string(), "1".to_string()),
             ]
         );
+    }
+
+    /// Credentials under GPU names keep their names (evidence) but never their values.
+    #[test]
+    fn environ_never_keeps_a_credential() {
+        let env = parse_gpu_environ(
+            b"GPU_API_KEY=sk-live-123\0NVIDIA_API_TOKEN=nvt-456\0CUDA_CACHE_PASSWORD=pw\0\
+              NCCL_STORE_URL=https://alice:pw-789@store.invalid/x\0NCCL_SOCKET_IFNAME=eth0\0\
+              CUDA_MPS_PIPE_DIRECTORY=/tmp/mps\0NVIDIA_VISIBLE_DEVICES=GPU-1234\0",
+        );
+        let text = format!("{env:?}");
+        for secret in ["sk-live-123", "nvt-456", "pw", "pw-789"] {
+            assert!(!text.contains(&format!("\"{secret}")), "{secret}: {text}");
+        }
+        assert!(!text.contains("pw-789"), "{text}");
+        assert_eq!(env.len(), 7, "every GPU variable's name stays: {text}");
+        assert!(env.contains(&("GPU_API_KEY".into(), REDACTED.into())));
+        assert!(env.contains(&("NCCL_STORE_URL".into(), REDACTED.into())));
+        assert!(env.contains(&("NCCL_SOCKET_IFNAME".into(), "eth0".into())));
+        assert!(env.contains(&("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/mps".into())));
+        assert!(env.contains(&("NVIDIA_VISIBLE_DEVICES".into(), "GPU-1234".into())));
     }
 
     #[test]
