@@ -106,6 +106,41 @@ pub struct RestoreArgsV13_4 {
     pub reserved: [u8; 40],
 }
 
+// The layouts the driver reads, checked when the crate compiles (a wrong one would pass garbage to the
+// driver without any error here): every argument struct is 64 bytes, fields at the offsets of cuda.h.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<LockArgs>() == 64);
+    assert!(size_of::<UnlockArgs>() == 64);
+    assert!(size_of::<ReservedArgs>() == 64);
+    assert!(size_of::<CheckpointArgsV13_4>() == 64);
+    assert!(size_of::<RestoreArgsV13_0>() == 64);
+    assert!(size_of::<RestoreArgsV13_3>() == 64);
+    assert!(size_of::<RestoreArgsV13_4>() == 64);
+    assert!(size_of::<GpuPairRaw>() == 32);
+    // Lock: timeoutMs first, then reserved0, then seven 64-bit words.
+    assert!(offset_of!(LockArgs, timeout_ms) == 0);
+    assert!(offset_of!(LockArgs, reserved0) == 4);
+    assert!(offset_of!(LockArgs, reserved1) == 8);
+    // 13.4 checkpoint: custom storage pointer first.
+    assert!(offset_of!(CheckpointArgsV13_4, custom_storage_info_out) == 0);
+    assert!(offset_of!(CheckpointArgsV13_4, reserved) == 8);
+    // 13.0 restore: pairs, count, 44 reserved chars, a trailing reserved u64 at 56.
+    assert!(offset_of!(RestoreArgsV13_0, gpu_pairs) == 0);
+    assert!(offset_of!(RestoreArgsV13_0, gpu_pairs_count) == 8);
+    assert!(offset_of!(RestoreArgsV13_0, reserved) == 12);
+    assert!(offset_of!(RestoreArgsV13_0, reserved1) == 56);
+    // 13.3 restore: pairs, count, 52 reserved chars.
+    assert!(offset_of!(RestoreArgsV13_3, gpu_pairs_count) == 8);
+    assert!(offset_of!(RestoreArgsV13_3, reserved) == 12);
+    // 13.4 restore: pairs, count, padding, custom storage pointer at 16.
+    assert!(offset_of!(RestoreArgsV13_4, gpu_pairs_count) == 8);
+    assert!(offset_of!(RestoreArgsV13_4, padding0) == 12);
+    assert!(offset_of!(RestoreArgsV13_4, custom_storage_info_out) == 16);
+    assert!(offset_of!(RestoreArgsV13_4, reserved) == 24);
+    assert!(offset_of!(GpuPairRaw, new_uuid) == 16);
+};
+
 /// Which argument layouts a driver expects, from `cuDriverGetVersion` (1000 * major + 10 * minor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApiLayout {
@@ -608,44 +643,6 @@ pub fn nvml_driver_version() -> Option<String> {
 mod tests {
     use super::*;
     use crate::Classify;
-    use std::mem::{offset_of, size_of};
-
-    #[test]
-    fn every_args_struct_is_64_bytes() {
-        assert_eq!(size_of::<LockArgs>(), 64);
-        assert_eq!(size_of::<UnlockArgs>(), 64);
-        assert_eq!(size_of::<ReservedArgs>(), 64);
-        assert_eq!(size_of::<CheckpointArgsV13_4>(), 64);
-        assert_eq!(size_of::<RestoreArgsV13_0>(), 64);
-        assert_eq!(size_of::<RestoreArgsV13_3>(), 64);
-        assert_eq!(size_of::<RestoreArgsV13_4>(), 64);
-        assert_eq!(size_of::<GpuPairRaw>(), 32);
-    }
-
-    #[test]
-    fn field_offsets_match_the_headers() {
-        // Lock: timeoutMs first, then reserved0, then seven 64-bit words.
-        assert_eq!(offset_of!(LockArgs, timeout_ms), 0);
-        assert_eq!(offset_of!(LockArgs, reserved0), 4);
-        assert_eq!(offset_of!(LockArgs, reserved1), 8);
-        // 13.4 checkpoint: custom storage pointer first.
-        assert_eq!(offset_of!(CheckpointArgsV13_4, custom_storage_info_out), 0);
-        assert_eq!(offset_of!(CheckpointArgsV13_4, reserved), 8);
-        // 13.0 restore: pairs, count, 44 reserved chars, a trailing reserved u64 at 56.
-        assert_eq!(offset_of!(RestoreArgsV13_0, gpu_pairs), 0);
-        assert_eq!(offset_of!(RestoreArgsV13_0, gpu_pairs_count), 8);
-        assert_eq!(offset_of!(RestoreArgsV13_0, reserved), 12);
-        assert_eq!(offset_of!(RestoreArgsV13_0, reserved1), 56);
-        // 13.3 restore: pairs, count, 52 reserved chars.
-        assert_eq!(offset_of!(RestoreArgsV13_3, gpu_pairs_count), 8);
-        assert_eq!(offset_of!(RestoreArgsV13_3, reserved), 12);
-        // 13.4 restore: pairs, count, padding, custom storage pointer at 16.
-        assert_eq!(offset_of!(RestoreArgsV13_4, gpu_pairs_count), 8);
-        assert_eq!(offset_of!(RestoreArgsV13_4, padding0), 12);
-        assert_eq!(offset_of!(RestoreArgsV13_4, custom_storage_info_out), 16);
-        assert_eq!(offset_of!(RestoreArgsV13_4, reserved), 24);
-        assert_eq!(offset_of!(GpuPairRaw, new_uuid), 16);
-    }
 
     #[test]
     fn layout_follows_the_driver_version() {
