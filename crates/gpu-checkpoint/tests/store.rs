@@ -1076,3 +1076,45 @@ fn stream_file_to_pipe_splices_verified_raw_chunks_and_stops_at_damage() {
     );
     assert_eq!(got[..], source[..got.len()]);
 }
+
+/// A name stands for its newest checkpoint: when that one's manifest is damaged, the name is refused (exit
+/// 7) instead of silently meaning an older checkpoint (restore would bring back the wrong one, delete
+/// would delete the intact one).
+#[test]
+fn a_name_whose_newest_checkpoint_is_damaged_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(&t.path().join("store"));
+    let older = ingest(&store, Some("job"), |d| {
+        fs::write(d.join("x.img"), b"old").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(5));
+    let newer = ingest(&store, Some("job"), |d| {
+        fs::write(d.join("x.img"), b"new").unwrap()
+    });
+    let other = ingest(&store, Some("other"), |d| {
+        fs::write(d.join("x.img"), b"o").unwrap()
+    });
+    assert_eq!(store.get("job").unwrap().id, newer.id);
+
+    // A flipped byte in the newest's chunk list: its JSON still reads, and says it is "job".
+    let path = store.manifest_path(&newer.id);
+    let intact = fs::read(&path).unwrap();
+    let text = String::from_utf8(intact.clone()).unwrap();
+    fs::write(&path, text.replacen("\"x.img\"", "\"y.img\"", 1)).unwrap();
+    let err = store.get("job").unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid, "{err}");
+    assert!(err.to_string().contains(&newer.id), "{err}");
+    // Another name is not affected, and the older checkpoint stays reachable by its id.
+    assert_eq!(store.get("other").unwrap().id, other.id);
+    assert_eq!(store.get(&older.id).unwrap().id, older.id);
+
+    // Unreadable as JSON: nothing rules it out either.
+    fs::write(&path, &intact[..intact.len() / 2]).unwrap();
+    assert_eq!(
+        store.get("job").unwrap_err().exit_status(),
+        ExitStatus::CheckpointInvalid
+    );
+    // Once the damaged one is deleted, the name means the older one again.
+    assert!(store.delete_damaged(&newer.id).unwrap());
+    assert_eq!(store.get("job").unwrap().id, older.id);
+}

@@ -280,14 +280,59 @@ impl Store {
                 other => return other,
             }
         }
-        let newest = self
-            .list()?
-            .into_iter()
-            .rfind(|i| i.name.as_deref() == Some(id_or_name));
-        newest.ok_or_else(|| Error::NotFound {
-            what: id_or_name.to_owned(),
-            storage: self.location().to_path_buf(),
-        })
+        let entries = self.list_entries()?;
+        let newest = entries.iter().rev().find_map(|e| match e {
+            ListEntry::Ok(i) if i.name.as_deref() == Some(id_or_name) => Some(i),
+            _ => None,
+        });
+        // A name means its newest checkpoint. A damaged manifest that may be a newer one of that name
+        // makes the name stand for none: falling back to an older checkpoint would restore (or delete) the
+        // wrong one.
+        for e in &entries {
+            let ListEntry::Damaged { id, reason } = e else {
+                continue;
+            };
+            if self.may_be_newest_named(id, id_or_name, newest.map(|i| &**i)) {
+                return Err(Error::DamagedManifest {
+                    checkpoint: id.clone(),
+                    path: self.manifest_path(id),
+                    reason: format!(
+                        "{reason}; it may be the newest checkpoint named {id_or_name:?}, so the name \
+                         stands for none (restore an older one by its id, or delete this one)"
+                    ),
+                });
+            }
+        }
+        newest
+            .map(|i| (**i).clone())
+            .ok_or_else(|| Error::NotFound {
+                what: id_or_name.to_owned(),
+                storage: self.location().to_path_buf(),
+            })
+    }
+
+    /// Whether the damaged manifest `id` may be a checkpoint named `name` newer than `newest`: what its JSON
+    /// still says (name, creation time) when it reads, else its id's timestamp (ids start with the second
+    /// they were made in). Anything that cannot be ruled out counts.
+    fn may_be_newest_named(&self, id: &str, name: &str, newest: Option<&CheckpointInfo>) -> bool {
+        let json = self
+            .inner
+            .backend
+            .get_manifest(id)
+            .ok()
+            .flatten()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        let field = |key: &str| json.as_ref().and_then(|v| v.get(key));
+        let named = match field("name") {
+            Some(serde_json::Value::String(n)) => n == name,
+            Some(serde_json::Value::Null) => false,
+            _ => true,
+        };
+        let newer = newest.is_none_or(|n| match field("created").and_then(|c| c.as_str()) {
+            Some(created) => created >= n.created.as_str(),
+            None => id.split('-').next() >= n.id.split('-').next(),
+        });
+        named && newer
     }
 
     /// Where a checkpoint's manifest lives (for `restore --metadata PATH`).
