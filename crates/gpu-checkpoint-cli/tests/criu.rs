@@ -735,3 +735,28 @@ fn restore_refuses_a_thread_id_in_use_and_names_its_holder() {
     let pid = restore("threads", &store);
     assert_eq!(pid, w.pid);
 }
+
+/// A checkpoint of a child's tree is running (its lock held): a checkpoint of the parent's tree, which holds
+/// that child, is refused with exit 8 instead of failing inside CRIU, and the tree runs on.
+#[test]
+fn a_checkpoint_overlapping_a_running_one_is_a_conflict() {
+    let Some((dir, store)) = scene() else { return };
+    let w = Workload::start("pipes", dir.path(), &["--children", "2"]);
+    w.wait_state("both children answering", |r| {
+        r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)
+    });
+    let tree: Vec<i32> = gpu_checkpoint::proc::process_tree(w.pid)
+        .iter()
+        .map(|p| p.pid)
+        .collect();
+    assert_eq!(tree.len(), 3, "{tree:?}");
+    let child_lock = gpu_checkpoint::checkpoint::lock_pid(tree[1]).unwrap();
+    let err = checkpoint_fails(w.pid, &store, 8);
+    assert!(
+        err.contains("already being checkpointed") && err.contains(&tree[1].to_string()),
+        "{err}"
+    );
+    assert!(w.alive() && !w.stopped(), "the tree runs on");
+    assert!(list_ids(&store).is_empty());
+    drop(child_lock);
+}

@@ -35,7 +35,7 @@ use crate::proc as tree;
 use crate::store::{CheckpointInfo, Ingest, Progress, Store, Streamed};
 use undo::{ContinueGuard, GpuThawGuard};
 
-pub use lock::{lock_pid, PidLock};
+pub use lock::{lock_pid, lock_tree, PidLock};
 
 /// Name of CRIU's dump log inside the checkpoint (stored with its images).
 pub const DUMP_LOG: &str = "dump.log";
@@ -176,6 +176,8 @@ impl Flow<'_> {
 
         let t = Instant::now();
         let report = detect_tree(pid, &opts.detect)?;
+        let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
+        let _tree_locks = lock_tree(&tree_pids, pid)?;
         let mut timings = Timings {
             detect: ms(t),
             streamed: self.images != ImageTransfer::Staged,
@@ -190,11 +192,10 @@ impl Flow<'_> {
         // 2. Freeze and dump. From here on every way out before the commit puts the tree back the way it
         // was: the guards undo when dropped (see `undo.rs` for their order) and `ingest` removes the
         // staging folder.
-        let detected_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let t = Instant::now();
         let mut gpu_record = self.gpu.freeze(&FreezeContext {
             root_pid: pid,
-            pids: &detected_pids,
+            pids: &tree_pids,
             report: &report,
             leave_running: opts.leave_running,
         })?;
@@ -222,7 +223,7 @@ impl Flow<'_> {
             self.progress,
             &req,
             &ingest,
-            &detected_pids,
+            &tree_pids,
         )?;
         timings.dump = ms(t);
         let process_tree = dumped_tree(pid, &report);
