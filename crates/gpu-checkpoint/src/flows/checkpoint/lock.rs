@@ -1,7 +1,7 @@
 //! One checkpoint at a time per process: an exclusive `flock` on a per-PID file, held for the whole flow.
 //!
-//! The lock lives outside any store (`/run/gpu-checkpoint/locks`, or the temporary folder when /run is not
-//! writable) because two checkpoints of one process into two different stores would race just as well.
+//! The lock lives outside any store (`/run/gpu-checkpoint/locks`, or `gpu-checkpoint-locks.UID` in the
+//! temporary folder when /run is not writable; either must be a private folder of this user) because two checkpoints of one process into two different stores would race just as well.
 //! `flock` locks die with their holder, so a crashed checkpoint never leaves a stale lock behind; the file is
 //! removed when the lock is released, so that lock files do not pile up (one per PID ever checkpointed).
 //! Removing it is safe because a lock counts only while its file is still the one at the path: a taker
@@ -51,9 +51,11 @@ fn lock_dirs() -> Vec<PathBuf> {
     if let Some(dir) = std::env::var_os("GPU_CHECKPOINT_LOCK_DIR").filter(|d| !d.is_empty()) {
         return vec![PathBuf::from(dir)];
     }
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
     vec![
         PathBuf::from("/run/gpu-checkpoint/locks"),
-        std::env::temp_dir().join("gpu-checkpoint-locks"),
+        std::env::temp_dir().join(format!("gpu-checkpoint-locks.{uid}")),
     ]
 }
 
@@ -70,7 +72,13 @@ pub fn lock_tree(pids: &[i32], root: i32) -> Result<Vec<PidLock>, Error> {
 pub fn lock_pid(pid: i32) -> Result<PidLock, Error> {
     let mut last_err = None;
     for dir in lock_dirs() {
-        if let Err(e) = crate::util::create_private_dir_all(&dir) {
+        // The folder must be this user's own: in a folder someone else controls, they could take or remove
+        // the locks.
+        let private = dir
+            .parent()
+            .map_or(Ok(()), crate::util::create_private_dir_all)
+            .and_then(|()| crate::util::ensure_private_dir(&dir));
+        if let Err(e) = private {
             last_err = Some((dir, e));
             continue;
         }
