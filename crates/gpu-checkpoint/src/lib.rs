@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod detect;
 pub mod dump;
 pub mod error;
+pub mod fmt;
 pub mod freeze;
 pub mod restore;
 pub mod store;

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::parse::{socket_inode, MapEntry};
 use super::process::ProcessSnapshot;
+use crate::fmt::human_bytes;
 
 /// The kinds of finding. Users script against these names: never rename one.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -712,21 +713,6 @@ fn describe(kind: FindingKind, path: &str, a: &Acc) -> String {
     }
 }
 
-/// `2.0 MiB`, `64.0 KiB`, `512 B`.
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -828,12 +814,5 @@ mod tests {
         );
         assert_eq!(restore_thread(&t(&[(3, "cuda0a"), (4, "cuda0b")])), None);
         assert_eq!(restore_thread(&t(&[(2, "cuda-EvtHandlr")])), None);
-    }
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(64 * 1024), "64.0 KiB");
-        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
     }
 }

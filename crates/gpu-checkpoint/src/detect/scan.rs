@@ -201,7 +201,7 @@ fn analyse(
                 detail: match used {
                     Some(b) => format!(
                         "NVML lists it as a compute process on GPU {gpu} ({} of device memory)",
-                        super::findings::human_bytes(*b)
+                        crate::fmt::human_bytes(*b)
                     ),
                     None => format!("NVML lists it as a compute process on GPU {gpu}"),
                 },

@@ -3,7 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::findings::{human_bytes, Finding, FindingKind};
+use super::findings::{Finding, FindingKind};
+use crate::fmt::human_bytes;
 
 /// How a process (tree) can be checkpointed. Users script against these names.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
