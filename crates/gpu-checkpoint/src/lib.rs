@@ -20,6 +20,7 @@ pub mod dump;
 pub mod error;
 pub mod fmt;
 pub mod freeze;
+pub mod path_search;
 pub mod restore;
 pub mod store;
 pub mod util;
