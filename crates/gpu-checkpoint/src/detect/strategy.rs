@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::findings::{Finding, FindingKind};
+use super::finding::{Finding, FindingKind};
 use crate::fmt::human_bytes;
 
 /// How a process (tree) can be checkpointed. Users script against these names.
