@@ -1,11 +1,16 @@
 //! Classifying one process: its maps, fds, variables, sockets and threads become [`Finding`]s.
+//!
+//! Two passes. The fds and maps are gathered per (kind, path), as [`PathClass::kind`] says, so that forty
+//! mappings of one device make one finding; then what was gathered, the variables and the threads become
+//! findings in a fixed order (devices, sockets, libraries, variables, shared segments, the restore
+//! thread), so that reports are stable.
 
 use std::collections::BTreeMap;
 
 use super::finding::{Evidence, Finding, FindingKind};
 use super::parse::{socket_inode, MapEntry};
 use super::paths::{
-    classify_path, library_kind, PathClass, CUDA_UVMFD_SOCKET_PREFIX, DEFAULT_MPS_PIPE_DIR,
+    classify_path, library_kind, Hold, PathClass, CUDA_UVMFD_SOCKET_PREFIX, DEFAULT_MPS_PIPE_DIR,
     SIM_SOCKET_PREFIX,
 };
 use super::process::ProcessSnapshot;
@@ -37,6 +42,25 @@ impl Acc {
         self.mappings += 1;
     }
 
+    /// The evidence of a device or GPU segment held as `kind`.
+    fn evidence(self, kind: FindingKind, path: String) -> Evidence {
+        let mapped = self.mappings > 0;
+        let detail = describe(kind, &path, &self);
+        let (address, ranges) = self.address();
+        Evidence {
+            detail,
+            fds: self.fds,
+            address,
+            ranges,
+            size: mapped.then_some(self.size),
+            mappings: mapped.then_some(self.mappings),
+            gpu: self.gpu,
+            simulated: self.simulated,
+            path: Some(path),
+            ..Default::default()
+        }
+    }
+
     /// (`address`, `ranges`) of the evidence: one range, or each of several.
     fn address(&self) -> (Option<String>, Vec<String>) {
         let fmt = |(a, b): &(u64, u64)| format!("{a:#x}-{b:#x}");
@@ -48,6 +72,178 @@ impl Acc {
     }
 }
 
+/// What one process holds, gathered from its fds and maps.
+#[derive(Default)]
+struct Holdings {
+    /// Device files and GPU segments by (kind, path), ordered so that reports are stable.
+    devices: BTreeMap<(FindingKind, String), Acc>,
+    /// Other shared segments: reported only for a process with GPU state (they may carry IPC handles).
+    other_shm: BTreeMap<String, Acc>,
+    /// GPU libraries loaded, by path.
+    libraries: BTreeMap<String, FindingKind>,
+    /// Sockets that are findings, in fd order: (what, fd, socket path).
+    sockets: Vec<(Socket, i32, String)>,
+    /// The driver's own `/dev/nvidia-uvm` mapping has been seen (see [`is_driver_uvm_mapping`]).
+    driver_uvm_seen: bool,
+}
+
+impl Holdings {
+    fn device(&mut self, kind: FindingKind, path: &str, class: PathClass) -> &mut Acc {
+        let a = self.devices.entry((kind, path.to_string())).or_default();
+        if let Some(n) = class.gpu() {
+            a.gpu = Some(n);
+        }
+        a
+    }
+
+    /// An open fd: a device, or a socket of interest. An open shared segment counts only once mapped.
+    fn add_fd(&mut self, fd: i32, target: &str, snap: &ProcessSnapshot, ctx: &ClassifyContext<'_>) {
+        let class = classify_path(target);
+        if let Some(kind) = class.kind(Hold::Open) {
+            self.device(kind, target, class).fds.push(fd);
+        } else if class == PathClass::Other {
+            let socket = socket_inode(target).and_then(|inode| (ctx.socket_path)(inode));
+            if let Some(path) = socket {
+                if let Some(what) = Socket::of(&path, snap, ctx.simulator) {
+                    self.sockets.push((what, fd, path));
+                }
+            }
+        }
+    }
+
+    /// One line of maps: device memory, a shared segment, or a GPU library.
+    fn add_map(&mut self, m: &MapEntry, simulator: bool) {
+        // [heap], [stack], [vdso], ... and anonymous mappings name no file.
+        let Some(path) = m.path.as_deref().filter(|p| p.starts_with('/')) else {
+            return;
+        };
+        let class = classify_path(path);
+        let kind =
+            if class == PathClass::NvidiaUvm && !self.driver_uvm_seen && is_driver_uvm_mapping(m) {
+                self.driver_uvm_seen = true;
+                Some(FindingKind::DeviceMapping)
+            } else {
+                class.kind(Hold::Mapped)
+            };
+        match (kind, class) {
+            // Device memory is mapped shared; a private mapping of a device file is not state we track.
+            (Some(FindingKind::DeviceMapping | FindingKind::ManagedMemory), _) if !m.shared => {}
+            (Some(kind), _) => self.device(kind, path, class).add_map(m),
+            (None, PathClass::ShmSim) if simulator && m.shared => {
+                let a = self.device(FindingKind::DeviceMapping, path, class);
+                a.add_map(m);
+                a.simulated = true;
+            }
+            (None, PathClass::ShmOther) if m.shared => {
+                self.other_shm
+                    .entry(path.to_string())
+                    .or_default()
+                    .add_map(m);
+            }
+            (None, PathClass::Other) => {
+                if let Some(k) = library_kind(path) {
+                    self.libraries.entry(path.to_string()).or_insert(k);
+                }
+            }
+            (None, _) => {}
+        }
+    }
+}
+
+/// The UNIX sockets that are findings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Socket {
+    /// The GPU simulator's control socket (with `--simulator` only).
+    Simulator,
+    /// The CUDA driver's UVM channel ([`CUDA_UVMFD_SOCKET_PREFIX`]).
+    CudaUvm,
+    /// A socket in the MPS pipe folder: an MPS client.
+    Mps,
+}
+
+impl Socket {
+    fn of(path: &str, snap: &ProcessSnapshot, simulator: bool) -> Option<Socket> {
+        if simulator && path.starts_with(SIM_SOCKET_PREFIX) {
+            Some(Socket::Simulator)
+        } else if path.starts_with(CUDA_UVMFD_SOCKET_PREFIX) {
+            Some(Socket::CudaUvm)
+        } else if is_mps_socket(path, snap) {
+            Some(Socket::Mps)
+        } else {
+            None
+        }
+    }
+
+    fn finding(self, fd: i32, path: String, nvidia_devices: bool) -> (FindingKind, Evidence) {
+        let (kind, detail) = match self {
+            Socket::Simulator => (
+                FindingKind::CudaLibrary,
+                format!("fd {fd} is the GPU simulator's control socket {path} (simulated CUDA process)"),
+            ),
+            Socket::Mps => (
+                FindingKind::Mps,
+                format!("fd {fd} is a socket in the MPS pipe folder: {path}"),
+            ),
+            Socket::CudaUvm if nvidia_devices => (
+                FindingKind::CudaLibrary,
+                format!("fd {fd} is the CUDA driver's UVM channel {path} (every CUDA process has one)"),
+            ),
+            // A CUDA process that holds no NVIDIA device file but still has the driver's UVM socket:
+            // the driver checkpointed it (real capture malloc-checkpointed-462).
+            Socket::CudaUvm => (
+                FindingKind::CudaLibrary,
+                format!(
+                    "fd {fd} is the CUDA driver's UVM channel {path}, yet no NVIDIA device file is open: \
+                     the driver has checkpointed this process (its CUDA calls block until it is restored)"
+                ),
+            ),
+        };
+        let evidence = Evidence {
+            detail,
+            fds: vec![fd],
+            socket: Some(path),
+            simulated: self == Socket::Simulator,
+            ..Default::default()
+        };
+        (kind, evidence)
+    }
+}
+
+/// GPU variables by name prefix, and the finding each makes; every other GPU variable (those the
+/// environ parser keeps, see [`super::parse::GPU_ENV_PREFIXES`]) is [`FindingKind::GpuEnv`].
+const VARIABLES: &[(&str, FindingKind)] = &[
+    ("CUDA_MPS_", FindingKind::Mps),
+    ("NCCL_", FindingKind::Nccl),
+];
+
+/// The findings of one GPU variable: its kind, and MIG when it names a MIG instance.
+fn variable_findings(name: &str, value: &str) -> Vec<(FindingKind, Evidence)> {
+    let kind = VARIABLES
+        .iter()
+        .find(|(prefix, _)| name.starts_with(prefix))
+        .map_or(FindingKind::GpuEnv, |(_, k)| *k);
+    let variable = Some(format!("{name}={value}"));
+    let mut out = vec![(
+        kind,
+        Evidence {
+            detail: format!("{name}={value}"),
+            variable: variable.clone(),
+            ..Default::default()
+        },
+    )];
+    if name.ends_with("VISIBLE_DEVICES") && value.contains("MIG-") {
+        out.push((
+            FindingKind::Mig,
+            Evidence {
+                detail: format!("{name} names a MIG instance"),
+                variable,
+                ..Default::default()
+            },
+        ));
+    }
+    out
+}
+
 /// Classifies one process. `threads` is called only for processes with NVIDIA state (reading every
 /// thread's name costs one file per thread).
 pub fn classify(
@@ -55,266 +251,102 @@ pub fn classify(
     ctx: &ClassifyContext<'_>,
     threads: &mut dyn FnMut() -> Vec<(i32, String)>,
 ) -> Vec<Finding> {
-    let pid = snap.pid;
-    // (kind, path) -> accumulated evidence, ordered so that reports are stable.
-    let mut acc: BTreeMap<(FindingKind, String), Acc> = BTreeMap::new();
-    let mut other_shm: BTreeMap<String, Acc> = BTreeMap::new();
-    let mut libraries: BTreeMap<String, FindingKind> = BTreeMap::new();
-    let mut sockets: Vec<(FindingKind, i32, String, bool)> = Vec::new();
-
+    let mut held = Holdings::default();
     for (fd, target) in &snap.fds {
-        let class = classify_path(target);
-        let kind = match class {
-            PathClass::NvidiaCtl => FindingKind::NvidiaCtl,
-            PathClass::NvidiaGpu(_) | PathClass::NvidiaOther | PathClass::NvidiaCapsMgmt => {
-                FindingKind::NvidiaDevice
-            }
-            PathClass::NvidiaUvm => FindingKind::NvidiaUvm,
-            PathClass::NvidiaCaps => FindingKind::Mig,
-            PathClass::Kfd | PathClass::RenderNode => FindingKind::AmdGpu,
-            PathClass::Rdma => FindingKind::Rdma,
-            PathClass::PciBar => FindingKind::PciBar,
-            PathClass::ShmCudaIpc => FindingKind::CudaIpc,
-            PathClass::ShmNccl => FindingKind::Nccl,
-            PathClass::ShmSim | PathClass::ShmOther => continue,
-            PathClass::Other => {
-                if let Some(inode) = socket_inode(target) {
-                    if let Some(path) = (ctx.socket_path)(inode) {
-                        if ctx.simulator && path.starts_with(SIM_SOCKET_PREFIX) {
-                            sockets.push((FindingKind::CudaLibrary, *fd, path, true));
-                        } else if path.starts_with(CUDA_UVMFD_SOCKET_PREFIX) {
-                            sockets.push((FindingKind::CudaLibrary, *fd, path, false));
-                        } else if is_mps_socket(&path, snap) {
-                            sockets.push((FindingKind::Mps, *fd, path, false));
-                        }
-                    }
-                }
-                continue;
-            }
-        };
-        let a = acc.entry((kind, target.clone())).or_default();
-        a.fds.push(*fd);
-        if let PathClass::NvidiaGpu(n) = class {
-            a.gpu = Some(n);
-        }
+        held.add_fd(*fd, target, snap, ctx);
     }
-
-    let mut driver_uvm_seen = false;
     for m in &snap.maps {
-        let Some(path) = m.path.as_deref() else {
-            continue;
-        };
-        if !path.starts_with('/') {
-            continue; // [heap], [stack], [vdso], ...
-        }
-        let class = classify_path(path);
-        let kind = match class {
-            PathClass::NvidiaCtl
-            | PathClass::NvidiaGpu(_)
-            | PathClass::NvidiaOther
-            | PathClass::NvidiaCapsMgmt => FindingKind::DeviceMapping,
-            PathClass::NvidiaUvm if !driver_uvm_seen && is_driver_uvm_mapping(m) => {
-                driver_uvm_seen = true;
-                FindingKind::DeviceMapping
-            }
-            PathClass::NvidiaUvm => FindingKind::ManagedMemory,
-            PathClass::NvidiaCaps => FindingKind::Mig,
-            PathClass::Kfd | PathClass::RenderNode => FindingKind::AmdGpu,
-            PathClass::Rdma => FindingKind::Rdma,
-            PathClass::PciBar => FindingKind::PciBar,
-            PathClass::ShmCudaIpc => FindingKind::CudaIpc,
-            PathClass::ShmNccl => FindingKind::Nccl,
-            PathClass::ShmSim => {
-                if ctx.simulator && m.shared {
-                    let a = acc
-                        .entry((FindingKind::DeviceMapping, path.to_string()))
-                        .or_default();
-                    a.add_map(m);
-                    a.simulated = true;
-                }
-                continue;
-            }
-            PathClass::ShmOther => {
-                if m.shared {
-                    other_shm.entry(path.to_string()).or_default().add_map(m);
-                }
-                continue;
-            }
-            PathClass::Other => {
-                if let Some(k) = library_kind(path) {
-                    libraries.entry(path.to_string()).or_insert(k);
-                }
-                continue;
-            }
-        };
-        // Device memory is mapped shared; a private mapping of a device file is not state we track.
-        if !m.shared
-            && matches!(
-                kind,
-                FindingKind::DeviceMapping | FindingKind::ManagedMemory
-            )
-        {
-            continue;
-        }
-        let a = acc.entry((kind, path.to_string())).or_default();
-        a.add_map(m);
-        if let PathClass::NvidiaGpu(n) = class {
-            a.gpu = Some(n);
-        }
+        held.add_map(m, ctx.simulator);
     }
+    let Holdings {
+        devices,
+        other_shm,
+        libraries,
+        sockets,
+        ..
+    } = held;
 
-    // A CUDA process that holds no NVIDIA device file but still has the driver's UVM socket: the
-    // driver checkpointed it (real capture malloc-checkpointed-462).
-    let nvidia_devices = acc
-        .keys()
-        .any(|(k, _)| matches!(k, FindingKind::NvidiaCtl | FindingKind::NvidiaDevice));
-    let mut out: Vec<Finding> = Vec::new();
-    let finding = |kind, evidence| Finding {
+    let finding = |(kind, evidence): (FindingKind, Evidence)| Finding {
         kind,
-        pid,
+        pid: snap.pid,
         evidence,
     };
-    for ((kind, path), a) in acc {
-        let mapped = a.mappings > 0;
-        let detail = describe(kind, &path, &a);
-        let (address, ranges) = a.address();
-        out.push(finding(
-            kind,
-            Evidence {
-                detail,
-                fds: a.fds,
-                address,
-                ranges,
-                size: mapped.then_some(a.size),
-                mappings: mapped.then_some(a.mappings),
-                gpu: a.gpu,
-                simulated: a.simulated,
-                path: Some(path),
-                ..Default::default()
-            },
-        ));
-    }
-    for (kind, fd, path, simulated) in sockets {
-        let detail = if simulated {
-            format!("fd {fd} is the GPU simulator's control socket {path} (simulated CUDA process)")
-        } else if kind == FindingKind::Mps {
-            format!("fd {fd} is a socket in the MPS pipe folder: {path}")
-        } else if nvidia_devices {
-            format!("fd {fd} is the CUDA driver's UVM channel {path} (every CUDA process has one)")
-        } else {
-            format!(
-                "fd {fd} is the CUDA driver's UVM channel {path}, yet no NVIDIA device file is open: \
-                 the driver has checkpointed this process (its CUDA calls block until it is restored)"
-            )
-        };
-        out.push(finding(
-            kind,
-            Evidence {
-                detail,
-                fds: vec![fd],
-                socket: Some(path),
-                simulated,
-                ..Default::default()
-            },
-        ));
-    }
-    let amd_device = out
-        .iter()
-        .any(|f| f.kind == FindingKind::AmdGpu && f.evidence.path.as_deref() == Some("/dev/kfd"));
-    for (path, kind) in libraries {
-        out.push(finding(
-            kind,
-            Evidence {
-                detail: format!("{} loaded", path.rsplit('/').next().unwrap_or(&path)),
-                library: Some(path),
-                ..Default::default()
-            },
-        ));
-    }
-    let amd_software = out
-        .iter()
-        .any(|f| f.kind == FindingKind::AmdGpu && f.evidence.library.is_some());
+    let nvidia_devices = devices
+        .keys()
+        .any(|(k, _)| matches!(k, FindingKind::NvidiaCtl | FindingKind::NvidiaDevice));
     // A render node alone is any GPU's (Intel, a desktop compositor): count it only next to KFD or ROCm.
-    if !amd_device && !amd_software {
-        out.retain(|f| {
-            !(f.kind == FindingKind::AmdGpu
-                && f.evidence
-                    .path
-                    .as_deref()
-                    .is_some_and(|p| p.starts_with("/dev/dri/")))
-        });
+    let amd = devices
+        .keys()
+        .any(|(k, p)| *k == FindingKind::AmdGpu && p == "/dev/kfd")
+        || libraries.values().any(|k| *k == FindingKind::AmdGpu);
+    let mut out: Vec<Finding> = Vec::new();
+    for ((kind, path), a) in devices {
+        if !(kind == FindingKind::AmdGpu && path.starts_with("/dev/dri/") && !amd) {
+            out.push(finding((kind, a.evidence(kind, path))));
+        }
     }
-
-    for (name, value) in &snap.env {
-        let variable = Some(format!("{name}={value}"));
-        let kind = if name.starts_with("CUDA_MPS_") {
-            FindingKind::Mps
-        } else if name.starts_with("NCCL_") {
-            FindingKind::Nccl
-        } else {
-            FindingKind::GpuEnv
-        };
-        out.push(finding(
+    for (what, fd, path) in sockets {
+        out.push(finding(what.finding(fd, path, nvidia_devices)));
+    }
+    for (path, kind) in libraries {
+        let detail = format!("{} loaded", path.rsplit('/').next().unwrap_or(&path));
+        let library = Some(path);
+        out.push(finding((
             kind,
             Evidence {
-                detail: format!("{name}={value}"),
-                variable: variable.clone(),
+                detail,
+                library,
                 ..Default::default()
             },
-        ));
-        if name.ends_with("VISIBLE_DEVICES") && value.contains("MIG-") {
-            out.push(finding(
-                FindingKind::Mig,
-                Evidence {
-                    detail: format!("{name} names a MIG instance"),
-                    variable,
-                    ..Default::default()
-                },
-            ));
-        }
+        )));
+    }
+    for (name, value) in &snap.env {
+        out.extend(variable_findings(name, value).into_iter().map(finding));
     }
     // The MPS control daemon and server themselves (comm is cut to 15 bytes).
     if snap.stat.comm.starts_with("nvidia-cuda-mps") {
-        out.push(finding(
+        let detail = format!("process {} is an MPS daemon", snap.stat.comm);
+        out.push(finding((
             FindingKind::Mps,
             Evidence {
-                detail: format!("process {} is an MPS daemon", snap.stat.comm),
+                detail,
                 ..Default::default()
             },
-        ));
+        )));
     }
 
-    let has_state = out.iter().any(Finding::is_state);
-    if has_state {
+    if out.iter().any(Finding::is_state) {
         for (path, a) in other_shm {
-            out.push(finding(
+            let (address, ranges) = a.address();
+            let detail =
+                format!("shared segment {path} mapped by a GPU process (may carry IPC handles)");
+            out.push(finding((
                 FindingKind::CudaIpc,
                 Evidence {
-                    detail: format!(
-                        "shared segment {path} mapped by a GPU process (may carry IPC handles)"
-                    ),
-                    address: a.address().0,
-                    ranges: a.address().1,
+                    detail,
+                    address,
+                    ranges,
                     size: Some(a.size),
                     mappings: Some(a.mappings),
                     path: Some(path),
                     ..Default::default()
                 },
-            ));
+            )));
         }
     }
     if out.iter().any(Finding::is_nvidia_state) {
         if let Some((tid, comm)) = restore_thread(&threads()) {
-            out.push(finding(
+            let detail = format!(
+                "thread {tid} ({comm}) looks like the CUDA restore thread (by its name; the driver API is the authority)"
+            );
+            out.push(finding((
                 FindingKind::CudaLibrary,
                 Evidence {
-                    detail: format!(
-                        "thread {tid} ({comm}) looks like the CUDA restore thread (by its name; the driver API is the authority)"
-                    ),
+                    detail,
                     tid: Some(tid),
                     ..Default::default()
                 },
-            ));
+            )));
         }
     }
     out
@@ -437,5 +469,20 @@ mod tests {
         );
         assert_eq!(restore_thread(&t(&[(3, "cuda0a"), (4, "cuda0b")])), None);
         assert_eq!(restore_thread(&t(&[(2, "cuda-EvtHandlr")])), None);
+    }
+
+    #[test]
+    fn variables_by_prefix_and_mig_ids() {
+        use FindingKind::*;
+        let kinds = |n: &str, v: &str| -> Vec<FindingKind> {
+            variable_findings(n, v)
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect()
+        };
+        assert_eq!(kinds("CUDA_MPS_PIPE_DIRECTORY", "/x"), [Mps]);
+        assert_eq!(kinds("NCCL_IB_DISABLE", "1"), [Nccl]);
+        assert_eq!(kinds("CUDA_VISIBLE_DEVICES", "0"), [GpuEnv]);
+        assert_eq!(kinds("CUDA_VISIBLE_DEVICES", "MIG-1234"), [GpuEnv, Mig]);
     }
 }

@@ -58,67 +58,127 @@ impl PathClass {
                 | PathClass::PciBar
         )
     }
+
+    /// The GPU a `/dev/nvidiaN` names.
+    pub fn gpu(self) -> Option<u32> {
+        match self {
+            PathClass::NvidiaGpu(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// The finding that holding such a path makes. `None`: holding it is no finding by itself. An open
+    /// shared segment says nothing until it is mapped, and [`super::classify`] looks at the simulator's
+    /// memory, other segments, sockets and libraries apart.
+    ///
+    /// Mapped NVIDIA devices are memory: `/dev/nvidia-uvm` is managed memory (the driver's own small
+    /// mapping of it aside, which `classify` tells apart by its address), the others are device, pinned
+    /// or BAR memory.
+    pub fn kind(self, hold: Hold) -> Option<FindingKind> {
+        use FindingKind as K;
+        use PathClass as P;
+        Some(match (self, hold) {
+            (P::NvidiaCtl, Hold::Open) => K::NvidiaCtl,
+            (P::NvidiaGpu(_) | P::NvidiaOther | P::NvidiaCapsMgmt, Hold::Open) => K::NvidiaDevice,
+            (P::NvidiaUvm, Hold::Open) => K::NvidiaUvm,
+            (P::NvidiaCtl | P::NvidiaGpu(_) | P::NvidiaOther | P::NvidiaCapsMgmt, Hold::Mapped) => {
+                K::DeviceMapping
+            }
+            (P::NvidiaUvm, Hold::Mapped) => K::ManagedMemory,
+            (P::NvidiaCaps, _) => K::Mig,
+            (P::Kfd | P::RenderNode, _) => K::AmdGpu,
+            (P::Rdma, _) => K::Rdma,
+            (P::PciBar, _) => K::PciBar,
+            (P::ShmCudaIpc, _) => K::CudaIpc,
+            (P::ShmNccl, _) => K::Nccl,
+            (P::ShmSim | P::ShmOther | P::Other, _) => return None,
+        })
+    }
 }
+
+/// How a process holds a path: an fd open on it, or a mapping of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    Open,
+    Mapped,
+}
+
+/// How a path is recognised (see [`RULES`]).
+enum Rule {
+    /// The path is exactly this.
+    Is(&'static str, PathClass),
+    /// The path starts with this.
+    Under(&'static str, PathClass),
+    /// Names with numbers in them need a closer look: `Some` decides, `None` passes on.
+    Test(fn(&str) -> Option<PathClass>),
+}
+
+/// Every path detection recognises, tried in order: the first rule that matches decides; a path no rule
+/// matches is [`PathClass::Other`].
+const RULES: &[Rule] = &[
+    Rule::Test(nvidia_device),
+    Rule::Is("/dev/kfd", PathClass::Kfd),
+    Rule::Under("/dev/dri/renderD", PathClass::RenderNode),
+    Rule::Under("/dev/infiniband/", PathClass::Rdma),
+    Rule::Is("/dev/mem", PathClass::PciBar),
+    Rule::Under("/dev/vfio/", PathClass::PciBar),
+    Rule::Test(sysfs_pci_resource),
+    Rule::Under("/dev/shm/cuda.shm.", PathClass::ShmCudaIpc),
+    Rule::Under("/dev/shm/nccl-", PathClass::ShmNccl),
+    Rule::Under(SIM_SHM_PREFIX, PathClass::ShmSim),
+    Rule::Under("/dev/shm/", PathClass::ShmOther),
+];
 
 /// Classifies a device or file path (from maps or an fd link).
 pub fn classify_path(path: &str) -> PathClass {
-    if let Some(rest) = path.strip_prefix("/dev/nvidia") {
-        return match rest {
-            "ctl" => PathClass::NvidiaCtl,
-            "-uvm" | "-uvm-tools" => PathClass::NvidiaUvm,
-            _ if rest.starts_with("-caps") => {
-                // Minors 1 and 2 are "config" and "monitor" in /proc/driver/nvidia-caps/mig-minors.
-                match rest.rsplit("nvidia-cap").next() {
-                    Some("1") | Some("2") => PathClass::NvidiaCapsMgmt,
-                    _ => PathClass::NvidiaCaps,
-                }
-            }
-            _ if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) => rest
-                .parse()
-                .map(PathClass::NvidiaGpu)
-                .unwrap_or(PathClass::NvidiaOther),
-            _ if rest.starts_with('-') => PathClass::NvidiaOther,
-            _ => PathClass::Other,
-        };
-    }
-    if path == "/dev/kfd" {
-        return PathClass::Kfd;
-    }
-    if path.starts_with("/dev/dri/renderD") {
-        return PathClass::RenderNode;
-    }
-    if path.starts_with("/dev/infiniband/") {
-        return PathClass::Rdma;
-    }
-    if path == "/dev/mem" || path.starts_with("/dev/vfio/") || is_sysfs_pci_resource(path) {
-        return PathClass::PciBar;
-    }
-    if let Some(name) = path.strip_prefix("/dev/shm/") {
-        return if name.starts_with("cuda.shm.") {
-            PathClass::ShmCudaIpc
-        } else if name.starts_with("nccl-") {
-            PathClass::ShmNccl
-        } else if path.starts_with(SIM_SHM_PREFIX) {
-            PathClass::ShmSim
-        } else {
-            PathClass::ShmOther
-        };
-    }
-    PathClass::Other
+    RULES
+        .iter()
+        .find_map(|rule| match *rule {
+            Rule::Is(p, class) => (path == p).then_some(class),
+            Rule::Under(p, class) => path.starts_with(p).then_some(class),
+            Rule::Test(test) => test(path),
+        })
+        .unwrap_or(PathClass::Other)
 }
 
-/// `/sys/bus/pci/devices/0000:01:00.0/resource1`, `/sys/devices/pci0000:00/.../resource0_wc`.
-fn is_sysfs_pci_resource(path: &str) -> bool {
+/// Everything under `/dev/nvidia`: the control and UVM devices, GPUs by number, MIG capabilities, and
+/// the rest (`-modeset`, `-nvswitchN`, ...). A name that only starts like them (`/dev/nvidiafoo`) is none.
+fn nvidia_device(path: &str) -> Option<PathClass> {
+    let rest = path.strip_prefix("/dev/nvidia")?;
+    Some(match rest {
+        "ctl" => PathClass::NvidiaCtl,
+        "-uvm" | "-uvm-tools" => PathClass::NvidiaUvm,
+        _ if rest.starts_with("-caps") => {
+            // Minors 1 and 2 are "config" and "monitor" in /proc/driver/nvidia-caps/mig-minors.
+            match rest.rsplit("nvidia-cap").next() {
+                Some("1") | Some("2") => PathClass::NvidiaCapsMgmt,
+                _ => PathClass::NvidiaCaps,
+            }
+        }
+        _ if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) => rest
+            .parse()
+            .map(PathClass::NvidiaGpu)
+            .unwrap_or(PathClass::NvidiaOther),
+        _ if rest.starts_with('-') => PathClass::NvidiaOther,
+        _ => PathClass::Other,
+    })
+}
+
+/// A PCI BAR through sysfs: `/sys/bus/pci/devices/0000:01:00.0/resource1`,
+/// `/sys/devices/pci0000:00/.../resource0_wc`.
+fn sysfs_pci_resource(path: &str) -> Option<PathClass> {
     if !(path.starts_with("/sys/bus/pci/devices/") || path.starts_with("/sys/devices/pci")) {
-        return false;
+        return None;
     }
     let base = path.rsplit('/').next().unwrap_or("");
-    base.strip_prefix("resource").is_some_and(|n| {
-        !n.is_empty()
-            && n.trim_end_matches("_wc")
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-    })
+    base.strip_prefix("resource")
+        .is_some_and(|n| {
+            !n.is_empty()
+                && n.trim_end_matches("_wc")
+                    .bytes()
+                    .all(|b| b.is_ascii_digit())
+        })
+        .then_some(PathClass::PciBar)
 }
 
 /// GPU libraries, by file-name prefix, and the finding kind each implies.
@@ -221,5 +281,31 @@ mod tests {
             Some(FindingKind::AmdGpu)
         );
         assert_eq!(library_kind("/x/libcudnn.so.9"), None);
+    }
+
+    #[test]
+    fn open_and_mapped_devices_make_different_findings() {
+        let k = |c: PathClass, h| c.kind(h);
+        assert_eq!(
+            k(PathClass::NvidiaCtl, Hold::Open),
+            Some(FindingKind::NvidiaCtl)
+        );
+        assert_eq!(
+            k(PathClass::NvidiaCtl, Hold::Mapped),
+            Some(FindingKind::DeviceMapping)
+        );
+        assert_eq!(
+            k(PathClass::NvidiaGpu(1), Hold::Open),
+            Some(FindingKind::NvidiaDevice)
+        );
+        assert_eq!(
+            k(PathClass::NvidiaUvm, Hold::Mapped),
+            Some(FindingKind::ManagedMemory)
+        );
+        assert_eq!(k(PathClass::ShmNccl, Hold::Open), Some(FindingKind::Nccl));
+        assert_eq!(k(PathClass::ShmOther, Hold::Mapped), None);
+        assert_eq!(k(PathClass::Other, Hold::Open), None);
+        assert_eq!(PathClass::NvidiaGpu(3).gpu(), Some(3));
+        assert_eq!(PathClass::NvidiaCtl.gpu(), None);
     }
 }
