@@ -5,9 +5,12 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The kinds of finding. Users script against these names: never rename one.
+/// The kinds of finding. Users script against these names: never rename one. The names are serde's and
+/// strum's `kebab-case` of the variant (a test holds the two together).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
 pub enum FindingKind {
     /// `/dev/nvidiactl` open: the process talks to the NVIDIA driver.
     NvidiaCtl,
@@ -43,30 +46,9 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
+    /// The name, as in JSON (`nvidia-ctl`, `managed-memory`, ...).
     pub fn as_str(self) -> &'static str {
-        match self {
-            FindingKind::NvidiaCtl => "nvidia-ctl",
-            FindingKind::NvidiaDevice => "nvidia-device",
-            FindingKind::NvidiaUvm => "nvidia-uvm",
-            FindingKind::ManagedMemory => "managed-memory",
-            FindingKind::DeviceMapping => "device-mapping",
-            FindingKind::CudaLibrary => "cuda-library",
-            FindingKind::Nvml => "nvml",
-            FindingKind::CudaIpc => "cuda-ipc",
-            FindingKind::Nccl => "nccl",
-            FindingKind::Rdma => "rdma",
-            FindingKind::PciBar => "pci-bar",
-            FindingKind::Mig => "mig",
-            FindingKind::Mps => "mps",
-            FindingKind::AmdGpu => "amd-gpu",
-            FindingKind::GpuEnv => "gpu-env",
-        }
-    }
-}
-
-impl std::fmt::Display for FindingKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+        self.into()
     }
 }
 

@@ -97,3 +97,27 @@ fn load_inventory(opts: &DetectOptions) -> (Option<Box<dyn GpuInventory>>, Optio
         Err(note) => (None, Some(note)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strum::VariantArray;
+
+    /// The names users script against: strum's (as_str and Display, from one attribute) are serde's.
+    #[test]
+    fn names_are_the_json_names() {
+        for k in FindingKind::VARIANTS {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+        }
+        for s in StrategyName::VARIANTS {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+        }
+        for b in BlockerKind::VARIANTS {
+            assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
+        }
+        assert_eq!(FindingKind::NvidiaCtl.as_str(), "nvidia-ctl");
+        assert_eq!(FindingKind::PciBar.to_string(), "pci-bar");
+        assert_eq!(StrategyName::CudaDriver.as_str(), "cuda-driver");
+        assert_eq!(BlockerKind::DriverTooOld.to_string(), "driver-too-old");
+    }
+}
