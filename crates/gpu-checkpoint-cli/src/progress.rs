@@ -50,21 +50,9 @@ impl Progress for Bar {
     }
 }
 
-/// `1.5 GiB`, `312 KiB`, `17 B`.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
+/// `1.5 GiB`, `17 B`: the library's formatter, so that sizes in the store's summaries read as they do in
+/// `detect`'s evidence.
+pub use gpu_checkpoint::fmt::human_bytes as bytes;
 
 /// `850 ms`, `12.3 s`.
 pub fn millis(ms: u64) -> String {

@@ -28,7 +28,7 @@ mod linux {
     use std::process::{Child, Command, Stdio};
     use std::time::Instant;
 
-    use gpu_checkpoint::detect::findings::classify_path;
+    use gpu_checkpoint::detect::paths::classify_path;
     use gpu_checkpoint::detect::{detect_all, detect_pid, DetectOptions};
 
     struct Stats {

@@ -5,9 +5,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use gpu_checkpoint::detect::{
-    self, findings::human_bytes, DetectOptions, FindingKind, Report, StrategyName,
-};
+use gpu_checkpoint::detect::{self, DetectOptions, FindingKind, Report, StrategyName};
+use gpu_checkpoint::fmt::human_bytes;
 
 use super::Format;
 

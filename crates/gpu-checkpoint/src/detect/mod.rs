@@ -4,17 +4,21 @@
 //! - [`source`]: the /proc root (live or a captured tree, one code path)
 //! - [`parse`]: parsers for maps, stat, status, environ, cgroup, net/unix, the driver version
 //! - [`process`]: reading one process into a [`process::ProcessSnapshot`]
-//! - [`findings`]: classifying a snapshot into [`Finding`]s
+//! - [`paths`]: what a path names (device files, shared segments, GPU libraries)
+//! - [`classify`]: classifying a snapshot into [`Finding`]s
+//! - [`finding`]: the [`Finding`]s, their kinds and evidence
 //! - [`strategy`]: deciding a [`StrategyName`] per process and for the scope, with [`Blocker`]s
 //! - [`nvml`]: NVML behind the [`nvml::GpuInventory`] trait
 //! - [`report`]: the [`Report`] printed as JSON and embedded in checkpoint manifests
 //!
 //! See `docs/detect.md` for the user-facing description and the measured latency.
 
+pub mod classify;
 mod error;
-pub mod findings;
+pub mod finding;
 pub mod nvml;
 pub mod parse;
+pub mod paths;
 pub mod process;
 pub mod report;
 mod scan;
@@ -24,7 +28,7 @@ pub mod strategy;
 use std::path::PathBuf;
 
 pub use error::Error;
-pub use findings::{Evidence, Finding, FindingKind};
+pub use finding::{Evidence, Finding, FindingKind};
 pub use report::{ProcessReport, Report, SCHEMA_VERSION};
 pub use strategy::{Blocker, BlockerKind, StrategyDecision, StrategyName};
 
@@ -91,5 +95,29 @@ fn load_inventory(opts: &DetectOptions) -> (Option<Box<dyn GpuInventory>>, Optio
     match nvml::NvmlInventory::load() {
         Ok(n) => (Some(Box::new(n)), None),
         Err(note) => (None, Some(note)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strum::VariantArray;
+
+    /// The names users script against: strum's (as_str and Display, from one attribute) are serde's.
+    #[test]
+    fn names_are_the_json_names() {
+        for k in FindingKind::VARIANTS {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.as_str());
+        }
+        for s in StrategyName::VARIANTS {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+        }
+        for b in BlockerKind::VARIANTS {
+            assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
+        }
+        assert_eq!(FindingKind::NvidiaCtl.as_str(), "nvidia-ctl");
+        assert_eq!(FindingKind::PciBar.to_string(), "pci-bar");
+        assert_eq!(StrategyName::CudaDriver.as_str(), "cuda-driver");
+        assert_eq!(BlockerKind::DriverTooOld.to_string(), "driver-too-old");
     }
 }

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::findings::Finding;
+use super::finding::Finding;
 use super::strategy::{StrategyDecision, StrategyName};
 
 /// Version of the report's JSON shape.

@@ -6,11 +6,10 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::findings::{
-    classify, classify_path, ClassifyContext, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX,
-};
+use super::classify::{classify, ClassifyContext};
 use super::nvml::GpuInventory;
 use super::parse::{self, socket_inode};
+use super::paths::{classify_path, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX};
 use super::process::{ProcessSnapshot, Reader};
 use super::source::ProcRoot;
 use super::strategy::{self, Scope};
@@ -201,7 +200,7 @@ fn analyse(
                 detail: match used {
                     Some(b) => format!(
                         "NVML lists it as a compute process on GPU {gpu} ({} of device memory)",
-                        super::findings::human_bytes(*b)
+                        crate::fmt::human_bytes(*b)
                     ),
                     None => format!("NVML lists it as a compute process on GPU {gpu}"),
                 },

@@ -3,11 +3,15 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::findings::{human_bytes, Finding, FindingKind};
+use super::finding::{Finding, FindingKind};
+use crate::fmt::human_bytes;
 
-/// How a process (tree) can be checkpointed. Users script against these names.
+/// How a process (tree) can be checkpointed. Users script against these names (serde's and strum's
+/// `kebab-case` of the variant).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
 pub enum StrategyName {
     /// No GPU state: CRIU alone.
     #[default]
@@ -23,14 +27,9 @@ pub enum StrategyName {
 }
 
 impl StrategyName {
+    /// The name, as in JSON (`cuda-driver`, ...).
     pub fn as_str(self) -> &'static str {
-        match self {
-            StrategyName::None => "none",
-            StrategyName::CudaDriver => "cuda-driver",
-            StrategyName::CudaCli => "cuda-cli",
-            StrategyName::Amdgpu => "amdgpu",
-            StrategyName::Unsupported => "unsupported",
-        }
+        self.into()
     }
 
     /// Order used to combine the processes of a tree: the strategy that needs the most wins.
@@ -45,15 +44,12 @@ impl StrategyName {
     }
 }
 
-impl std::fmt::Display for StrategyName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Why a checkpoint is refused. Users script against these names.
+/// Why a checkpoint is refused. Users script against these names (serde's and strum's `kebab-case` of
+/// the variant).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
 pub enum BlockerKind {
     ManagedMemory,
     CudaIpc,
@@ -65,22 +61,9 @@ pub enum BlockerKind {
 }
 
 impl BlockerKind {
+    /// The name, as in JSON (`managed-memory`, ...).
     pub fn as_str(self) -> &'static str {
-        match self {
-            BlockerKind::ManagedMemory => "managed-memory",
-            BlockerKind::CudaIpc => "cuda-ipc",
-            BlockerKind::Mig => "mig",
-            BlockerKind::Mps => "mps",
-            BlockerKind::PciBar => "pci-bar",
-            BlockerKind::Rdma => "rdma",
-            BlockerKind::DriverTooOld => "driver-too-old",
-        }
-    }
-}
-
-impl std::fmt::Display for BlockerKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+        self.into()
     }
 }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use super::{CriuVersion, Error, MIN_VERSION};
+use crate::path_search::which;
 
 /// Environment variable naming the CRIU binary to use.
 pub const ENV_CRIU: &str = "GPU_CHECKPOINT_CRIU";
@@ -143,17 +144,6 @@ pub fn parse_version_output(text: &str) -> Option<CriuVersion> {
         minor,
         sublevel,
     })
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join(name))
-        .find(|p| {
-            p.metadata()
-                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-                .unwrap_or(false)
-        })
 }
 
 /// The project prefix, looked for above the running binary (target/<profile>/gpu-checkpoint, or a test

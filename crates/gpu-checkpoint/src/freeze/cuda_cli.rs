@@ -5,6 +5,7 @@
 
 use super::types::{CuError, GpuInfo, GpuPair, ProcessState};
 use super::{Backend, Error, GpuDriver, Op, Result};
+use crate::path_search::{is_executable, which};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -16,21 +17,6 @@ pub const ENV_PATH: &str = "GPU_CHECKPOINT_CUDA_CHECKPOINT";
 
 pub struct CudaCli {
     path: PathBuf,
-}
-
-/// Finds `name` in the directories of `$PATH`.
-pub fn find_in_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| is_executable(p))
-}
-
-fn is_executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    p.metadata()
-        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        .unwrap_or(false)
 }
 
 impl CudaCli {
@@ -47,7 +33,7 @@ impl CudaCli {
                 })
             };
         }
-        find_in_path(BINARY)
+        which(BINARY)
             .map(|path| CudaCli { path })
             .ok_or(Error::CliMissing)
     }

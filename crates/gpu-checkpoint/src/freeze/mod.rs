@@ -194,9 +194,11 @@ pub trait GpuDriver: Send + Sync {
     }
 }
 
-/// The `--gpu-backend` choice.
+/// The `--gpu-backend` choice, named as in JSON (`cuda-driver`, ...) everywhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Backend {
     /// cuda-driver when libcuda has the checkpoint API, else cuda-cli when `cuda-checkpoint` is on PATH.
     /// Never the simulator.
@@ -211,36 +213,25 @@ pub enum Backend {
 
 impl Backend {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Backend::Auto => "auto",
-            Backend::CudaDriver => "cuda-driver",
-            Backend::CudaCli => "cuda-cli",
-            Backend::Sim => "sim",
-            Backend::Fake => "fake",
-        }
+        self.into()
     }
 }
 
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
+/// Reads a backend's name, all but `fake`, which only code reaches. (Not strum's `EnumString`: it would
+/// read `fake` too.)
 impl std::str::FromStr for Backend {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "auto" => Backend::Auto,
-            "cuda-driver" => Backend::CudaDriver,
-            "cuda-cli" => Backend::CudaCli,
-            "sim" => Backend::Sim,
-            other => {
-                return Err(Error::DeviceMap(format!(
-                    "unknown GPU backend `{other}` (auto, cuda-driver, cuda-cli, sim)"
-                )))
-            }
-        })
+        use strum::VariantArray;
+        Backend::VARIANTS
+            .iter()
+            .copied()
+            .find(|b| *b != Backend::Fake && b.as_str() == s)
+            .ok_or_else(|| {
+                Error::DeviceMap(format!(
+                    "unknown GPU backend `{s}` (auto, cuda-driver, cuda-cli, sim)"
+                ))
+            })
     }
 }
 

@@ -4,10 +4,14 @@ use super::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
+use strum::VariantArray;
 
-/// `CUprocessState`, the driver's view of a process.
+/// `CUprocessState`, the driver's view of a process. Named in lower case (`running`, ...) in JSON, in
+/// messages and as [`FromStr`] reads them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "lowercase")]
 pub enum ProcessState {
     Running,
     Locked,
@@ -34,41 +38,29 @@ impl ProcessState {
     }
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            ProcessState::Running => "running",
-            ProcessState::Locked => "locked",
-            ProcessState::Checkpointed => "checkpointed",
-            ProcessState::Failed => "failed",
-            ProcessState::Checkpointing => "checkpointing",
-            ProcessState::Restoring => "restoring",
-        }
+        self.into()
     }
 }
 
-impl fmt::Display for ProcessState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
+/// Reads a state as `cuda-checkpoint --get-state` prints it: any case, surrounding blanks ignored.
+/// (Not strum's `EnumString`, which neither trims nor reports `()`.)
 impl FromStr for ProcessState {
     type Err = ();
     fn from_str(s: &str) -> std::result::Result<Self, ()> {
-        Ok(match s.trim().to_ascii_lowercase().as_str() {
-            "running" => ProcessState::Running,
-            "locked" => ProcessState::Locked,
-            "checkpointed" => ProcessState::Checkpointed,
-            "failed" => ProcessState::Failed,
-            "checkpointing" => ProcessState::Checkpointing,
-            "restoring" => ProcessState::Restoring,
-            _ => return Err(()),
-        })
+        let s = s.trim();
+        ProcessState::VARIANTS
+            .iter()
+            .copied()
+            .find(|v| v.as_str().eq_ignore_ascii_case(s))
+            .ok_or(())
     }
 }
 
 /// The operations of the checkpoint API (for errors, timings and the manifest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Op {
     State,
     Lock,
@@ -81,25 +73,15 @@ pub enum Op {
 impl Op {
     /// The name used in JSON (`lock`, `restore-tid`, ...).
     pub fn key(self) -> &'static str {
-        match self {
-            Op::State => "state",
-            Op::Lock => "lock",
-            Op::Checkpoint => "checkpoint",
-            Op::Restore => "restore",
-            Op::Unlock => "unlock",
-            Op::RestoreTid => "restore-tid",
-        }
+        self.into()
     }
 
-    /// The operation in words, for messages.
+    /// The operation in words, for messages: the name, but for the two queries.
     pub fn as_str(self) -> &'static str {
         match self {
             Op::State => "state query",
-            Op::Lock => "lock",
-            Op::Checkpoint => "checkpoint",
-            Op::Restore => "restore",
-            Op::Unlock => "unlock",
             Op::RestoreTid => "restore thread id query",
+            _ => self.key(),
         }
     }
 }
@@ -457,6 +439,29 @@ mod tests {
         assert_eq!(ProcessState::from_raw(5), Some(ProcessState::Restoring));
         assert_eq!(ProcessState::from_raw(6), None);
         assert_eq!("Locked\n".parse(), Ok(ProcessState::Locked));
+    }
+
+    /// strum's names (as_str or key, and Display unless it is words) are serde's.
+    #[test]
+    fn state_op_and_backend_names_are_the_json_names() {
+        for s in ProcessState::VARIANTS {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+            assert_eq!(s.as_str().to_ascii_uppercase().parse(), Ok(*s));
+        }
+        assert_eq!(ProcessState::Checkpointed.to_string(), "checkpointed");
+        assert_eq!(" restoring ".parse(), Ok(ProcessState::Restoring));
+        assert_eq!("lock".parse::<ProcessState>(), Err(()));
+        for op in Op::VARIANTS {
+            assert_eq!(serde_json::to_value(op).unwrap(), op.key());
+        }
+        assert_eq!(Op::RestoreTid.key(), "restore-tid");
+        assert_eq!(Op::RestoreTid.to_string(), "restore thread id query");
+        assert_eq!(Op::State.to_string(), "state query");
+        assert_eq!(Op::Checkpoint.to_string(), "checkpoint");
+        for b in super::super::Backend::VARIANTS {
+            assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
+        }
+        assert_eq!(super::super::Backend::CudaDriver.to_string(), "cuda-driver");
     }
 
     #[test]
