@@ -21,6 +21,7 @@ pub mod error;
 pub mod freeze;
 pub mod restore;
 pub mod store;
+pub mod testdata;
 pub mod util;
 
 pub use error::{Error, ExitStatus, Result};
