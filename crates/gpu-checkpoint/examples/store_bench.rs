@@ -19,6 +19,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
+use gpu_checkpoint::testdata::XorShift64;
 
 const PAGE: usize = 4096;
 
@@ -60,48 +61,31 @@ fn parse_args() -> Args {
     a
 }
 
-/// xorshift64: fast enough to generate gigabytes of incompressible data.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn fill(&mut self, buf: &mut [u8]) {
-        for c in buf.chunks_mut(8) {
-            let v = self.next().to_le_bytes();
-            c.copy_from_slice(&v[..c.len()]);
-        }
-    }
-}
-
 /// A CRIU-like page image: runs of 1-1024 pages (4 KiB-4 MiB) of one kind. About 30% zero pages, 30% random
 /// (incompressible: heaps of encrypted or already compressed data, weights), 20% copies of a few hundred
 /// recurring pages (shared libraries, replicated buffers), 20% compressible (text, sparse structures).
 fn write_pages(path: &Path, bytes: u64, seed: u64) -> std::io::Result<()> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = XorShift64::new(seed | 1);
     let mut f = std::io::BufWriter::with_capacity(8 << 20, fs::File::create(path)?);
     let mut recurring = vec![0u8; 256 * PAGE];
-    rng.fill(&mut recurring);
+    rng.fill_bytes(&mut recurring);
     let mut page = vec![0u8; PAGE];
     let mut written = 0u64;
     while written < bytes {
-        let kind = rng.next() % 10;
-        let run = 1 + (rng.next() % 1024) as usize;
+        let kind = rng.next_u64() % 10;
+        let run = 1 + (rng.next_u64() % 1024) as usize;
         for _ in 0..run {
             match kind {
                 0..=2 => page.fill(0),
-                3..=5 => rng.fill(&mut page),
+                3..=5 => rng.fill_bytes(&mut page),
                 6 | 7 => {
-                    let k = (rng.next() % 256) as usize;
+                    let k = (rng.next_u64() % 256) as usize;
                     page.copy_from_slice(&recurring[k * PAGE..(k + 1) * PAGE]);
                 }
                 _ => {
                     // Small integers and pointers with zero high bytes, as in typical heap data.
                     for w in page.chunks_mut(8) {
-                        let v = rng.next() % 4096;
+                        let v = rng.next_u64() % 4096;
                         w.copy_from_slice(&v.to_le_bytes());
                     }
                 }
@@ -116,7 +100,7 @@ fn write_pages(path: &Path, bytes: u64, seed: u64) -> std::io::Result<()> {
 fn make_source(src: &Path, bytes: u64) {
     fs::create_dir_all(src).unwrap();
     write_pages(&src.join("pages-1.img"), bytes, 42).unwrap();
-    let mut rng = Rng(7);
+    let mut rng = XorShift64::new(7);
     for (name, len) in [
         ("pagemap-1.img", 200_000),
         ("mm-1.img", 30_000),
@@ -126,7 +110,7 @@ fn make_source(src: &Path, bytes: u64) {
         ("files.img", 4_000),
     ] {
         let mut b = vec![0u8; len];
-        rng.fill(&mut b);
+        rng.fill_bytes(&mut b);
         fs::write(src.join(name), b).unwrap();
     }
 }

@@ -25,6 +25,7 @@ pub mod freeze;
 pub mod path_search;
 pub mod proc;
 pub mod store;
+pub mod testdata;
 pub mod util;
 
 pub use error::{Error, Result};

@@ -456,8 +456,9 @@ pub fn zero_prefix_len(data: &[u8]) -> usize {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::testdata::random_bytes;
 
     fn roundtrip(data: &[u8]) -> Encoding {
         let mut enc = Encoder::new(Some(3), data.len()).unwrap();
@@ -474,7 +475,7 @@ pub(crate) mod tests {
         let text: Vec<u8> = (0..50_000u32)
             .flat_map(|i| (i % 97).to_le_bytes())
             .collect();
-        let random = xorshift(70_001, 3);
+        let random = random_bytes(70_001, 3);
         let mut enc = Encoder::new(Some(1), 80_000).unwrap();
         let mut dec = Decoder::new(80_000).unwrap();
         for (data, want) in [
@@ -507,28 +508,13 @@ pub(crate) mod tests {
             .flat_map(|i| (i % 97).to_le_bytes())
             .collect();
         assert_eq!(roundtrip(&text), Encoding::Zstd);
-        assert_eq!(roundtrip(&xorshift(100_000, 0)), Encoding::Raw);
+        assert_eq!(roundtrip(&random_bytes(100_000, 0)), Encoding::Raw);
         assert_eq!(roundtrip(b"tiny"), Encoding::Raw);
-    }
-
-    /// Pseudo-random (incompressible) bytes, reproducible from `seed`; other modules' tests use it too.
-    pub(crate) fn xorshift(n: usize, seed: u64) -> Vec<u8> {
-        // Spread the seed's bits: xorshift's first outputs from a small seed are mostly zero bytes.
-        let mut x = (seed + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut out = Vec::with_capacity(n + 8);
-        while out.len() < n {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            out.extend_from_slice(&x.to_le_bytes());
-        }
-        out.truncate(n);
-        out
     }
 
     /// Small integers in 8-byte words, as in heap pages.
     fn heap_like(n: usize, seed: u64) -> Vec<u8> {
-        xorshift(n, seed)
+        random_bytes(n, seed)
             .chunks(8)
             .flat_map(|w| (u64::from_le_bytes(w.try_into().unwrap()) % 4096).to_le_bytes())
             .take(n)
@@ -542,19 +528,19 @@ pub(crate) mod tests {
         for seed in 0..300u64 {
             let n = [4096, 5000, 65536 + 4096, 100_000, 1 << 20][seed as usize % 5];
             assert!(
-                p.is_random(&xorshift(n, seed)),
+                p.is_random(&random_bytes(n, seed)),
                 "random {n} bytes, seed {seed}"
             );
         }
-        assert!(p.is_random(&xorshift((4 << 20) - 3, 1)));
+        assert!(p.is_random(&random_bytes((4 << 20) - 3, 1)));
         assert!(
-            !p.is_random(&xorshift(4095, 1)),
+            !p.is_random(&random_bytes(4095, 1)),
             "shorter than a page: left to zstd"
         );
         assert!(!p.is_random(&heap_like(1 << 20, 3)));
         assert!(!p.is_random(&vec![0u8; 1 << 20]));
         // Floats with a narrow range of exponents: high-entropy mantissas, but the exponent bytes repeat.
-        let floats: Vec<u8> = xorshift(1 << 20, 5)
+        let floats: Vec<u8> = random_bytes(1 << 20, 5)
             .chunks(4)
             .flat_map(|w| {
                 (1.0 + u32::from_le_bytes(w.try_into().unwrap()) as f32 / 4e9).to_le_bytes()
@@ -563,7 +549,7 @@ pub(crate) mod tests {
         assert!(!p.is_random(&floats));
         // Random pages that recur (a few distinct pages copied around), seen from a chunk that starts in the
         // middle of a page: each page alone is random, the chunk compresses.
-        let distinct = xorshift(16 * 4096, 9);
+        let distinct = random_bytes(16 * 4096, 9);
         let mut recurring = Vec::new();
         for i in 0..256usize {
             let k = (i * 7) % 16;
@@ -571,7 +557,7 @@ pub(crate) mod tests {
         }
         assert!(!p.is_random(&recurring[1234..]));
         // Random except for one 64 KiB region (a region is 16 pages): compressible.
-        let mut mostly = xorshift(1 << 20, 11);
+        let mut mostly = random_bytes(1 << 20, 11);
         mostly[512 * 1024..576 * 1024].fill(0);
         assert!(!p.is_random(&mostly));
     }
@@ -580,7 +566,7 @@ pub(crate) mod tests {
     fn random_chunks_are_stored_raw_and_everything_round_trips() {
         let mut enc = Encoder::new(Some(1), 4 << 20).unwrap();
         let mut dec = Decoder::new(4 << 20).unwrap();
-        let random = xorshift(3 << 20, 21);
+        let random = random_bytes(3 << 20, 21);
         let heap = heap_like(3 << 20, 22);
         // A chunk that is half random, half heap: one decision per chunk, and zstd stores the random half
         // in raw blocks of its frame.
@@ -624,7 +610,7 @@ pub(crate) mod tests {
     fn the_window_covers_a_whole_chunk() {
         // 2 MiB of random bytes repeated once, 2 MiB further on: level 1's default window (512 KiB for
         // inputs this size) would miss the repeat; the tuned one finds it.
-        let half = xorshift(2 << 20, 31);
+        let half = random_bytes(2 << 20, 31);
         let data: Vec<u8> = half.iter().chain(&half).copied().collect();
         let mut enc = Encoder::new(Some(1), 4 << 20).unwrap();
         let (header, payload) = enc.encode(&data);

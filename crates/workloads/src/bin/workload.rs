@@ -24,6 +24,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use gpu_checkpoint::testdata::XorShift64;
 use gpu_checkpoint_workloads::{detach, sleep_ms, step, Opts, StateFile};
 
 /// Tick of the workloads: fast enough that a test sees progress within a fraction of a second.
@@ -410,17 +411,9 @@ fn files(opts: &Opts) -> Result<(), String> {
 }
 
 /// xorshift64: fast enough to fill a GiB in about a second, incompressible for the store.
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
 fn fill_random(buf: &mut [u64], seed: u64) {
-    let mut x = seed;
-    for w in buf.iter_mut() {
-        *w = xorshift(&mut x);
+    for (w, x) in buf.iter_mut().zip(XorShift64::new(seed)) {
+        *w = x;
     }
 }
 
@@ -432,12 +425,12 @@ const PAGE_WORDS: usize = 512;
 /// as shared buffers or replicated tables are) and 20% compressible (small integers and pointers whose
 /// high bytes are zero).
 fn fill_mixed(buf: &mut [u64], seed: u64) {
-    let mut x = seed;
-    let recurring: Vec<u64> = (0..64 * PAGE_WORDS).map(|_| xorshift(&mut x)).collect();
+    let mut rng = XorShift64::new(seed);
+    let recurring: Vec<u64> = rng.by_ref().take(64 * PAGE_WORDS).collect();
     let pages = buf.len() / PAGE_WORDS;
     let mut p = 0;
     while p < pages {
-        let r = xorshift(&mut x);
+        let r = rng.next_u64();
         let run = ((r >> 8) % 256 + 1) as usize;
         let end = (p + run).min(pages);
         for page in buf[p * PAGE_WORDS..end * PAGE_WORDS].chunks_exact_mut(PAGE_WORDS) {
@@ -448,14 +441,14 @@ fn fill_mixed(buf: &mut [u64], seed: u64) {
                     // SAFETY: `page` is an exclusively borrowed, aligned slice of 512 words.
                     unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) }
                 }
-                3..=5 => page.iter_mut().for_each(|w| *w = xorshift(&mut x)),
+                3..=5 => page.iter_mut().for_each(|w| *w = rng.next_u64()),
                 6..=7 => {
-                    let k = (xorshift(&mut x) % 64) as usize;
+                    let k = (rng.next_u64() % 64) as usize;
                     page.copy_from_slice(&recurring[k * PAGE_WORDS..(k + 1) * PAGE_WORDS]);
                 }
                 _ => page
                     .iter_mut()
-                    .for_each(|w| *w = xorshift(&mut x) & 0x0000_7fff_0000_00ff),
+                    .for_each(|w| *w = rng.next_u64() & 0x0000_7fff_0000_00ff),
             }
         }
         p = end;

@@ -715,8 +715,8 @@ fn tree_size(path: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::chunk::tests::xorshift as random;
     use crate::store::chunk::{Decoder, Encoder};
+    use crate::testdata::random_bytes as random;
     use std::os::unix::fs::PermissionsExt;
 
     fn backend(dir: &Path, direct: bool) -> LocalBackend {

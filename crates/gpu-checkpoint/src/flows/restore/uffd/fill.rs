@@ -159,6 +159,7 @@ mod tests {
     use super::*;
     use crate::dump::images::{PE_LAZY, PE_PRESENT};
     use crate::flows::restore::uffd::plan::tests::pagemap;
+    use crate::testdata::XorShift64;
 
     const P: u64 = 4096;
 
@@ -197,11 +198,9 @@ mod tests {
         // A page image whose chunks (small, content-defined) do not fall on page bounds: a zero run,
         // random data, and a compressible run.
         let mut img = vec![0u8; (38 * P) as usize];
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rng = XorShift64::new(0x9e37_79b9_7f4a_7c15);
         for (i, b) in img.iter_mut().enumerate() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             *b = match (i as u64) / P {
                 0..=1 => 0x55,      // kept: CRIU's part
                 2..=9 => 0,         // zero chunks
