@@ -1,6 +1,8 @@
-//! The two CRIU images a userfaultfd restore reads itself: `pagemap-PID.img` (which pages of a process
-//! its page image holds, in order, and which of them CRIU may leave to userfaultfd) and `mm-PID.img`
-//! (the process's mappings, whose bounds one `UFFDIO_COPY` must not cross).
+//! The CRIU images a userfaultfd restore reads itself: `pagemap-PID.img` (which pages of a process its
+//! page image holds, in order, and which of them CRIU may leave to userfaultfd), `mm-PID.img` (the
+//! process's mappings, whose bounds one `UFFDIO_COPY` must not cross, and which of them a child shares
+//! with its parent) and `pstree.img` (who is whose parent); and the one image it writes back: a pagemap
+//! whose entries say differently which pages CRIU leaves to userfaultfd ([`write_pagemap`]).
 //!
 //! A CRIU image is two magic words (the common image magic, then the image type's), then entries: a
 //! 32-bit little-endian length and a protobuf message of that length (`images/pagemap.proto`,
@@ -135,18 +137,85 @@ pub fn parse_pagemap(bytes: &[u8]) -> Result<Pagemap, String> {
     Ok(Pagemap { pages_id, entries })
 }
 
-/// The mappings (`[start, end)`, in address order) of `mm-PID.img`.
-pub fn parse_vmas(bytes: &[u8]) -> Result<Vec<(u64, u64)>, String> {
+/// `vma_entry.status` bits (criu/include/image.h).
+/// A mapping CRIU itself understands (not one it refused to dump).
+pub const VMA_AREA_REGULAR: u32 = 1 << 0;
+pub const VMA_FILE_PRIVATE: u32 = 1 << 6;
+pub const VMA_ANON_PRIVATE: u32 = 1 << 9;
+pub const VMA_AREA_AIORING: u32 = 1 << 13;
+pub const VMA_AREA_SHSTK: u32 = 1 << 15;
+/// Not a mapping: pages guarded with `MADV_GUARD_INSTALL`, recorded after every mapping.
+pub const VMA_AREA_GUARD: u32 = 1 << 16;
+
+/// One `vma_entry` of `mm-PID.img`: the mapping `[start, end)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Vma {
+    pub start: u64,
+    pub end: u64,
+    /// The file's id for a file mapping.
+    pub shmid: u64,
+    /// `mmap` flags (`MAP_PRIVATE`, `MAP_ANONYMOUS`, ...).
+    pub flags: u32,
+    /// CRIU's own bits (`VMA_*`).
+    pub status: u32,
+}
+
+impl Vma {
+    /// A guard area, not a mapping (`VMA_AREA_GUARD`).
+    pub fn is_guard(&self) -> bool {
+        self.status & VMA_AREA_GUARD != 0
+    }
+
+    /// Private memory in CRIU's sense (criu/include/vma.h, `vma_entry_is_private`): what it premaps
+    /// and fills itself, and what a child may share with its parent.
+    pub fn is_private(&self) -> bool {
+        (self.status & VMA_AREA_REGULAR != 0
+            && self.status & (VMA_ANON_PRIVATE | VMA_FILE_PRIVATE) != 0)
+            || self.status & (VMA_AREA_SHSTK | VMA_AREA_AIORING) != 0
+    }
+}
+
+/// A parsed `mm-PID.img`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mm {
+    /// The id of the executable's file: CRIU pairs a child's mappings with its parent's only when both
+    /// run the same one.
+    pub exe_file_id: u32,
+    /// In the image's order: the mappings by address, then the guard areas.
+    pub vmas: Vec<Vma>,
+}
+
+impl Mm {
+    /// The mappings' bounds (`[start, end)`, in address order; no guard area).
+    pub fn bounds(&self) -> Vec<(u64, u64)> {
+        let mut b: Vec<(u64, u64)> = self
+            .vmas
+            .iter()
+            .filter(|v| !v.is_guard())
+            .map(|v| (v.start, v.end))
+            .collect();
+        b.sort_unstable();
+        b
+    }
+}
+
+/// Parses `mm-PID.img`.
+pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
     let msgs = messages(bytes)?;
     let mm = msgs.first().ok_or("empty mm image")?;
     let mut vmas = Vec::new();
+    let mut exe_file_id = 0;
     let mut bad = None;
     fields(mm, |n, _, is| {
+        if n == 12 {
+            exe_file_id = is.read_uint32()?;
+            return Ok(true);
+        }
         if n != 14 {
             return Ok(false);
         }
         let vma = is.read_bytes()?;
-        let (mut start, mut end) = (None, None);
+        let (mut start, mut end, mut shmid, mut flags, mut status) = (None, None, 0, 0, 0);
         if let Err(e) = fields(&vma, |n, _, is| {
             Ok(match n {
                 1 => {
@@ -157,13 +226,31 @@ pub fn parse_vmas(bytes: &[u8]) -> Result<Vec<(u64, u64)>, String> {
                     end = Some(is.read_uint64()?);
                     true
                 }
+                4 => {
+                    shmid = is.read_uint64()?;
+                    true
+                }
+                6 => {
+                    flags = is.read_uint32()?;
+                    true
+                }
+                7 => {
+                    status = is.read_uint32()?;
+                    true
+                }
                 _ => false,
             })
         }) {
             bad.get_or_insert(e);
         }
         match (start, end) {
-            (Some(s), Some(e)) if s < e => vmas.push((s, e)),
+            (Some(start), Some(end)) if start < end => vmas.push(Vma {
+                start,
+                end,
+                shmid,
+                flags,
+                status,
+            }),
             _ => {
                 bad.get_or_insert("a mapping without bounds".to_string());
             }
@@ -173,8 +260,26 @@ pub fn parse_vmas(bytes: &[u8]) -> Result<Vec<(u64, u64)>, String> {
     if let Some(e) = bad {
         return Err(e);
     }
-    vmas.sort_unstable();
-    Ok(vmas)
+    Ok(Mm { exe_file_id, vmas })
+}
+
+/// A pagemap image holding `entries`, written as CRIU writes them (`compat_nr_pages` 0, the count in
+/// `nr_pages`, the flags), behind `original`'s magic words and head message. For a restore that leaves
+/// other pages to userfaultfd than the dump recorded; `original` is the pagemap image it replaces.
+pub fn write_pagemap(original: &[u8], entries: &[PagemapEntry]) -> Result<Vec<u8>, String> {
+    let head = *messages(original)?.first().ok_or("no pagemap head")?;
+    // `messages` checked that both magic words are there.
+    let magic = u32::from_le_bytes([original[4], original[5], original[6], original[7]]);
+    let mut msgs = vec![head.to_vec()];
+    for e in entries {
+        let mut m = Vec::new();
+        encode::uint(1, e.vaddr, &mut m);
+        encode::uint(2, 0, &mut m); // required; readers take `nr_pages` when it is there
+        encode::uint(4, e.flags as u64, &mut m);
+        encode::uint(5, e.nr_pages, &mut m);
+        msgs.push(m);
+    }
+    Ok(image_of_type(magic, &msgs))
 }
 
 /// One process of `pstree.img`: its PID, parent, and the IDs of its threads (the main thread's is the PID).
@@ -224,8 +329,13 @@ pub fn parse_pstree(bytes: &[u8]) -> Result<Vec<PstreeEntry>, String> {
 /// Encoding, for tests and the fake CRIU: a CRIU image of `msgs` (the type magic is not checked on
 /// reading).
 pub(crate) fn image(msgs: &[Vec<u8>]) -> Vec<u8> {
+    image_of_type(0x1234_5678, msgs)
+}
+
+/// A CRIU image of type `magic` holding `msgs`.
+fn image_of_type(magic: u32, msgs: &[Vec<u8>]) -> Vec<u8> {
     let mut out = IMG_COMMON_MAGIC.to_le_bytes().to_vec();
-    out.extend_from_slice(&0x1234_5678u32.to_le_bytes());
+    out.extend_from_slice(&magic.to_le_bytes());
     for m in msgs {
         out.extend_from_slice(&(m.len() as u32).to_le_bytes());
         out.extend_from_slice(m);
@@ -234,7 +344,8 @@ pub(crate) fn image(msgs: &[Vec<u8>]) -> Vec<u8> {
 }
 
 pub(crate) mod encode {
-    //! Just enough protobuf encoding to build test images (and the fake CRIU's).
+    //! Just enough protobuf encoding for the pagemaps a restore writes, and to build test images (and
+    //! the fake CRIU's).
     pub fn varint(mut v: u64, out: &mut Vec<u8>) {
         while v >= 0x80 {
             out.push((v as u8) | 0x80);
@@ -263,15 +374,33 @@ pub(crate) mod encode {
         uint(4, flags as u64, &mut m);
         m
     }
+    /// An mm entry whose mappings are private anonymous memory.
     pub fn mm(vmas: &[(u64, u64)]) -> Vec<u8> {
+        let anon: Vec<super::Vma> = vmas
+            .iter()
+            .map(|&(start, end)| super::Vma {
+                start,
+                end,
+                shmid: 0,
+                flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
+                status: super::VMA_AREA_REGULAR | super::VMA_ANON_PRIVATE,
+            })
+            .collect();
+        mm_of(1, &anon)
+    }
+    pub fn mm_of(exe_file_id: u32, vmas: &[super::Vma]) -> Vec<u8> {
         let mut m = Vec::new();
         uint(1, 0x400000, &mut m);
-        for &(s, e) in vmas {
-            let mut v = Vec::new();
-            uint(1, s, &mut v);
-            uint(2, e, &mut v);
-            uint(3, 0, &mut v);
-            bytes(14, &v, &mut m);
+        uint(12, exe_file_id as u64, &mut m);
+        for v in vmas {
+            let mut e = Vec::new();
+            uint(1, v.start, &mut e);
+            uint(2, v.end, &mut e);
+            uint(3, 0, &mut e);
+            uint(4, v.shmid, &mut e);
+            uint(6, v.flags as u64, &mut e);
+            uint(7, v.status as u64, &mut e);
+            bytes(14, &e, &mut m);
         }
         uint(15, 1, &mut m);
         m
@@ -348,9 +477,57 @@ mod tests {
     fn reads_the_mappings_of_an_mm_image() {
         let img = image(&[mm(&[(0x3000, 0x5000), (0x1000, 0x2000)])]);
         assert_eq!(
-            parse_vmas(&img).unwrap(),
+            parse_mm(&img).unwrap().bounds(),
             vec![(0x1000, 0x2000), (0x3000, 0x5000)]
         );
+        let file = Vma {
+            start: 0x1000,
+            end: 0x2000,
+            shmid: 7,
+            flags: libc::MAP_PRIVATE as u32,
+            status: VMA_AREA_REGULAR | VMA_FILE_PRIVATE,
+        };
+        let guard = Vma {
+            start: 0x1000,
+            end: 0x1000 + 4096,
+            shmid: 0,
+            flags: 0,
+            status: VMA_AREA_GUARD,
+        };
+        let mm = parse_mm(&image(&[mm_of(42, &[file, guard])])).unwrap();
+        assert_eq!(mm.exe_file_id, 42);
+        assert_eq!(mm.vmas, vec![file, guard]);
+        assert!(mm.vmas[0].is_private() && !mm.vmas[0].is_guard());
+        assert!(mm.vmas[1].is_guard() && !mm.vmas[1].is_private());
+        assert_eq!(
+            mm.bounds(),
+            vec![(0x1000, 0x2000)],
+            "a guard area is no mapping"
+        );
+    }
+
+    #[test]
+    fn a_rewritten_pagemap_reads_back_with_its_head_and_magic() {
+        let mut original = image(&[pagemap_head(5), pagemap_entry(0x1000, 3, PE_PRESENT)]);
+        original[4..8].copy_from_slice(&0x5608_4025u32.to_le_bytes()); // PAGEMAP_MAGIC
+        let entries = [
+            PagemapEntry {
+                vaddr: 0x1000,
+                nr_pages: 1,
+                flags: PE_PRESENT,
+            },
+            PagemapEntry {
+                vaddr: 0x2000,
+                nr_pages: 1 << 33,
+                flags: PE_PRESENT | PE_LAZY,
+            },
+        ];
+        let out = write_pagemap(&original, &entries).unwrap();
+        assert_eq!(out[..8], original[..8]);
+        let pm = parse_pagemap(&out).unwrap();
+        assert_eq!(pm.pages_id, 5);
+        assert_eq!(pm.entries, entries);
+        assert!(write_pagemap(b"junk", &entries).is_err());
     }
 
     #[test]
@@ -367,7 +544,7 @@ mod tests {
         assert!(parse_pagemap(&image(&[pagemap_head(1), no_vaddr])).is_err());
         let mut bad_vma = Vec::new();
         bytes(14, &[0x08, 0x10], &mut bad_vma); // start only
-        assert!(parse_vmas(&image(&[bad_vma])).is_err());
-        assert!(parse_vmas(&image(&[vec![0x0f]])).is_err(), "bad wire type");
+        assert!(parse_mm(&image(&[bad_vma])).is_err());
+        assert!(parse_mm(&image(&[vec![0x0f]])).is_err(), "bad wire type");
     }
 }

@@ -15,6 +15,10 @@
 //!   `--verify-ms MS` (default 200; 0: never, the process then idles, as the benchmark wants);
 //!   `--content mixed` fills it like a real heap instead: runs of zero, random, recurring and
 //!   compressible pages
+//! - `cow`      `--mib N` (default 128) of pseudo-random private memory filled by the parent, then
+//!   `--children K` (default 4) forked children that read it, so parent and children share its pages
+//!   (copy-on-write); each process also has a page and a MiB of its own in the same mapping, and
+//!   re-verifies its view every `--verify-ms MS` (default 500)      records: proc pid checksum verified bad
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -50,8 +54,9 @@ fn main() {
         "sockets" => sockets(&opts),
         "files" => files(&opts),
         "memory" => memory(&opts),
+        "cow" => cow(&opts),
         _ => Err(format!(
-            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory)"
+            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow)"
         )),
     };
     if let Err(e) = result {
@@ -496,5 +501,84 @@ fn memory(opts: &Opts) -> Result<(), String> {
         } else {
             bad += 1;
         }
+    }
+}
+
+/// A pre-fork tree: the parent fills `--mib N` of private memory, then forks `--children K` that read
+/// it. Until one of them writes a page, the kernel keeps one copy of it for all of them, which a restore
+/// must keep (the tree's PSS is what the tests measure). The same mapping also holds what a restore must
+/// not share: after the fork every process (parent too) rewrites one page of the common memory (its
+/// `proc` number's) and fills one MiB of its own past it (a MiB per process, untouched in the others), so
+/// each sees different bytes. Record `proc` 0 is the parent, 1..=K the children; each re-hashes its whole
+/// view of the mapping every `--verify-ms` and counts matches and mismatches.
+fn cow(opts: &Opts) -> Result<(), String> {
+    let mib = opts.num("mib", 128)? as usize;
+    let children = opts.num("children", 4)? as usize;
+    let every = opts.num("verify-ms", 500)?.max(1);
+    let seed = opts.num("seed", 0x2545_f491_4f6c_dd1d)? | 1;
+    let s = state(opts, children + 1)?;
+    // A mapping of its own (not the allocator's), so that the memory is one private area in parent and
+    // children alike: the common part, then one MiB per process.
+    let len = (mib + children + 1) << 20;
+    // SAFETY: a fresh private anonymous mapping, never unmapped (the process runs until killed).
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if mem == libc::MAP_FAILED {
+        return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: the mapping is `len` bytes, aligned, and only this slice refers to it in this process.
+    let buf = unsafe { std::slice::from_raw_parts_mut(mem.cast::<u64>(), len / 8) };
+    const MIB_WORDS: usize = 1 << 17;
+    fill_random(&mut buf[..mib * MIB_WORDS], seed);
+    let mut me = 0;
+    for i in 1..=children {
+        // SAFETY: the process is single-threaded (no thread was started), so fork is sound.
+        match unsafe { libc::fork() } {
+            -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
+            0 => {
+                me = i;
+                break;
+            }
+            _ => {}
+        }
+    }
+    // What only this process has: one page of the common memory rewritten, one MiB of its own.
+    let page = me * PAGE_WORDS;
+    if page + PAGE_WORDS <= mib * MIB_WORDS {
+        fill_random(&mut buf[page..page + PAGE_WORDS], seed ^ (me as u64 + 1));
+    }
+    let own = (mib + me) * MIB_WORDS;
+    fill_random(&mut buf[own..own + MIB_WORDS], !seed ^ me as u64);
+    let buf: &[u64] = buf; // read-only from here on
+    let hash = |b: &[u64]| {
+        // SAFETY: viewing initialized u64s as bytes.
+        blake3::hash(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<u8>(), b.len() * 8) })
+    };
+    let sum = hash(buf);
+    let (mut verified, mut bad) = (0u64, 0u64);
+    loop {
+        if hash(buf) == sum {
+            verified += 1;
+        } else {
+            bad += 1;
+        }
+        put(
+            &s,
+            me,
+            &format!(
+                "proc={me} pid={} mib={mib} checksum={} verified={verified} bad={bad}",
+                pid(),
+                &sum.to_hex()[..16]
+            ),
+        )?;
+        sleep_ms(every);
     }
 }

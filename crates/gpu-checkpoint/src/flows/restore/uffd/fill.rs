@@ -27,6 +27,9 @@ pub struct FillStats {
     pub zero_bytes: u64,
     /// Page faults served while CRIU restored (its restorer touches a few pages of lazy memory itself).
     pub faults_served: u64,
+    /// Bytes of memory processes share with their parent or children (copy-on-write), left to CRIU so
+    /// that they go on sharing it instead of each getting a copy here (counted once per process).
+    pub shared_bytes: u64,
 }
 
 impl Plan {
@@ -239,8 +242,11 @@ mod tests {
             (base, 2, PE_PRESENT),
             (base + 2 * P, 36, PE_PRESENT | PE_LAZY),
         ]);
-        let task = Task::of(77, &pm, &[(base, base + pages * P)], P).unwrap();
-        let plan = Plan { tasks: vec![task] };
+        let task = Task::of(77, &pm, &[(base, base + pages * P)], P, &vec![]).unwrap();
+        let plan = Plan {
+            tasks: vec![task],
+            ..Plan::default()
+        };
         let stats = plan
             .fill(&store, &info, HashMap::from([(77, uffd)]), &NoProgress)
             .unwrap();

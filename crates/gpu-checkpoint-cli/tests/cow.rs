@@ -1,0 +1,143 @@
+//! Copy-on-write sharing across a checkpoint and restore, with real CRIU: a parent that filled its
+//! memory before forking readers holds one copy of it for the whole tree, and must hold one copy after a
+//! restore too, whichever way the memory comes back. Needs root and CRIU: fails in CI without them,
+//! skips locally with the reason.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use gpu_checkpoint_workloads::{read_state, Record};
+
+const MIB: u64 = 128;
+const CHILDREN: u64 = 4;
+
+/// The tree's proportional set size, in KiB: what its memory really costs, each shared page counted
+/// once in all (shared by N processes, 1/N in each).
+fn tree_pss_kib(root: i32) -> u64 {
+    let pids: Vec<i32> = gpu_checkpoint::proc::process_tree(root)
+        .iter()
+        .map(|p| p.pid)
+        .collect();
+    assert_eq!(pids.len() as u64, CHILDREN + 1, "the whole tree: {pids:?}");
+    pids.iter()
+        .map(|p| {
+            let rollup = std::fs::read_to_string(format!("/proc/{p}/smaps_rollup")).unwrap();
+            rollup
+                .lines()
+                .find_map(|l| l.strip_prefix("Pss:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no Pss in /proc/{p}/smaps_rollup: {rollup}"))
+        })
+        .sum()
+}
+
+/// Every process of the tree has checked its memory `after` more times than in `before` (or at least
+/// once, without `before`), and found it right each time, under the PID it had.
+fn all_verified(w: &Workload, what: &str, before: Option<&[Record]>, after: u64) -> Vec<Record> {
+    let recs = w.wait_state(what, |r| {
+        r.len() as u64 == CHILDREN + 1
+            && r.iter().all(|p| {
+                let at = before.map_or(0, |b| num(&b[num(p, "proc") as usize], "verified"));
+                num(p, "verified") >= at + after
+            })
+    });
+    for r in &recs {
+        assert_eq!(num(r, "bad"), 0, "{recs:?}");
+        if let Some(b) = before {
+            let i = num(r, "proc") as usize;
+            assert_eq!(r["pid"], b[i]["pid"], "same PID");
+            assert_eq!(r["checksum"], b[i]["checksum"]);
+        }
+    }
+    recs
+}
+
+/// Restores checkpoint `id` with `extra` and checks the tree reads its memory right and holds about
+/// one copy of it (`before_kib`: the tree's PSS before the checkpoint). Returns the restore's JSON.
+fn restore_shares(
+    w: &Workload,
+    store: &Path,
+    id: &str,
+    extra: &[&str],
+    at_checkpoint: &[Record],
+    before_kib: u64,
+) -> serde_json::Value {
+    let mut args = vec![
+        "restore",
+        id,
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    let out: serde_json::Value = serde_json::from_str(&ok(&gc(&args))).unwrap();
+    assert_eq!(out["pid"], w.pid);
+    all_verified(
+        w,
+        "every process re-verified its memory",
+        Some(at_checkpoint),
+        2,
+    );
+    let after_kib = tree_pss_kib(w.pid);
+    assert!(
+        after_kib * 2 < before_kib * 3,
+        "restore {extra:?}: the tree's PSS went from {} MiB to {} MiB: parent and children no longer \
+         share their memory",
+        before_kib >> 10,
+        after_kib >> 10
+    );
+    out
+}
+
+/// A pre-fork tree (the parent fills 128 MiB, four children read it), checkpointed and restored the
+/// default way (memory through userfaultfd) and streamed: the tree's PSS stays about what it was (one
+/// copy shared, not five), and every process still reads the right bytes, its own included (a page of
+/// the common memory it rewrote, a MiB only it filled).
+#[test]
+fn a_pre_fork_tree_keeps_sharing_its_memory_after_restore() {
+    if !criu_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let mib = MIB.to_string();
+    let children = CHILDREN.to_string();
+    let w = Workload::start(
+        "cow",
+        dir.path(),
+        &["--mib", &mib, "--children", &children, "--verify-ms", "300"],
+    );
+    all_verified(&w, "parent and children verified their memory", None, 1);
+    let before_kib = tree_pss_kib(w.pid);
+    assert!(
+        before_kib < (MIB << 10) * 3 / 2,
+        "the workload shares its memory to begin with: {before_kib} KiB"
+    );
+
+    let ck = checkpoint(w.pid, &store, &[]);
+    assert_eq!(ck["processes"], CHILDREN + 1, "{ck}");
+    let at_checkpoint = read_state(&w.state).unwrap();
+    wait_pid_free(w.pid);
+    let id = ck["id"].as_str().unwrap();
+
+    // The default restore: the shared memory is left to CRIU, which shares it as it forks.
+    let out = restore_shares(&w, &store, id, &[], &at_checkpoint, before_kib);
+    let shared = out["timings_ms"]["uffd"]["shared_bytes"].as_u64().unwrap();
+    assert!(
+        shared >= (CHILDREN + 1) * (MIB << 20),
+        "parent and children leave the memory to CRIU: {out}"
+    );
+    // What each process has alone still goes through userfaultfd.
+    let copied = out["timings_ms"]["uffd"]["copied_bytes"].as_u64().unwrap();
+    assert!(copied >= (CHILDREN + 1) << 20, "{out}");
+
+    // Streamed to CRIU. The state file is blanked (same size: CRIU checks it) so that what it shows
+    // next comes from the new copy.
+    w.kill_and_wait_free();
+    let size = std::fs::metadata(&w.state).unwrap().len() as usize;
+    std::fs::write(&w.state, vec![b' '; size]).unwrap();
+    restore_shares(&w, &store, id, &["--stream"], &at_checkpoint, before_kib);
+}
