@@ -23,7 +23,7 @@ mod error;
 mod gc;
 mod ingest;
 pub mod manifest;
-mod materialize;
+mod read;
 mod stream;
 mod verify;
 
@@ -40,7 +40,7 @@ pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 /// What [`Store::visit_chunks`] calls for each chunk: offset in the file, length, and the verified bytes
 /// (`None` for an all-zero chunk).
 pub type ChunkVisitor<'a> = dyn Fn(u64, u64, Option<&[u8]>) -> Result<()> + Sync + 'a;
-pub use materialize::MaterializeStats;
+pub use read::MaterializeStats;
 pub use stream::{Streamed, Streams};
 pub use verify::{VerifyProblem, VerifyReport};
 
@@ -405,7 +405,7 @@ impl Store {
     ) -> Result<MaterializeStats> {
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
         let info = self.get(id)?;
-        materialize::materialize(&self.inner, &info, dest, progress)
+        read::materialize(&self.inner, &info, dest, progress)
     }
 
     /// [`Store::materialize`] of only the chunks `keep(path, offset, len)` selects: the others are left as
@@ -419,7 +419,7 @@ impl Store {
         progress: &dyn Progress,
     ) -> Result<MaterializeStats> {
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
-        materialize::materialize_selected(&self.inner, info, dest, keep, progress)
+        read::materialize_selected(&self.inner, info, dest, keep, progress)
     }
 
     /// Calls `visit(offset, len, bytes)` for every chunk of image `name` that `want(offset, len)` selects,
@@ -439,7 +439,7 @@ impl Store {
             return Ok(None);
         };
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
-        materialize::visit_chunks(&self.inner, info, fi, want, visit, progress).map(Some)
+        read::visit_chunks(&self.inner, info, fi, want, visit, progress).map(Some)
     }
 
     /// Sends the image `name` of checkpoint `info` to `out` in order, every chunk verified before its bytes
@@ -482,7 +482,7 @@ impl Store {
             return Ok(None);
         };
         let _lock = self.inner.backend.lock(LockMode::Shared)?;
-        materialize::stream_file(&self.inner, info, fi, out, splice_to, progress).map(Some)
+        read::stream_file(&self.inner, info, fi, out, splice_to, progress).map(Some)
     }
 
     /// Deletes a checkpoint (its manifest). Its chunks stay until `gc`, since other checkpoints may share them.

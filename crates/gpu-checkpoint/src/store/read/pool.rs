@@ -1,0 +1,88 @@
+//! The read workers of the any-order sinks: tasks handed out in order as workers come free, each worker
+//! with its own decoder and buffers, the first error stopping all.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::verify::Scratch;
+use super::{read_workers, Prefetcher, PREFETCH_AHEAD};
+use crate::store::chunk::{ChunkId, Decoder};
+use crate::store::error::{Error, Result};
+use crate::store::manifest::CheckpointInfo;
+use crate::store::Inner;
+use crate::util::AlignedBuf;
+
+/// Runs `work(task, scratch)` for every task on the read workers (each with its own decoder and buffers),
+/// tasks taken in order as workers come free. Stops at the first error, which it returns.
+///
+/// Where the backend reads cold chunks with direct I/O, the workers wait on the device themselves and four
+/// more of them than cores keep it busy ([`read_workers`]); otherwise the chunk `chunk_of(task)` names is read ahead
+/// into the page cache [`PREFETCH_AHEAD`] tasks early.
+pub(super) fn on_workers<T: Sync>(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    tasks: &[T],
+    chunk_of: impl Fn(&T) -> Option<ChunkId> + Sync,
+    work: impl Fn(&T, &mut Scratch) -> Result<()> + Sync,
+) -> Result<()> {
+    let workers = read_workers(inner, info);
+    let max_chunk = info.chunking.max_size as usize;
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let error: Mutex<Option<Error>> = Mutex::new(None);
+    let fail = |e: Error| {
+        failed.store(true, Ordering::SeqCst);
+        error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+    };
+    let ahead = Prefetcher::new(PREFETCH_AHEAD);
+    std::thread::scope(|s| {
+        if !inner.backend.reads_uncached() {
+            s.spawn(|| {
+                ahead.run(tasks.len(), &|i| {
+                    if let Some(id) = chunk_of(&tasks[i]) {
+                        inner.backend.prefetch_chunk(&id);
+                    }
+                })
+            });
+        }
+        let workers: Vec<_> = (0..workers.min(tasks.len()).max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let dec = match Decoder::new(max_chunk) {
+                        Ok(d) => d,
+                        Err(e) => return fail(Error::Other(format!("zstd: {e}"))),
+                    };
+                    let mut scratch = Scratch {
+                        dec,
+                        buf: Vec::with_capacity(max_chunk + crate::store::chunk::HEADER_LEN),
+                        direct: AlignedBuf::new(),
+                    };
+                    while !failed.load(Ordering::Relaxed) {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(task) = tasks.get(i) else {
+                            break;
+                        };
+                        ahead.taken(i + 1);
+                        if let Err(e) = work(task, &mut scratch) {
+                            fail(e);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            if let Err(panic) = w.join() {
+                ahead.stop();
+                std::panic::resume_unwind(panic);
+            }
+        }
+        ahead.stop();
+    });
+    match error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
