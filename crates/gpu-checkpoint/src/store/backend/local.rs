@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use super::direct::{cached_pages, set_direct, write_direct};
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
 use crate::store::chunk::{ChunkId, Header, HEADER_LEN};
 use crate::store::error::{Error, Result};
@@ -230,23 +231,28 @@ fn is_hex_name(name: &str) -> bool {
     name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
+/// Takes the store lock on `file` (`nonblocking`: `Ok(None)` when another process holds it). nix's `Flock`
+/// (the one flock implementation the crate uses, as the flows' per-PID locks do) releases it on drop.
+fn flock(
+    file: File,
+    mode: LockMode,
+    nonblocking: bool,
+) -> io::Result<Option<nix::fcntl::Flock<File>>> {
+    use nix::fcntl::{Flock, FlockArg};
+    let arg = match (mode, nonblocking) {
+        (LockMode::Shared, false) => FlockArg::LockShared,
+        (LockMode::Shared, true) => FlockArg::LockSharedNonblock,
+        (LockMode::Exclusive, false) => FlockArg::LockExclusive,
+        (LockMode::Exclusive, true) => FlockArg::LockExclusiveNonblock,
+    };
+    let mut file = file;
     loop {
-        // SAFETY: flock on a valid, owned file descriptor.
-        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
-            return Ok(());
+        match Flock::lock(file, arg) {
+            Ok(lock) => return Ok(Some(lock)),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
+            Err((f, nix::errno::Errno::EINTR)) => file = f,
+            Err((_, e)) => return Err(e.into()),
         }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-fn lock_op(mode: LockMode) -> libc::c_int {
-    match mode {
-        LockMode::Shared => libc::LOCK_SH,
-        LockMode::Exclusive => libc::LOCK_EX,
     }
 }
 
@@ -565,17 +571,17 @@ impl Backend for LocalBackend {
 
     fn lock(&self, mode: LockMode) -> Result<LockGuard> {
         let file = self.lock_file()?;
-        flock(&file, lock_op(mode)).map_err(Error::io("cannot lock", self.root.join("lock")))?;
-        Ok(LockGuard(Box::new(file)))
+        let lock = flock(file, mode, false)
+            .map_err(Error::io("cannot lock", self.root.join("lock")))?
+            .expect("a blocking lock is taken or fails");
+        Ok(LockGuard(Box::new(lock)))
     }
 
     fn try_lock(&self, mode: LockMode) -> Result<Option<LockGuard>> {
         let file = self.lock_file()?;
-        match flock(&file, lock_op(mode) | libc::LOCK_NB) {
-            Ok(()) => Ok(Some(LockGuard(Box::new(file)))),
-            Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(None),
-            Err(e) => Err(Error::io("cannot lock", self.root.join("lock"))(e)),
-        }
+        let lock =
+            flock(file, mode, true).map_err(Error::io("cannot lock", self.root.join("lock")))?;
+        Ok(lock.map(|l| LockGuard(Box::new(l))))
     }
 
     fn cleanup_stale(&self) -> Result<StaleCleanup> {
@@ -617,86 +623,6 @@ impl Backend for LocalBackend {
         }
         Ok(out)
     }
-}
-
-/// Writes a new chunk file opened with `O_DIRECT` from a page-aligned object: all whole blocks straight to
-/// the device, the last partial block through the page cache.
-///
-/// Why: a checkpoint's memory is written once and read back by a restore, usually on another machine or
-/// much later. Through the page cache every byte would be copied once more inside the kernel, with the
-/// filesystem's per-page bookkeeping and the writeback after it; the encoder's one copy into its aligned
-/// buffer (a raw chunk that was just hashed, still in the CPU cache) costs less. Measured on a 4 GiB
-/// checkpoint of random memory: about 12% less CPU (`docs/criu.md`). It also leaves the node's page cache
-/// to its jobs instead of filling it with dirty image pages. Durability is unchanged: the commit's
-/// `syncfs` or `fsync` still flushes the device and the metadata.
-fn write_direct(file: &File, object: &[u8]) -> io::Result<()> {
-    let aligned = object.len() / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
-    if aligned > 0 {
-        file.write_all_at(&object[..aligned], 0)?;
-    }
-    if aligned < object.len() {
-        // Direct I/O takes whole blocks only: the rest goes through the page cache.
-        set_direct(file, false)?;
-        file.write_all_at(&object[aligned..], aligned as u64)?;
-    }
-    Ok(())
-}
-
-/// Sets or clears `O_DIRECT` on an open file.
-fn set_direct(file: &File, on: bool) -> io::Result<()> {
-    let fd = file.as_raw_fd();
-    // SAFETY: fcntl on a valid fd.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let flags = if on {
-        flags | libc::O_DIRECT
-    } else {
-        flags & !libc::O_DIRECT
-    };
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// How many of the file's pages are in the page cache (`cachestat(2)`, Linux 6.5+).
-fn cached_pages(file: &File) -> io::Result<u64> {
-    /// The same number on every architecture (added after the tables were unified); the libc crate does
-    /// not name it for x86_64 yet.
-    const SYS_CACHESTAT: libc::c_long = 451;
-    #[repr(C)]
-    struct Range {
-        off: u64,
-        len: u64,
-    }
-    #[repr(C)]
-    #[derive(Default)]
-    struct Stat {
-        nr_cache: u64,
-        nr_dirty: u64,
-        nr_writeback: u64,
-        nr_evicted: u64,
-        nr_recently_evicted: u64,
-    }
-    let range = Range { off: 0, len: 0 }; // len 0: to the end of the file
-    let mut stat = Stat::default();
-    // SAFETY: cachestat reads `range` and writes `stat`, both live and of the kernel's layout.
-    let r = unsafe {
-        libc::syscall(
-            SYS_CACHESTAT,
-            file.as_raw_fd(),
-            &range as *const Range,
-            &mut stat as *mut Stat,
-            0,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(stat.nr_cache)
 }
 
 /// Bytes under a path (files only), for reporting what a cleanup freed.

@@ -5,6 +5,7 @@
 //! Implementations: [`LocalBackend`] (the real one: a local or shared POSIX filesystem) and [`MemoryBackend`]
 //! (tests only).
 
+mod direct;
 mod local;
 mod memory;
 
