@@ -64,10 +64,62 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
 
-    /// Anything else: staging content the store cannot represent, an image file changing while it is
-    /// stored, a zstd context that cannot be created.
-    #[error("{0}")]
-    Other(String),
+    /// zstd could not be set up (`op` says what was being created).
+    #[error("{op}: {source}")]
+    Zstd {
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+
+    /// An image file changed size while it was being stored (CRIU still writing?): a torn image is refused.
+    #[error("image file {} changed size during ingest ({before} -> {after} bytes)", path.display())]
+    ImageChanged {
+        path: PathBuf,
+        before: u64,
+        after: u64,
+    },
+
+    /// One image came both through a stream and as a file in the staging folder.
+    #[error("image {name} was both streamed and written to the staging folder")]
+    ImageTwice { name: String },
+
+    /// A streamed image ended before its end (its writer stopped).
+    #[error("image {name} was not received to its end")]
+    ImageIncomplete { name: String },
+
+    /// Reading a streamed image's bytes from its pipe failed.
+    #[error("receiving image {name}: {source}")]
+    Receive {
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+
+    /// The staging folder holds something the store cannot keep: a name that is not UTF-8, or an entry that
+    /// is not a regular file or folder.
+    #[error("{}: {reason}", path.display())]
+    Unstorable { path: PathBuf, reason: &'static str },
+
+    /// A path the store must hand to the kernel holds a NUL byte.
+    #[error("path {} contains a NUL byte", path.display())]
+    NulInPath { path: PathBuf },
+
+    /// The streaming session failed earlier; this is its first error's message, for the streams that ran
+    /// into it (the error itself, with its kind, is what the session reports).
+    #[error("{first}")]
+    SessionFailed { first: String },
+
+    /// The caller's sink of verified chunks (a [`Store::visit_chunks`](super::Store::visit_chunks) visitor,
+    /// such as the userfaultfd restore copying them into processes) failed: its own error, carried through
+    /// the store's workers unchanged.
+    #[error(transparent)]
+    Sink(Box<dyn std::error::Error + Send + Sync>),
+
+    /// A broken invariant of the store's own code (a bug): the operation stops rather than store something
+    /// wrong.
+    #[error("internal: {0}")]
+    Internal(String),
 
     /// Another writer got in the way (id collision, lock held) in a way that retrying may fix.
     #[error("{0}")]
@@ -86,7 +138,16 @@ impl Classify for Error {
             | Error::DamagedChunk { .. }
             | Error::VerifyFailed { .. } => ExitStatus::CheckpointInvalid,
             Error::Invalid(_) => ExitStatus::Usage,
-            Error::Other(_) => ExitStatus::Failure,
+            Error::Zstd { .. }
+            | Error::ImageChanged { .. }
+            | Error::ImageTwice { .. }
+            | Error::ImageIncomplete { .. }
+            | Error::Receive { .. }
+            | Error::Unstorable { .. }
+            | Error::NulInPath { .. }
+            | Error::SessionFailed { .. }
+            | Error::Sink(_)
+            | Error::Internal(_) => ExitStatus::Failure,
             Error::Conflict(_) => ExitStatus::Conflict,
         }
     }
@@ -140,7 +201,14 @@ mod tests {
             Error::Conflict("c".into()).exit_status(),
             ExitStatus::Conflict
         );
-        assert_eq!(Error::Other("o".into()).exit_status(), ExitStatus::Failure);
+        assert_eq!(
+            Error::Internal("a chunk was lost".into()).exit_status(),
+            ExitStatus::Failure
+        );
+        assert_eq!(
+            Error::ImageTwice { name: "x".into() }.exit_status(),
+            ExitStatus::Failure
+        );
         // Messages name the operation and the path.
         let msg = io(libc::ENOSPC).to_string();
         assert!(

@@ -192,12 +192,11 @@ impl Reader<'_> {
         if chunker.is_done() {
             if chunker.bytes() != f.size {
                 // The file changed under us (CRIU still writing?): refuse to store a torn image.
-                return Err(Error::Other(format!(
-                    "image file {} changed size during ingest ({} -> {} bytes)",
-                    f.abs.display(),
-                    f.size,
-                    chunker.bytes()
-                )));
+                return Err(Error::ImageChanged {
+                    path: f.abs.clone(),
+                    before: f.size,
+                    after: chunker.bytes(),
+                });
             }
             self.current = None;
             if self.next == self.files.len() {
@@ -276,10 +275,9 @@ impl Ingest {
             .iter()
             .find(|f| streamed_names.contains(f.rel.as_str()))
         {
-            return Err(Error::Other(format!(
-                "image {} was both streamed and written to the staging folder",
-                f.rel
-            )));
+            return Err(Error::ImageTwice {
+                name: f.rel.clone(),
+            });
         }
         let total: u64 = files.iter().map(|f| f.size).sum();
         let params = self.inner.opts.chunking;
@@ -332,7 +330,7 @@ impl Ingest {
             let chunks: Vec<ChunkRef> = chunks
                 .into_iter()
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| Error::Other(format!("internal: a chunk of {} was lost", f.rel)))?;
+                .ok_or_else(|| Error::Internal(format!("a chunk of {} was lost", f.rel)))?;
             entries.push(FileEntry {
                 path: f.rel.clone(),
                 mode: f.mode,
@@ -499,7 +497,10 @@ impl Ingest {
                     let mut enc = match Encoder::new(level, params.max_size as usize) {
                         Ok(e) => Some(e),
                         Err(e) => {
-                            fail(Error::Other(format!("cannot create zstd context: {e}")));
+                            fail(Error::Zstd {
+                                op: "cannot create zstd context",
+                                source: e,
+                            });
                             None
                         }
                     };
@@ -654,8 +655,9 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
                     .strip_prefix(root)
                     .expect("under root")
                     .to_str()
-                    .ok_or_else(|| {
-                        Error::Other(format!("image file name {} is not UTF-8", path.display()))
+                    .ok_or_else(|| Error::Unstorable {
+                        path: path.clone(),
+                        reason: "image file name is not UTF-8",
                     })?
                     .to_owned();
                 out.push(FileToIngest {
@@ -665,10 +667,10 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
                     mode: meta.permissions().mode() & 0o7777,
                 });
             } else {
-                return Err(Error::Other(format!(
-                    "staging folder holds {}, which is not a regular file or folder; the store keeps only those",
-                    path.display()
-                )));
+                return Err(Error::Unstorable {
+                    path,
+                    reason: "the staging folder holds it, and it is not a regular file or folder; the store keeps only those",
+                });
             }
         }
     }

@@ -137,7 +137,9 @@ impl<'a> Streams<'a> {
     /// Records the session's first failure (what [`Streams::finish`] returns, with its kind intact: a full
     /// disk must still say so) and returns its message for the stream that ran into it.
     fn fail(&self, e: Error) -> Error {
-        let msg = Error::Other(e.to_string());
+        let msg = Error::SessionFailed {
+            first: e.to_string(),
+        };
         let mut c = self.collected.lock().unwrap_or_else(|p| p.into_inner());
         c.error.get_or_insert(e);
         // Raised only once the error is recorded: a stream that sees the flag and gives up reports an error
@@ -174,9 +176,7 @@ impl<'a> Streams<'a> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or_else(|| {
-                Error::Other("internal: image stream after the session closed".into())
-            })?;
+            .ok_or_else(|| Error::Internal("image stream after the session closed".into()))?;
         let send = &mut |piece: Piece| {
             !self.failed.load(Ordering::Relaxed) && tx.send((index, piece)).is_ok()
         };
@@ -207,8 +207,12 @@ impl<'a> Streams<'a> {
             .unwrap_or_else(|p| p.into_inner())
             .error
         {
-            Some(e) => Error::Other(e.to_string()),
-            None => Error::Other("the streaming ingest failed".into()),
+            Some(e) => Error::SessionFailed {
+                first: e.to_string(),
+            },
+            None => Error::SessionFailed {
+                first: "the streaming ingest failed".into(),
+            },
         }
     }
 
@@ -228,7 +232,10 @@ impl<'a> Streams<'a> {
         hints: Option<&Hints>,
         send: &mut dyn FnMut(Piece) -> bool,
     ) -> Result<u64> {
-        let io = |e| Error::Other(format!("receiving image {name}: {e}"));
+        let io = |source| Error::Receive {
+            name: name.to_string(),
+            source,
+        };
         let mut chunker = Chunker::new(reader, self.params, &self.pool, hints).map_err(io)?;
         while !chunker.is_done() {
             if self.failed.load(Ordering::Relaxed) {
@@ -246,7 +253,10 @@ impl<'a> Streams<'a> {
         hints: Option<&Hints>,
         send: &mut dyn FnMut(Piece) -> bool,
     ) -> Result<(u64, FileState)> {
-        let io = |e| Error::Other(format!("receiving image {name}: {e}"));
+        let io = |source| Error::Receive {
+            name: name.to_string(),
+            source,
+        };
         let mut data = Vec::new();
         reader
             .take(IN_MEMORY_MAX as u64 + 1)
@@ -273,7 +283,10 @@ impl<'a> Streams<'a> {
         let mut enc = match Encoder::new(self.level, self.params.max_size as usize) {
             Ok(e) => Some(e),
             Err(e) => {
-                self.fail(Error::Other(format!("cannot create zstd context: {e}")));
+                self.fail(Error::Zstd {
+                    op: "cannot create zstd context",
+                    source: e,
+                });
                 None
             }
         };
@@ -328,10 +341,9 @@ impl<'a> Streams<'a> {
                 }
                 FileState::Spilled | FileState::Replaced => {}
                 FileState::Receiving => {
-                    return Err(Error::Other(format!(
-                        "image {} was not received to its end",
-                        f.name
-                    )))
+                    return Err(Error::ImageIncomplete {
+                        name: f.name.clone(),
+                    })
                 }
             }
         }

@@ -50,6 +50,10 @@ pub enum Error {
     },
     #[error("checkpoint {id}: {reason}")]
     BadManifest { id: String, reason: String },
+    /// Copying the processes' memory through userfaultfd failed: the kernel refused a copy, CRIU's lazy-pages
+    /// socket said something unexpected, or an image the copy needs was missing or unreadable.
+    #[error("{0}")]
+    Uffd(String),
     #[error("cannot create a work folder for the images: {} ({source})", path.display())]
     WorkDir {
         path: PathBuf,
@@ -63,6 +67,7 @@ impl Classify for Error {
         match self {
             Error::PidInUse { .. } => ExitStatus::Conflict,
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
+            Error::Uffd(_) => ExitStatus::Failure,
             Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }
     }

@@ -333,7 +333,7 @@ impl Backend for LocalBackend {
         // Chunk and manifest folders must be writable too (they could have different owners).
         for dir in [&self.chunks, &self.manifests] {
             let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-                .map_err(|_| Error::Other(format!("path {} contains a NUL byte", dir.display())))?;
+                .map_err(|_| Error::NulInPath { path: dir.clone() })?;
             // SAFETY: access() with a valid NUL-terminated path.
             if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
                 return Err(writable_error(dir, io::Error::last_os_error()));

@@ -93,7 +93,10 @@ pub(in crate::store) fn stream_file(
                     Ok(d) => d,
                     Err(e) => {
                         let mut st = lock();
-                        st.error.get_or_insert(Error::Other(format!("zstd: {e}")));
+                        st.error.get_or_insert(Error::Zstd {
+                            op: "zstd",
+                            source: e,
+                        });
                         st.stop = true;
                         cond.notify_all();
                         return;

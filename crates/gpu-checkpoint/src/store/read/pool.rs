@@ -53,7 +53,12 @@ pub(super) fn on_workers<T: Sync>(
                 s.spawn(|| {
                     let dec = match Decoder::new(max_chunk) {
                         Ok(d) => d,
-                        Err(e) => return fail(Error::Other(format!("zstd: {e}"))),
+                        Err(e) => {
+                            return fail(Error::Zstd {
+                                op: "zstd",
+                                source: e,
+                            })
+                        }
                     };
                     let mut scratch = Scratch {
                         dec,

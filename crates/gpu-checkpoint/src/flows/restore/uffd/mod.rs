@@ -67,8 +67,10 @@ pub fn available() -> bool {
         .is_ok()
 }
 
+/// A failure of the userfaultfd restore itself (not of the store it reads): it travels through the store's
+/// chunk workers as their sink's error.
 fn other(msg: String) -> crate::store::Error {
-    crate::store::Error::Other(msg)
+    crate::store::Error::Sink(Box::new(super::Error::Uffd(msg)))
 }
 
 fn copy_error(pid: i32, addr: u64, len: u64, e: std::io::Error) -> crate::store::Error {
