@@ -566,13 +566,7 @@ impl Store {
 
 /// Names are for humans and scripts: letters, digits, `.`, `_`, `-`; 1 to 128 characters.
 fn validate_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
+    if is_plain_id(name) {
         Ok(())
     } else {
         Err(Error::Invalid(format!(
@@ -581,7 +575,8 @@ fn validate_name(name: &str) -> Result<()> {
     }
 }
 
-/// Ids are used as file names: never accept one that could walk out of the manifests folder.
+/// What a checkpoint's id and name may look like (one rule for both: each is used as a file name, so neither
+/// may walk out of its folder): 1-128 letters, digits, '.', '_' or '-', not starting with '.'.
 fn is_plain_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
