@@ -130,7 +130,15 @@ unsafe impl Sync for Mapped {}
 impl Mapped {
     /// Maps a whole local chunk object; `None` when it cannot be mapped or is empty (the read path then
     /// reports what is wrong).
-    pub(super) fn new(file: fs::File) -> Option<Mapped> {
+    ///
+    /// # Safety
+    ///
+    /// [`Mapped::bytes`] hands out a slice of the file's pages: for as long as the mapping lives, nothing may
+    /// truncate the file (a read of a lost page is SIGBUS) or write into it in place (the slice would change
+    /// under its readers). The store never does either to a chunk object (written once, complete, and
+    /// replaced only by rename: a new inode, while the mapping keeps the old one); the caller vouches that
+    /// nothing outside the store does.
+    pub(super) unsafe fn new(file: fs::File) -> Option<Mapped> {
         use std::os::fd::AsRawFd;
         let len = file.metadata().ok()?.len() as usize;
         if len == 0 {
@@ -196,7 +204,9 @@ pub(super) fn verify_raw_in_place(
         Ok(Ok(h)) if h.encoding == Encoding::Raw && h.raw_len as usize == len => {}
         _ => return Ok(None),
     }
-    let Some(map) = Mapped::new(file) else {
+    // SAFETY: a chunk object of a local store, which the store never truncates or writes in place (see
+    // `Mapped::new`).
+    let Some(map) = (unsafe { Mapped::new(file) }) else {
         return Ok(None);
     };
     let bytes = map.bytes();
