@@ -118,6 +118,24 @@ fn text_report_short_and_verbose() {
     assert!(verbose.lines().count() > text.lines().count());
 }
 
+/// What CRIU will need an option for is printed with the flag, without --verbose.
+#[test]
+fn text_report_names_the_flags_a_checkpoint_needs() {
+    let root = fixture("needs-options");
+    let out = detect(&["--pid", "9300", "--tree", "--proc-root", &root]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.starts_with("pid 9300: strategy none"), "{text}");
+    assert!(
+        text.contains("needs --file-locks (pid 9300): fd 3 holds file locks"),
+        "{text}"
+    );
+    assert!(
+        text.contains("needs --tcp-established (pid 9300): 1 established TCP connection"),
+        "{text}"
+    );
+}
+
 #[test]
 fn simulator_only_on_request_and_said_so() {
     let root = fixture("simulator");

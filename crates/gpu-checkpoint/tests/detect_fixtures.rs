@@ -83,6 +83,7 @@ const CASES: &[Case] = &[
     Case { dir: "proc/simulator", pid: 9000, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("cuda-library"), blockers: &[] },
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
+    Case { dir: "proc/needs-options", pid: 9300, tree: true, simulator: false, strategy: "none", kinds: kinds!("needs-option"), blockers: &[] },
 ];
 
 /// Real captures: (folder under `fixtures/`, expected strategy of the tree of its top process).
@@ -193,6 +194,7 @@ fn fixtures_cover_every_kind() {
         "mps",
         "amd-gpu",
         "gpu-env",
+        "needs-option",
     ];
     let all_blockers = [
         "managed-memory",
@@ -279,6 +281,47 @@ fn cuda_malloc_evidence() {
     assert!(r.findings.iter().any(|f| f.evidence.tid == Some(4243)));
     // Secrets never leave: redacted and non-GPU variables are not reported.
     assert!(!serde_json::to_string(&r).unwrap().contains("PATH="));
+}
+
+/// A held lock and an established connection are named with the flag each needs; a listener, a lock-free
+/// fd and a deleted file of unknown size are not. Nothing blocks: the strategy stays `none`.
+#[test]
+fn needs_option_findings_name_their_flags() {
+    let r = detect_pid(9300, &opts("proc/needs-options", true, false)).unwrap();
+    assert_eq!(r.strategy.name.as_str(), "none");
+    assert!(r.strategy.blockers.is_empty() && !r.gpu);
+    let flags: Vec<String> = r
+        .findings
+        .iter()
+        .map(|f| f.evidence.needs.as_ref().expect("needs").flag())
+        .collect();
+    assert_eq!(flags, ["--file-locks", "--tcp-established"]);
+    let lock = &r.findings[0].evidence;
+    assert_eq!(lock.fds, [3]);
+    assert_eq!(lock.path.as_deref(), Some("/var/lib/app/app.db"));
+    assert!(
+        lock.detail.contains("POSIX ADVISORY READ"),
+        "{}",
+        lock.detail
+    );
+    assert!(lock.remedy.as_deref().unwrap().contains("--file-locks"));
+    let tcp = &r.findings[1].evidence;
+    assert_eq!(tcp.fds, [5]);
+    assert!(
+        tcp.detail.contains("127.0.0.1:8080 -> 127.0.0.1:50000"),
+        "{}",
+        tcp.detail
+    );
+    let v = serde_json::to_value(&r).unwrap();
+    assert_eq!(v["findings"][0]["kind"], "needs-option");
+    assert_eq!(
+        v["findings"][0]["evidence"]["needs"],
+        serde_json::json!({"option": "file-locks"})
+    );
+    assert_eq!(
+        v["findings"][1]["evidence"]["needs"]["option"],
+        "tcp-established"
+    );
 }
 
 #[test]

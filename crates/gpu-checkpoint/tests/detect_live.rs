@@ -98,7 +98,10 @@ fn start(spec: &str, env: &[(&str, &str)]) -> Workload {
 
 /// The workload side. Actions: `shm:PATH` maps a 1 MiB file MAP_SHARED; `sock:NAME` binds an abstract
 /// UNIX socket; `spawn:SPEC` starts a child workload (`,` separates its actions); `churn` starts and
-/// reaps short-lived children without pause. Then it prints `ready` and waits for stdin to close.
+/// reaps short-lived children without pause; `flock:PATH` holds a lock on a new file; `deleted:PATH`
+/// keeps a 2 MiB file open and deletes it; `tcp-pair` holds both ends of an established loopback TCP
+/// connection; `unix-pair` a UNIX socket pair; `dgram-to:PATH` a datagram socket connected to the one
+/// bound at PATH. Then it prints `ready` and waits for stdin to close.
 #[test]
 fn live_child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
@@ -152,6 +155,30 @@ fn act(action: &str, keep: &mut Vec<Box<dyn std::any::Any>>) {
         keep.push(Box::new(UnixListener::bind_addr(&addr).unwrap()));
     } else if let Some(sub) = action.strip_prefix("spawn:") {
         keep.push(Box::new(start(&sub.replace(',', ";"), &[])));
+    } else if let Some(path) = action.strip_prefix("flock:") {
+        let f = std::fs::File::create(path).unwrap();
+        // SAFETY: flock on a descriptor we own.
+        assert_eq!(
+            unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&f), libc::LOCK_EX) },
+            0
+        );
+        keep.push(Box::new(f));
+    } else if let Some(path) = action.strip_prefix("deleted:") {
+        let f = std::fs::File::create(path).unwrap();
+        f.set_len(2 << 20).unwrap();
+        std::fs::remove_file(path).unwrap();
+        keep.push(Box::new(f));
+    } else if action == "tcp-pair" {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        keep.push(Box::new((listener, client, server)));
+    } else if action == "unix-pair" {
+        keep.push(Box::new(std::os::unix::net::UnixStream::pair().unwrap()));
+    } else if let Some(path) = action.strip_prefix("dgram-to:") {
+        let s = std::os::unix::net::UnixDatagram::unbound().unwrap();
+        s.connect(path).unwrap();
+        keep.push(Box::new(s));
     } else if action == "churn" {
         std::thread::spawn(|| loop {
             let _ = Command::new("true").status();
@@ -209,6 +236,62 @@ fn shared_segments_and_variables() {
     assert!(var("CUDA_VISIBLE_DEVICES=0"));
     assert!(var("NCCL_DEBUG=INFO"));
     assert!(!serde_json::to_string(&r).unwrap().contains("hunter2"));
+}
+
+/// A held flock, a deleted 2 MiB file, an established loopback TCP pair and a datagram socket connected
+/// outside the tree are each named with the flag CRIU needs for it; a UNIX socket pair within the process
+/// needs none. Nothing blocks.
+#[test]
+fn what_criu_needs_an_option_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = dir.path().join("log.sock");
+    let _bound = std::os::unix::net::UnixDatagram::bind(&outside).unwrap();
+    let lock = dir.path().join("held.lock");
+    let scratch = dir.path().join("scratch");
+    let w = start(
+        &format!(
+            "flock:{};deleted:{};tcp-pair;unix-pair;dgram-to:{}",
+            lock.display(),
+            scratch.display(),
+            outside.display()
+        ),
+        &[],
+    );
+    let r = detect_pid(w.pid(), &live(false, true)).unwrap();
+    assert_eq!(r.strategy.name.as_str(), "none");
+    assert!(r.strategy.blockers.is_empty() && !r.gpu);
+    let flags: Vec<String> = r
+        .findings
+        .iter()
+        .filter_map(|f| f.evidence.needs.as_ref().map(|n| n.flag()))
+        .collect();
+    let unix_diag = gpu_checkpoint::detect::unix_diag::unix_sockets().is_ok();
+    let mut want = vec!["--file-locks", "--ghost-limit 2M", "--tcp-established"];
+    if unix_diag {
+        want.push("--ext-unix-sk");
+    }
+    assert_eq!(flags, want, "{:#?}", r.findings);
+    let by_flag = |flag: &str| {
+        &r.findings
+            .iter()
+            .find(|f| f.evidence.needs.as_ref().is_some_and(|n| n.flag() == flag))
+            .unwrap()
+            .evidence
+    };
+    assert_eq!(
+        by_flag("--file-locks").path.as_deref(),
+        lock.to_str(),
+        "the locked file"
+    );
+    assert_eq!(by_flag("--ghost-limit 2M").size, Some(2 << 20));
+    assert_eq!(
+        by_flag("--ghost-limit 2M").path.as_deref(),
+        scratch.to_str()
+    );
+    assert_eq!(by_flag("--tcp-established").fds.len(), 2, "both ends");
+    if unix_diag {
+        assert_eq!(by_flag("--ext-unix-sk").socket.as_deref(), outside.to_str());
+    }
 }
 
 #[test]

@@ -9,6 +9,7 @@ use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
 use gpu_checkpoint::store::{Store, StoreOptions};
 use serde_json::json;
 
+use super::criu_opts::CriuArgs;
 use super::cuda::{parse_timeout, GpuArgs, Timeout};
 use super::list::StoreArgs;
 use super::Format;
@@ -27,12 +28,6 @@ pub struct Args {
     /// A name for the checkpoint (restore accepts it in place of the id: its newest checkpoint).
     #[arg(long)]
     pub name: Option<String>,
-    /// Checkpoint established TCP connections (CRIU's --tcp-established).
-    #[arg(long)]
-    pub tcp_established: bool,
-    /// The tree was started from a shell and shares its terminal/session (CRIU's --shell-job).
-    #[arg(long)]
-    pub shell_job: bool,
     /// The CRIU binary to use (default: $GPU_CHECKPOINT_CRIU, then `criu` on PATH if >= 4.0, then the
     /// project's own from scripts/install-criu.sh).
     #[arg(long, value_name = "PATH")]
@@ -52,6 +47,8 @@ pub struct Args {
     /// setup where streaming fails.
     #[arg(long)]
     pub staged: bool,
+    #[command(flatten)]
+    pub criu_opts: CriuArgs,
 }
 
 /// The store's compression setting for a checkpoint's new chunks.
@@ -83,6 +80,7 @@ impl Compression {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let criu_options = args.criu_opts.options()?;
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     // What refuses without touching anything refuses before the store folder is created, too.
@@ -110,8 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut opts = CheckpointOptions::new(args.pid);
     opts.name = args.name;
     opts.leave_running = args.leave_running;
-    opts.tcp_established = args.tcp_established;
-    opts.shell_job = args.shell_job;
+    opts.criu = criu_options;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim;
     let result = flow.checkpoint(&opts);

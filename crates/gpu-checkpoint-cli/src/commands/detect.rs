@@ -99,6 +99,22 @@ pub fn render_text(r: &Report, verbose: bool) -> String {
         let _ = writeln!(s, "  blocker {} (pid {}): {}", b.kind, b.pid, b.message);
         let _ = writeln!(s, "    remedy: {}", b.remedy);
     }
+    // Not blockers, but a checkpoint without the flag is refused: say so whatever the verbosity.
+    for f in r
+        .findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::NeedsOption)
+    {
+        if let Some(need) = &f.evidence.needs {
+            let _ = writeln!(
+                s,
+                "  needs {} (pid {}): {}",
+                need.flag(),
+                f.pid,
+                f.evidence.detail
+            );
+        }
+    }
     for p in &r.processes {
         let mut line = format!(
             "  {:>7} {:<15} {:<11} {}",

@@ -8,6 +8,7 @@ use gpu_checkpoint::freeze::{DeviceMap, FreezeHook, HookOptions};
 use gpu_checkpoint::restore::Target;
 use serde_json::json;
 
+use super::criu_opts::CriuArgs;
 use super::cuda::GpuArgs;
 use super::list::StoreArgs;
 use super::{usage, Format};
@@ -43,6 +44,36 @@ pub struct Args {
     /// memory on all cores, and the processes resume with all of it).
     #[arg(long)]
     pub stream: bool,
+    /// CRIU's dump-time flags (--tcp-established, --file-locks, ...) are accepted for scripts written for
+    /// plain CRIU, but the checkpoint decides them; the restore's own are --external, --criu-config,
+    /// --manage-cgroups and --tcp-close.
+    #[command(flatten)]
+    pub criu_opts: CriuArgs,
+}
+
+/// One line on stderr for the CRIU flags given again that the checkpoint decides anyway (and the notes of
+/// [`gpu_checkpoint::dump::CriuOptions::restore_options`]); a flag that contradicts the checkpoint is the
+/// restore's own error.
+fn say_what_the_checkpoint_decides(
+    flow: &Flow<'_>,
+    target: &Target,
+    given: &gpu_checkpoint::dump::CriuOptions,
+) -> anyhow::Result<()> {
+    let (info, manifest) = flow.find(target)?;
+    if let Ok(r) = manifest.options.criu.restore_options(given) {
+        if !r.decided.is_empty() {
+            eprintln!(
+                "gpu-checkpoint: {}: checkpoint {} was taken with {}; the restore applies it from there",
+                r.decided.join(", "),
+                info.id,
+                if r.decided.len() == 1 { "this" } else { "these" }
+            );
+        }
+        for note in r.notes {
+            eprintln!("gpu-checkpoint: note: {note}");
+        }
+    }
+    Ok(())
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -51,6 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, Some(m)) => Target::Manifest(m),
         _ => return Err(usage("give a CHECKPOINT or --metadata PATH, not both")),
     };
+    let given = args.criu_opts.options()?;
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     let store = args.store.open()?;
@@ -77,7 +109,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ImageTransfer::default_restore()
         },
     };
-    let result = flow.restore(&target);
+    say_what_the_checkpoint_decides(&flow, &target, &given)?;
+    let result = flow.restore_with(&target, &given);
     if gpu_checkpoint::freeze::interrupt::interrupted() {
         eprintln!(
             "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"

@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 
 use super::finding::{Evidence, Finding, FindingKind};
-use super::parse::{socket_inode, MapEntry};
+use super::needs::{self, ExternalPeer};
+use super::parse::{socket_inode, MapEntry, TcpSocket};
 use super::paths::{
     classify_path, library_kind, Hold, PathClass, CUDA_UVMFD_SOCKET_PREFIX, DEFAULT_MPS_PIPE_DIR,
     SIM_SOCKET_PREFIX,
@@ -22,6 +23,10 @@ pub struct ClassifyContext<'a> {
     pub simulator: bool,
     /// Path of a UNIX socket inode (from `net/unix`), when it has one.
     pub socket_path: &'a dyn Fn(u64) -> Option<String>,
+    /// The TCP socket of an inode (from the process's `net/tcp` and `net/tcp6`).
+    pub tcp_socket: &'a dyn Fn(u64) -> Option<TcpSocket>,
+    /// The peer of a UNIX socket inode when it lies outside the processes in scope (live /proc only).
+    pub external_peer: &'a dyn Fn(u64) -> Option<ExternalPeer>,
 }
 
 /// Accumulates the mappings or fds of one (kind, path).
@@ -315,6 +320,8 @@ pub fn classify(
         )));
     }
 
+    // What CRIU will need an option for, GPU or not.
+    out.extend(needs::findings(snap, ctx).into_iter().map(finding));
     if out.iter().any(Finding::is_state) {
         for (path, a) in other_shm {
             let (address, ranges) = a.address();

@@ -43,12 +43,50 @@ pub enum FindingKind {
     AmdGpu,
     /// GPU-related variables (`CUDA_VISIBLE_DEVICES`, `NVIDIA_VISIBLE_DEVICES`, ...).
     GpuEnv,
+    /// Something CRIU dumps only when given an option (a held file lock, a large deleted file, an
+    /// established TCP connection, a UNIX socket connected outside the tree): `needs` says which, `remedy`
+    /// names the checkpoint flag. Not GPU state and no blocker: a checkpoint without the flag is refused
+    /// before the tree is touched.
+    NeedsOption,
 }
 
 impl FindingKind {
     /// The name, as in JSON (`nvidia-ctl`, `managed-memory`, ...).
     pub fn as_str(self) -> &'static str {
         self.into()
+    }
+}
+
+/// A CRIU option a checkpoint of a process needs (the `needs` of a `needs-option` finding). JSON:
+/// `{"option": "ghost-limit", "bytes": 2097152}`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(tag = "option", rename_all = "kebab-case")]
+pub enum NeededOption {
+    /// A file lock is held (`--file-locks`).
+    FileLocks,
+    /// A deleted file of `bytes` is open: CRIU copies its contents only up to `--ghost-limit`.
+    GhostLimit { bytes: u64 },
+    /// A TCP connection is established (`--tcp-established`, or `--tcp-close`).
+    TcpEstablished,
+    /// A datagram socket (inode `inode`) is connected to a named socket outside the tree
+    /// (`--ext-unix-sk`, or `--external unix[INODE]`).
+    ExtUnixSk { inode: u64 },
+    /// A resource CRIU can only treat as external (`--external RESOURCE`).
+    External { resource: String },
+}
+
+impl NeededOption {
+    /// The checkpoint flag that provides it (`--ghost-limit` rounded up to whole MiB).
+    pub fn flag(&self) -> String {
+        match self {
+            NeededOption::FileLocks => "--file-locks".into(),
+            NeededOption::GhostLimit { bytes } => {
+                format!("--ghost-limit {}M", bytes.div_ceil(1 << 20))
+            }
+            NeededOption::TcpEstablished => "--tcp-established".into(),
+            NeededOption::ExtUnixSk { .. } => "--ext-unix-sk".into(),
+            NeededOption::External { resource } => format!("--external {resource}"),
+        }
     }
 }
 
@@ -103,6 +141,12 @@ pub struct Evidence {
     /// True for the GPU simulator's state (tests and demos only; never on by default).
     #[serde(default, skip_serializing_if = "is_false")]
     pub simulated: bool,
+    /// The CRIU option a `needs-option` finding asks for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub needs: Option<NeededOption>,
+    /// What to do about a `needs-option` finding: the checkpoint flag to add.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remedy: Option<String>,
 }
 
 impl Finding {
@@ -129,9 +173,11 @@ impl Finding {
             // /dev/kfd or a render node, not merely a ROCm library.
             FindingKind::AmdGpu => e.library.is_none(),
             FindingKind::CudaLibrary => e.simulated,
-            FindingKind::CudaIpc | FindingKind::Nccl | FindingKind::Mps | FindingKind::GpuEnv => {
-                false
-            }
+            FindingKind::CudaIpc
+            | FindingKind::Nccl
+            | FindingKind::Mps
+            | FindingKind::GpuEnv
+            | FindingKind::NeedsOption => false,
         }
     }
 

@@ -6,6 +6,8 @@
 //! - [`process`]: reading one process into a [`process::ProcessSnapshot`]
 //! - [`paths`]: what a path names (device files, shared segments, GPU libraries)
 //! - [`classify`]: classifying a snapshot into [`Finding`]s
+//! - [`needs`]: what CRIU will need an option for (locks, deleted files, TCP, external UNIX sockets)
+//! - [`unix_diag`]: which UNIX socket is connected to which (the live kernel's `NETLINK_SOCK_DIAG`)
 //! - [`finding`]: the [`Finding`]s, their kinds and evidence
 //! - [`strategy`]: deciding a [`StrategyName`] per process and for the scope, with [`Blocker`]s
 //! - [`nvml`]: NVML behind the [`nvml::GpuInventory`] trait
@@ -14,8 +16,10 @@
 //! See `docs/detect.md` for the user-facing description and the measured latency.
 
 pub mod classify;
+mod connections;
 mod error;
 pub mod finding;
+pub mod needs;
 pub mod nvml;
 pub mod parse;
 pub mod paths;
@@ -24,11 +28,12 @@ pub mod report;
 mod scan;
 pub mod source;
 pub mod strategy;
+pub mod unix_diag;
 
 use std::path::PathBuf;
 
 pub use error::Error;
-pub use finding::{Evidence, Finding, FindingKind};
+pub use finding::{Evidence, Finding, FindingKind, NeededOption};
 pub use report::{ProcessReport, Report, SCHEMA_VERSION};
 pub use strategy::{Blocker, BlockerKind, StrategyDecision, StrategyName};
 

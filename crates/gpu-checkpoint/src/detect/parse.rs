@@ -270,6 +270,66 @@ pub fn socket_inode(fd_target: &str) -> Option<u64> {
         .ok()
 }
 
+/// The first `lock:` line of an fdinfo file (`1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF`), spaces
+/// squeezed: a lock held through that descriptor by its process (the kernel lists only the process's own).
+pub fn fdinfo_lock(data: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(data);
+    text.lines()
+        .find_map(|l| l.strip_prefix("lock:"))
+        .map(|l| l.split_ascii_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// TCP states CRIU dumps only with `--tcp-established` (or `--tcp-close`), as `net/tcp` writes them
+/// (hex): ESTABLISHED, SYN_SENT, FIN_WAIT1, FIN_WAIT2, CLOSE_WAIT, LAST_ACK, CLOSING.
+pub const TCP_CONNECTED_STATES: &[u8] = &[0x01, 0x02, 0x04, 0x05, 0x08, 0x09, 0x0b];
+
+/// One socket of `net/tcp` or `net/tcp6`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpSocket {
+    pub inode: u64,
+    /// The kernel's state number (`01` ESTABLISHED, `0A` LISTEN, ...).
+    pub state: u8,
+    /// Local and remote `ADDR:PORT`, in the file's hex.
+    pub local: String,
+    pub remote: String,
+}
+
+/// Parses `net/tcp` or `net/tcp6` (`sl local_address rem_address st ... uid timeout inode`); lines that do
+/// not parse are skipped.
+pub fn parse_net_tcp(data: &[u8]) -> Vec<TcpSocket> {
+    let text = String::from_utf8_lossy(data);
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_ascii_whitespace().collect();
+            Some(TcpSocket {
+                local: (*f.get(1)?).to_string(),
+                remote: (*f.get(2)?).to_string(),
+                state: u8::from_str_radix(f.get(3)?, 16).ok()?,
+                inode: f.get(9)?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// `0100007F:1F90` (net/tcp's hex: the address in host byte order) -> `127.0.0.1:8080`; IPv6 addresses
+/// keep their hex, with the port in decimal.
+pub fn tcp_address(hex: &str) -> String {
+    let Some((addr, port)) = hex.split_once(':') else {
+        return hex.to_string();
+    };
+    let Ok(p) = u16::from_str_radix(port, 16) else {
+        return hex.to_string();
+    };
+    match u32::from_str_radix(addr, 16) {
+        Ok(a) if addr.len() == 8 => {
+            let b = a.to_le_bytes();
+            format!("{}.{}.{}.{}:{p}", b[0], b[1], b[2], b[3])
+        }
+        _ => format!("[{addr}]:{p}"),
+    }
+}
+
 /// The driver version from `driver/nvidia/version`
 /// (`NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu ...`).
 pub fn parse_driver_version(data: &[u8]) -> Option<String> {
@@ -423,6 +483,31 @@ mod tests {
     }
 
     #[test]
+    fn net_tcp_and_fdinfo_locks() {
+        let tcp = b"  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5001 1 0 100 0 0 10 0\n\
+   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 5002 1 0 20 4 30 10 -1\n\
+   garbage\n";
+        let socks = parse_net_tcp(tcp);
+        assert_eq!(socks.len(), 2);
+        assert_eq!((socks[0].inode, socks[0].state), (5001, 0x0a));
+        assert_eq!((socks[1].inode, socks[1].state), (5002, 0x01));
+        assert_eq!(tcp_address(&socks[1].local), "127.0.0.1:8080");
+        assert_eq!(tcp_address(&socks[1].remote), "127.0.0.1:50000");
+        assert_eq!(
+            tcp_address("00000000000000000000000001000000:0016"),
+            "[00000000000000000000000001000000]:22"
+        );
+        let info = "pos:\t0\nflags:\t0100002\nmnt_id:\t30\nino:\t1234\n\
+                    lock:\t1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF\n";
+        assert_eq!(
+            fdinfo_lock(info.as_bytes()).as_deref(),
+            Some("1: FLOCK ADVISORY WRITE 4242 00:2f:1234 0 EOF")
+        );
+        assert_eq!(fdinfo_lock(b"pos:\t0\n"), None);
+    }
+
+    #[test]
     fn driver_version() {
         let v = b"NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 23 2025\nGCC version:  gcc version 12.2.0\n";
         assert_eq!(parse_driver_version(v).as_deref(), Some("570.86.15"));
@@ -446,6 +531,8 @@ mod tests {
             let _ = parse_gpu_environ(&data);
             let _ = parse_cgroup(&data);
             let _ = parse_net_unix(&data);
+            let _ = parse_net_tcp(&data);
+            let _ = fdinfo_lock(&data);
             let _ = parse_driver_version(&data);
         }
     }

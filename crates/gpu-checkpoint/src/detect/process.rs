@@ -16,7 +16,25 @@ pub struct ProcessSnapshot {
     /// GPU-related variables only (see [`parse::GPU_ENV_PREFIXES`]).
     pub env: Vec<(String, String)>,
     pub cgroup: Option<String>,
+    /// File locks held through an fd: (fd, its first `lock:` line in fdinfo).
+    pub locks: Vec<(i32, String)>,
+    /// Open files that were deleted.
+    pub deleted: Vec<DeletedFile>,
 }
+
+/// An open file that was deleted (its fd link ends in ` (deleted)`): CRIU copies its contents into the
+/// images, up to `--ghost-limit`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeletedFile {
+    pub fd: i32,
+    /// The path it had, without ` (deleted)`.
+    pub path: String,
+    /// Its size; unknown in a captured tree (the link names a file that is not there).
+    pub size: Option<u64>,
+}
+
+/// What an fd link ends with once its file is deleted.
+const DELETED: &str = " (deleted)";
 
 /// Reuses read buffers across processes: a node scan reads thousands of small files.
 #[derive(Default)]
@@ -69,6 +87,7 @@ impl Reader {
         } else {
             None
         };
+        let (locks, deleted) = self.open_files(root, pid, &fds);
         Ok(ProcessSnapshot {
             pid,
             stat,
@@ -77,7 +96,42 @@ impl Reader {
             fds,
             env,
             cgroup,
+            locks,
+            deleted,
         })
+    }
+
+    /// The locks held through the fds that name files, and the files among them that were deleted.
+    /// Best effort: an fd closed meanwhile, or a capture without fdinfo, shows neither.
+    fn open_files(
+        &mut self,
+        root: &ProcRoot,
+        pid: i32,
+        fds: &[(i32, String)],
+    ) -> (Vec<(i32, String)>, Vec<DeletedFile>) {
+        let mut locks = Vec::new();
+        let mut deleted = Vec::new();
+        // Locks and ghost files are files'; sockets, pipes and anonymous inodes name no path. memfd and
+        // SysV segments look deleted but are CRIU's other cases.
+        for (fd, target) in fds.iter().filter(|(_, t)| t.starts_with('/')) {
+            if let Ok(true) = root.read_optional(pid, &format!("fdinfo/{fd}"), &mut self.buf) {
+                if let Some(lock) = parse::fdinfo_lock(&self.buf) {
+                    locks.push((*fd, lock));
+                }
+            }
+            let Some(path) = target.strip_suffix(DELETED) else {
+                continue;
+            };
+            if path.starts_with("/memfd:") || path.starts_with("/SYSV") {
+                continue;
+            }
+            deleted.push(DeletedFile {
+                fd: *fd,
+                path: path.to_string(),
+                size: root.fd_file_size(pid, *fd),
+            });
+        }
+        (locks, deleted)
     }
 
     /// `(tid, comm)` of every thread; threads that exit meanwhile are left out.

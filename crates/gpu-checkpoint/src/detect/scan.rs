@@ -7,6 +7,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::classify::{classify, ClassifyContext};
+use super::connections::{ExternalPeers, TcpTables};
 use super::nvml::GpuInventory;
 use super::parse::{self, socket_inode};
 use super::paths::{classify_path, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX};
@@ -52,13 +53,18 @@ pub fn detect_pid_with(
     }
     let nvml = nvml_processes(inventory, &root, &mut reader, &mut notes);
     let driver = driver_version(&root, inventory);
+    let live = opts.proc_root == std::path::Path::new("/proc");
+    let net = Net {
+        tcp: TcpTables::new(&root),
+        peers: ExternalPeers::of(&snaps, live, &mut notes),
+    };
     let mut analysed = Vec::with_capacity(snaps.len());
     for snap in snaps {
         let findings = analyse(
             &snap,
             opts,
             &root,
-            &sockets,
+            (&sockets, &net),
             &mut reader,
             nvml.get(&snap.pid),
         );
@@ -77,6 +83,11 @@ pub fn detect_all_with(
     let mut reader = Reader::default();
     let mut notes = Vec::new();
     let sockets = Sockets::new(&root);
+    // A node has no tree whose outside a UNIX peer could be: only TCP connections are looked at.
+    let net = Net {
+        tcp: TcpTables::new(&root),
+        peers: ExternalPeers::default(),
+    };
     let nvml = nvml_processes(inventory, &root, &mut reader, &mut notes);
     let sim_sockets: HashSet<u64> = if opts.simulator {
         sockets.inodes_with_prefix(SIM_SOCKET_PREFIX)
@@ -129,7 +140,14 @@ pub fn detect_all_with(
             // A malformed file in a captured tree is bad input, not something to skip quietly.
             Err(e) => return Err(e),
         };
-        let findings = analyse(&snap, opts, &root, &sockets, &mut reader, nvml.get(&pid));
+        let findings = analyse(
+            &snap,
+            opts,
+            &root,
+            (&sockets, &net),
+            &mut reader,
+            nvml.get(&pid),
+        );
         if findings.iter().any(Finding::is_state) {
             analysed.push((snap, findings));
         }
@@ -176,20 +194,31 @@ fn is_candidate(
     }))
 }
 
+/// What the scan knows about the connections of the processes it reads.
+struct Net<'a> {
+    tcp: TcpTables<'a>,
+    peers: ExternalPeers,
+}
+
 /// Findings of one process: /proc classification plus what NVML said about it.
 fn analyse(
     snap: &ProcessSnapshot,
     opts: &DetectOptions,
     root: &ProcRoot,
-    sockets: &Sockets<'_>,
+    (sockets, net): (&Sockets<'_>, &Net<'_>),
     reader: &mut Reader,
     nvml: Option<&Vec<(u32, Option<u64>)>>,
 ) -> Vec<Finding> {
     let pid = snap.pid;
     let lookup = |inode: u64| sockets.path(pid, inode);
+    let tcp = net.tcp.of(snap);
+    let tcp_socket = |inode: u64| tcp.get(&inode).cloned();
+    let external_peer = |inode: u64| net.peers.peer(inode);
     let ctx = ClassifyContext {
         simulator: opts.simulator,
         socket_path: &lookup,
+        tcp_socket: &tcp_socket,
+        external_peer: &external_peer,
     };
     let mut findings = classify(snap, &ctx, &mut || reader.threads(root, pid));
     for (gpu, used) in nvml.into_iter().flatten() {

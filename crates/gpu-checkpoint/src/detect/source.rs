@@ -135,6 +135,14 @@ impl ProcRoot {
         Ok(out)
     }
 
+    /// The size of the regular file that fd `fd` of `pid` has open, through the fd link (which reaches a
+    /// deleted file too); `None` when it is no regular file or the tree is a capture (its links name
+    /// files that are not there).
+    pub fn fd_file_size(&self, pid: i32, fd: i32) -> Option<u64> {
+        let md = fs::metadata(self.pid_file(pid, &format!("fd/{fd}"))).ok()?;
+        md.is_file().then_some(md.len())
+    }
+
     /// Thread ids of `pid` (`task/*`); empty when the tree has no task folder.
     pub fn tids(&self, pid: i32) -> Vec<i32> {
         let mut out: Vec<i32> = fs::read_dir(self.pid_file(pid, "task"))

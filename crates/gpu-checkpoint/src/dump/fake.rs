@@ -8,7 +8,9 @@ use std::sync::Mutex;
 
 use super::log::failure;
 use super::streamer;
-use super::{AfterDump, CheckOutcome, Criu, CriuVersion, DumpRequest, Error, Op, RestoreRequest};
+use super::{
+    AfterDump, CheckOutcome, Criu, CriuOptions, CriuVersion, DumpRequest, Error, Op, RestoreRequest,
+};
 
 /// One call the fake received.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,9 +19,13 @@ pub enum FakeCriuCall {
         pid: i32,
         images_dir: PathBuf,
         after: AfterDump,
+        /// The CRIU options the dump was asked for.
+        options: CriuOptions,
     },
     Restore {
         images_dir: PathBuf,
+        /// The CRIU options the restore was asked for.
+        options: CriuOptions,
         /// With `stream`: the page image the fake received from the image streamer.
         pages: Option<Vec<u8>>,
     },
@@ -149,6 +155,7 @@ impl Criu for FakeCriu {
                 pid: req.pid,
                 images_dir: req.images_dir.to_path_buf(),
                 after: req.after,
+                options: req.options.clone(),
             });
             (s.dump_error.clone(), s.image_bytes, s.odd_file)
         };
@@ -256,6 +263,7 @@ impl Criu for FakeCriu {
         };
         self.lock().calls.push(FakeCriuCall::Restore {
             images_dir: req.images_dir.to_path_buf(),
+            options: req.options.clone(),
             pages,
         });
         if let Some(line) = error {

@@ -12,6 +12,7 @@ mod discover;
 mod fake;
 pub mod images;
 mod log;
+pub mod options;
 mod rpc;
 pub mod streamer;
 
@@ -23,6 +24,7 @@ use crate::exit::{Classify, ExitStatus};
 pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
+pub use options::{CgroupMode, CriuOptions, NetworkLock, RestoreOptions};
 pub use rpc::CriuRpc;
 
 /// The oldest CRIU we accept: 3.x cannot restore on recent kernels (vDSO) and lacks the tree handling
@@ -70,10 +72,8 @@ pub struct DumpRequest<'a> {
     /// Name of CRIU's log file, created inside `images_dir` (CRIU allows no sub-folders here).
     pub log_file: &'a str,
     pub after: AfterDump,
-    /// Checkpoint established TCP connections (CRIU's `--tcp-established`).
-    pub tcp_established: bool,
-    /// The tree is a shell job: its session/terminal belong to someone else (`--shell-job`).
-    pub shell_job: bool,
+    /// The options users pass to CRIU (`--tcp-established`, `--file-locks`, ...).
+    pub options: &'a CriuOptions,
     /// CRIU sends its images to the image streamer listening in `images_dir` ([`streamer`]) instead of
     /// writing them there (CRIU's `--stream`); only its log is written to `images_dir`.
     pub stream: bool,
@@ -85,8 +85,8 @@ pub struct RestoreRequest<'a> {
     pub images_dir: &'a Path,
     /// Name of CRIU's log file, created inside `images_dir`.
     pub log_file: &'a str,
-    pub tcp_established: bool,
-    pub shell_job: bool,
+    /// The options CRIU needs on restore ([`CriuOptions::restore_options`]).
+    pub options: &'a CriuOptions,
     /// CRIU asks the image streamer listening in `images_dir` for its images (`--stream`).
     pub stream: bool,
     /// CRIU leaves the pages its pagemaps mark lazy to a userfaultfd handler listening on
@@ -105,8 +105,7 @@ impl std::fmt::Debug for RestoreRequest<'_> {
         f.debug_struct("RestoreRequest")
             .field("images_dir", &self.images_dir)
             .field("log_file", &self.log_file)
-            .field("tcp_established", &self.tcp_established)
-            .field("shell_job", &self.shell_job)
+            .field("options", &self.options)
             .field("stream", &self.stream)
             .field("lazy_pages", &self.lazy_pages)
             .field("post_restore", &self.post_restore.is_some())

@@ -18,8 +18,8 @@ use rust_criu::rust_criu_protobuf::rpc;
 
 use super::log::failure;
 use super::{
-    AfterDump, CheckOutcome, Criu, CriuVersion, DumpRequest, Error, FoundCriu, Op, PostRestore,
-    RestoreRequest,
+    AfterDump, CheckOutcome, Criu, CriuOptions, CriuVersion, DumpRequest, Error, FoundCriu, Op,
+    PostRestore, RestoreRequest,
 };
 
 /// CRIU's log level for dump and restore: 4 (debug) is what runc and Podman use; the log is the only
@@ -242,17 +242,6 @@ impl CriuRpc {
         cmd
     }
 
-    fn tcp_args(cmd: &mut Command, tcp_established: bool) {
-        if tcp_established {
-            let lock = match network_lock() {
-                rpc::Criu_network_lock_method::IPTABLES => "iptables",
-                rpc::Criu_network_lock_method::SKIP => "skip",
-                _ => "nftables",
-            };
-            cmd.arg("--tcp-established").arg("--network-lock").arg(lock);
-        }
-    }
-
     fn run_cli(&self, op: Op, mut cmd: Command, log: &Path) -> Result<(), Error> {
         let status = cmd.status().map_err(|source| Error::Spawn {
             path: self.path.clone(),
@@ -276,10 +265,7 @@ impl CriuRpc {
             AfterDump::KeepRunning => "--leave-running",
             AfterDump::Stop => "--leave-stopped",
         });
-        if req.shell_job {
-            cmd.arg("--shell-job");
-        }
-        Self::tcp_args(&mut cmd, req.tcp_established);
+        cmd.args(req.options.cli_args());
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         self.run_cli(Op::Dump, cmd, &req.images_dir.join(req.log_file))
     }
@@ -289,13 +275,12 @@ impl CriuRpc {
         let mut cmd = self.cli_command("restore", req.images_dir, req.log_file);
         // Detached: the tree is re-parented to init when CRIU exits, as with the RPC.
         cmd.arg("--restore-detached").arg("--pidfile").arg(PIDFILE);
-        if req.shell_job {
-            cmd.arg("--shell-job");
+        if req.options.shell_job {
             cmd.stdin(Stdio::inherit()).stdout(Stdio::inherit());
         } else {
             cmd.stdin(Stdio::null()).stdout(Stdio::null());
         }
-        Self::tcp_args(&mut cmd, req.tcp_established);
+        cmd.args(req.options.cli_args());
         self.run_cli(Op::Restore, cmd, &req.images_dir.join(req.log_file))?;
         // CRIU writes the pidfile into its work folder, which is the images folder here.
         let path = req.images_dir.join(PIDFILE);
@@ -352,28 +337,13 @@ fn open_dir(path: &Path) -> Result<File, Error> {
     File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))
 }
 
-fn base_opts(images: &File, log_file: &str, tcp_established: bool) -> rpc::Criu_opts {
+fn base_opts(images: &File, log_file: &str, options: &CriuOptions) -> rpc::Criu_opts {
     let mut opts = rpc::Criu_opts::new();
     opts.set_images_dir_fd(images.as_raw_fd());
     opts.set_log_level(LOG_LEVEL);
     opts.set_log_file(log_file.to_string());
-    if tcp_established {
-        opts.set_tcp_established(true);
-        opts.set_network_lock(network_lock());
-    }
+    options.apply_rpc(&mut opts);
     opts
-}
-
-/// How CRIU keeps established TCP connections quiet while it dumps and restores them. The RPC's default
-/// is iptables, which it runs as an external command that many hosts lack; nftables goes through
-/// libnftables, which the project's CRIU carries. `GPU_CHECKPOINT_NETWORK_LOCK=iptables|nftables|skip`
-/// overrides it (e.g. for a CRIU of one's own built without nftables).
-fn network_lock() -> rpc::Criu_network_lock_method {
-    match std::env::var("GPU_CHECKPOINT_NETWORK_LOCK").as_deref() {
-        Ok("iptables") => rpc::Criu_network_lock_method::IPTABLES,
-        Ok("skip") => rpc::Criu_network_lock_method::SKIP,
-        _ => rpc::Criu_network_lock_method::NFTABLES,
-    }
 }
 
 fn request(kind: rpc::Criu_req_type, opts: Option<rpc::Criu_opts>) -> rpc::Criu_req {
@@ -443,13 +413,12 @@ impl Criu for CriuRpc {
         if req.stream {
             return self.dump_cli(req);
         }
-        let mut opts = base_opts(&images, req.log_file, req.tcp_established);
+        let mut opts = base_opts(&images, req.log_file, req.options);
         opts.set_pid(req.pid);
         match req.after {
             AfterDump::KeepRunning => opts.set_leave_running(true),
             AfterDump::Stop => opts.set_leave_stopped(true),
         }
-        opts.set_shell_job(req.shell_job);
         let log = req.images_dir.join(req.log_file);
         self.call(
             Op::Dump,
@@ -470,8 +439,7 @@ impl Criu for CriuRpc {
             }
             return self.restore_cli(req);
         }
-        let mut opts = base_opts(&images, req.log_file, req.tcp_established);
-        opts.set_shell_job(req.shell_job);
+        let mut opts = base_opts(&images, req.log_file, req.options);
         if req.lazy_pages {
             opts.set_lazy_pages(true);
         }
@@ -485,7 +453,7 @@ impl Criu for CriuRpc {
             Op::Restore,
             request(rpc::Criu_req_type::RESTORE, Some(opts)),
             Some(&log),
-            req.shell_job,
+            req.options.shell_job,
             req.post_restore,
         )?;
         let pid = resp

@@ -11,7 +11,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::detect::{Report, StrategyName};
-use crate::dump::CriuVersion;
+use crate::dump::{CriuOptions, CriuVersion};
 use crate::freeze::GpuRecord;
 use crate::proc::TreeProcess;
 
@@ -70,12 +70,15 @@ pub struct CriuInfo {
     pub path: String,
 }
 
-/// The options the checkpoint was taken with; restore reuses the CRIU ones.
+/// The options the checkpoint was taken with; restore reuses the CRIU ones
+/// ([`CriuOptions::restore_options`]).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
 pub struct OptionsRecord {
     pub leave_running: bool,
-    pub tcp_established: bool,
-    pub shell_job: bool,
+    /// The CRIU options, beside `leave_running` in JSON (`tcp_established`, `shell_job`, `file_locks`,
+    /// `ghost_limit`, ...). A manifest written before an option existed reads it as its default.
+    #[serde(flatten)]
+    pub criu: CriuOptions,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]

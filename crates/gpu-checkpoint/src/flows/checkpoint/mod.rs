@@ -27,8 +27,8 @@ use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
 use super::{ms, save_log, Flow, ImageTransfer};
-use crate::detect::{self, DetectOptions, Report, StrategyName};
-use crate::dump::{AfterDump, Criu, DumpRequest};
+use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyName};
+use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::freeze::FreezeContext;
 use crate::proc as tree;
@@ -57,6 +57,14 @@ pub enum Error {
     },
     #[error("refusing to checkpoint process {pid}: its plan is `unsupported`:{}", blockers.iter().map(|b| format!("\n  - {b}")).collect::<String>())]
     Unsupported { pid: i32, blockers: Vec<String> },
+    #[error("refusing to checkpoint process {pid} (nothing was touched): CRIU would fail on what the tree holds; add {}:{}", flags.join(" "), needs.iter().map(|n| format!("\n  - {n}")).collect::<String>())]
+    NeedsOptions {
+        pid: i32,
+        /// The flags to add.
+        flags: Vec<String>,
+        /// What needs each, per process.
+        needs: Vec<String>,
+    },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
     NotStopped { id: String, pids: Vec<i32> },
     #[error("measuring the images in {}: {source}", path.display())]
@@ -73,7 +81,7 @@ impl Classify for Error {
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::Busy { .. } => ExitStatus::Conflict,
             Error::Lock { source, .. } => crate::exit::io_exit_status(source),
-            Error::Unsupported { .. } => ExitStatus::Unsupported,
+            Error::Unsupported { .. } | Error::NeedsOptions { .. } => ExitStatus::Unsupported,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
         }
@@ -87,8 +95,8 @@ pub struct CheckpointOptions {
     pub name: Option<String>,
     /// Keep the tree running after the checkpoint (default: stop it once the checkpoint is durable).
     pub leave_running: bool,
-    pub tcp_established: bool,
-    pub shell_job: bool,
+    /// What CRIU is told (`--tcp-established`, `--file-locks`, ...); recorded in the manifest.
+    pub criu: CriuOptions,
     /// How detect looks at the tree (`tree` is forced on: checkpoints act on trees).
     pub detect: DetectOptions,
 }
@@ -99,8 +107,7 @@ impl CheckpointOptions {
             pid,
             name: None,
             leave_running: false,
-            tcp_established: false,
-            shell_job: false,
+            criu: CriuOptions::default(),
             detect: DetectOptions {
                 tree: true,
                 ..DetectOptions::default()
@@ -112,8 +119,7 @@ impl CheckpointOptions {
     fn record(&self) -> OptionsRecord {
         OptionsRecord {
             leave_running: self.leave_running,
-            tcp_established: self.tcp_established,
-            shell_job: self.shell_job,
+            criu: self.criu.clone(),
         }
     }
 }
@@ -176,6 +182,7 @@ impl Flow<'_> {
 
         let t = Instant::now();
         let report = detect_tree(pid, &opts.detect)?;
+        check_options(pid, &report, &opts.criu)?;
         let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let _tree_locks = lock_tree(&tree_pids, pid)?;
         let mut timings = Timings {
@@ -213,8 +220,7 @@ impl Flow<'_> {
             images_dir: ingest.staging_dir(),
             log_file: DUMP_LOG,
             after,
-            tcp_established: opts.tcp_established,
-            shell_job: opts.shell_job,
+            options: &opts.criu,
             stream: self.images != ImageTransfer::Staged,
         };
         let stored = dump_tree(
@@ -321,6 +327,45 @@ fn detect_tree(pid: i32, opts: &DetectOptions) -> crate::Result<Report> {
         return Err(Error::Unsupported { pid, blockers }.into());
     }
     Ok(report)
+}
+
+/// Refuses, before anything is touched, a tree holding what CRIU dumps only with an option the user did
+/// not pass (detect's `needs-option` findings): CRIU would otherwise fail after freezing it.
+fn check_options(pid: i32, report: &Report, criu: &CriuOptions) -> Result<(), Error> {
+    let unmet: Vec<(&detect::Finding, &NeededOption)> = report
+        .findings
+        .iter()
+        .filter_map(|f| Some(f).zip(f.evidence.needs.as_ref()))
+        .filter(|(_, n)| !criu.provides(n))
+        .collect();
+    if unmet.is_empty() {
+        return Ok(());
+    }
+    // One --ghost-limit: the largest file's.
+    let ghost = unmet
+        .iter()
+        .filter_map(|(_, n)| match n {
+            NeededOption::GhostLimit { bytes } => Some(*bytes),
+            _ => None,
+        })
+        .max();
+    let mut flags: Vec<String> = Vec::new();
+    for (_, n) in &unmet {
+        let flag = match (n, ghost) {
+            (NeededOption::GhostLimit { .. }, Some(bytes)) => {
+                NeededOption::GhostLimit { bytes }.flag()
+            }
+            _ => n.flag(),
+        };
+        if !flags.contains(&flag) {
+            flags.push(flag);
+        }
+    }
+    let needs = unmet
+        .iter()
+        .map(|(f, n)| format!("pid {} needs {}: {}", f.pid, n.flag(), f.evidence.detail))
+        .collect();
+    Err(Error::NeedsOptions { pid, flags, needs })
 }
 
 /// CRIU dumps the tree into the staging folder, or straight into the store (`req.stream`). Returns the

@@ -250,6 +250,7 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
             pid: p.pid(),
             images_dir: s.store.location().join("staging").join(&out.info.id),
             after: AfterDump::Stop,
+            options: CriuOptions::default(),
         }]
     );
     assert!(out.stopped && !p.running());
@@ -612,6 +613,128 @@ fn a_streamed_restore_feeds_criu_the_stored_pages() {
         })
         .expect("the fake read its pages from the streamer");
     assert_eq!(pages, vec![0xa5; 3 << 20]);
+}
+
+/// The CRIU options a checkpoint is taken with reach CRIU's dump, are kept in the manifest, and reach
+/// CRIU's restore again where CRIU needs them there, with the restore's own on top.
+#[test]
+fn criu_options_reach_the_dump_the_manifest_and_the_restore() {
+    use crate::dump::{CgroupMode, NetworkLock};
+    let s = Scene::new();
+    let mut p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.criu = CriuOptions {
+        file_locks: true,
+        tcp_established: true,
+        ghost_limit: Some(4 << 20),
+        external: vec!["mnt[/data]:data".into()],
+        manage_cgroups: Some(CgroupMode::Soft),
+        network_lock: Some(NetworkLock::Skip),
+        skip_mnt: vec!["/proc/sys".into()],
+        ..CriuOptions::default()
+    };
+    let out = s.checkpoint(&mut gpu, &opts).unwrap();
+    p.reap();
+    let dumped = s.criu.calls();
+    assert!(
+        matches!(&dumped[..], [FakeCriuCall::Dump { options, .. }] if *options == opts.criu),
+        "{dumped:?}"
+    );
+    let listed = s.store.list().unwrap();
+    let m = CheckpointManifest::from_metadata(&listed[0].metadata).unwrap();
+    assert_eq!(m.options.criu, opts.criu);
+    assert_eq!(listed[0].metadata["options"]["file_locks"], true);
+    assert_eq!(listed[0].metadata["options"]["ghost_limit"], 4 << 20);
+
+    let copy = Sleeper::start();
+    s.criu.restore_as(copy.pid());
+    let given = CriuOptions {
+        tcp_established: true,
+        external: vec!["mnt[data]:/srv/data".into()],
+        ..CriuOptions::default()
+    };
+    let flow = |gpu: &mut RecordingGpu, given: &CriuOptions| {
+        Flow {
+            criu: &*s.criu,
+            gpu,
+            store: &s.store,
+            progress: &NoProgress,
+            images: s.images,
+        }
+        .restore_with(&Target::Checkpoint(out.info.id.clone()), given)
+    };
+    flow(&mut gpu, &given).unwrap();
+    let Some(FakeCriuCall::Restore { options, .. }) = s.criu.calls().pop() else {
+        panic!("no restore call")
+    };
+    assert_eq!(options, opts.criu.restore_options(&given).unwrap().options);
+    assert!(options.file_locks && options.tcp_established);
+    assert_eq!(options.network_lock, Some(NetworkLock::Skip));
+    assert_eq!(options.manage_cgroups, Some(CgroupMode::Soft));
+    assert_eq!(options.external, ["mnt[data]:/srv/data"]);
+    assert_eq!(options.ghost_limit, None, "a dump-only option");
+
+    // A flag that contradicts the checkpoint is refused before CRIU is asked.
+    let calls = s.criu.calls().len();
+    let contradicting = CriuOptions {
+        shell_job: true,
+        ..CriuOptions::default()
+    };
+    let err = flow(&mut gpu, &contradicting).unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Usage, "{err}");
+    assert!(err.to_string().contains("--shell-job"), "{err}");
+    assert_eq!(s.criu.calls().len(), calls);
+}
+
+/// A child that holds a `flock` on a file of its own (inherited from the test, which locked it).
+fn locked_sleeper(dir: &std::path::Path) -> Sleeper {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let file = std::fs::File::create(dir.join("held.lock")).unwrap();
+    // SAFETY: flock on a descriptor we own.
+    assert_eq!(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let fd = file.as_raw_fd();
+    let mut cmd = Command::new("sleep");
+    cmd.arg("60");
+    // SAFETY: only dup2 (async-signal-safe) between fork and exec; the copy is not close-on-exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(fd, 9) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    // The child's descriptor shares the open file, and with it the lock.
+    drop(file);
+    Sleeper(child)
+}
+
+/// A tree holding a file lock, checkpointed without `--file-locks`, is refused before the GPU step or
+/// CRIU touch it, naming the flag (CRIU would refuse only after freezing it); with the flag it goes.
+#[test]
+fn a_held_lock_without_file_locks_is_refused_before_anything_is_touched() {
+    let s = Scene::new();
+    let p = locked_sleeper(s._dir.path());
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.leave_running = true;
+    let err = s.checkpoint(&mut gpu, &opts).unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Unsupported, "{err}");
+    assert!(err.to_string().contains("add --file-locks"), "{err}");
+    assert!(gpu.events().is_empty(), "the GPU step was not touched");
+    assert!(s.criu.calls().is_empty(), "CRIU was not asked");
+    assert!(p.running());
+    assert!(s.store.list().unwrap().is_empty());
+
+    opts.criu.file_locks = true;
+    s.checkpoint(&mut gpu, &opts).unwrap();
+    assert!(matches!(
+        &s.criu.calls()[..],
+        [FakeCriuCall::Dump { options, .. }] if options.file_locks
+    ));
 }
 
 #[test]

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer};
-use crate::dump::{FailureKind, RestoreRequest};
+use crate::dump::{CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::freeze::{RestoreRecord, RestoredTree};
 use crate::proc as tree;
@@ -54,6 +54,8 @@ pub enum Error {
     /// socket said something unexpected, or an image the copy needs was missing or unreadable.
     #[error("{0}")]
     Uffd(String),
+    #[error("restore of checkpoint {id}: {reason}")]
+    Options { id: String, reason: String },
     #[error("cannot create a work folder for the images: {} ({source})", path.display())]
     WorkDir {
         path: PathBuf,
@@ -68,6 +70,7 @@ impl Classify for Error {
             Error::PidInUse { .. } => ExitStatus::Conflict,
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::Uffd(_) => ExitStatus::Failure,
+            Error::Options { .. } => ExitStatus::Usage,
             Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }
     }
@@ -143,9 +146,29 @@ impl Flow<'_> {
 
     /// Restores a checkpoint; see the module documentation for the order.
     pub fn restore(&mut self, target: &Target) -> crate::Result<RestoreOutcome> {
+        self.restore_with(target, &CriuOptions::default())
+    }
+
+    /// [`Flow::restore`] with the CRIU flags given to the restore: its own (`--external`,
+    /// `--criu-config`, ...) on top of the checkpoint's, and dump-time flags that must agree with the
+    /// checkpoint's ([`CriuOptions::restore_options`]).
+    pub fn restore_with(
+        &mut self,
+        target: &Target,
+        given: &CriuOptions,
+    ) -> crate::Result<RestoreOutcome> {
         let started = Instant::now();
         self.criu.check_permitted()?;
         let (info, manifest) = self.find(target)?;
+        let criu_options = manifest
+            .options
+            .criu
+            .restore_options(given)
+            .map_err(|reason| Error::Options {
+                id: info.id.clone(),
+                reason,
+            })?
+            .options;
         let pids = manifest.pids();
         // CRIU gives every thread back its ID too: those must be free as well as the PIDs.
         let ids = with_thread_ids(self.store, &info, &pids)?;
@@ -165,8 +188,7 @@ impl Flow<'_> {
         let req = RestoreRequest {
             images_dir: work.path(),
             log_file: RESTORE_LOG,
-            tcp_established: manifest.options.tcp_established,
-            shell_job: manifest.options.shell_job,
+            options: &criu_options,
             stream: self.images == ImageTransfer::Stream,
             lazy_pages: false,
             post_restore: None,
