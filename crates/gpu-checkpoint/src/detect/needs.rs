@@ -293,7 +293,7 @@ mod tests {
             (8, "socket:[11]"),
             (9, "socket:[12]"),
         ]);
-        s.locks = vec![(3, "1: POSIX ADVISORY WRITE 100 08:01:77 0 0".into())];
+        s.locks = vec![(3, "POSIX ADVISORY WRITE 100 08:01:77 0 0".into())];
         s.deleted = vec![
             DeletedFile {
                 fd: 20,

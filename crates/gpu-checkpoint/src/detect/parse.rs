@@ -270,13 +270,17 @@ pub fn socket_inode(fd_target: &str) -> Option<u64> {
         .ok()
 }
 
-/// The first `lock:` line of an fdinfo file (`1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF`), spaces
-/// squeezed: a lock held through that descriptor by its process (the kernel lists only the process's own).
+/// The first `lock:` line of an fdinfo file (`1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF`), without
+/// its number and with spaces squeezed: a lock held through that descriptor by its process (the kernel
+/// lists only the process's own).
 pub fn fdinfo_lock(data: &[u8]) -> Option<String> {
     let text = String::from_utf8_lossy(data);
-    text.lines()
-        .find_map(|l| l.strip_prefix("lock:"))
-        .map(|l| l.split_ascii_whitespace().collect::<Vec<_>>().join(" "))
+    let line = text.lines().find_map(|l| l.strip_prefix("lock:"))?;
+    let words: Vec<&str> = line
+        .split_ascii_whitespace()
+        .skip_while(|w| w.ends_with(':'))
+        .collect();
+    Some(words.join(" "))
 }
 
 /// TCP states CRIU dumps only with `--tcp-established` (or `--tcp-close`), as `net/tcp` writes them
@@ -502,7 +506,7 @@ mod tests {
                     lock:\t1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF\n";
         assert_eq!(
             fdinfo_lock(info.as_bytes()).as_deref(),
-            Some("1: FLOCK ADVISORY WRITE 4242 00:2f:1234 0 EOF")
+            Some("FLOCK ADVISORY WRITE 4242 00:2f:1234 0 EOF")
         );
         assert_eq!(fdinfo_lock(b"pos:\t0\n"), None);
     }

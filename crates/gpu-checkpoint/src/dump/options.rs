@@ -153,6 +153,56 @@ impl CriuOptions {
         }
     }
 
+    /// These options with what CRIU's configuration files add to them, as far as this type names it: CRIU
+    /// reads `/etc/criu/default.conf`, `~/.criu/default.conf`, `$CRIU_CONFIG_FILE` and then `config_file`
+    /// itself, so an option given there is given (a checkpoint must not refuse a tree for a `file-locks`
+    /// that CRIU will get from a file).
+    pub fn with_config_files(&self) -> CriuOptions {
+        let mut files: Vec<PathBuf> = vec!["/etc/criu/default.conf".into()];
+        if let Some(home) = std::env::var_os("HOME") {
+            files.push(Path::new(&home).join(".criu/default.conf"));
+        }
+        if let Some(env) = std::env::var_os("CRIU_CONFIG_FILE") {
+            files.push(env.into());
+        }
+        files.extend(self.config_file.clone());
+        let mut out = self.clone();
+        for f in files {
+            if let Ok(text) = std::fs::read_to_string(&f) {
+                out.add_config(&text);
+            }
+        }
+        out
+    }
+
+    /// Folds in the options of one CRIU configuration file (one option a line, its dashes optional, its
+    /// argument after a space; `#` starts a comment). Options this type does not name are CRIU's alone.
+    fn add_config(&mut self, text: &str) {
+        for line in text.lines() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            let (name, value) = match line.split_once(char::is_whitespace) {
+                Some((n, v)) => (n, Some(v.trim().trim_matches('"'))),
+                None => (line, None),
+            };
+            let name = name.trim_start_matches('-');
+            let name = name.split_once('=').map_or(name, |(n, _)| n);
+            match (name, value) {
+                ("tcp-established", _) => self.tcp_established = true,
+                ("shell-job" | "j", _) => self.shell_job = true,
+                ("file-locks" | "l", _) => self.file_locks = true,
+                ("ext-unix-sk" | "x", _) => self.ext_unix_sk = true,
+                ("tcp-close", _) => self.tcp_close = true,
+                ("skip-in-flight", _) => self.skip_in_flight = true,
+                ("link-remap", _) => self.link_remap = true,
+                ("enable-external-masters", _) => self.enable_external_masters = true,
+                ("ghost-limit", Some(v)) => self.ghost_limit = parse_size(v).ok(),
+                ("external", Some(v)) => self.external.push(v.to_string()),
+                ("skip-mnt", Some(v)) => self.skip_mnt.push(v.to_string()),
+                _ => {}
+            }
+        }
+    }
+
     /// The options the restore of a checkpoint taken with `self` passes to CRIU, given the flags the user
     /// passed to the restore (`given`). The checkpoint decides every dump-time option: a flag of the
     /// restore that asks for something else is an error naming it, one that agrees is listed in
@@ -505,6 +555,30 @@ mod tests {
             resource: "unix[7]".into()
         }));
         assert!(!o.provides(&NeededOption::GhostLimit { bytes: 3 << 20 }));
+    }
+
+    /// An option CRIU gets from a configuration file counts as given.
+    #[test]
+    fn configuration_files_add_what_they_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("criu.conf");
+        std::fs::write(
+            &conf,
+            "# comment\nfile-locks\n--ghost-limit 8M\n  external unix[7]  # ours\n\
+             tcp-established\nlog-file x.log\nmanage-cgroups=soft\n",
+        )
+        .unwrap();
+        let o = CriuOptions {
+            config_file: Some(conf),
+            ..CriuOptions::default()
+        };
+        assert!(!o.provides(&NeededOption::FileLocks));
+        let e = o.with_config_files();
+        assert!(e.provides(&NeededOption::FileLocks));
+        assert!(e.provides(&NeededOption::GhostLimit { bytes: 8 << 20 }));
+        assert!(e.provides(&NeededOption::ExtUnixSk { inode: 7 }));
+        assert!(e.tcp_established && !e.tcp_close);
+        assert_eq!(e.config_file, o.config_file);
     }
 
     #[test]

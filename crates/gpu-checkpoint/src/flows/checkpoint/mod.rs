@@ -330,8 +330,10 @@ fn detect_tree(pid: i32, opts: &DetectOptions) -> crate::Result<Report> {
 }
 
 /// Refuses, before anything is touched, a tree holding what CRIU dumps only with an option the user did
-/// not pass (detect's `needs-option` findings): CRIU would otherwise fail after freezing it.
+/// not pass (detect's `needs-option` findings), on the command line or in CRIU's configuration files: CRIU
+/// would otherwise fail after freezing it.
 fn check_options(pid: i32, report: &Report, criu: &CriuOptions) -> Result<(), Error> {
+    let criu = criu.with_config_files();
     let unmet: Vec<(&detect::Finding, &NeededOption)> = report
         .findings
         .iter()
