@@ -260,22 +260,17 @@ impl CriuOptions {
         // CRIU reads the lock method from the images; without a recorded one it was the default of the
         // checkpoint's time, which we cannot contradict.
         let lock = |v: Option<NetworkLock>| v.map(|m| m.to_string());
-        match r.network_lock {
-            Some(_) => check(
-                "--network-lock",
-                lock(r.network_lock),
-                lock(given.network_lock),
-            )?,
-            None => check(
-                "--network-lock",
-                lock(given.network_lock),
-                lock(given.network_lock),
-            )?,
+        let mut notes = Vec::new();
+        match (r.network_lock, given.network_lock) {
+            (Some(_), _) => check("--network-lock", lock(r.network_lock), lock(given.network_lock))?,
+            (None, Some(m)) => notes.push(format!(
+                "--network-lock {m} changes nothing: CRIU takes the method from the checkpoint's images"
+            )),
+            (None, None) => {}
         }
         if r.tcp_close && given.tcp_close {
             decided.push("--tcp-close".into());
         }
-        let mut notes = Vec::new();
         if let (Some(f), None) = (&r.config_file, &given.config_file) {
             notes.push(format!(
                 "the checkpoint was taken with --criu-config {}; pass --criu-config again if its options \
@@ -662,6 +657,17 @@ mod tests {
             })
             .unwrap_err();
         assert!(err.contains("--network-lock iptables"), "{err}");
+        // Without a recorded method, the images hold the default of the checkpoint's time: a note.
+        let out = CriuOptions::default()
+            .restore_options(&CriuOptions {
+                network_lock: Some(NetworkLock::Iptables),
+                ..CriuOptions::default()
+            })
+            .unwrap();
+        assert!(
+            out.decided.is_empty() && out.notes[0].contains("changes nothing"),
+            "{out:?}"
+        );
         // Restore-time choices: connections restored closed, another cgroup mode.
         let out = recorded
             .restore_options(&CriuOptions {
