@@ -151,3 +151,44 @@ fn gc_removes_work_folders_of_killed_restores() {
     assert_eq!(json(&out)["stale_restore_work_removed"], 1);
     assert!(!stale.exists());
 }
+
+/// Commands that read a store do not make one: an empty folder stays empty (exit 7, no checkpoint there), and
+/// a regular file given as the storage is a usage error (exit 2), for them and for a checkpoint's store.
+#[test]
+fn reading_commands_make_no_store_and_a_file_is_not_a_storage() {
+    let t = tempfile::tempdir().unwrap();
+    let empty = t.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    for cmd in ["list", "verify", "gc"] {
+        let out = bin(&[cmd], &empty);
+        assert_eq!(
+            out.status.code(),
+            Some(7),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(
+        fs::read_dir(&empty).unwrap().count(),
+        0,
+        "the folder stays empty"
+    );
+
+    let file = t.path().join("file");
+    fs::write(&file, b"not a store").unwrap();
+    let out = bin(&["list"], &file);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = Store::open(&file, StoreOptions::default())
+        .err()
+        .expect("a file is no store");
+    assert_eq!(
+        gpu_checkpoint::Classify::exit_status(&err),
+        gpu_checkpoint::ExitStatus::Usage,
+        "{err}"
+    );
+}

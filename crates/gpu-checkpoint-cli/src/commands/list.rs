@@ -51,8 +51,16 @@ impl StoreArgs {
     }
 }
 
+/// Opens an existing store for the commands that only read or tidy one: a missing folder, or a folder that is
+/// not a store (an empty one included), is "no checkpoint here" (exit 7), and is not turned into a store.
 fn open_store(storage: &std::path::Path) -> anyhow::Result<Store> {
-    if !storage.is_dir() {
+    if storage.exists() && !storage.is_dir() {
+        return Err(super::usage(format!(
+            "storage {} is not a folder",
+            storage.display()
+        )));
+    }
+    if !gpu_checkpoint::store::LocalBackend::holds_store(storage) {
         return Err(gpu_checkpoint::store::Error::NotFound {
             what: "any checkpoint (no store here)".into(),
             storage: storage.to_path_buf(),

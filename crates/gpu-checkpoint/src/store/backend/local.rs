@@ -75,6 +75,12 @@ enum Object<'a> {
 pub const DIRECT_IO_ENV: &str = "GPU_CHECKPOINT_DIRECT_IO";
 
 impl LocalBackend {
+    /// Whether `root` holds a store (its `store.json` marker): commands that only read a store must not
+    /// create one where there is none.
+    pub fn holds_store(root: &Path) -> bool {
+        root.join(STORE_FILE).is_file()
+    }
+
     /// A backend on `root`, with direct I/O unless [`DIRECT_IO_ENV`] is `0`.
     pub fn new(root: &Path) -> LocalBackend {
         let direct = std::env::var_os(DIRECT_IO_ENV).is_none_or(|v| v != "0");
@@ -266,6 +272,13 @@ impl Backend for LocalBackend {
     }
 
     fn init(&self) -> Result<()> {
+        // A file (or anything but a folder) given as the storage is a usage error, not an I/O failure.
+        if fs::metadata(&self.root).is_ok_and(|m| !m.is_dir()) {
+            return Err(Error::Invalid(format!(
+                "storage {} is not a folder",
+                self.root.display()
+            )));
+        }
         let marker = self.root.join(STORE_FILE);
         match fs::read(&marker) {
             Ok(bytes) => {
