@@ -1112,3 +1112,64 @@ fn a_name_whose_newest_checkpoint_is_damaged_is_refused() {
     assert!(store.delete_damaged(&newer.id).unwrap());
     assert_eq!(store.get("job").unwrap().id, older.id);
 }
+
+/// Runs `f` on a thread and fails the test if it has not returned within 20 s (it would hang forever).
+fn within_20s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("{what} hangs"))
+}
+
+/// Special files planted in a store's folders: a FIFO in place of a chunk or a manifest hung verify, list,
+/// restore and gc forever; a chunk linked to /dev/zero made a restore read without end; a folder named like a
+/// manifest broke every command. Only regular files are store objects: the others are missing or damaged.
+#[test]
+fn special_files_in_a_store_neither_hang_nor_exhaust_memory() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let root = t.path().join("store");
+    let info = ingest(&store, Some("job"), |d| criu_like(d, 64, 7));
+    let chunks = chunk_files(&root);
+    assert!(chunks.len() >= 2, "{chunks:?}");
+    let mkfifo = |p: &Path| {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    };
+    // A chunk replaced by a FIFO, another by a link to /dev/zero.
+    fs::remove_file(&chunks[0]).unwrap();
+    mkfifo(&chunks[0]);
+    fs::remove_file(&chunks[1]).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &chunks[1]).unwrap();
+    // A FIFO and a folder named like manifests.
+    mkfifo(
+        &root
+            .join("manifests")
+            .join("20261124T000000Z-fifo0000.json"),
+    );
+    fs::create_dir(
+        root.join("manifests")
+            .join("20261124T000001Z-dir00000.json"),
+    )
+    .unwrap();
+
+    let id = info.id.clone();
+    let r = t.path().to_path_buf();
+    let (listed, verified) = within_20s("list and verify", move || {
+        let store = open(&r);
+        let listed: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
+        (listed, store.verify(Some(&id), &NoProgress).unwrap())
+    });
+    assert_eq!(listed, vec![info.id.clone()]);
+    assert!(!verified.is_ok(), "damaged chunks are reported");
+    let r = t.path().to_path_buf();
+    let id = info.id.clone();
+    let out = t.path().join("out");
+    let err = within_20s("materialize", move || {
+        open(&r).materialize(&id, &out, &NoProgress).unwrap_err()
+    });
+    assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid, "{err}");
+}

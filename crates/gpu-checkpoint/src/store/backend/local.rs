@@ -233,6 +233,25 @@ fn writable_error(path: &Path, source: io::Error) -> Error {
     }
 }
 
+/// Opens a store file for reading, accepting only a regular file: `None` when it is missing, a link, or
+/// anything else (a FIFO would block the open or the read forever, a device such as `/dev/zero` would never
+/// end). The store never makes anything but regular files, so any other kind is not one of its objects.
+fn open_regular(path: &Path) -> io::Result<Option<File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match fs::OpenOptions::new()
+        .read(true)
+        // O_NONBLOCK: opening a FIFO must not wait for a writer (it has no effect on regular files).
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    Ok(file.metadata()?.is_file().then_some(file))
+}
+
 fn is_hex_name(name: &str) -> bool {
     name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit())
 }
@@ -361,9 +380,9 @@ impl Backend for LocalBackend {
 
     fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>> {
         let path = self.chunk_path(id);
-        let file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        let file = match open_regular(&path) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
             Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
         };
         let len = file
@@ -428,9 +447,9 @@ impl Backend for LocalBackend {
 
     fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool> {
         let path = self.chunk_path(id);
-        let mut file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        let mut file = match open_regular(&path) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(false),
             Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
         };
         buf.clear();
@@ -448,8 +467,8 @@ impl Backend for LocalBackend {
             return Ok(None);
         }
         let path = self.chunk_path(id);
-        // Missing or unreadable: the usual read reports it.
-        let Ok(file) = File::open(&path) else {
+        // Missing, unreadable or not a regular file: the usual read reports it.
+        let Ok(Some(file)) = open_regular(&path) else {
             return Ok(None);
         };
         let len = file
@@ -537,11 +556,14 @@ impl Backend for LocalBackend {
 
     fn get_manifest(&self, id: &str) -> Result<Option<Vec<u8>>> {
         let path = self.manifest_path(id);
-        match fs::read(&path) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(Error::io("cannot read manifest", path)(e)),
-        }
+        let read = open_regular(&path).and_then(|f| {
+            f.map(|mut f| {
+                let mut b = Vec::new();
+                f.read_to_end(&mut b).map(|_| b)
+            })
+            .transpose()
+        });
+        read.map_err(Error::io("cannot read manifest", path))
     }
 
     fn delete_manifest(&self, id: &str) -> Result<bool> {
