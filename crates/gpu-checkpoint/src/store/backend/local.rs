@@ -605,7 +605,27 @@ impl Backend for LocalBackend {
     }
 
     fn lock(&self, mode: LockMode) -> Result<LockGuard> {
-        let file = self.lock_file()?;
+        let file = match (self.lock_file(), mode) {
+            (Ok(f), _) => f,
+            // A store on a read-only mount (restoring on another node): readers lock the existing file
+            // read-only, or need no lock where there is none (nothing can write or collect here).
+            (Err(Error::Io { source, .. }), LockMode::Shared)
+                if source.raw_os_error() == Some(libc::EROFS) =>
+            {
+                match File::open(self.root.join("lock")) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        return Ok(LockGuard(Box::new(())))
+                    }
+                    Err(e) => {
+                        return Err(Error::io("cannot open lock file", self.root.join("lock"))(
+                            e,
+                        ))
+                    }
+                }
+            }
+            (Err(e), _) => return Err(e),
+        };
         let lock = flock(file, mode, false)
             .map_err(Error::io("cannot lock", self.root.join("lock")))?
             .expect("a blocking lock is taken or fails");
