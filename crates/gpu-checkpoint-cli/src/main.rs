@@ -47,6 +47,9 @@ enum Command {
     Cuda(commands::cuda::Command),
     /// Report what this machine has: CRIU, its version and `criu check`, GPU driver, NVML.
     Doctor(commands::doctor::Args),
+    /// (internal) The process checkpoint and restore start to finish or undo their work if they die.
+    #[command(hide = true)]
+    Guardian(commands::guardian::Args),
 }
 
 fn init_logging(verbosity: u8) {
@@ -81,6 +84,7 @@ fn main() {
         Command::Gc(a) => commands::gc::run(a),
         Command::Cuda(c) => commands::cuda::run(c),
         Command::Doctor(a) => commands::doctor::run(a),
+        Command::Guardian(a) => commands::guardian::run(a),
     };
     if let Err(err) = result {
         std::process::exit(report(&err) as i32);

@@ -74,16 +74,6 @@ fn restore(id: &str, store: &Path, extra: &[&str]) -> i32 {
     String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
 }
 
-/// Every process runs on its simulated GPU, its device memory is what its kernels wrote, and it
-/// computes on.
-fn assert_healthy(pids: &[i32]) {
-    for &p in pids {
-        assert_eq!(status(p)["state"], "running", "pid {p}");
-        assert_verified(p);
-        assert_progress(p);
-    }
-}
-
 /// The failure left no checkpoint: nothing listed, no manifest file.
 fn assert_no_checkpoint(store: &Path) {
     assert!(listed(store).is_empty(), "a failed checkpoint is listed");

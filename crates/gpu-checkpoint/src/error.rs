@@ -26,6 +26,8 @@ pub enum Error {
     Checkpoint(#[from] crate::checkpoint::Error),
     #[error(transparent)]
     Restore(#[from] crate::restore::Error),
+    #[error(transparent)]
+    Guardian(#[from] crate::flows::guardian::Error),
 }
 
 impl Classify for Error {
@@ -37,6 +39,7 @@ impl Classify for Error {
             Error::Store(e) => e.exit_status(),
             Error::Checkpoint(e) => e.exit_status(),
             Error::Restore(e) => e.exit_status(),
+            Error::Guardian(e) => e.exit_status(),
         }
     }
 }
@@ -67,6 +70,7 @@ classified!(
     crate::store::Error,
     crate::checkpoint::Error,
     crate::restore::Error,
+    crate::flows::guardian::Error,
 );
 
 #[cfg(test)]

@@ -26,8 +26,12 @@ pub enum ExitStatus {
     CheckpointInvalid = 7,
     /// Restore conflict (PID in use, GPUs do not match) or a checkpoint already in progress.
     Conflict = 8,
-    /// A checkpoint was refused because the plan is `unsupported`.
+    /// A checkpoint was refused because the plan is `unsupported`, a CRIU option it needs is missing, or
+    /// the tree is stopped.
     Unsupported = 9,
+    /// A signal (SIGINT, SIGTERM, SIGHUP, ...) came while the command held the tree: what it had done
+    /// was undone (checkpoint: the tree runs as before, nothing is stored).
+    Interrupted = 10,
 }
 
 /// An error that knows which documented exit status it means. Implemented by every error type of the

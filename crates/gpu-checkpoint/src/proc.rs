@@ -5,6 +5,7 @@
 //! A leaf module like `util`: stages and flows both use it, and it uses neither.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -33,6 +34,9 @@ pub struct ProcStat {
     pub threads: u32,
     /// The kernel's `PF_*` flags of the (main) thread.
     pub flags: u64,
+    /// When the process started, in clock ticks after boot (0 when the line stops before it): with the
+    /// PID, it tells a process from a later one that took the same PID.
+    pub start_ticks: u64,
 }
 
 /// `PF_EXITING`: set as a task enters `do_exit`, before its memory is torn down.
@@ -86,6 +90,7 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, &'static str> {
         .and_then(|s| s.parse().ok())
         .ok_or("no flags field")?;
     let threads = rest.get(17).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let start_ticks = rest.get(19).and_then(|s| s.parse().ok()).unwrap_or(0);
     Ok(ProcStat {
         pid,
         comm,
@@ -93,6 +98,7 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, &'static str> {
         ppid,
         threads,
         flags,
+        start_ticks,
     })
 }
 
@@ -155,16 +161,84 @@ pub fn is_alive(pid: i32) -> bool {
     stat(pid).is_some_and(|s| !s.is_dying())
 }
 
-fn signal(pids: &[i32], sig: i32) {
-    for &pid in pids {
-        // SAFETY: kill has no memory-safety preconditions; a PID that is already gone answers ESRCH.
-        unsafe { libc::kill(pid, sig) };
+/// Processes held through pidfds (`pidfd_open(2)`), so that a signal meant for them can never reach a
+/// process that took one of their PIDs later: between a tree's dump and its kill, or in the guardian,
+/// which may act long after it was told the PIDs. A kernel without pidfds (before 5.3) falls back to
+/// `kill(2)` by PID.
+pub struct Held {
+    procs: Vec<(i32, Option<OwnedFd>)>,
+}
+
+impl Held {
+    /// Opens a pidfd for each of `pids` that still exists (a zombie counts: it still holds its PID).
+    pub fn open(pids: &[i32]) -> Held {
+        let procs = pids
+            .iter()
+            .filter_map(|&pid| match pidfd_open(pid) {
+                Ok(fd) => Some((pid, Some(fd))),
+                Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => Some((pid, None)),
+                // Gone already: nothing to signal, and its PID must not be signalled by number.
+                Err(_) => None,
+            })
+            .collect();
+        Held { procs }
     }
+
+    /// The PIDs held (those that existed when opened).
+    pub fn pids(&self) -> Vec<i32> {
+        self.procs.iter().map(|(pid, _)| *pid).collect()
+    }
+
+    /// Sends `sig` to every process held; one that has exited since is skipped (ESRCH).
+    pub fn signal(&self, sig: i32) {
+        for (pid, fd) in &self.procs {
+            match fd {
+                // SAFETY: pidfd_send_signal with a valid pidfd, no siginfo, no flags.
+                Some(fd) => unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        fd.as_raw_fd(),
+                        sig,
+                        std::ptr::null::<libc::siginfo_t>(),
+                        0u32,
+                    )
+                },
+                // SAFETY: kill has no memory-safety preconditions; a PID that is gone answers ESRCH.
+                None => (unsafe { libc::kill(*pid, sig) }) as libc::c_long,
+            };
+        }
+    }
+
+    /// Continues the processes (a tree CRIU left stopped).
+    pub fn continue_all(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Kills the processes and waits until none of them runs any more; see [`kill_tree`]. Returns the
+    /// PIDs still running after `timeout`.
+    pub fn kill(&self, timeout: Duration) -> Vec<i32> {
+        self.signal(libc::SIGKILL);
+        let pids = self.pids();
+        wait_until(timeout, || {
+            pids.iter().copied().filter(|p| is_alive(*p)).collect()
+        })
+    }
+}
+
+/// `pidfd_open(2)`: a descriptor that names this very process, not whoever holds its PID later.
+pub fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a PID and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us, and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 /// Continues a tree CRIU left stopped (`leave_stopped`).
 pub fn continue_tree(pids: &[i32]) {
-    signal(pids, libc::SIGCONT);
+    Held::open(pids).continue_all();
 }
 
 /// Kills a tree and waits until none of its processes runs any more (they may stay zombies until their
@@ -174,10 +248,7 @@ pub fn continue_tree(pids: &[i32]) {
 /// free the process's memory (7% of a 4 GiB checkpoint). `criu dump` waits for even less (it sends SIGKILL
 /// while detaching and returns). `restore` waits for a PID held by a dying process.
 pub fn kill_tree(pids: &[i32], timeout: Duration) -> Vec<i32> {
-    signal(pids, libc::SIGKILL);
-    wait_until(timeout, || {
-        pids.iter().copied().filter(|p| is_alive(*p)).collect()
-    })
+    Held::open(pids).kill(timeout)
 }
 
 /// Waits until `pending()` is empty or `timeout` passed; returns the last `pending()`.
@@ -216,6 +287,7 @@ mod tests {
         assert_eq!(s.state, 'S');
         assert_eq!(s.ppid, 1);
         assert_eq!(s.threads, 3);
+        assert_eq!(s.start_ticks, 5);
         assert!(parse_stat("garbage").is_err());
         assert!(parse_stat("1 (x) Z").is_err());
     }
@@ -236,5 +308,30 @@ mod tests {
         assert!(left.is_empty());
         let _ = child.wait();
         assert!(!pid_taken(child.id() as i32));
+    }
+
+    #[test]
+    fn held_processes_are_signalled_through_their_pidfd_only() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let held = Held::open(&[pid, i32::MAX - 1]);
+        assert_eq!(held.pids(), vec![pid], "a free PID is not held");
+        held.signal(libc::SIGSTOP);
+        let stopped = wait_until(Duration::from_secs(5), || {
+            if stat(pid).is_some_and(|s| s.state == 'T') {
+                vec![]
+            } else {
+                vec![pid]
+            }
+        });
+        assert!(stopped.is_empty(), "SIGSTOP reached the process");
+        held.continue_all();
+        assert!(held.kill(Duration::from_secs(5)).is_empty());
+        let _ = child.wait();
+        // Reaped: the pidfd still names the dead process, never a new holder of the PID.
+        held.signal(libc::SIGKILL);
     }
 }

@@ -98,12 +98,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         device_map: None,
     });
+    // Started before the tree is touched, dropped (told it is done) after the flow's own undo.
+    let guardian = super::start_guardian()?;
     let mut flow = Flow {
         criu: &criu,
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
         images: ImageTransfer::staged_if(args.staged),
+        watch: &guardian,
     };
     let mut opts = CheckpointOptions::new(args.pid);
     opts.name = args.name;
@@ -112,11 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim;
     let result = flow.checkpoint(&opts);
-    if gpu_checkpoint::freeze::interrupt::interrupted() {
-        eprintln!(
-            "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"
-        );
-    }
+    super::say_if_interrupted();
     let out = result?;
 
     let manifest_path = store.manifest_path(&out.info.id);

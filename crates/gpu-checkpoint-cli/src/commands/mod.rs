@@ -7,6 +7,7 @@ pub mod delete;
 pub mod detect;
 pub mod doctor;
 pub mod gc;
+pub mod guardian;
 pub mod inspect;
 pub mod list;
 pub mod restore;
@@ -38,4 +39,18 @@ impl std::error::Error for Exit {}
 /// Shorthand for a usage error (exit 2).
 pub fn usage(msg: impl Into<String>) -> anyhow::Error {
     Exit(ExitStatus::Usage, msg.into()).into()
+}
+
+/// Starts the guardian (`gpu_checkpoint::flows::guardian`) that finishes or undoes a checkpoint's or
+/// restore's work should this process be killed: this very binary, run as `gpu-checkpoint guardian`.
+pub fn start_guardian() -> anyhow::Result<gpu_checkpoint::flows::guardian::Guardian> {
+    let exe = std::env::current_exe()?;
+    Ok(gpu_checkpoint::flows::guardian::Guardian::spawn(&exe)?)
+}
+
+/// Says on stderr that a deferred signal came while the command ran (what it means is in the result).
+pub fn say_if_interrupted() {
+    if let Some(sig) = gpu_checkpoint::interrupt::last_signal() {
+        eprintln!("gpu-checkpoint: {sig} came while the tree was held; the step in progress was finished or undone before stopping");
+    }
 }

@@ -96,6 +96,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         device_map,
         ..HookOptions::default()
     });
+    // Started before the tree is touched, dropped (told it is done) after the flow's own undo.
+    let guardian = super::start_guardian()?;
     let mut flow = Flow {
         criu: &criu,
         gpu: &mut gpu,
@@ -108,14 +110,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         } else {
             ImageTransfer::default_restore()
         },
+        watch: &guardian,
     };
     say_what_the_checkpoint_decides(&flow, &target, &given)?;
     let result = flow.restore_with(&target, &given);
-    if gpu_checkpoint::freeze::interrupt::interrupted() {
-        eprintln!(
-            "gpu-checkpoint: interrupted; the GPU step was completed or undone before stopping"
-        );
-    }
+    super::say_if_interrupted();
     let out = result?;
     match args.store.format {
         Format::Json => {

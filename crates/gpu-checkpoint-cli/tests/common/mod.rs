@@ -186,6 +186,11 @@ pub fn fails_with(out: &Output, code: i32) -> String {
 
 /// Runs `gpu-checkpoint checkpoint --pid PID --storage STORE EXTRA...`.
 pub fn run_checkpoint(pid: i32, store: &Path, extra: &[&str]) -> Output {
+    run_checkpoint_env(pid, store, extra, &[])
+}
+
+/// [`run_checkpoint`] with variables added to the environment.
+pub fn run_checkpoint_env(pid: i32, store: &Path, extra: &[&str], env: &[(&str, &str)]) -> Output {
     let pid = pid.to_string();
     let mut args = vec![
         "checkpoint",
@@ -195,7 +200,11 @@ pub fn run_checkpoint(pid: i32, store: &Path, extra: &[&str]) -> Output {
         store.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    gc(&args)
+    Command::new(gc_bin())
+        .args(&args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run gpu-checkpoint")
 }
 
 /// `gpu-checkpoint checkpoint --pid PID --storage STORE --format json EXTRA...` -> its JSON.

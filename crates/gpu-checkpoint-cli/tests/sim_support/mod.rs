@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 // The CRIU-test helpers: one definition of the binary under test, of running it, of "can CRIU run here"
 // (fail in CI, skip locally) and of waiting for PIDs to be free.
 #[path = "../common/mod.rs"]
-mod common;
+pub mod common;
 #[allow(unused_imports)] // each test file uses a different subset
 pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint};
 
@@ -110,6 +110,16 @@ pub fn assert_progress(pid: i32) {
 pub fn assert_verified(pid: i32) {
     if let Err(e) = sim::verify(pid) {
         panic!("device memory of {pid} is wrong: {e}");
+    }
+}
+
+/// Every process runs on its simulated GPU, its device memory is what its kernels wrote, and it
+/// computes on.
+pub fn assert_healthy(pids: &[i32]) {
+    for &p in pids {
+        assert_eq!(status(p)["state"], "running", "pid {p}");
+        assert_verified(p);
+        assert_progress(p);
     }
 }
 

@@ -231,6 +231,7 @@ mod tests {
                 ppid: 1,
                 threads: 1,
                 flags: 0,
+                start_ticks: 0,
             },
             nspid: vec![],
             maps: vec![],

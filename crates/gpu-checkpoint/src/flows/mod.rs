@@ -8,6 +8,7 @@
 //! (`Flow::checkpoint` in [`checkpoint`], `Flow::restore` in [`restore`]).
 
 pub mod checkpoint;
+pub mod guardian;
 mod logs;
 pub mod manifest;
 pub mod restore;
@@ -17,6 +18,7 @@ use std::time::Instant;
 use crate::dump::Criu;
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
+pub use guardian::{Event, Watch};
 
 pub use logs::{fallback_logs_dir, logs_dir, save_log};
 pub use manifest::{CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes};
@@ -30,6 +32,8 @@ pub struct Flow<'a> {
     pub progress: &'a dyn Progress,
     /// How CRIU's images travel between CRIU and the store.
     pub images: ImageTransfer,
+    /// Who is told each step, to finish or undo it should this process die ([`guardian`]).
+    pub watch: &'a dyn Watch,
 }
 
 /// How CRIU's images travel between CRIU and the store.

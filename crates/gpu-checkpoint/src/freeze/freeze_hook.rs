@@ -5,11 +5,11 @@
 
 use super::group::{GroupOptions, Skipped};
 use super::hook::{FreezeContext, GpuHook, RestoreRecord, RestoredTree, ThawRecord};
-use super::interrupt::InterruptGuard;
 use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
 use super::{Backend, Error};
 use crate::detect::{FindingKind, Report, StrategyName};
+use crate::interrupt::InterruptGuard;
 
 /// Options of the GPU step, from the command line.
 #[derive(Debug, Clone)]
@@ -103,6 +103,11 @@ fn has_cuda_context(report: &Report, pid: i32) -> bool {
 impl GpuHook for FreezeHook {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn backend(&self) -> Option<Backend> {
+        // The fake driver lives in this process: nobody else can reach its state.
+        (self.opts.backend != Backend::Fake).then_some(self.opts.backend)
     }
 
     fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error> {

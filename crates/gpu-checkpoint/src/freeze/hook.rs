@@ -86,6 +86,13 @@ pub trait GpuHook {
     /// The name recorded in the manifest (`none`, `cuda-driver`, `cuda-cli`, `sim`...).
     fn name(&self) -> &str;
 
+    /// The backend another process (the guardian) opens to put GPU state back, should this one die
+    /// between [`GpuHook::freeze`] and the end of the checkpoint; `None` where none could (no GPU step,
+    /// an in-process fake driver).
+    fn backend(&self) -> Option<super::Backend> {
+        None
+    }
+
     /// Before the CRIU dump: lock + checkpoint the GPU state of every GPU process of the tree. Returns
     /// the record kept in the manifest under `gpu` (driver version, GPUs, per-process states and timings),
     /// `None` for a tree without GPU state (`null` in the manifest); [`GpuHook::prepare_restore`] and

@@ -18,7 +18,6 @@ pub mod fake;
 pub mod freeze_hook;
 pub mod group;
 pub mod hook;
-pub mod interrupt;
 pub mod lifecycle;
 pub mod sim;
 pub mod step;

@@ -30,7 +30,10 @@ use super::{ms, save_log, Flow, ImageTransfer};
 use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyName};
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
+use crate::fault;
+use crate::flows::guardian::Event;
 use crate::freeze::FreezeContext;
+use crate::interrupt::InterruptGuard;
 use crate::proc as tree;
 use crate::store::{CheckpointInfo, Ingest, Progress, Store, Streamed};
 use undo::{ContinueGuard, GpuThawGuard};
@@ -65,6 +68,10 @@ pub enum Error {
         /// What needs each, per process.
         needs: Vec<String>,
     },
+    #[error("refusing to checkpoint process {pid} (nothing was touched): process {stopped} is stopped (state {state}), so its checkpoint would be restored stopped and never run again; if an earlier checkpoint or a debugger left it so, continue it first (kill -CONT {stopped})")]
+    Stopped { pid: i32, stopped: i32, state: char },
+    #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
+    Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
     NotStopped { id: String, pids: Vec<i32> },
     #[error("measuring the images in {}: {source}", path.display())]
@@ -81,7 +88,10 @@ impl Classify for Error {
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::Busy { .. } => ExitStatus::Conflict,
             Error::Lock { source, .. } => crate::exit::io_exit_status(source),
-            Error::Unsupported { .. } | Error::NeedsOptions { .. } => ExitStatus::Unsupported,
+            Error::Unsupported { .. } | Error::NeedsOptions { .. } | Error::Stopped { .. } => {
+                ExitStatus::Unsupported
+            }
+            Error::Interrupted { .. } => ExitStatus::Interrupted,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
         }
@@ -172,6 +182,9 @@ impl Flow<'_> {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let pid = opts.pid;
+        // Every signal that would end this process is deferred until the flow has finished or undone
+        // what it did; what cannot be deferred (SIGKILL) is the guardian's (`self.watch`).
+        let interrupt = InterruptGuard::new();
         // 1. Refuse before touching the tree.
         if !tree::is_alive(pid) {
             return Err(Error::NoSuchProcess { pid }.into());
@@ -185,6 +198,7 @@ impl Flow<'_> {
         check_options(pid, &report, &opts.criu)?;
         let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let _tree_locks = lock_tree(&tree_pids, pid)?;
+        refuse_stopped(pid, &tree_pids)?;
         let mut timings = Timings {
             detect: ms(t),
             streamed: self.images != ImageTransfer::Staged,
@@ -195,6 +209,19 @@ impl Flow<'_> {
             path: self.criu.describe(),
         };
         let ingest = self.store.begin(opts.name.as_deref())?;
+        // The guardian learns what it would have to put back before anything is touched; if it cannot be
+        // told, nothing is.
+        self.watch.tell(&Event::Checkpoint {
+            pids: tree_pids.clone(),
+            leave_running: opts.leave_running,
+        })?;
+        if report.strategy.name != StrategyName::None {
+            if let Some(backend) = self.gpu.backend() {
+                self.watch.tell(&Event::Gpu { backend })?;
+            }
+        }
+        fault::at("checkpoint.before-freeze");
+        check_interrupt(&interrupt)?;
 
         // 2. Freeze and dump. From here on every way out before the commit puts the tree back the way it
         // was: the guards undo when dropped (see `undo.rs` for their order) and `ingest` removes the
@@ -208,6 +235,8 @@ impl Flow<'_> {
         })?;
         let mut gpu = GpuThawGuard::new(&mut *self.gpu);
         timings.freeze = ms(t);
+        fault::at("checkpoint.after-freeze");
+        check_interrupt(&interrupt)?;
 
         let after = if opts.leave_running {
             AfterDump::KeepRunning
@@ -234,11 +263,13 @@ impl Flow<'_> {
         timings.dump = ms(t);
         let process_tree = dumped_tree(pid, &report);
         let stopped_tree = ContinueGuard::new(
-            process_tree.iter().map(|p| p.pid).collect(),
+            &process_tree.iter().map(|p| p.pid).collect::<Vec<_>>(),
             after == AfterDump::Stop,
         );
         // CRIU finished, but the store may not have taken every image.
         let streamed = stored.transpose()?;
+        fault::at("checkpoint.after-dump");
+        check_interrupt(&interrupt)?;
         if opts.leave_running {
             // GPU work resumes while the images are stored. The GPU restore + unlock timings belong with
             // the lock + checkpoint ones.
@@ -272,17 +303,25 @@ impl Flow<'_> {
         let metadata = encode(&manifest)?;
 
         let t = Instant::now();
+        // The last moment a signal can still undo the checkpoint.
+        check_interrupt(&interrupt)?;
         // On error the store removes the staging folder and keeps nothing: no partial checkpoint.
         let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
         timings.write = ms(t);
+        // Durable: from here on a signal is deferred until the tree is stopped, as promised, and a dead
+        // tool's guardian stops it.
+        if let Err(e) = self.watch.tell(&Event::Durable) {
+            tracing::warn!("{e}");
+        }
+        fault::at("checkpoint.after-commit");
 
         // 4. The checkpoint is durable: nothing is to be undone any more; stop the tree (migration).
-        let pids = stopped_tree.disarm();
+        let held = stopped_tree.disarm();
         let t = Instant::now();
         let stopped = !opts.leave_running;
         if stopped {
             gpu.committed();
-            let left = tree::kill_tree(&pids, KILL_TIMEOUT);
+            let left = held.kill(KILL_TIMEOUT);
             if !left.is_empty() {
                 return Err(Error::NotStopped {
                     id: info.id.clone(),
@@ -300,6 +339,32 @@ impl Flow<'_> {
             stopped,
         })
     }
+}
+
+/// A signal came since `interrupt` was made: undo (the caller's guards do, as it returns the error).
+fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
+    if !interrupt.interrupted() {
+        return Ok(());
+    }
+    Err(Error::Interrupted {
+        signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
+    })
+}
+
+/// Refuses a tree with a stopped process (state T: SIGSTOP, or what an interrupted checkpoint or a
+/// debugger left): CRIU would dump it stopped, and its restore would exit 0 with a process that never
+/// runs again.
+fn refuse_stopped(pid: i32, pids: &[i32]) -> Result<(), Error> {
+    for &p in pids {
+        if let Some(st) = tree::stat(p).filter(|s| matches!(s.state, 'T' | 't')) {
+            return Err(Error::Stopped {
+                pid,
+                stopped: p,
+                state: st.state,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Detect's report of the tree rooted at `pid` (`tree` forced on: checkpoints act on trees), refused

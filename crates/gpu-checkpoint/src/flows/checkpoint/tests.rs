@@ -157,11 +157,29 @@ impl Drop for Sleeper {
     }
 }
 
+/// A guardian stand-in: records what the flow tells it, and refuses to hear on demand.
+#[derive(Default)]
+struct Told {
+    events: Mutex<Vec<Event>>,
+    deaf: bool,
+}
+
+impl crate::flows::Watch for Told {
+    fn tell(&self, event: &Event) -> Result<(), crate::flows::guardian::Error> {
+        if self.deaf {
+            return Err(crate::flows::guardian::Error::Lost("deaf".into()));
+        }
+        self.events.lock().unwrap().push(event.clone());
+        Ok(())
+    }
+}
+
 struct Scene {
     _dir: tempfile::TempDir,
     store: Store,
     criu: Arc<FakeCriu>,
     images: ImageTransfer,
+    told: Told,
 }
 
 impl Scene {
@@ -173,7 +191,12 @@ impl Scene {
             store,
             criu: Arc::new(FakeCriu::new()),
             images: ImageTransfer::Stream,
+            told: Told::default(),
         }
+    }
+
+    fn told(&self) -> Vec<Event> {
+        self.told.events.lock().unwrap().clone()
     }
 
     fn checkpoint(
@@ -187,6 +210,7 @@ impl Scene {
             store: &self.store,
             progress: &NoProgress,
             images: self.images,
+            watch: &self.told,
         }
         .checkpoint(opts)
     }
@@ -202,6 +226,7 @@ impl Scene {
             store: &self.store,
             progress: &NoProgress,
             images: self.images,
+            watch: &self.told,
         }
         .restore(&Target::Checkpoint(id.to_string()))
     }
@@ -399,15 +424,15 @@ fn the_continue_guard_continues_a_stopped_tree_unless_disarmed() {
         assert!(stopped.is_empty(), "SIGSTOP took no effect");
     };
     stop();
-    drop(ContinueGuard::new(vec![p.pid()], true));
+    drop(ContinueGuard::new(&[p.pid()], true));
     assert!(p.running(), "dropped: continued");
 
     stop();
     assert_eq!(
-        ContinueGuard::new(vec![p.pid()], true).disarm(),
+        ContinueGuard::new(&[p.pid()], true).disarm().pids(),
         vec![p.pid()]
     );
-    drop(ContinueGuard::new(vec![p.pid()], false));
+    drop(ContinueGuard::new(&[p.pid()], false));
     std::thread::sleep(Duration::from_millis(50));
     assert!(!p.running(), "disarmed, or never stopped: left alone");
 }
@@ -661,6 +686,7 @@ fn criu_options_reach_the_dump_the_manifest_and_the_restore() {
             store: &s.store,
             progress: &NoProgress,
             images: s.images,
+            watch: &s.told,
         }
         .restore_with(&Target::Checkpoint(out.info.id.clone()), given)
     };
@@ -755,6 +781,7 @@ fn a_store_that_fails_while_streaming_continues_the_tree_and_keeps_nothing() {
         store: &store,
         progress: &NoProgress,
         images: ImageTransfer::Stream,
+        watch: &crate::flows::guardian::NoWatch,
     }
     .checkpoint(&CheckpointOptions::new(p.pid()))
     .unwrap_err();
@@ -790,4 +817,77 @@ fn logs_of_a_store_that_is_not_a_folder_go_to_the_temporary_folder() {
     // A local store keeps them in its own folder.
     let local = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
     assert_eq!(local.local_dir(), Some(dir.path().join("store").as_path()));
+}
+
+#[test]
+fn the_guardian_is_told_each_step_before_it_happens() {
+    let s = Scene::new();
+    let mut p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let pid = p.pid();
+    let out = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(pid))
+        .unwrap();
+    p.reap();
+    assert_eq!(
+        s.told(),
+        vec![
+            Event::Checkpoint {
+                pids: vec![pid],
+                leave_running: false
+            },
+            Event::Durable
+        ]
+    );
+    let copy = Sleeper::start();
+    s.criu.restore_as(copy.pid());
+    s.restore(&mut gpu, &out.info.id).unwrap();
+    assert_eq!(
+        s.told().last(),
+        Some(&Event::Restore { pids: vec![pid] }),
+        "the restore names the PIDs it will create before CRIU runs"
+    );
+}
+
+#[test]
+fn a_guardian_that_cannot_be_told_stops_the_checkpoint_before_anything_is_touched() {
+    let mut s = Scene::new();
+    s.told.deaf = true;
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
+        .unwrap_err();
+    assert!(err.to_string().contains("guardian"), "{err}");
+    assert!(gpu.events().is_empty(), "no GPU step: {:?}", gpu.events());
+    assert!(s.criu.calls().is_empty(), "no dump: {:?}", s.criu.calls());
+    assert!(tree::is_alive(p.pid()));
+    assert!(s.store.list().unwrap().is_empty());
+    assert!(s.staging_empty());
+}
+
+#[test]
+fn a_stopped_tree_is_refused_not_checkpointed() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    // SAFETY: stopping our own child.
+    unsafe { libc::kill(p.pid(), libc::SIGSTOP) };
+    let left = tree::wait_until(Duration::from_secs(5), || {
+        if tree::stat(p.pid()).is_some_and(|st| st.state == 'T') {
+            vec![]
+        } else {
+            vec![p.pid()]
+        }
+    });
+    assert!(left.is_empty(), "the child stopped");
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = s
+        .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
+        .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Unsupported, "{err}");
+    assert!(err.to_string().contains("kill -CONT"), "{err}");
+    assert!(s.criu.calls().is_empty(), "{:?}", s.criu.calls());
+    assert!(s.store.list().unwrap().is_empty());
+    // SAFETY: continuing our own child so that it can be killed and reaped.
+    unsafe { libc::kill(p.pid(), libc::SIGCONT) };
 }

@@ -63,9 +63,10 @@ impl Drop for GpuThawGuard<'_> {
 }
 
 /// Continues (SIGCONT) the tree CRIU left stopped when dropped, unless [`ContinueGuard::disarm`]ed
-/// because the checkpoint is durable.
+/// because the checkpoint is durable. The tree is held through pidfds: a continue or a kill never reaches
+/// a process that took one of its PIDs since.
 pub(super) struct ContinueGuard {
-    pids: Vec<i32>,
+    tree: tree::Held,
     /// CRIU left the tree stopped (no `--leave-running`) and nothing has taken it over yet.
     armed: bool,
 }
@@ -73,25 +74,24 @@ pub(super) struct ContinueGuard {
 impl ContinueGuard {
     /// Guards `pids`, the tree as CRIU dumped it; `stopped`: CRIU left it stopped (with
     /// `--leave-running` it runs, and there is nothing to continue).
-    pub(super) fn new(pids: Vec<i32>, stopped: bool) -> Self {
+    pub(super) fn new(pids: &[i32], stopped: bool) -> Self {
         ContinueGuard {
-            pids,
+            tree: tree::Held::open(pids),
             armed: stopped,
         }
     }
 
     /// The checkpoint is durable: the tree is the caller's again (to kill, or to leave running).
-    /// Returns its PIDs.
-    pub(super) fn disarm(mut self) -> Vec<i32> {
+    pub(super) fn disarm(mut self) -> tree::Held {
         self.armed = false;
-        std::mem::take(&mut self.pids)
+        std::mem::replace(&mut self.tree, tree::Held::open(&[]))
     }
 }
 
 impl Drop for ContinueGuard {
     fn drop(&mut self) {
         if self.armed {
-            tree::continue_tree(&self.pids);
+            self.tree.continue_all();
         }
     }
 }

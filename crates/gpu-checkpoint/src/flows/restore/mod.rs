@@ -28,7 +28,10 @@ use std::time::{Duration, Instant};
 use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer};
 use crate::dump::{CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
+use crate::fault;
+use crate::flows::guardian::Event;
 use crate::freeze::{RestoreRecord, RestoredTree};
+use crate::interrupt::InterruptGuard;
 use crate::proc as tree;
 use crate::store::{CheckpointInfo, Store};
 
@@ -54,6 +57,8 @@ pub enum Error {
     /// socket said something unexpected, or an image the copy needs was missing or unreadable.
     #[error("{0}")]
     Uffd(String),
+    #[error("interrupted by {signal} before anything was restored; the checkpoint is intact")]
+    Interrupted { signal: String },
     #[error("restore of checkpoint {id}: {reason}")]
     Options { id: String, reason: String },
     #[error("cannot create a work folder for the images: {} ({source})", path.display())]
@@ -70,6 +75,7 @@ impl Classify for Error {
             Error::PidInUse { .. } => ExitStatus::Conflict,
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::Uffd(_) => ExitStatus::Failure,
+            Error::Interrupted { .. } => ExitStatus::Interrupted,
             Error::Options { .. } => ExitStatus::Usage,
             Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }
@@ -158,6 +164,9 @@ impl Flow<'_> {
         given: &CriuOptions,
     ) -> crate::Result<RestoreOutcome> {
         let started = Instant::now();
+        // From the moment CRIU starts creating processes, a signal is deferred until the copy is whole
+        // (or killed): a half-restored copy must not be left behind.
+        let interrupt = InterruptGuard::new();
         self.criu.check_permitted()?;
         let (info, manifest) = self.find(target)?;
         let criu_options = manifest
@@ -185,6 +194,15 @@ impl Flow<'_> {
             }
         }
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
+        // Should this process die from here on, the guardian kills what CRIU created of the copy.
+        self.watch.tell(&Event::Restore { pids: ids.clone() })?;
+        fault::at("restore.before-criu");
+        if interrupt.interrupted() {
+            return Err(Error::Interrupted {
+                signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
+            }
+            .into());
+        }
         let req = RestoreRequest {
             images_dir: work.path(),
             log_file: RESTORE_LOG,
@@ -265,6 +283,7 @@ impl Flow<'_> {
             }
         };
 
+        fault::at("restore.after-criu");
         let t = Instant::now();
         let gpu = match self.gpu.finish_restore(
             gpu_record.as_ref(),

@@ -112,6 +112,9 @@ impl LocalBackend {
     /// complete one. Whole page-aligned objects are written with direct I/O while the filesystem takes it.
     fn put(&self, id: &ChunkId, object: Object<'_>) -> Result<()> {
         let path = self.chunk_path(id);
+        if let Some(e) = crate::fault::io_error("store.write") {
+            return Err(Error::io("cannot write chunk", path)(e));
+        }
         let dir = path.parent().expect("chunk paths have a parent");
         let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
         let tmp = dir.join(format!(

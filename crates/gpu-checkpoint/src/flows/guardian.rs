@@ -1,0 +1,434 @@
+//! The guardian: a small process that outlives the tool and keeps the promise the tool cannot keep once
+//! it is dead (`kill -9`, the OOM killer, a crash).
+//!
+//! Signals the tool can catch are deferred and undone by the flows themselves ([`crate::interrupt`]).
+//! Against the ones it cannot, the binary starts a guardian (`gpu-checkpoint guardian`, its own session,
+//! OOM-proof, deaf to every catchable signal) before the tree is touched, and the flow tells it, step by
+//! step and waiting for its acknowledgement, what it would have to undo: the tree's PIDs (which it holds
+//! through pidfds from then on), the GPU backend once GPU state may be out, that the checkpoint is
+//! durable, or which PIDs a restore is bringing back. It watches the tool through a pidfd. If the tool dies
+//! before saying [`Event::Done`]:
+//!
+//! * checkpoint, not yet durable: it waits until CRIU has let go of the tree, continues it, and puts GPU
+//!   state back (restore + unlock, asked of the driver per process, so nothing of its own is kept);
+//! * checkpoint, durable: it finishes what the checkpoint promised: the tree is killed (unless
+//!   `--leave-running`);
+//! * restore: it kills the half-restored copy (the processes holding the checkpoint's PIDs that started
+//!   after the guardian), so that the checkpoint, which a restore never changes, can be restored again.
+//!
+//! It keeps no state on disk. The flows talk to it through the [`Watch`] trait; library users and tests
+//! that start no guardian pass [`NoWatch`].
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::exit::{Classify, ExitStatus};
+use crate::freeze::{Backend, ProcessState};
+use crate::proc::{self as tree, Held};
+
+/// The descriptor number the guardian finds its end of the socket at.
+pub const GUARDIAN_FD: i32 = 3;
+/// How long the tool waits for the guardian's answer to one event.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the guardian waits for CRIU to let go of a tree before continuing it anyway.
+const CRIU_LET_GO: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot start the guardian process ({exe}): {source}")]
+    Spawn {
+        exe: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the guardian process is gone ({0}); nothing was touched")]
+    Lost(String),
+}
+
+impl Classify for Error {
+    fn exit_status(&self) -> ExitStatus {
+        ExitStatus::Failure
+    }
+}
+
+/// What the flow tells the guardian, in the order it happens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "event")]
+pub enum Event {
+    /// A checkpoint is about to touch these processes (root first).
+    Checkpoint { pids: Vec<i32>, leave_running: bool },
+    /// GPU state of the tree may be locked or checkpointed from now on, through this backend.
+    Gpu { backend: Backend },
+    /// The checkpoint is durable: from now on the tree is to be stopped, not put back.
+    Durable,
+    /// A restore is about to create processes with these PIDs.
+    Restore { pids: Vec<i32> },
+    /// The flow finished or undid everything itself: nothing is left to do.
+    Done,
+}
+
+/// Where the flows report their steps (a boundary with the outside world: another process).
+pub trait Watch {
+    /// Tells `event` and returns once it is recorded. An error before the tree is touched must stop the
+    /// flow; later ones are logged (the flow's own undo still works).
+    fn tell(&self, event: &Event) -> Result<(), Error>;
+}
+
+/// No guardian: for library users and tests that do not need one.
+pub struct NoWatch;
+
+impl Watch for NoWatch {
+    fn tell(&self, _: &Event) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// A running guardian process, told by [`Watch::tell`]; told [`Event::Done`] and reaped when dropped.
+pub struct Guardian {
+    sock: std::sync::Mutex<BufReader<UnixStream>>,
+    child: Child,
+}
+
+impl Guardian {
+    /// Starts `exe guardian --tool-pid PID` with its end of a socket at [`GUARDIAN_FD`], and waits until
+    /// it watches us.
+    pub fn spawn(exe: &Path) -> Result<Guardian, Error> {
+        let spawn_err = |source| Error::Spawn {
+            exe: exe.display().to_string(),
+            source,
+        };
+        let (ours, theirs) = UnixStream::pair().map_err(spawn_err)?;
+        let fd = theirs.as_raw_fd();
+        let mut cmd = Command::new(exe);
+        cmd.arg("guardian")
+            .arg("--tool-pid")
+            .arg(std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        // SAFETY: between fork and exec only async-signal-safe calls: dup2, setsid.
+        unsafe {
+            cmd.pre_exec(move || {
+                // dup2 clears close-on-exec on the copy; a socket already at 3 keeps its flag, so clear it.
+                if fd == GUARDIAN_FD {
+                    libc::fcntl(fd, libc::F_SETFD, 0);
+                } else if libc::dup2(fd, GUARDIAN_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Its own session: a terminal's Ctrl-C or hang-up reaches the tool, not the guardian.
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(spawn_err)?;
+        drop(theirs);
+        ours.set_read_timeout(Some(ANSWER_TIMEOUT))
+            .map_err(spawn_err)?;
+        let g = Guardian {
+            sock: std::sync::Mutex::new(BufReader::new(ours)),
+            child,
+        };
+        g.answer()
+            .map_err(|e| Error::Lost(format!("it did not start: {e}")))?;
+        Ok(g)
+    }
+
+    /// Reads the guardian's one-line answer.
+    fn answer(&self) -> std::io::Result<()> {
+        let mut sock = self.sock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut line = String::new();
+        sock.read_line(&mut line)?;
+        if line.trim() == "ok" {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!("answered {line:?}")))
+        }
+    }
+}
+
+impl Watch for Guardian {
+    fn tell(&self, event: &Event) -> Result<(), Error> {
+        let mut line = serde_json::to_string(event).map_err(|e| Error::Lost(e.to_string()))?;
+        line.push('\n');
+        self.sock
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut()
+            .write_all(line.as_bytes())
+            .map_err(|e| Error::Lost(e.to_string()))?;
+        self.answer().map_err(|e| Error::Lost(e.to_string()))
+    }
+}
+
+impl Drop for Guardian {
+    fn drop(&mut self) {
+        if let Err(e) = self.tell(&Event::Done) {
+            tracing::debug!("telling the guardian we are done: {e}");
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// What the guardian knows: only what it was told.
+#[derive(Default)]
+struct Watched {
+    /// The checkpoint's tree, held through pidfds, and whether it is to keep running.
+    tree: Option<(Held, bool)>,
+    gpu: Option<Backend>,
+    durable: bool,
+    restore: Option<Vec<i32>>,
+}
+
+/// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
+/// `tool` the PID of the tool it watches. Returns the exit code.
+pub fn serve(sock: OwnedFd, tool: i32) -> i32 {
+    become_unkillable();
+    let tool_fd = match tree::pidfd_open(tool) {
+        Ok(fd) => fd,
+        Err(e) => {
+            eprintln!("gpu-checkpoint guardian: cannot watch pid {tool}: {e}");
+            return 1;
+        }
+    };
+    let sock = UnixStream::from(sock);
+    let mut reader = BufReader::new(match sock.try_clone() {
+        Ok(s) => s,
+        Err(_) => return 1,
+    });
+    let mut writer = sock;
+    if writer.write_all(b"ok\n").is_err() {
+        return 1;
+    }
+    let mut watched = Watched::default();
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: reader.get_ref().as_fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: tool_fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // Data first: a tool that said Done and exited must not be mistaken for one that died.
+        // SAFETY: two valid pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            continue; // EINTR
+        }
+        if fds[0].revents != 0 {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => {} // the tool closed its end or died: see below
+                Ok(_) => match serde_json::from_str::<Event>(&line) {
+                    Ok(Event::Done) => {
+                        let _ = writer.write_all(b"ok\n");
+                        return 0;
+                    }
+                    Ok(event) => {
+                        watched.record(event);
+                        let _ = writer.write_all(b"ok\n");
+                        continue;
+                    }
+                    Err(e) => {
+                        let _ = writer.write_all(format!("bad event: {e}\n").as_bytes());
+                        continue;
+                    }
+                },
+            }
+        }
+        // The socket closed without Done, or the tool exited: the tool is dead.
+        watched.tool_died(tool);
+        return 0;
+    }
+}
+
+impl Watched {
+    fn record(&mut self, event: Event) {
+        match event {
+            Event::Checkpoint {
+                pids,
+                leave_running,
+            } => self.tree = Some((Held::open(&pids), leave_running)),
+            Event::Gpu { backend } => self.gpu = Some(backend),
+            Event::Durable => self.durable = true,
+            Event::Restore { pids } => self.restore = Some(pids),
+            Event::Done => {}
+        }
+    }
+
+    fn tool_died(&self, tool: i32) {
+        let say =
+            |what: &str| eprintln!("gpu-checkpoint guardian: the tool (pid {tool}) died; {what}");
+        if let Some(pids) = &self.restore {
+            let killed = kill_restored_copy(pids);
+            say(&format!(
+                "killed the half-restored copy ({} processes); the checkpoint is intact",
+                killed
+            ));
+            return;
+        }
+        let Some((held, leave_running)) = &self.tree else {
+            return;
+        };
+        if self.durable {
+            if !leave_running {
+                let left = held.kill(Duration::from_secs(10));
+                say(&format!(
+                    "the checkpoint was durable: stopped the tree as promised{}",
+                    if left.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (PIDs {left:?} still run)")
+                    }
+                ));
+            }
+            return;
+        }
+        // CRIU may still hold the tree (a dump in progress when the tool died fails or finishes by
+        // itself): a continue sent meanwhile would be lost.
+        wait_untraced(&held.pids(), CRIU_LET_GO);
+        held.continue_all();
+        let thawed = self.gpu.map(|b| thaw_gpu(b, &held.pids())).unwrap_or(0);
+        // The GPU restore runs in the processes themselves; continue again in case one was stopped meanwhile.
+        held.continue_all();
+        say(&format!(
+            "the checkpoint was not durable: resumed the tree ({} processes) and put back the GPU state of {thawed}",
+            held.pids().len()
+        ));
+    }
+}
+
+/// Deaf to every catchable signal, in its own session already, and last in line for the OOM killer: the
+/// guardian must outlive what kills the tool.
+fn become_unkillable() {
+    for sig in 1..=libc::SIGRTMAX() {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP || sig == libc::SIGCHLD {
+            continue;
+        }
+        // SAFETY: ignoring a signal has no memory-safety preconditions; invalid numbers fail harmlessly.
+        unsafe { libc::signal(sig, libc::SIG_IGN) };
+    }
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
+        tracing::debug!("guardian: oom_score_adj: {e}");
+    }
+}
+
+/// Waits until no process of `pids` is traced (CRIU seizes them with ptrace while it dumps).
+fn wait_untraced(pids: &[i32], timeout: Duration) {
+    tree::wait_until(timeout, || {
+        pids.iter()
+            .copied()
+            .filter(|&p| tracer(p).is_some_and(|t| t != 0))
+            .collect()
+    });
+}
+
+/// `TracerPid` of `/proc/PID/status`; `None` when the process is gone.
+fn tracer(pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Puts back the GPU state of every process of `pids` the driver says is locked or checkpointed; returns
+/// how many. Asked of the driver, not remembered: the tool may have died at any point of the freeze.
+fn thaw_gpu(backend: Backend, pids: &[i32]) -> usize {
+    let driver = match crate::freeze::open(backend) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu-checkpoint guardian: cannot open the GPU backend {backend}: {e}");
+            return 0;
+        }
+    };
+    let mut thawed = 0;
+    for &pid in pids {
+        let done = match driver.state(pid) {
+            Ok(ProcessState::Checkpointed) => {
+                driver.restore(pid, &[]).and_then(|()| driver.unlock(pid))
+            }
+            Ok(ProcessState::Locked) => driver.unlock(pid),
+            _ => continue,
+        };
+        match done {
+            Ok(()) => thawed += 1,
+            Err(e) => {
+                eprintln!("gpu-checkpoint guardian: putting back the GPU state of pid {pid}: {e}")
+            }
+        }
+    }
+    thawed
+}
+
+/// Kills the processes holding `pids` that started after this guardian (the copy a restore was creating:
+/// the PIDs were checked free before), until none is left; returns how many were killed.
+fn kill_restored_copy(pids: &[i32]) -> usize {
+    let me = tree::stat(std::process::id() as i32).map_or(0, |s| s.start_ticks);
+    let mut killed = 0;
+    // CRIU may still be creating processes: look again until a round finds none.
+    for _ in 0..50 {
+        let copy: Vec<i32> = pids
+            .iter()
+            .copied()
+            .filter(|&p| tree::stat(p).is_some_and(|s| !s.is_dying() && s.start_ticks >= me))
+            .collect();
+        if copy.is_empty() {
+            break;
+        }
+        killed += copy.len();
+        Held::open(&copy).kill(Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    killed
+}
+
+/// The guardian's socket handed over at [`GUARDIAN_FD`] (for the binary's `guardian` command).
+///
+/// # Safety
+/// Descriptor [`GUARDIAN_FD`] must be the socket [`Guardian::spawn`] passed, owned by nothing else.
+pub unsafe fn inherited_socket() -> OwnedFd {
+    // SAFETY: the caller promises the descriptor is ours.
+    unsafe { OwnedFd::from_raw_fd(GUARDIAN_FD) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_travel_as_one_json_line_each() {
+        for e in [
+            Event::Checkpoint {
+                pids: vec![4, 5],
+                leave_running: true,
+            },
+            Event::Gpu {
+                backend: Backend::Sim,
+            },
+            Event::Durable,
+            Event::Restore { pids: vec![7] },
+            Event::Done,
+        ] {
+            let line = serde_json::to_string(&e).unwrap();
+            assert!(!line.contains('\n'));
+            assert_eq!(serde_json::from_str::<Event>(&line).unwrap(), e);
+        }
+    }
+
+    #[test]
+    fn a_tracer_is_read_from_status() {
+        assert_eq!(tracer(std::process::id() as i32), Some(0));
+        assert_eq!(tracer(i32::MAX - 1), None);
+    }
+}
