@@ -34,6 +34,11 @@ pub struct Args {
     pub criu: Option<PathBuf>,
     #[command(flatten)]
     pub gpu: GpuArgs,
+    /// Tests and demos only: treat SIMULATED GPU processes (gpu-sim-workload) as GPU processes with a
+    /// backend other than `sim`, to drive the real `cuda-driver` backend through the SIMULATED libcuda.so.1
+    /// of crates/cuda-sim (named by LD_LIBRARY_PATH). Refused when the driver loaded is a real one.
+    #[arg(long)]
+    pub simulated_gpus: bool,
     /// How long locking a CUDA process may wait for its submitted GPU work (10s, 500ms; 0: no limit).
     /// On expiry every process is unlocked and keeps running.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
@@ -113,7 +118,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     opts.leave_running = args.leave_running;
     opts.criu = criu_options;
     // The simulator is recognised only when asked for, never silently.
-    opts.detect.simulator = backend == Backend::Sim;
+    opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
     let result = flow.checkpoint(&opts);
     super::say_if_interrupted();
     let out = result?;

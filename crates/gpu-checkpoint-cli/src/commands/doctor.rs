@@ -140,7 +140,14 @@ fn print_text(r: &serde_json::Value) {
     let g = &r["gpu"];
     match (&g["cuda_driver"], &g["cuda_driver_error"]) {
         (serde_json::Value::String(v), _) => {
-            println!("cuda-driver {v} (checkpoint API in libcuda)")
+            println!(
+                "cuda-driver {v} (checkpoint API in libcuda; argument layout {}; {})",
+                s(&g["cuda_layout"]),
+                g["cuda_capabilities"]
+                    .as_array()
+                    .map(|c| c.iter().map(s).collect::<Vec<_>>().join(", "))
+                    .unwrap_or_default()
+            )
         }
         (_, e) => println!("cuda-driver unavailable: {}", s(e)),
     }

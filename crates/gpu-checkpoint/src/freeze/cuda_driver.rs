@@ -170,6 +170,16 @@ impl ApiLayout {
     pub fn supports_gpu_pairs(self) -> bool {
         self != ApiLayout::V12_8
     }
+
+    /// The first CUDA release with this layout, as `doctor` and the docs name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ApiLayout::V12_8 => "12.8",
+            ApiLayout::V13_0 => "13.0",
+            ApiLayout::V13_3 => "13.3",
+            ApiLayout::V13_4 => "13.4",
+        }
+    }
 }
 
 /// "13.0" from 13000.
@@ -198,6 +208,9 @@ pub struct SetupTimings {
 pub struct CudaDriver {
     lib: Library,
     version: i32,
+    /// The library is gpu-checkpoint's SIMULATED driver (`crates/cuda-sim`), found through
+    /// `LD_LIBRARY_PATH` in a test or demo: it says so in every driver version we report.
+    simulated: bool,
     layout: ApiLayout,
     fns: Fns,
     cu_init: FnInit,
@@ -265,9 +278,13 @@ impl CudaDriver {
             }
         };
         let resolve_ms = ms(t1.elapsed());
+        // SAFETY: only the symbol's presence is looked at.
+        let simulated =
+            unsafe { lib.get::<*const c_void>(b"gpuCheckpointSimulatedDriver") }.is_ok();
         let driver = CudaDriver {
             lib,
             version,
+            simulated,
             layout,
             fns,
             cu_init,
@@ -290,6 +307,24 @@ impl CudaDriver {
 
     pub fn layout(&self) -> ApiLayout {
         self.layout
+    }
+
+    /// What this driver can do beyond lock / checkpoint / restore / unlock, found at run time: `lock-timeout`
+    /// (every release with the API), `gpu-migration` (restore onto other GPUs: 13.0+), `custom-storage`
+    /// (13.4's device memory handed to the caller: the layout and `cuCheckpointOperationComplete` both
+    /// there).
+    pub fn capabilities(&self) -> Vec<&'static str> {
+        let mut caps = vec!["lock-timeout"];
+        if self.layout.supports_gpu_pairs() {
+            caps.push("gpu-migration");
+        }
+        let resolver = Resolver::new(&self.lib, self.version);
+        // SAFETY: only whether the symbol resolves is looked at; it is never called.
+        let complete = unsafe { resolver.get::<*mut c_void>("cuCheckpointOperationComplete", "") };
+        if self.layout == ApiLayout::V13_4 && complete.is_ok() {
+            caps.push("custom-storage");
+        }
+        caps
     }
 
     pub fn setup_timings(&self) -> SetupTimings {
@@ -458,8 +493,19 @@ impl GpuDriver for CudaDriver {
         Backend::CudaDriver
     }
 
+    fn simulated(&self) -> bool {
+        self.simulated
+    }
+
+    fn supports_migration(&self) -> bool {
+        self.layout.supports_gpu_pairs()
+    }
+
     fn driver_version(&self) -> Option<String> {
         let cuda = version_text(self.version);
+        if self.simulated {
+            return Some(format!("SIMULATED CUDA {cuda} (gpu-checkpoint cuda-sim)"));
+        }
         Some(match nvml_driver_version() {
             Some(d) => format!("{d} (CUDA {cuda})"),
             None => format!("CUDA {cuda}"),

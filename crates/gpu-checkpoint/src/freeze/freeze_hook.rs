@@ -164,7 +164,29 @@ impl GpuHook for FreezeHook {
         }
         let backend = self.opts.backend;
         let guard = InterruptGuard::new();
-        let mut rec = self.step(backend)?.freeze(&candidates)?;
+        let step = self.step(backend)?;
+        // A SIMULATED process and a real driver (or the SIMULATED libcuda and a real process) would
+        // answer "no CUDA state" and be skipped, their GPU state lost: refuse instead.
+        let simulated_driver = step.driver().simulated();
+        if let Some(p) = ctx
+            .report
+            .processes
+            .iter()
+            .find(|p| candidates.contains(&p.pid) && p.simulated != simulated_driver)
+        {
+            return Err(Error::WrongBackend(format!(
+                "pid {} is {} GPU process, but the driver loaded ({}) is {}",
+                p.pid,
+                if p.simulated { "a SIMULATED" } else { "a real" },
+                step.driver().driver_version().unwrap_or_default(),
+                if simulated_driver {
+                    "SIMULATED"
+                } else {
+                    "a real one"
+                }
+            )));
+        }
+        let mut rec = step.freeze(&candidates)?;
         self.guard = Some(guard);
         rec.skipped.splice(0..0, skipped);
         Ok(Some(rec))
@@ -194,7 +216,20 @@ impl GpuHook for FreezeHook {
         };
         let backend = self.restore_backend(rec)?;
         let map = self.opts.device_map.clone();
-        self.pairs = self.step(backend)?.prepare_restore(rec, map.as_ref())?;
+        let step = self.step(backend)?;
+        let simulated_record = rec.backend == Backend::Sim
+            || rec
+                .driver_version
+                .as_deref()
+                .is_some_and(|v| v.contains("SIMULATED"));
+        if simulated_record != step.driver().simulated() {
+            return Err(Error::WrongBackend(format!(
+                "the checkpoint's GPU state was taken by {}, and the driver here is {}",
+                rec.driver_version.as_deref().unwrap_or("an unknown driver"),
+                step.driver().driver_version().unwrap_or_default()
+            )));
+        }
+        self.pairs = step.prepare_restore(rec, map.as_ref())?;
         // From the CRIU restore until the GPU restore, a restored copy would be stuck without it.
         self.guard = Some(InterruptGuard::new());
         Ok(())

@@ -169,6 +169,15 @@ pub trait GpuDriver: Send + Sync {
     fn backend(&self) -> Backend;
     /// The driver version as text, when known (for the manifest and for error messages).
     fn driver_version(&self) -> Option<String>;
+    /// The driver is a simulator (the `sim` backend, or the SIMULATED libcuda of `crates/cuda-sim`): only
+    /// SIMULATED GPU processes may meet it, and only it may meet them.
+    fn simulated(&self) -> bool {
+        false
+    }
+    /// Restores onto other GPUs (a device map) are possible: driver 580 (CUDA 13.0) and later.
+    fn supports_migration(&self) -> bool {
+        true
+    }
     fn state(&self, pid: i32) -> Result<ProcessState>;
     /// RUNNING -> LOCKED: blocks new GPU work and waits for submitted work, up to `timeout`
     /// (`None` = no limit). On expiry the driver answers NOT_READY and the process stays RUNNING.
@@ -265,6 +274,10 @@ pub struct Probe {
     /// ... or why it is unusable.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_driver_error: Option<String>,
+    /// The argument layout chosen for it (`12.8`, `13.0`, `13.3`, `13.4`).
+    pub cuda_layout: Option<&'static str>,
+    /// What it can do beyond the four operations ([`cuda_driver::CudaDriver::capabilities`]).
+    pub cuda_capabilities: Vec<&'static str>,
     /// `cuda-checkpoint` on PATH.
     pub cuda_cli: Option<std::path::PathBuf>,
     /// The display driver version from NVML.
@@ -276,12 +289,21 @@ pub struct Probe {
 
 /// Looks for every real backend without touching any process.
 pub fn probe() -> Probe {
-    let (cuda_driver, cuda_driver_error) = match cuda_driver::CudaDriver::open() {
-        Ok(d) => (
-            Some(format!("CUDA {}", cuda_driver::version_text(d.version()))),
-            None,
-        ),
+    let opened = cuda_driver::CudaDriver::open();
+    let (cuda_driver, cuda_driver_error) = match &opened {
+        Ok(d) => (d.driver_version(), None),
         Err(e) => (None, Some(e.to_string())),
+    };
+    let (cuda_layout, cuda_capabilities) = match &opened {
+        Ok(d) => (Some(d.layout().name()), d.capabilities()),
+        Err(_) => (None, Vec::new()),
+    };
+    // NVML lists the GPUs of a real node; the driver lists them where there is no NVML (the SIMULATED
+    // libcuda).
+    let nvml_gpus = cuda_driver::nvml_gpus().unwrap_or_default();
+    let gpus = match &opened {
+        Ok(d) if nvml_gpus.is_empty() => d.gpus().unwrap_or_default(),
+        _ => nvml_gpus,
     };
     let cuda_cli = cuda_cli::CudaCli::open()
         .ok()
@@ -296,9 +318,11 @@ pub fn probe() -> Probe {
     Probe {
         cuda_driver,
         cuda_driver_error,
+        cuda_layout,
+        cuda_capabilities,
         cuda_cli,
         nvml_driver: cuda_driver::nvml_driver_version(),
-        gpus: cuda_driver::nvml_gpus().unwrap_or_default(),
+        gpus,
         auto,
     }
 }

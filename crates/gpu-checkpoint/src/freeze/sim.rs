@@ -143,6 +143,10 @@ impl GpuDriver for SimDriver {
         Some("SIMULATED (gpu-sim-workload protocol 1)".into())
     }
 
+    fn simulated(&self) -> bool {
+        true
+    }
+
     fn state(&self, pid: i32) -> Result<ProcessState> {
         let s = request(pid, Op::State, "STATE", ANSWER_TIMEOUT)?;
         s.parse().map_err(|_| Error::SimProtocol {

@@ -201,7 +201,14 @@ impl GpuStep {
             return Ok(Vec::new());
         }
         let node = self.driver.gpus()?;
-        match_gpus(record, &node, map)
+        let pairs = match_gpus(record, &node, map)?;
+        // Refused here, before CRIU restores anything, rather than by the driver after it.
+        if pairs.iter().any(|p| p.old != p.new) && !self.driver.supports_migration() {
+            return Err(Error::MigrationUnsupported {
+                version: self.driver.driver_version().unwrap_or_default(),
+            });
+        }
+        Ok(pairs)
     }
 
     /// After CRIU restored the tree: restore every process's GPU state, then unlock all. On error
