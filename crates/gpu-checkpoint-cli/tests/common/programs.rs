@@ -329,7 +329,12 @@ impl fmt::Display for Via {
 /// What a checkpoint left to restore from.
 pub enum Taken {
     Plain(PathBuf),
-    Ours { store: PathBuf, id: String },
+    Ours {
+        store: PathBuf,
+        id: String,
+        /// What `checkpoint --format json` said.
+        ck: serde_json::Value,
+    },
 }
 
 impl Via {
@@ -381,7 +386,7 @@ impl Via {
                 let store = work.join("store");
                 let ck = checkpoint_in(mode, pid, &store, opts, going_on);
                 let id = ck["id"].as_str().expect("a checkpoint id").to_string();
-                Taken::Ours { store, id }
+                Taken::Ours { store, id, ck }
             }
         }
     }
@@ -396,7 +401,7 @@ impl Taken {
                 plain_restore(dir, plain_opts);
                 assert!(tree::is_alive(pid), "plain CRIU restored {pid}");
             }
-            Taken::Ours { store, id } => assert_eq!(restore(id, store), pid),
+            Taken::Ours { store, id, .. } => assert_eq!(restore(id, store), pid),
         }
     }
 }
