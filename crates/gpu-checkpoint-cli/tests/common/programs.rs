@@ -366,6 +366,13 @@ impl Via {
         }
     }
 
+    /// Runs `round` through plain CRIU, then through gpu-checkpoint, each as a [`Via::case`].
+    pub fn each(what: &str, round: impl Fn(Via)) {
+        for via in Via::BOTH {
+            via.case(what, || round(via));
+        }
+    }
+
     /// Checkpoints the tree at `pid` in `mode` with the CRIU options `opts` (the same names for both
     /// tools) into `work` (a store, or a folder of images named after the mode); `going_on` checks the
     /// original at work after a `--leave-running` checkpoint, before it is killed.
