@@ -310,7 +310,7 @@ fn nginx_round(via: Via, mode: Mode, nginx: &Path) {
 }
 
 fn nginx_master(mode: Mode) {
-    let Some(nginx) = program("nginx", "nginx-light") else {
+    let Some(nginx) = program("nginx", "nginx") else {
         return;
     };
     Via::each(&format!("nginx master with workers, {mode}"), |via| {
