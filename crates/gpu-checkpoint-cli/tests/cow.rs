@@ -102,13 +102,17 @@ fn restore_shares(
     out
 }
 
-/// The pre-fork tree, once every process has verified its memory, and its PSS then (about one copy).
-fn start_tree(dir: &Path) -> (Workload, u64) {
+/// The pre-fork tree, its state file in a new folder `dir/name` (a state file left by another tree would
+/// answer for this one until it starts writing), once every process has verified its memory, and its
+/// PSS then (about one copy).
+fn start_tree(dir: &Path, name: &str) -> (Workload, u64) {
+    let dir = dir.join(name);
+    std::fs::create_dir(&dir).unwrap();
     let mib = MIB.to_string();
     let children = CHILDREN.to_string();
     let w = Workload::start(
         "cow",
-        dir,
+        &dir,
         &["--mib", &mib, "--children", &children, "--verify-ms", "300"],
     );
     all_verified(&w, "parent and children verified their memory", None, 1);
@@ -146,13 +150,13 @@ fn a_pre_fork_tree(mode: Mode) {
     let dir = tempfile::tempdir().unwrap();
 
     Via::Plain.case(&format!("a pre-fork tree sharing memory, {mode}"), || {
-        let (w, before_kib) = start_tree(dir.path());
+        let (w, before_kib) = start_tree(dir.path(), "plain");
         let (taken, at_checkpoint) = take(Via::Plain, mode, &w, dir.path());
         taken.restore(w.pid, &[]);
         comes_back_sharing(&w, "plain CRIU", &at_checkpoint, before_kib);
     });
 
-    let (w, before_kib) = start_tree(dir.path());
+    let (w, before_kib) = start_tree(dir.path(), "ours");
     let (taken, at_checkpoint) = take(Via::Ours, mode, &w, dir.path());
     let Taken::Ours { store, id, ck } = taken else {
         unreachable!()

@@ -439,12 +439,15 @@ fn an_established_connection(mode: Mode) {
     }) else {
         return;
     };
-    let sock = dir.path().join("wl.sock");
-    let start = || {
-        let _ = std::fs::remove_file(&sock);
+    // Each run in a new folder: a state file left by another run would answer for this one until it
+    // starts writing.
+    let start = |name: &str| {
+        let run = dir.path().join(name);
+        std::fs::create_dir(&run).unwrap();
+        let sock = run.join("wl.sock");
         let w = Workload::start(
             "sockets",
-            dir.path(),
+            &run,
             &["--unix", sock.to_str().unwrap(), "--tcp-pair", "1"],
         );
         w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "tcp_rounds") >= 3);
@@ -469,7 +472,7 @@ fn an_established_connection(mode: Mode) {
         );
     };
 
-    let w = start();
+    let w = start("ours");
     assert!(needed_flags(w.pid).contains(&"tcp-established".to_string()));
     // Refused before the tree is frozen (CRIU would refuse only after freezing it, with its network
     // locked); the connection goes on.
@@ -495,7 +498,7 @@ fn an_established_connection(mode: Mode) {
 
     // Plain CRIU, the same options (the lock method gpu-checkpoint uses by default).
     Via::Plain.case(&format!("an established TCP pair, {mode}"), || {
-        let w = start();
+        let w = start("plain");
         let taken = Via::Plain.checkpoint(
             mode,
             w.pid,

@@ -202,7 +202,7 @@ fn http_get(port: u16, path: &str) -> Option<Vec<u8>> {
 
 /// Whether this process has CAP_SYS_RESOURCE. Without it CRIU cannot read the resource limits of a
 /// process of another user (`Can't get rlimit 0: Operation not permitted`, plain CRIU and ours alike),
-/// so nginx's workers then run as root instead of nobody.
+/// so nginx's workers then run as root instead of nginx's default, nobody.
 fn has_cap_sys_resource() -> bool {
     const CAP_SYS_RESOURCE: u32 = 24;
     std::fs::read_to_string("/proc/self/status")
@@ -233,8 +233,8 @@ fn nginx_round(via: Via, mode: Mode, nginx: &Path) {
     let page = random_bytes(&format!("{via} {mode} page"), 1 << 20);
     std::fs::write(html.join("page.bin"), &page).unwrap();
     let user = if has_cap_sys_resource() {
-        // nobody's workers must reach the page: the folder is traversable, not listable (its name is
-        // random), the page readable.
+        // Workers as nginx's default user, nobody, who must reach the page: the folder traversable,
+        // not listable (its name is random), the page readable.
         use std::os::unix::fs::PermissionsExt;
         for (p, mode) in [(dir, 0o711), (html.as_path(), 0o755)] {
             std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
@@ -244,12 +244,12 @@ fn nginx_round(via: Via, mode: Mode, nginx: &Path) {
             std::fs::Permissions::from_mode(0o644),
         )
         .unwrap();
-        "nobody"
+        ""
     } else {
         eprintln!(
             "nginx's workers run as root: without CAP_SYS_RESOURCE CRIU cannot dump another user's process"
         );
-        "root"
+        "user root;\n"
     };
     let port = free_port();
     let d = dir.display();
@@ -257,7 +257,7 @@ fn nginx_round(via: Via, mode: Mode, nginx: &Path) {
     std::fs::write(
         &conf,
         format!(
-            "daemon off;\nmaster_process on;\nworker_processes {WORKERS};\nuser {user};\n\
+            "daemon off;\nmaster_process on;\nworker_processes {WORKERS};\n{user}\
              pid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
              events {{ worker_connections 64; }}\n\
              http {{\n  access_log {d}/access.log;\n  client_body_temp_path {d}/body;\n  \
