@@ -3,7 +3,9 @@
 //! established TCP connection (`--tcp-established`). For each: `detect` names the flag; a checkpoint
 //! without it is refused before the tree is touched (exit 9), and the program goes on; with it, the
 //! program comes back and goes on; and plain `criu dump` / `criu restore` with the same options does the
-//! same in the same test, so that a difference is ours.
+//! same in the same test, so that a difference is ours (a failure of plain CRIU is reported loudly and
+//! does not fail the test). Each runs in both modes: stopped (the default) and `--leave-running`, the
+//! original then killed before its copy is restored.
 //!
 //! Needs root, CRIU and python3 (its sqlite3 module): fails in CI without them, skips locally with the
 //! reason.
@@ -11,28 +13,30 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::process::Command;
 
+use common::programs::*;
 use common::*;
-use gpu_checkpoint::proc as tree;
 use gpu_checkpoint_workloads::chain;
 
 /// Writes rows to an SQLite database in WAL mode, one connection held open (so its locks are held) for
-/// the program's life: row n holds n. After each row it writes n to a state file: the test follows the
-/// writer there rather than in the database once it is restored (see [`Program::holds_lock_on`]).
+/// the program's life: row n holds n, written while the file STATE.go exists. Each round it writes
+/// `n rounds` to the state file: the test follows the writer there rather than in the database once it
+/// is restored (see [`holds_lock_on`]).
 const SQLITE_WRITER: &str = r#"
 import os, sqlite3, sys, time
 db = sqlite3.connect(sys.argv[1], isolation_level=None)
 db.execute("PRAGMA journal_mode=WAL")
 db.execute("CREATE TABLE IF NOT EXISTS t (n INTEGER PRIMARY KEY, v TEXT)")
 n = db.execute("SELECT coalesce(max(n), 0) FROM t").fetchone()[0]
+rounds = 0
 while True:
-    n += 1
-    db.execute("INSERT INTO t VALUES (?, ?)", (n, "row %d" % n))
+    rounds += 1
+    if os.path.exists(sys.argv[2] + ".go"):
+        n += 1
+        db.execute("INSERT INTO t VALUES (?, ?)", (n, "row %d" % n))
     with open(sys.argv[2] + ".tmp", "w") as s:
-        s.write("%d\n" % n)
+        s.write("%d %d\n" % (n, rounds))
     os.replace(sys.argv[2] + ".tmp", sys.argv[2])
     time.sleep(0.02)
 "#;
@@ -68,148 +72,27 @@ while True:
     time.sleep(0.05)
 "#;
 
-/// The Python interpreter itself (not a wrapper script: what CRIU restores is the interpreter), when
-/// root and CRIU are there too; like [`criu_ready`], its absence fails in CI and skips locally.
-fn python() -> Option<PathBuf> {
-    static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    if !criu_ready() {
-        return None;
-    }
-    let found = PY.get_or_init(|| {
-        let out = Command::new("python3")
-            .args(["-c", "import sqlite3, sys; print(sys.executable)"])
-            .output()
-            .map_err(|e| format!("python3: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("python3 without sqlite3: {}", text(&out.stderr)));
-        }
-        Ok(PathBuf::from(text(&out.stdout).trim()))
-    });
-    match found {
-        Ok(p) => Some(p.clone()),
-        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("the CRIU option tests need python3 with sqlite3 in CI: {why}")
-        }
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            None
-        }
-    }
-}
-
-/// A program started in its own session and re-parented to init, as a service is; its tree is killed
-/// on drop (unless [`Program::kill_and_wait_free`] did already: its PID may be someone else's by then).
-struct Program {
-    pid: i32,
-    done: bool,
-}
-
-impl Program {
-    fn start(argv: &[&Path]) -> Program {
-        let out = Command::new("sh")
-            .arg("-c")
-            .arg(r#"setsid "$@" </dev/null >/dev/null 2>&1 & echo $!"#)
-            .arg("sh")
-            .args(argv)
-            .output()
-            .expect("run sh");
-        assert!(out.status.success(), "{out:?}");
-        let pid = text(&out.stdout).trim().parse().expect("a pid");
-        Program { pid, done: false }
-    }
-
-    fn running(&self) -> bool {
-        tree::stat(self.pid).is_some_and(|s| !s.is_dying() && s.state != 'T')
-    }
-
-    fn kill_and_wait_free(mut self) {
-        let pids: Vec<i32> = tree::process_tree(self.pid).iter().map(|p| p.pid).collect();
-        tree::kill_tree(&pids, Duration::from_secs(10));
-        wait_pid_free(self.pid);
-        self.done = true;
-    }
-
-    /// Whether it holds a lock through an fd on a file whose name ends with `suffix` (what
-    /// `--file-locks` restores). In WAL mode SQLite holds a shared lock on the database file for the
-    /// connection's life and never takes it again: only a restore with the locks gives it back.
-    ///
-    /// Its lock on the `-shm` file does not come back even so: CRIU 4.2.1 drops it, plain or ours
-    /// (presumably by closing a descriptor of that file, which it maps, after setting the lock). That lock
-    /// tells a new connection that others use the database; without it, a connection opened while the
-    /// restored writer runs takes itself for the first and rebuilds the shared index under the writer,
-    /// which then stalls or fails. So the tests do not open the database while a restored writer runs.
-    fn holds_lock_on(&self, suffix: &str) -> bool {
-        let Ok(fds) = std::fs::read_dir(format!("/proc/{}/fd", self.pid)) else {
-            return false;
-        };
-        fds.filter_map(|e| e.ok())
-            .filter(|e| {
-                std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().ends_with(suffix))
-            })
-            .any(|e| {
-                let info = format!(
-                    "/proc/{}/fdinfo/{}",
-                    self.pid,
-                    e.file_name().to_string_lossy()
-                );
-                std::fs::read_to_string(info).is_ok_and(|s| s.contains("lock:"))
-            })
-    }
-}
-
-impl Drop for Program {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let pids: Vec<i32> = tree::process_tree(self.pid).iter().map(|p| p.pid).collect();
-        tree::kill_tree(&pids, Duration::from_secs(5));
-    }
-}
-
-/// Waits up to 30 s for `what` to hold.
-fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The CRIU gpu-checkpoint finds, run by hand.
-fn plain_criu(args: &[&str], dir: &Path) -> Output {
-    let criu = gpu_checkpoint::dump::discover(None).expect("CRIU").path;
-    Command::new(criu)
-        .args(args)
-        .arg("-D")
-        .arg(dir)
-        .args(["-v4", "-o", "criu.log"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run criu")
-}
-
-/// `criu dump -t PID EXTRA` into a new folder (the tree is killed after the dump, CRIU's default).
-fn plain_dump(pid: i32, work: &Path, name: &str, extra: &[&str]) -> (Output, PathBuf) {
-    let dir = work.join(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    let pid = pid.to_string();
-    let mut args = vec!["dump", "-t", &pid];
-    args.extend_from_slice(extra);
-    (plain_criu(&args, &dir), dir)
-}
-
-/// `criu restore -d EXTRA` from `dir`, which must succeed.
-fn plain_restore(dir: &Path, extra: &[&str]) {
-    let mut args = vec!["restore", "-d"];
-    args.extend_from_slice(extra);
-    let out = plain_criu(&args, dir);
-    assert!(
-        out.status.success(),
-        "plain criu restore failed: {}\n{}",
-        text(&out.stderr),
-        std::fs::read_to_string(dir.join("criu.log")).unwrap_or_default()
-    );
+/// Whether `pid` holds a lock through an fd on a file whose name ends with `suffix` (what
+/// `--file-locks` restores). In WAL mode SQLite holds a shared lock on the database file for the
+/// connection's life and never takes it again: only a restore with the locks gives it back.
+///
+/// Its lock on the `-shm` file does not come back even so: CRIU 4.2.1 drops it, plain or ours
+/// (presumably by closing a descriptor of that file, which it maps, after setting the lock). That lock
+/// tells a new connection that others use the database; without it, a connection opened while the
+/// restored writer runs takes itself for the first and rebuilds the shared index under the writer,
+/// which then stalls or fails. So the tests do not open the database while a restored writer runs.
+fn holds_lock_on(pid: i32, suffix: &str) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.filter_map(|e| e.ok())
+        .filter(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().ends_with(suffix))
+        })
+        .any(|e| {
+            let info = format!("/proc/{pid}/fdinfo/{}", e.file_name().to_string_lossy());
+            std::fs::read_to_string(info).is_ok_and(|s| s.contains("lock:"))
+        })
 }
 
 /// `detect --tree --format json` of `pid`: the flags of its `needs-option` findings.
@@ -305,21 +188,54 @@ impl Sqlite {
     /// A writer, once it has written a few rows.
     fn start(&self) -> Program {
         let from = self.written();
+        self.writing(true);
         let w = Program::start(&[&self.py, &self.writer, &self.db, &self.state]);
         self.wait_written("rows written", from + 10);
         assert!(
-            w.holds_lock_on("app.db"),
+            holds_lock_on(w.pid, "app.db"),
             "the WAL connection holds its lock"
         );
         w
     }
 
+    /// Lets the writer write rows, or not (it goes on with its rounds).
+    fn writing(&self, on: bool) {
+        let go = self.dir.path().join("writer.state.go");
+        if on {
+            std::fs::write(go, "").unwrap();
+        } else {
+            let _ = std::fs::remove_file(go);
+        }
+    }
+
+    /// (the last row the writer says it wrote, its rounds).
+    fn progress(&self) -> (u64, u64) {
+        let s = std::fs::read_to_string(&self.state).unwrap_or_default();
+        let mut f = s.split_whitespace().map(|v| v.parse().unwrap_or(0));
+        (f.next().unwrap_or(0), f.next().unwrap_or(0))
+    }
+
     /// The last row the writer says it wrote.
     fn written(&self) -> u64 {
-        std::fs::read_to_string(&self.state)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(0)
+        self.progress().0
+    }
+
+    /// Stops the writer writing rows (for `--leave-running`: a database the original goes on
+    /// changing after the checkpoint is not the one its copy knows) and waits until it has stopped.
+    fn pause(&self) {
+        self.writing(false);
+        let rounds = self.progress().1;
+        wait_for("the writer pausing", || self.progress().1 > rounds + 2);
+        let n = self.written();
+        wait_for("the writer going round", || self.progress().1 > rounds + 5);
+        assert_eq!(self.written(), n, "paused");
+    }
+
+    /// The writer goes round, not writing (it is paused).
+    fn wait_rounds(&self) {
+        let (n, rounds) = self.progress();
+        wait_for("the writer going round", || self.progress().1 > rounds + 5);
+        assert_eq!(self.written(), n, "still paused");
     }
 
     fn wait_written(&self, what: &str, past: u64) {
@@ -339,8 +255,10 @@ impl Sqlite {
     }
 }
 
-#[test]
-fn sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact() {
+/// An SQLite writer in WAL mode in `mode`: `detect` names `--file-locks`; without it the checkpoint is
+/// refused before anything is touched; with it the writer comes back holding its lock and writes on,
+/// the database intact. Plain CRIU the same.
+fn sqlite_in_wal_mode(mode: Mode) {
     let Some(py) = python() else { return };
     let s = Sqlite::new(py);
     let store = s.store();
@@ -354,35 +272,56 @@ fn sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact() {
     assert!(w.running());
     assert!(list_ids(&store).is_empty());
 
-    // With it: stopped, restored (the flag given again is accepted), its locks back, writing on.
-    let ck = checkpoint(w.pid, &store, &["--file-locks"]);
-    assert_eq!(ck["stopped"], true);
-    wait_pid_free(w.pid);
+    // With it: restored (the flag given again is accepted), its locks back, writing on.
+    if mode == Mode::LeaveRunning {
+        s.pause();
+    }
+    let ck = checkpoint_in(mode, w.pid, &store, &["--file-locks"], || s.wait_rounds());
     let at_checkpoint = s.written();
     restore_giving_again(&ck, &store, "--file-locks", w.pid);
+    s.writing(true);
     s.wait_written("the restored writer going on", at_checkpoint + 10);
-    assert!(w.holds_lock_on("app.db"), "restore gave the locks back");
+    assert!(
+        holds_lock_on(w.pid, "app.db"),
+        "restore gave the locks back"
+    );
     w.kill_and_wait_free();
     s.check_intact();
 
     // Plain CRIU: refused without the flag (the writer resumed), brought back with it.
-    let w = s.start();
-    let (out, _) = plain_dump(w.pid, s.dir.path(), "plain-refused", &[]);
-    assert!(
-        !out.status.success(),
-        "plain criu dumps locks only with --file-locks"
-    );
-    s.wait_written("the writer going on after plain CRIU", s.written() + 5);
-    assert!(w.running());
-    let (out, images) = plain_dump(w.pid, s.dir.path(), "plain", &["--file-locks"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    wait_pid_free(w.pid);
-    let at_checkpoint = s.written();
-    plain_restore(&images, &["--file-locks"]);
-    s.wait_written("the writer restored by plain CRIU", at_checkpoint + 10);
-    assert!(w.holds_lock_on("app.db"));
-    w.kill_and_wait_free();
-    s.check_intact();
+    Via::Plain.case(&format!("SQLite in WAL mode, {mode}"), || {
+        let w = s.start();
+        let (out, _) = plain_dump(w.pid, s.dir.path(), "plain-refused", &[]);
+        assert!(
+            !out.status.success(),
+            "plain criu dumps locks only with --file-locks"
+        );
+        s.wait_written("the writer going on after plain CRIU", s.written() + 5);
+        assert!(w.running());
+        if mode == Mode::LeaveRunning {
+            s.pause();
+        }
+        let taken = Via::Plain.checkpoint(mode, w.pid, s.dir.path(), &["--file-locks"], || {
+            s.wait_rounds()
+        });
+        let at_checkpoint = s.written();
+        taken.restore(w.pid, &["--file-locks"]);
+        s.writing(true);
+        s.wait_written("the writer restored by plain CRIU", at_checkpoint + 10);
+        assert!(holds_lock_on(w.pid, "app.db"));
+        w.kill_and_wait_free();
+        s.check_intact();
+    });
+}
+
+#[test]
+fn sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact() {
+    sqlite_in_wal_mode(Mode::Stop);
+}
+
+#[test]
+fn sqlite_in_wal_mode_comes_back_intact_after_a_leave_running_checkpoint() {
+    sqlite_in_wal_mode(Mode::LeaveRunning);
 }
 
 /// `--criu-config`: a CRIU configuration file saying `file-locks` does what the flag does, on checkpoint
@@ -406,7 +345,7 @@ fn a_criu_configuration_file_carries_options_to_both_sides() {
     assert_eq!(pid, w.pid);
     s.wait_written("the restored writer going on", at_checkpoint + 10);
     assert!(
-        w.holds_lock_on("app.db"),
+        holds_lock_on(w.pid, "app.db"),
         "the restore's configuration file gave the locks back"
     );
     w.kill_and_wait_free();
@@ -420,8 +359,9 @@ fn ghost_state(state: &Path) -> Option<(u64, bool)> {
     Some((f.next()?.parse().ok()?, f.next()? == "1"))
 }
 
-#[test]
-fn a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents() {
+/// A process rereading a deleted 2 MiB file, in `mode`: `detect` names `--ghost-limit`; without it the
+/// checkpoint is refused; with it the file comes back with its contents. Plain CRIU the same.
+fn a_deleted_file_over_a_mib(mode: Mode) {
     let Some(py) = python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
@@ -438,6 +378,8 @@ fn a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents() {
         (p, state)
     };
     let checks = |state: &Path| ghost_state(state).map_or(0, |s| s.0);
+    // Checked again 5 times past `from`: after a restore, `from` is where the original left the state
+    // file, so only the copy can get past it.
     let going_on = |state: &Path, from: u64| {
         wait_for("the contents checked again", || {
             ghost_state(state).is_some_and(|(n, ok)| n > from + 5 && ok)
@@ -449,31 +391,47 @@ fn a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents() {
     let err = fails_with(&run_checkpoint(p.pid, &store, &[]), 9);
     assert!(err.contains("--ghost-limit 2M"), "{err}");
     going_on(&state, checks(&state));
-    let ck = checkpoint(p.pid, &store, &["--ghost-limit", "4M"]);
-    wait_pid_free(p.pid);
+    let ck = checkpoint_in(mode, p.pid, &store, &["--ghost-limit", "4M"], || {
+        going_on(&state, checks(&state))
+    });
     let at_checkpoint = checks(&state);
     assert_eq!(restore(ck["id"].as_str().unwrap(), &store), p.pid);
     going_on(&state, at_checkpoint);
     p.kill_and_wait_free();
 
-    let (p, state) = run("plain");
-    let (out, _) = plain_dump(p.pid, dir.path(), "plain-refused", &[]);
-    assert!(
-        !out.status.success(),
-        "plain criu copies 2 MiB only with --ghost-limit"
-    );
-    going_on(&state, checks(&state));
-    let (out, images) = plain_dump(p.pid, dir.path(), "plain", &["--ghost-limit", "4M"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    wait_pid_free(p.pid);
-    let at_checkpoint = checks(&state);
-    plain_restore(&images, &[]);
-    going_on(&state, at_checkpoint);
-    p.kill_and_wait_free();
+    Via::Plain.case(&format!("a deleted 2 MiB file, {mode}"), || {
+        let (p, state) = run("plain");
+        let (out, _) = plain_dump(p.pid, dir.path(), "plain-refused", &[]);
+        assert!(
+            !out.status.success(),
+            "plain criu copies 2 MiB only with --ghost-limit"
+        );
+        going_on(&state, checks(&state));
+        let taken =
+            Via::Plain.checkpoint(mode, p.pid, dir.path(), &["--ghost-limit", "4M"], || {
+                going_on(&state, checks(&state))
+            });
+        let at_checkpoint = checks(&state);
+        taken.restore(p.pid, &[]);
+        going_on(&state, at_checkpoint);
+        p.kill_and_wait_free();
+    });
 }
 
 #[test]
-fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again() {
+fn a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents() {
+    a_deleted_file_over_a_mib(Mode::Stop);
+}
+
+#[test]
+fn a_deleted_file_over_a_mib_keeps_its_contents_after_a_leave_running_checkpoint() {
+    a_deleted_file_over_a_mib(Mode::LeaveRunning);
+}
+
+/// An established loopback TCP pair in `mode`: `detect` names `--tcp-established`; without it the
+/// checkpoint is refused before the tree is frozen; with it the conversation carries on after the
+/// restore, which accepts the flag again. Plain CRIU the same.
+fn an_established_connection(mode: Mode) {
     let Some((dir, store)) = criu_ready().then(|| {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("store");
@@ -481,11 +439,15 @@ fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again(
     }) else {
         return;
     };
-    let sock = dir.path().join("wl.sock");
-    let start = || {
+    // Each run in a new folder: a state file left by another run would answer for this one until it
+    // starts writing.
+    let start = |name: &str| {
+        let run = dir.path().join(name);
+        std::fs::create_dir(&run).unwrap();
+        let sock = run.join("wl.sock");
         let w = Workload::start(
             "sockets",
-            dir.path(),
+            &run,
             &["--unix", sock.to_str().unwrap(), "--tcp-pair", "1"],
         );
         w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "tcp_rounds") >= 3);
@@ -497,9 +459,11 @@ fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again(
             "tcp_rounds",
         )
     };
+    // 5 rounds past `from`: after a restore, `from` is where the original left the state file, so
+    // only the copy can get past it.
     let carries_on = |w: &Workload, from: u64| {
         let after = w.wait_state("the connection carrying on", |r| {
-            num(&r[0], "tcp_rounds") > from + 5
+            r.len() == 1 && num(&r[0], "tcp_rounds") > from + 5
         });
         assert_eq!(num(&after[0], "errors"), 0);
         assert_eq!(
@@ -508,15 +472,16 @@ fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again(
         );
     };
 
-    let w = start();
+    let w = start("ours");
     assert!(needed_flags(w.pid).contains(&"tcp-established".to_string()));
     // Refused before the tree is frozen (CRIU would refuse only after freezing it, with its network
     // locked); the connection goes on.
     let err = fails_with(&run_checkpoint(w.pid, &store, &[]), 9);
     assert!(err.contains("--tcp-established"), "{err}");
     carries_on(&w, rounds(&w));
-    let ck = checkpoint(w.pid, &store, &["--tcp-established"]);
-    wait_pid_free(w.pid);
+    let ck = checkpoint_in(mode, w.pid, &store, &["--tcp-established"], || {
+        carries_on(&w, rounds(&w))
+    });
     let r0 = rounds(&w);
     // A script written for plain CRIU passes the flag to the restore too: accepted, said once.
     let said = restore_giving_again(&ck, &store, "--tcp-established", w.pid);
@@ -532,16 +497,27 @@ fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again(
     drop(w);
 
     // Plain CRIU, the same options (the lock method gpu-checkpoint uses by default).
-    let w = start();
-    let (out, images) = plain_dump(
-        w.pid,
-        dir.path(),
-        "plain",
-        &["--tcp-established", "--network-lock", "nftables"],
-    );
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    wait_pid_free(w.pid);
-    let r0 = rounds(&w);
-    plain_restore(&images, &["--tcp-established"]);
-    carries_on(&w, r0);
+    Via::Plain.case(&format!("an established TCP pair, {mode}"), || {
+        let w = start("plain");
+        let taken = Via::Plain.checkpoint(
+            mode,
+            w.pid,
+            dir.path(),
+            &["--tcp-established", "--network-lock", "nftables"],
+            || carries_on(&w, rounds(&w)),
+        );
+        let r0 = rounds(&w);
+        taken.restore(w.pid, &["--tcp-established"]);
+        carries_on(&w, r0);
+    });
+}
+
+#[test]
+fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again() {
+    an_established_connection(Mode::Stop);
+}
+
+#[test]
+fn an_established_connection_carries_on_after_a_leave_running_checkpoint() {
+    an_established_connection(Mode::LeaveRunning);
 }

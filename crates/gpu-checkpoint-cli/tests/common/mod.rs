@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use gpu_checkpoint::proc as tree;
 use gpu_checkpoint_workloads::{read_state, Record};
 
+pub mod programs;
+
 /// The `gpu-checkpoint` binary under test.
 pub fn gc_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpu-checkpoint"))
@@ -110,6 +112,13 @@ impl Workload {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Blanks the state file, keeping its size (CRIU checks the size of a file a process holds open):
+    /// what it shows next comes from a restored copy, not from the original it replaced.
+    pub fn blank_state(&self) {
+        let size = std::fs::metadata(&self.state).unwrap().len() as usize;
+        std::fs::write(&self.state, vec![b' '; size]).unwrap();
     }
 
     pub fn alive(&self) -> bool {

@@ -1,0 +1,414 @@
+//! Shared by the tests of real programs (`criu_options.rs`, `real_programs.rs`, `cow.rs`): programs
+//! started as services, the two checkpoint modes, and the same round through plain CRIU run by hand, so
+//! that a difference between CRIU and gpu-checkpoint shows up as gpu-checkpoint's failure.
+
+use std::ffi::OsStr;
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use gpu_checkpoint::proc as tree;
+
+use super::{checkpoint, criu_ready, restore, text, wait_pid_free};
+
+/// In CI (`CI=true`) a missing component fails the test; locally the test is skipped with the reason.
+pub fn missing<T>(why: &str) -> Option<T> {
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{why} (scripts/setup.sh installs what the tests need; CI runs it)")
+    }
+    eprintln!("SKIPPED: {why}");
+    None
+}
+
+/// The program `name` (from Debian's `package`, which `scripts/setup.sh` installs), when root and CRIU
+/// are there too; missing, like [`criu_ready`], it fails the test in CI and skips it locally.
+pub fn program(name: &str, package: &str) -> Option<PathBuf> {
+    if !criu_ready() {
+        return None;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/bin", "/sbin", "/bin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file());
+    match found {
+        Some(p) => Some(p),
+        None => missing(&format!(
+            "{name} not found (Debian package {package}; scripts/setup.sh installs it)"
+        )),
+    }
+}
+
+/// The Python interpreter itself (not a wrapper script: what CRIU restores is the interpreter), with
+/// the modules the tests use (sqlite3, multiprocessing), when root and CRIU are there too; like
+/// [`criu_ready`], its absence fails in CI and skips locally.
+pub fn python() -> Option<PathBuf> {
+    static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    if !criu_ready() {
+        return None;
+    }
+    let found = PY.get_or_init(|| {
+        let out = Command::new("python3")
+            .args([
+                "-c",
+                "import sqlite3, multiprocessing.sharedctypes, sys; print(sys.executable)",
+            ])
+            .output()
+            .map_err(|e| format!("python3: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "python3 without sqlite3 or multiprocessing: {}",
+                text(&out.stderr)
+            ));
+        }
+        Ok(PathBuf::from(text(&out.stdout).trim()))
+    });
+    match found {
+        Ok(p) => Some(p.clone()),
+        Err(why) => missing(&format!("the tests of real programs need python3: {why}")),
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (the kernel's choice, released for the program to take).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Waits up to 30 s for `what` to hold.
+pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether `pid` runs: not stopped (CRIU's leave_stopped), not exiting, not gone.
+pub fn runs(pid: i32) -> bool {
+    tree::stat(pid).is_some_and(|s| !s.is_dying() && s.state != 'T')
+}
+
+/// The children of `pid`.
+pub fn children(pid: i32) -> Vec<i32> {
+    let mut kids: Vec<i32> = tree::process_tree(pid)
+        .iter()
+        .filter(|p| p.ppid == pid)
+        .map(|p| p.pid)
+        .collect();
+    kids.sort();
+    kids
+}
+
+/// Kills the tree at `pid` and waits until its PID is free (init reaps it).
+pub fn kill_tree_and_wait_free(pid: i32) {
+    let pids: Vec<i32> = tree::process_tree(pid).iter().map(|p| p.pid).collect();
+    tree::kill_tree(&pids, Duration::from_secs(10));
+    wait_pid_free(pid);
+}
+
+/// Waits until no socket of this network namespace on local port `port` is past the handshake and
+/// still held by a process (inode not 0): a client's connection closed on both sides. A listening
+/// socket is fine for CRIU; an established one needs `--tcp-established`.
+pub fn wait_no_connections(port: u16) {
+    let held = || {
+        ["/proc/net/tcp", "/proc/net/tcp6"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(f).ok())
+            .flat_map(|t| t.lines().skip(1).map(String::from).collect::<Vec<_>>())
+            .filter(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 9
+                    && f[1]
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| u16::from_str_radix(p, 16).ok())
+                        == Some(port)
+                    && f[3] != "0A"
+                    && f[9] != "0"
+            })
+            .count()
+    };
+    wait_for(&format!("the connections to port {port} closed"), || {
+        held() == 0
+    });
+}
+
+/// A program started in its own session and re-parented to init, as a service is; its tree is killed
+/// on drop (unless [`Program::kill_and_wait_free`] did already: its PID may be someone else's by then).
+pub struct Program {
+    pub pid: i32,
+    done: bool,
+}
+
+impl Program {
+    /// `setsid ARGV...`, its output thrown away.
+    pub fn start<S: AsRef<OsStr>>(argv: &[S]) -> Program {
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(r#"setsid "$@" </dev/null >/dev/null 2>&1 & echo $!"#)
+            .arg("sh")
+            .args(argv)
+            .output()
+            .expect("run sh");
+        assert!(out.status.success(), "{out:?}");
+        let pid = text(&out.stdout).trim().parse().expect("a pid");
+        Program { pid, done: false }
+    }
+
+    pub fn running(&self) -> bool {
+        runs(self.pid)
+    }
+
+    pub fn kill_and_wait_free(mut self) {
+        kill_tree_and_wait_free(self.pid);
+        self.done = true;
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let pids: Vec<i32> = tree::process_tree(self.pid).iter().map(|p| p.pid).collect();
+        tree::kill_tree(&pids, Duration::from_secs(5));
+    }
+}
+
+/// The CRIU gpu-checkpoint finds, run by hand.
+pub fn plain_criu(args: &[&str], dir: &Path) -> Output {
+    let criu = gpu_checkpoint::dump::discover(None).expect("CRIU").path;
+    Command::new(criu)
+        .args(args)
+        .arg("-D")
+        .arg(dir)
+        .args(["-v4", "-o", "criu.log"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run criu")
+}
+
+/// CRIU's `Error` lines in `dir`'s log, for a failure message.
+fn criu_errors(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("criu.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("Error"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `criu dump -t PID EXTRA` into a new folder (the tree is killed after the dump, CRIU's default).
+pub fn plain_dump(pid: i32, work: &Path, name: &str, extra: &[&str]) -> (Output, PathBuf) {
+    let dir = work.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let pid = pid.to_string();
+    let mut args = vec!["dump", "-t", &pid];
+    args.extend_from_slice(extra);
+    (plain_criu(&args, &dir), dir)
+}
+
+/// `criu restore -d EXTRA` from `dir`, which must succeed.
+pub fn plain_restore(dir: &Path, extra: &[&str]) {
+    let mut args = vec!["restore", "-d"];
+    args.extend_from_slice(extra);
+    let out = plain_criu(&args, dir);
+    assert!(
+        out.status.success(),
+        "plain criu restore failed: {}\n{}",
+        text(&out.stderr),
+        criu_errors(dir)
+    );
+}
+
+/// How the checkpointed tree carries on: stopped (the default: killed once the checkpoint is taken,
+/// to be restored), or `--leave-running` (the original keeps running; the test kills it before the
+/// restore).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Stop,
+    LeaveRunning,
+}
+
+impl Mode {
+    /// The flags, for `gpu-checkpoint checkpoint` and `criu dump` alike.
+    pub fn flags(self) -> &'static [&'static str] {
+        match self {
+            Mode::Stop => &[],
+            Mode::LeaveRunning => &["--leave-running"],
+        }
+    }
+
+    /// After the checkpoint of the tree at `pid`: stopped, its PID must come free; left running, it
+    /// must run on, `going_on` checks it works, and it is killed, so that its copy can be restored.
+    fn after_checkpoint(self, pid: i32, going_on: impl FnOnce()) {
+        match self {
+            Mode::Stop => wait_pid_free(pid),
+            Mode::LeaveRunning => {
+                assert!(runs(pid), "--leave-running left {pid} running");
+                going_on();
+                kill_tree_and_wait_free(pid);
+            }
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Stop => "stop",
+            Mode::LeaveRunning => "--leave-running",
+        })
+    }
+}
+
+/// `gpu-checkpoint checkpoint` of the tree at `pid` in `mode` with `extra`, then the original out of
+/// the way ([`Mode`]); returns the checkpoint's JSON.
+pub fn checkpoint_in(
+    mode: Mode,
+    pid: i32,
+    store: &Path,
+    extra: &[&str],
+    going_on: impl FnOnce(),
+) -> serde_json::Value {
+    let mut args = mode.flags().to_vec();
+    args.extend_from_slice(extra);
+    let ck = checkpoint(pid, store, &args);
+    assert_eq!(ck["stopped"], mode == Mode::Stop, "{ck}");
+    mode.after_checkpoint(pid, going_on);
+    ck
+}
+
+/// `criu dump -t PID` in `mode` with `extra` into `work/name`, which must succeed, then the original
+/// out of the way ([`Mode`]); returns the images' folder.
+pub fn plain_dump_in(
+    mode: Mode,
+    pid: i32,
+    work: &Path,
+    name: &str,
+    extra: &[&str],
+    going_on: impl FnOnce(),
+) -> PathBuf {
+    let mut args = mode.flags().to_vec();
+    args.extend_from_slice(extra);
+    let (out, dir) = plain_dump(pid, work, name, &args);
+    assert!(
+        out.status.success(),
+        "plain criu dump failed: {}\n{}",
+        text(&out.stderr),
+        criu_errors(&dir)
+    );
+    mode.after_checkpoint(pid, going_on);
+    dir
+}
+
+/// Who checkpoints and restores a program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// Plain `criu dump` / `criu restore -d`, run by hand: the reference.
+    Plain,
+    /// `gpu-checkpoint checkpoint` / `gpu-checkpoint restore` (the default restore).
+    Ours,
+}
+
+impl fmt::Display for Via {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Via::Plain => "plain CRIU",
+            Via::Ours => "gpu-checkpoint",
+        })
+    }
+}
+
+/// What a checkpoint left to restore from.
+pub enum Taken {
+    Plain(PathBuf),
+    Ours {
+        store: PathBuf,
+        id: String,
+        /// What `checkpoint --format json` said.
+        ck: serde_json::Value,
+    },
+}
+
+impl Via {
+    /// Plain CRIU first: when gpu-checkpoint then fails, the output already says how CRIU fared.
+    pub const BOTH: [Via; 2] = [Via::Plain, Via::Ours];
+
+    /// Runs `case` for this tool. Plain CRIU's failure is reported loudly, on the test's real stderr
+    /// (shown even when the test passes), and does not fail the test: the test asserts
+    /// gpu-checkpoint's result, and CRIU failing here too is news about CRIU or the machine, not ours.
+    /// gpu-checkpoint's failure fails the test.
+    pub fn case(self, what: &str, case: impl FnOnce()) {
+        match self {
+            Via::Ours => case(),
+            Via::Plain => {
+                if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(case)) {
+                    let why = e
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| e.downcast_ref::<&str>().copied())
+                        .unwrap_or("(no message)");
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "\n!!!!!!!! PLAIN CRIU FAILED: {what}\n!!!!!!!! {}\n!!!!!!!! \
+                         (gpu-checkpoint's run of the same case is still asserted)\n",
+                        why.replace('\n', "\n!!!!!!!! ")
+                    );
+                }
+            }
+        }
+    }
+
+    /// Runs `round` through plain CRIU, then through gpu-checkpoint, each as a [`Via::case`].
+    pub fn each(what: &str, round: impl Fn(Via)) {
+        for via in Via::BOTH {
+            via.case(what, || round(via));
+        }
+    }
+
+    /// Checkpoints the tree at `pid` in `mode` with the CRIU options `opts` (the same names for both
+    /// tools) into `work` (a store, or a folder of images named after the mode); `going_on` checks the
+    /// original at work after a `--leave-running` checkpoint, before it is killed.
+    pub fn checkpoint(
+        self,
+        mode: Mode,
+        pid: i32,
+        work: &Path,
+        opts: &[&str],
+        going_on: impl FnOnce(),
+    ) -> Taken {
+        match self {
+            Via::Plain => {
+                let name = format!("plain-{}", mode.flags().join("").trim_start_matches('-'));
+                Taken::Plain(plain_dump_in(mode, pid, work, &name, opts, going_on))
+            }
+            Via::Ours => {
+                let store = work.join("store");
+                let ck = checkpoint_in(mode, pid, &store, opts, going_on);
+                let id = ck["id"].as_str().expect("a checkpoint id").to_string();
+                Taken::Ours { store, id, ck }
+            }
+        }
+    }
+}
+
+impl Taken {
+    /// Restores the tree (detached), which must come back under `pid`; plain CRIU gets `plain_opts`
+    /// (CRIU's restore needs some dump options again; gpu-checkpoint takes them from the checkpoint).
+    pub fn restore(&self, pid: i32, plain_opts: &[&str]) {
+        match self {
+            Taken::Plain(dir) => {
+                plain_restore(dir, plain_opts);
+                assert!(tree::is_alive(pid), "plain CRIU restored {pid}");
+            }
+            Taken::Ours { store, id, .. } => assert_eq!(restore(id, store), pid),
+        }
+    }
+}
