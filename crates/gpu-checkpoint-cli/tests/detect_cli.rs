@@ -56,12 +56,13 @@ fn json_report_of_a_blocked_process() {
         "processes",
         "findings",
         "strategy",
+        "strategies",
         "driver_version",
         "elapsed_ms",
     ] {
         assert!(keys.contains(&k), "missing {k} in {keys:?}");
     }
-    assert_eq!(keys.len(), 8, "{keys:?}");
+    assert_eq!(keys.len(), 9, "{keys:?}");
     assert_eq!(v["schema_version"], 1);
     assert_eq!(v["pid"], 5000);
     assert_eq!(v["gpu"], true);
@@ -71,6 +72,11 @@ fn json_report_of_a_blocked_process() {
     assert_eq!(v["processes"][0]["comm"], "cuda_managed");
     assert_eq!(v["processes"][0]["ppid"], 4999);
     assert_eq!(v["strategy"]["name"], "unsupported");
+    // Every strategy weighed, none chosen, and why the GPU ones were not: the blockers.
+    let weighed = v["strategies"].as_array().unwrap();
+    assert_eq!(weighed.len(), 5);
+    assert!(weighed.iter().all(|c| c["chosen"] == false), "{weighed:?}");
+    assert_eq!(weighed[1]["why"], "blocked: see the blockers");
     let b = &v["strategy"]["blockers"][0];
     assert_eq!(b["kind"], "managed-memory");
     assert_eq!(b["pid"], 5000);

@@ -350,3 +350,58 @@ fn an_interrupt_never_strands_gpu_state() {
         }
     }
 }
+
+/// `--strategy`: `bar-sliding` and strategies detect says cannot work are refused before anything is
+/// touched (exit 9, with the reason), a contradicting `--gpu-backend` is a usage error, and a strategy
+/// that can work is used; `detect` lists every strategy it weighed.
+#[test]
+fn strategies_are_forced_or_refused_with_a_reason() {
+    let Some((_dir, store)) = setup() else { return };
+    let tree = SimProcess::start(&["--mib", "4"]);
+    let o = run(&[
+        "detect",
+        "--pid",
+        &tree.pid.to_string(),
+        "--simulator",
+        "--format",
+        "json",
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let weighed: Vec<(&str, bool)> = report["strategies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["strategy"].as_str().unwrap(),
+                c["chosen"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        weighed,
+        [
+            ("none", false),
+            ("cuda-driver", true),
+            ("cuda-cli", false),
+            ("amdgpu", false),
+            ("bar-sliding", false)
+        ]
+    );
+    for (strategy, code, needle) in [
+        ("bar-sliding", 9, "cannot restore"),
+        ("none", 9, "holds GPU state"),
+        ("cuda-cli", 2, "contradicts"),
+    ] {
+        let args = checkpoint_args(tree.pid, &store, &["--strategy", strategy]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = run(&args);
+        assert_eq!(o.status.code(), Some(code), "{strategy}: {}", text(&o));
+        assert!(text(&o).contains(needle), "{strategy}: {}", text(&o));
+        assert_healthy(&[tree.pid]);
+        assert!(listed(&store).is_empty());
+    }
+    let ck = checkpoint(tree.pid, &store, &["--strategy", "cuda-driver"]);
+    assert_eq!(ck["strategy"], "cuda-driver");
+    wait_gone(&[tree.pid]);
+}

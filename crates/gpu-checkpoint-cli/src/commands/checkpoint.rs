@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use gpu_checkpoint::checkpoint::CheckpointOptions;
+use gpu_checkpoint::detect::StrategyChoice;
 use gpu_checkpoint::dump::{discover, CriuRpc};
 use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer};
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
@@ -39,6 +40,11 @@ pub struct Args {
     /// of crates/cuda-sim (named by LD_LIBRARY_PATH). Refused when the driver loaded is a real one.
     #[arg(long)]
     pub simulated_gpus: bool,
+    /// How to checkpoint GPU state: `auto` (what detect decides), or one forced: `none` (CRIU alone),
+    /// `cuda-driver` (the driver API in-process), `cuda-cli` (NVIDIA's cuda-checkpoint binary). Refused
+    /// (exit 9) where detect says it cannot work; `bar-sliding` is always refused, with the reason.
+    #[arg(long, value_name = "auto|none|cuda-driver|cuda-cli", default_value = "auto", value_parser = parse_strategy)]
+    pub strategy: StrategyChoice,
     /// How long locking a CUDA process may wait for its submitted GPU work (10s, 500ms; 0: no limit).
     /// On expiry every process is unlocked and keeps running.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
@@ -95,7 +101,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let store = Store::open(&args.store.storage, args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
-    let backend: Backend = args.gpu.gpu_backend.into();
+    let backend = backend_for(args.strategy, args.gpu.gpu_backend.into())?;
     let mut gpu = FreezeHook::new(HookOptions {
         backend,
         group: GroupOptions {
@@ -119,6 +125,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     opts.criu = criu_options;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
+    opts.strategy = args.strategy;
     let result = flow.checkpoint(&opts);
     super::say_if_interrupted();
     let out = result?;
@@ -205,6 +212,31 @@ fn gpu_summary(manifest: &CheckpointManifest) -> Option<String> {
         rec.timings.lock_ms,
         rec.timings.checkpoint_ms,
     ))
+}
+
+fn parse_strategy(s: &str) -> Result<StrategyChoice, String> {
+    s.parse().map_err(|_| {
+        format!("{s:?}: one of auto, none, cuda-driver, cuda-cli (bar-sliding is refused, with the reason)")
+    })
+}
+
+/// The GPU backend a forced strategy means: `--strategy cuda-cli` is the cuda-checkpoint binary, whatever
+/// `--gpu-backend auto` would pick; a `--gpu-backend` that contradicts the strategy is a usage error.
+fn backend_for(strategy: StrategyChoice, chosen: Backend) -> anyhow::Result<Backend> {
+    let wanted = match strategy {
+        StrategyChoice::CudaDriver => Backend::CudaDriver,
+        StrategyChoice::CudaCli => Backend::CudaCli,
+        _ => return Ok(chosen),
+    };
+    match chosen {
+        Backend::Auto => Ok(wanted),
+        // The simulator speaks the driver API.
+        Backend::Sim if strategy == StrategyChoice::CudaDriver => Ok(Backend::Sim),
+        b if b == wanted => Ok(b),
+        b => Err(super::usage(format!(
+            "--strategy {strategy} contradicts --gpu-backend {b}"
+        ))),
+    }
 }
 
 #[cfg(test)]

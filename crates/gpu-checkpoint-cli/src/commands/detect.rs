@@ -99,6 +99,10 @@ pub fn render_text(r: &Report, verbose: bool) -> String {
         let _ = writeln!(s, "  blocker {} (pid {}): {}", b.kind, b.pid, b.message);
         let _ = writeln!(s, "    remedy: {}", b.remedy);
     }
+    for c in &r.strategies {
+        let verdict = if c.chosen { "chosen" } else { "not chosen" };
+        let _ = writeln!(s, "  strategy {:<11} {verdict}: {}", c.strategy, c.why);
+    }
     // Not blockers, but a checkpoint without the flag is refused: say so whatever the verbosity.
     for f in r
         .findings

@@ -15,6 +15,7 @@
 //!
 //! See `docs/detect.md` for the user-facing description and the measured latency.
 
+pub mod choice;
 pub mod classify;
 mod connections;
 mod error;
@@ -32,6 +33,7 @@ pub mod unix_diag;
 
 use std::path::PathBuf;
 
+pub use choice::{Considered, StrategyChoice};
 pub use error::Error;
 pub use finding::{Evidence, Finding, FindingKind, NeededOption};
 pub use report::{ProcessReport, Report, SCHEMA_VERSION};

@@ -21,6 +21,9 @@ pub struct Report {
     pub findings: Vec<Finding>,
     /// The strategy for the whole scope, with every process's blockers.
     pub strategy: StrategyDecision,
+    /// Every strategy weighed, and why it was or was not chosen (absent in reports before it existed).
+    #[serde(default)]
+    pub strategies: Vec<super::choice::Considered>,
     /// NVIDIA driver version (`570.86.15`), or null when unknown.
     pub driver_version: Option<String>,
     /// Time detection took.

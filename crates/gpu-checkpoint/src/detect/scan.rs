@@ -278,17 +278,21 @@ fn build(
         findings.extend(f);
     }
     let gpu = findings.iter().any(Finding::is_state);
-    Report {
+    let mut report = Report {
         schema_version: SCHEMA_VERSION,
         pid,
         gpu,
         processes,
         findings,
         strategy: strategy::combine(&decisions),
+        strategies: Vec::new(),
         driver_version,
-        elapsed_ms: t0.elapsed().as_secs_f64() * 1000.0,
+        elapsed_ms: 0.0,
         notes,
-    }
+    };
+    report.strategies = super::choice::considered(&report);
+    report.elapsed_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    report
 }
 
 /// All descendants of `pid`, breadth first. Uses `task/*/children` where the tree has it (the live

@@ -27,7 +27,7 @@ use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
 use super::{ms, save_log, Flow, ImageTransfer};
-use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyName};
+use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::fault;
@@ -70,6 +70,12 @@ pub enum Error {
     },
     #[error("refusing to checkpoint process {pid} (nothing was touched): process {stopped} is stopped (state {state}), so its checkpoint would be restored stopped and never run again; if an earlier checkpoint or a debugger left it so, continue it first (kill -CONT {stopped})")]
     Stopped { pid: i32, stopped: i32, state: char },
+    #[error("refusing --strategy {strategy} for process {pid} (nothing was touched): {reason}")]
+    StrategyRefused {
+        pid: i32,
+        strategy: StrategyChoice,
+        reason: String,
+    },
     #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
     Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
@@ -88,9 +94,10 @@ impl Classify for Error {
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::Busy { .. } => ExitStatus::Conflict,
             Error::Lock { source, .. } => crate::exit::io_exit_status(source),
-            Error::Unsupported { .. } | Error::NeedsOptions { .. } | Error::Stopped { .. } => {
-                ExitStatus::Unsupported
-            }
+            Error::Unsupported { .. }
+            | Error::NeedsOptions { .. }
+            | Error::Stopped { .. }
+            | Error::StrategyRefused { .. } => ExitStatus::Unsupported,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
@@ -109,6 +116,8 @@ pub struct CheckpointOptions {
     pub criu: CriuOptions,
     /// How detect looks at the tree (`tree` is forced on: checkpoints act on trees).
     pub detect: DetectOptions,
+    /// `--strategy`: detect's choice, or one forced (refused where detect says it cannot work).
+    pub strategy: StrategyChoice,
 }
 
 impl CheckpointOptions {
@@ -122,6 +131,7 @@ impl CheckpointOptions {
                 tree: true,
                 ..DetectOptions::default()
             },
+            strategy: StrategyChoice::Auto,
         }
     }
 
@@ -193,8 +203,17 @@ impl Flow<'_> {
         self.store.check_writable()?;
         let _lock = lock_pid(pid)?;
 
+        let refuse = |reason: String| Error::StrategyRefused {
+            pid,
+            strategy: opts.strategy,
+            reason,
+        };
+        if opts.strategy == StrategyChoice::BarSliding {
+            return Err(refuse(detect::choice::BAR_SLIDING.into()).into());
+        }
         let t = Instant::now();
         let report = detect_tree(pid, &opts.detect)?;
+        detect::choice::check(opts.strategy, &report).map_err(refuse)?;
         check_options(pid, &report, &opts.criu)?;
         let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let _tree_locks = lock_tree(&tree_pids, pid)?;
