@@ -405,3 +405,51 @@ fn strategies_are_forced_or_refused_with_a_reason() {
     assert_eq!(ck["strategy"], "cuda-driver");
     wait_gone(&[tree.pid]);
 }
+
+/// The restore's preflight against the known stuck-process failure (a GPU restore out of device memory
+/// leaves the process stuck for good): with 64 MiB simulated GPUs, a checkpoint that held 48 MiB on GPU 0
+/// is refused (exit 8, with the numbers) while another process holds 32 MiB there, before anything is
+/// restored; onto the free GPU 1 it restores.
+#[test]
+fn a_restore_that_would_run_a_gpu_out_of_memory_is_refused_before_anything_is_restored() {
+    let Some((_dir, store)) = setup() else { return };
+    let tree = SimProcess::start(&["--mib", "48"]);
+    let args = checkpoint_args(tree.pid, &store, &["--format", "json"]);
+    let o = Command::new(gpu_checkpoint())
+        .args(&args)
+        .env(sim::ENV_GPU_MIB, "64")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        ck["gpu"]["processes"][0]["memory"][0]["bytes"],
+        48u64 << 20,
+        "{}",
+        ck["gpu"]
+    );
+    let id = ck["id"].as_str().unwrap();
+    wait_gone(&[tree.pid]);
+    let _other = SimProcess::start(&["--mib", "32"]);
+    let restore_on_64_mib = |extra: &[&str]| {
+        Command::new(gpu_checkpoint())
+            .args(restore_args(id, &store, extra))
+            .env(sim::ENV_GPU_MIB, "64")
+            .output()
+            .unwrap()
+    };
+    let o = restore_on_64_mib(&[]);
+    assert_eq!(o.status.code(), Some(8), "{}", text(&o));
+    assert!(
+        text(&o).contains("32.0 MiB free") && text(&o).contains("need 48.0 MiB"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        !Path::new(&format!("/proc/{}", tree.pid)).exists(),
+        "nothing restored"
+    );
+    let o = restore_on_64_mib(&["--device-map", "0=1"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_healthy(&[tree.pid]);
+}

@@ -179,6 +179,14 @@ impl GpuDriver for CudaCli {
         super::cuda_driver::nvml_process_gpus(pid)
     }
 
+    fn process_memory(&self, pid: i32) -> Option<Vec<super::GpuMemory>> {
+        super::cuda_driver::nvml_process_memory(pid)
+    }
+
+    fn free_memory(&self, gpu: &super::GpuUuid) -> Option<u64> {
+        super::cuda_driver::nvml_free_memory(gpu)
+    }
+
     fn gpus(&self) -> Result<Vec<GpuInfo>> {
         // The utility cannot list GPUs; NVML can (drivers >= 550 ship it).
         super::cuda_driver::nvml_gpus().ok_or_else(|| Error::LibraryMissing {

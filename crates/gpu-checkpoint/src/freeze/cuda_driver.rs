@@ -641,6 +641,14 @@ impl GpuDriver for CudaDriver {
         nvml_process_gpus(pid)
     }
 
+    fn process_memory(&self, pid: i32) -> Option<Vec<super::GpuMemory>> {
+        nvml_process_memory(pid)
+    }
+
+    fn free_memory(&self, gpu: &GpuUuid) -> Option<u64> {
+        nvml_free_memory(gpu)
+    }
+
     fn gpus(&self) -> Result<Vec<GpuInfo>> {
         match nvml_gpus() {
             Some(g) => Ok(g),
@@ -678,6 +686,34 @@ pub fn nvml_process_gpus(pid: i32) -> Option<Vec<GpuUuid>> {
         }
     }
     Some(out)
+}
+
+/// The device memory NVML counts for `pid` on each GPU it runs on.
+pub fn nvml_process_memory(pid: i32) -> Option<Vec<super::GpuMemory>> {
+    let nvml = nvml_wrapper::Nvml::init().ok()?;
+    let mut out = Vec::new();
+    for i in 0..nvml.device_count().ok()? {
+        let d = nvml.device_by_index(i).ok()?;
+        for p in d.running_compute_processes().ok()? {
+            if p.pid as i32 != pid {
+                continue;
+            }
+            if let nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) = p.used_gpu_memory {
+                out.push(super::GpuMemory {
+                    gpu: d.uuid().ok()?.parse().ok()?,
+                    bytes,
+                });
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Free memory of a GPU, from NVML.
+pub fn nvml_free_memory(gpu: &GpuUuid) -> Option<u64> {
+    let nvml = nvml_wrapper::Nvml::init().ok()?;
+    let d = nvml.device_by_uuid(gpu.to_string()).ok()?;
+    d.memory_info().ok().map(|m| m.free)
 }
 
 /// The display driver version ("580.65.06") from NVML, when available.

@@ -30,7 +30,7 @@ pub use group::{
 };
 pub use hook::{FreezeContext, GpuHook, NoGpu, RestoreRecord, RestoredTree, ThawRecord};
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
-pub use step::{match_gpus, GpuRecord, GpuStep};
+pub use step::{match_gpus, GpuMemory, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
 
 use crate::exit::{Classify, ExitStatus};
@@ -80,6 +80,10 @@ pub enum Error {
     MigrationUnsupported { version: String },
     #[error("the GPUs here do not match the checkpoint's: {0}; pass --device-map OLD=NEW,... to choose targets")]
     GpuMismatch(String),
+    /// A restore would run a GPU out of memory, which leaves the process stuck for good (every later
+    /// restore 304, unlock 401): refused before anything is restored.
+    #[error("GPU {gpu} has {} free, and the checkpoint's processes need {} there; free it, or restore onto another GPU with --device-map", crate::fmt::human_bytes(*free), crate::fmt::human_bytes(*need))]
+    NotEnoughGpuMemory { gpu: GpuUuid, need: u64, free: u64 },
     #[error("wrong GPU backend: {0}")]
     WrongBackend(String),
     #[error("the checkpoint's GPU record is unreadable: {0}")]
@@ -118,7 +122,7 @@ impl Classify for Error {
             | Error::MigrationUnsupported { .. } => ExitStatus::ToolMissing,
             Error::NoSuchProcess { .. } => ExitStatus::NoSuchProcess,
             Error::DeviceMap(_) | Error::WrongBackend(_) => ExitStatus::Usage,
-            Error::GpuMismatch(_) => ExitStatus::Conflict,
+            Error::GpuMismatch(_) | Error::NotEnoughGpuMemory { .. } => ExitStatus::Conflict,
             Error::Record(_) => ExitStatus::CheckpointInvalid,
             Error::NoGpuStep { .. } | Error::NoGpuStepForRestore => ExitStatus::Unsupported,
             Error::Cuda { code, .. } if code.is_permission() => ExitStatus::PermissionDenied,
@@ -194,6 +198,15 @@ pub trait GpuDriver: Send + Sync {
     fn gpus(&self) -> Result<Vec<GpuInfo>>;
     /// The GPUs process `pid` uses, when the backend can tell (NVML's compute processes, the simulator).
     fn process_gpus(&self, _pid: i32) -> Option<Vec<GpuUuid>> {
+        None
+    }
+    /// The device memory process `pid` holds on each GPU, when the backend can tell (NVML, the
+    /// simulator): what its restore will need there.
+    fn process_memory(&self, _pid: i32) -> Option<Vec<GpuMemory>> {
+        None
+    }
+    /// Free memory of a GPU of this node, when the backend can tell (NVML, the simulator).
+    fn free_memory(&self, _gpu: &GpuUuid) -> Option<u64> {
         None
     }
     /// What setting the backend up cost (cuda-driver: dlopen, symbol lookup, cuInit).

@@ -12,7 +12,7 @@
 //! The answers use the CUDA driver's result codes, so errors are mapped exactly as the driver's are.
 
 use super::types::{CuError, GpuInfo, GpuPair, GpuUuid, ProcessState};
-use super::{Backend, Error, GpuDriver, Op, Result};
+use super::{Backend, Error, GpuDriver, GpuMemory, Op, Result};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::linux::net::SocketAddrExt;
@@ -25,8 +25,18 @@ pub const SHM_DIR: &str = "/dev/shm/gpu-checkpoint-sim";
 pub const ENV_GPUS: &str = "GPU_CHECKPOINT_SIM_GPUS";
 /// Model name of every simulated GPU: never mistaken for real hardware.
 pub const SIM_MODEL: &str = "SIMULATED GPU (gpu-checkpoint-sim)";
-/// Memory reported for each simulated GPU.
+/// Memory of each simulated GPU unless [`ENV_GPU_MIB`] says otherwise.
 pub const SIM_GPU_MEMORY: u64 = 1 << 30;
+/// Memory of each simulated GPU, in MiB (tests of the restore's free-memory preflight make it small).
+pub const ENV_GPU_MIB: &str = "GPU_CHECKPOINT_SIM_GPU_MIB";
+
+/// The memory of each simulated GPU.
+pub fn sim_gpu_memory() -> u64 {
+    std::env::var(ENV_GPU_MIB)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(SIM_GPU_MEMORY, |mib| mib << 20)
+}
 /// Operations that move memory wait this long for an answer; lock waits for its own timeout plus this.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -59,7 +69,7 @@ pub fn sim_gpus() -> Vec<GpuInfo> {
             index: i,
             uuid: sim_gpu_uuid(i),
             model: SIM_MODEL.to_string(),
-            memory_bytes: Some(SIM_GPU_MEMORY),
+            memory_bytes: Some(sim_gpu_memory()),
         })
         .collect()
 }
@@ -188,6 +198,44 @@ impl GpuDriver for SimDriver {
 
     fn gpus(&self) -> Result<Vec<GpuInfo>> {
         Ok(sim_gpus())
+    }
+
+    fn process_memory(&self, pid: i32) -> Option<Vec<GpuMemory>> {
+        let st = status(pid).ok()?;
+        let bytes: u64 = st.get("bytes")?.parse().ok()?;
+        st.get("uuids")?
+            .split(',')
+            .map(|u| {
+                Some(GpuMemory {
+                    gpu: u.parse().ok()?,
+                    bytes,
+                })
+            })
+            .collect()
+    }
+
+    /// The GPU's memory less what the live simulated processes hold on it (a checkpointed one holds none:
+    /// its device memory went to host memory).
+    fn free_memory(&self, gpu: &GpuUuid) -> Option<u64> {
+        let mut pids: Vec<i32> = std::fs::read_dir(SHM_DIR)
+            .ok()?
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                name.split_once("-dev")?.0.parse().ok()
+            })
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        let used: u64 = pids
+            .into_iter()
+            .filter(|&p| crate::proc::is_alive(p))
+            .filter(|&p| self.state(p).is_ok_and(|s| s != ProcessState::Checkpointed))
+            .filter_map(|p| self.process_memory(p))
+            .flatten()
+            .filter(|m| m.gpu == *gpu)
+            .map(|m| m.bytes)
+            .sum();
+        Some(sim_gpu_memory().saturating_sub(used))
     }
 
     fn process_gpus(&self, pid: i32) -> Option<Vec<GpuUuid>> {

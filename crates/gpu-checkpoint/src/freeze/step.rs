@@ -14,12 +14,23 @@ pub const RECORD_SCHEMA: u32 = 1;
 
 /// One CUDA process of a checkpoint, as its [`GpuRecord`] keeps it (named apart from the typestate
 /// [`super::GpuProcess`], which is a live process, and from [`ProcessRecord`], the transitions alone).
+/// Device memory a process held on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuMemory {
+    pub gpu: GpuUuid,
+    pub bytes: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecordedProcess {
     pub pid: i32,
     /// The GPUs it used, when the backend can tell (NVML, or the simulator).
     #[serde(default)]
     pub gpus: Vec<GpuUuid>,
+    /// The device memory it held on each, when the backend can tell: the restore's preflight checks
+    /// the target GPUs have it free.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory: Vec<GpuMemory>,
     /// Its GPU transitions at checkpoint time, with timings.
     pub steps: Vec<group::StepRecord>,
 }
@@ -136,10 +147,16 @@ impl GpuStep {
             tracing::warn!("cannot list this node's GPUs for the manifest: {e}");
             Vec::new()
         });
-        let per_process: Vec<(i32, Vec<GpuUuid>)> = plan
+        let per_process: Vec<(i32, Vec<GpuUuid>, Vec<GpuMemory>)> = plan
             .cuda
             .iter()
-            .map(|&pid| (pid, self.driver.process_gpus(pid).unwrap_or_default()))
+            .map(|&pid| {
+                (
+                    pid,
+                    self.driver.process_gpus(pid).unwrap_or_default(),
+                    self.driver.process_memory(pid).unwrap_or_default(),
+                )
+            })
             .collect();
         let t = Instant::now();
         let frozen = group::freeze_all(&self.driver, &plan.cuda, &self.opts)?;
@@ -154,9 +171,10 @@ impl GpuStep {
             lock_timeout_ms: self.opts.lock_timeout.map(|d| d.as_millis() as u64),
             processes: per_process
                 .into_iter()
-                .map(|(pid, gpus)| RecordedProcess {
+                .map(|(pid, gpus, memory)| RecordedProcess {
                     pid,
                     gpus,
+                    memory,
                     steps: records
                         .iter()
                         .find(|r| r.pid == pid)
@@ -202,6 +220,7 @@ impl GpuStep {
         }
         let node = self.driver.gpus()?;
         let pairs = match_gpus(record, &node, map)?;
+        check_free_memory(self.driver.as_ref(), record, &pairs)?;
         // Refused here, before CRIU restores anything, rather than by the driver after it.
         if pairs.iter().any(|p| p.old != p.new) && !self.driver.supports_migration() {
             return Err(Error::MigrationUnsupported {
@@ -220,6 +239,30 @@ impl GpuStep {
     ) -> Result<Vec<ProcessRecord>> {
         group::restore_all(&self.driver, &record.pids(), pairs).map_err(|(e, _)| e)
     }
+}
+
+/// The restore's preflight against the known stuck-process failure: a GPU restore that runs out of device
+/// memory leaves the process stuck for good. Each target GPU (after the device map) must have free what
+/// the checkpoint's processes held on the GPUs mapped to it. Skipped for a GPU whose free memory the
+/// backend cannot tell.
+fn check_free_memory(driver: &dyn GpuDriver, record: &GpuRecord, pairs: &[GpuPair]) -> Result<()> {
+    let target = |old: &GpuUuid| pairs.iter().find(|p| p.old == *old).map_or(*old, |p| p.new);
+    let mut need: Vec<(GpuUuid, u64)> = Vec::new();
+    for m in record.processes.iter().flat_map(|p| &p.memory) {
+        let t = target(&m.gpu);
+        match need.iter_mut().find(|(g, _)| *g == t) {
+            Some((_, n)) => *n += m.bytes,
+            None => need.push((t, m.bytes)),
+        }
+    }
+    for (gpu, need) in need {
+        if let Some(free) = driver.free_memory(&gpu) {
+            if free < need {
+                return Err(Error::NotEnoughGpuMemory { gpu, need, free });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn describe(gpus: &[&GpuInfo]) -> String {
@@ -325,6 +368,7 @@ mod tests {
             gpus,
             lock_timeout_ms: Some(10_000),
             processes: vec![RecordedProcess {
+                memory: vec![],
                 pid: 1,
                 gpus: used,
                 steps: vec![],

@@ -65,6 +65,7 @@ fn frozen_record(pid: i32) -> GpuRecord {
         processes: vec![RecordedProcess {
             pid,
             gpus: vec![],
+            memory: vec![],
             steps: vec![],
         }],
         skipped: vec![],

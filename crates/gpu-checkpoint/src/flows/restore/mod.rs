@@ -17,6 +17,7 @@
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
 
+mod preflight;
 mod stream;
 mod uffd;
 
@@ -57,6 +58,12 @@ pub enum Error {
     /// socket said something unexpected, or an image the copy needs was missing or unreadable.
     #[error("{0}")]
     Uffd(String),
+    #[error("cannot restore checkpoint {id}: its memory pages need {}, and this node has {} available; free memory first (the checkpoint is intact)", crate::fmt::human_bytes(*need), crate::fmt::human_bytes(*available))]
+    NotEnoughMemory {
+        id: String,
+        need: u64,
+        available: u64,
+    },
     #[error("interrupted by {signal} before anything was restored; the checkpoint is intact")]
     Interrupted { signal: String },
     #[error("restore of checkpoint {id}: {reason}")]
@@ -72,7 +79,7 @@ pub enum Error {
 impl Classify for Error {
     fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::PidInUse { .. } => ExitStatus::Conflict,
+            Error::PidInUse { .. } | Error::NotEnoughMemory { .. } => ExitStatus::Conflict,
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::Uffd(_) => ExitStatus::Failure,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
@@ -182,6 +189,9 @@ impl Flow<'_> {
         // CRIU gives every thread back its ID too: those must be free as well as the PIDs.
         let ids = with_thread_ids(self.store, &info, &pids)?;
         check_pids_free(&info.id, &ids)?;
+        if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
+            preflight::check_host_memory(&info.id, manifest.sizes.pages_bytes, &meminfo)?;
+        }
         let gpu_record = manifest.gpu_record()?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
 

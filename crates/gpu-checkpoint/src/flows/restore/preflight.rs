@@ -1,0 +1,51 @@
+//! The restore's preflight on host memory: the checkpoint's memory pages must fit in what this node has
+//! available, or the restored copy would be killed by the OOM killer half-way (with GPU state out, the
+//! known stuck-process failure). The GPU side (free device memory per target GPU) is the freeze stage's
+//! (`GpuStep::prepare_restore`).
+
+use super::Error;
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn available(meminfo: &str) -> Option<u64> {
+    meminfo.lines().find_map(|l| {
+        let kib = l.strip_prefix("MemAvailable:")?.trim().strip_suffix("kB")?;
+        kib.trim().parse::<u64>().ok().map(|k| k << 10)
+    })
+}
+
+/// Refuses (exit 8, with the numbers) a checkpoint whose `need` bytes of memory pages exceed what
+/// `meminfo` says is available; passes when the kernel does not say.
+pub(super) fn check_host_memory(id: &str, need: u64, meminfo: &str) -> Result<(), Error> {
+    match available(meminfo) {
+        Some(available) if available < need => Err(Error::NotEnoughMemory {
+            id: id.to_string(),
+            need,
+            available,
+        }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exit::{Classify, ExitStatus};
+
+    const MEMINFO: &str =
+        "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:    2048 kB\n";
+
+    #[test]
+    fn a_checkpoint_larger_than_the_available_memory_is_refused_with_the_numbers() {
+        assert_eq!(available(MEMINFO), Some(2 << 20));
+        check_host_memory("x", 2 << 20, MEMINFO).unwrap();
+        let e = check_host_memory("x", 3 << 20, MEMINFO).unwrap_err();
+        assert_eq!(e.exit_status(), ExitStatus::Conflict);
+        let text = e.to_string();
+        assert!(
+            text.contains("3.0 MiB") && text.contains("2.0 MiB"),
+            "{text}"
+        );
+        // A kernel that does not say: nothing to check against.
+        check_host_memory("x", u64::MAX, "MemTotal: 1 kB\n").unwrap();
+    }
+}
