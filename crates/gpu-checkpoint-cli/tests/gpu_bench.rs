@@ -30,6 +30,7 @@ fn parallel_freeze_vs_serial_and_in_process_vs_spawn() {
     let d: Arc<dyn GpuDriver> = freeze::open(Backend::Sim).unwrap();
     let opts = GroupOptions {
         lock_timeout: Some(Duration::from_secs(10)),
+        ..GroupOptions::default()
     };
     let (mut par, mut ser) = (Vec::new(), Vec::new());
     for _ in 0..5 {

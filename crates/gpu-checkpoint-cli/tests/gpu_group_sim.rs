@@ -17,6 +17,7 @@ fn driver() -> Arc<dyn GpuDriver> {
 fn opts(ms: u64) -> GroupOptions {
     GroupOptions {
         lock_timeout: Some(Duration::from_millis(ms)),
+        ..GroupOptions::default()
     }
 }
 

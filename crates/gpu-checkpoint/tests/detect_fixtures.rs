@@ -338,6 +338,7 @@ fn json_shape_is_stable_and_round_trips() {
             "processes",
             "findings",
             "strategy",
+            "strategies",
             "driver_version",
             "elapsed_ms"
         ])
@@ -675,5 +676,23 @@ fn real_layouts_driver_uvm_mapping_and_mig_capabilities() {
             .findings
             .iter()
             .any(|f| f.evidence.path.as_deref() == Some("/dev/nvidia-caps/nvidia-cap1")));
+    }
+}
+
+/// Processes sharing CUDA IPC memory (driver 610, checkpointed as one tree) need the ordered GPU step:
+/// detect says so; a blocked tree (older driver, or one process alone) and a tree without IPC do not.
+#[test]
+fn a_tree_sharing_cuda_ipc_memory_is_reported_as_needing_order() {
+    let r = detect_pid(6000, &opts("proc/cuda-ipc-pair-r610", true, false)).unwrap();
+    assert!(r.ordered, "{:?}", r.strategy);
+    assert_eq!(serde_json::to_value(&r).unwrap()["ordered"], true);
+    for (dir, pid, tree) in [
+        ("proc/cuda-ipc-pair", 6000, true),
+        ("proc/cuda-ipc-pair-r610", 6001, false),
+    ] {
+        assert!(
+            !detect_pid(pid, &opts(dir, tree, false)).unwrap().ordered,
+            "{dir} {pid}"
+        );
     }
 }

@@ -45,6 +45,11 @@ pub struct Args {
     /// (exit 9) where detect says it cannot work; `bar-sliding` is always refused, with the reason.
     #[arg(long, value_name = "auto|none|cuda-driver|cuda-cli", default_value = "auto", value_parser = parse_strategy)]
     pub strategy: StrategyChoice,
+    /// Lock the tree's CUDA processes one after another (root first), and restore and unlock them in the
+    /// same order, instead of all at once: what processes sharing CUDA IPC memory need (driver >= 610).
+    /// On by itself where detect finds such sharing.
+    #[arg(long)]
+    pub ordered: bool,
     /// How long locking a CUDA process may wait for its submitted GPU work (10s, 500ms; 0: no limit).
     /// On expiry every process is unlocked and keeps running.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
@@ -106,6 +111,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend,
         group: GroupOptions {
             lock_timeout: args.lock_timeout.0,
+            ordered: args.ordered,
         },
         device_map: None,
     });

@@ -103,6 +103,13 @@ pub fn render_text(r: &Report, verbose: bool) -> String {
         let verdict = if c.chosen { "chosen" } else { "not chosen" };
         let _ = writeln!(s, "  strategy {:<11} {verdict}: {}", c.strategy, c.why);
     }
+    if r.ordered {
+        let _ = writeln!(
+            s,
+            "  order: processes share CUDA IPC memory: the GPU step locks them one after another, root \
+             first, and restores and unlocks them in the same order (checkpoint does so by itself)"
+        );
+    }
     // Not blockers, but a checkpoint without the flag is refused: say so whatever the verbosity.
     for f in r
         .findings

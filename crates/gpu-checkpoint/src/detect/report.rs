@@ -24,6 +24,11 @@ pub struct Report {
     /// Every strategy weighed, and why it was or was not chosen (absent in reports before it existed).
     #[serde(default)]
     pub strategies: Vec<super::choice::Considered>,
+    /// Processes of the tree share CUDA IPC memory (allowed from driver 610 on, for a whole tree): the
+    /// GPU step must lock them one after another and restore and unlock them in the same order. Absent
+    /// when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ordered: bool,
     /// NVIDIA driver version (`570.86.15`), or null when unknown.
     pub driver_version: Option<String>,
     /// Time detection took.

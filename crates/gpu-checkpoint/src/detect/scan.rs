@@ -286,11 +286,15 @@ fn build(
         findings,
         strategy: strategy::combine(&decisions),
         strategies: Vec::new(),
+        ordered: false,
         driver_version,
         elapsed_ms: 0.0,
         notes,
     };
     report.strategies = super::choice::considered(&report);
+    report.ordered = report.processes.len() > 1
+        && report.strategy.name != strategy::StrategyName::Unsupported
+        && report.findings.iter().any(strategy::is_ipc_channel);
     report.elapsed_ms = t0.elapsed().as_secs_f64() * 1000.0;
     report
 }

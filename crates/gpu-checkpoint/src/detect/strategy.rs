@@ -227,7 +227,7 @@ pub const PCI_BAR_REMEDY: &str = "unmap the BAR (or stop the process that maps i
 
 /// Segments through which GPU processes exchange IPC handles. Other shared segments of a GPU process
 /// are reported but do not block: CRIU dumps shared memory itself.
-fn is_ipc_channel(f: &Finding) -> bool {
+pub(crate) fn is_ipc_channel(f: &Finding) -> bool {
     let path = f.evidence.path.as_deref().unwrap_or("");
     (f.kind == FindingKind::CudaIpc && path.starts_with("/dev/shm/cuda.shm."))
         || (f.kind == FindingKind::Nccl && path.starts_with("/dev/shm/nccl-"))

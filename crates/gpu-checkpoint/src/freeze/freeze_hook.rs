@@ -151,6 +151,7 @@ impl GpuHook for FreezeHook {
             }
             let rec = GpuRecord {
                 schema: RECORD_SCHEMA,
+                ordered: false,
                 backend: self.opts.backend,
                 driver_version: None,
                 gpus: Vec::new(),
@@ -163,6 +164,12 @@ impl GpuHook for FreezeHook {
             return Ok(Some(rec));
         }
         let backend = self.opts.backend;
+        if ctx.report.ordered && !self.opts.group.ordered {
+            tracing::info!(
+                "the tree's processes share CUDA IPC memory: locking them one after another, root first"
+            );
+            self.opts.group.ordered = true;
+        }
         let guard = InterruptGuard::new();
         let step = self.step(backend)?;
         // A SIMULATED process and a real driver (or the SIMULATED libcuda and a real process) would
@@ -375,6 +382,7 @@ mod tests {
     fn restore_backend_must_match_how_the_checkpoint_was_taken() {
         let rec = |backend: Backend| GpuRecord {
             schema: RECORD_SCHEMA,
+            ordered: false,
             backend,
             driver_version: None,
             gpus: vec![],

@@ -23,12 +23,17 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct GroupOptions {
     /// How long a lock may wait for submitted GPU work (`None`: no limit).
     pub lock_timeout: Option<Duration>,
+    /// One process after another, in the tree's order, instead of all at once: processes that share CUDA
+    /// IPC memory (driver 610 and later) must be locked in sequence, and restored and unlocked in the same
+    /// order.
+    pub ordered: bool,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
         GroupOptions {
             lock_timeout: Some(DEFAULT_LOCK_TIMEOUT),
+            ordered: false,
         }
     }
 }
@@ -88,7 +93,12 @@ pub struct Plan {
 
 /// Runs `f` on every item in its own thread and returns the results in order.
 fn parallel<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R> {
-    if items.len() <= 1 {
+    each(items, false, f)
+}
+
+/// [`parallel`], or one after another in `items`' order when `ordered`.
+fn each<T: Send, R: Send>(items: Vec<T>, ordered: bool, f: impl Fn(T) -> R + Sync) -> Vec<R> {
+    if ordered || items.len() <= 1 {
         return items.into_iter().map(f).collect();
     }
     std::thread::scope(|s| {
@@ -187,7 +197,7 @@ pub fn freeze_all(
     opts: &GroupOptions,
 ) -> Result<Frozen> {
     let timeout = opts.lock_timeout;
-    let locks = parallel(pids.to_vec(), |pid| {
+    let locks = each(pids.to_vec(), opts.ordered, |pid| {
         let mut rec = ProcessRecord::new(pid);
         let r = timed(
             &mut rec,
@@ -213,7 +223,7 @@ pub fn freeze_all(
         return Err(Error::Many(errors));
     }
 
-    let cps = parallel(locked, |l: Locked| {
+    let cps = each(locked, opts.ordered, |l: Locked| {
         let mut rec = ProcessRecord::new(l.pid());
         let r = timed(
             &mut rec,
@@ -339,15 +349,16 @@ impl Drop for Frozen {
     }
 }
 
-/// After a CRIU restore: every process is CHECKPOINTED. Restores all (in parallel, onto `pairs`), and
-/// only when every restore worked, unlocks all. On failure nothing is unlocked: the caller stops the
-/// restored copy and keeps the checkpoint.
+/// After a CRIU restore: every process is CHECKPOINTED. Restores all (in parallel, onto `pairs`, or in
+/// `pids`' order when `ordered`), and only when every restore worked, unlocks all (in the same order).
+/// On failure nothing is unlocked: the caller stops the restored copy and keeps the checkpoint.
 pub fn restore_all(
     driver: &Arc<dyn GpuDriver>,
     pids: &[i32],
     pairs: &[GpuPair],
+    ordered: bool,
 ) -> std::result::Result<Vec<ProcessRecord>, (Error, Vec<ProcessRecord>)> {
-    let results = parallel(pids.to_vec(), |pid| {
+    let results = each(pids.to_vec(), ordered, |pid| {
         let mut rec = ProcessRecord::new(pid);
         let r = match GpuProcess::observe(driver, pid) {
             Ok(GpuProcess::Checkpointed(c)) => timed(
@@ -384,7 +395,7 @@ pub fn restore_all(
     if !errors.is_empty() {
         return Err((Error::Many(errors), records));
     }
-    let unlocks = parallel(locked, |l| {
+    let unlocks = each(locked, ordered, |l| {
         let mut rec = ProcessRecord::new(l.pid());
         let r = timed(&mut rec, Op::Unlock, false, || l.unlock(), failed_msg);
         (rec, r.err().map(|f| f.error))
@@ -518,6 +529,37 @@ mod tests {
     }
 
     #[test]
+    fn ordered_groups_go_one_process_at_a_time_in_the_tree_order() {
+        let pids = [31, 32, 33];
+        let (d, dd) = driver(&pids);
+        // A delay that lets parallel calls overlap: only an ordered group makes the order certain.
+        d.set_delay(Duration::from_millis(20));
+        let opts = GroupOptions {
+            ordered: true,
+            ..GroupOptions::default()
+        };
+        let frozen = freeze_all(&dd, &pids, &opts).unwrap();
+        frozen.finish();
+        let ops = |from: usize| -> Vec<(i32, Op)> {
+            d.calls()[from..]
+                .iter()
+                .copied()
+                .filter(|(_, op)| *op != Op::State)
+                .collect()
+        };
+        let want = |a: Op, b: Op| -> Vec<(i32, Op)> {
+            let mut v: Vec<(i32, Op)> = pids.iter().map(|&p| (p, a)).collect();
+            v.extend(pids.iter().map(|&p| (p, b)));
+            v
+        };
+        assert_eq!(ops(0), want(Op::Lock, Op::Checkpoint));
+        let before = d.calls().len();
+        restore_all(&dd, &pids, &[], true).unwrap();
+        assert_eq!(ops(before), want(Op::Restore, Op::Unlock));
+        assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
+    }
+
+    #[test]
     fn restore_all_unlocks_only_when_every_restore_worked() {
         let pids = [7, 8];
         let (d, dd) = driver(&pids);
@@ -525,7 +567,7 @@ mod tests {
             .unwrap()
             .finish();
         d.fail_next(8, Op::Restore, CuError::OutOfMemory);
-        let (e, _) = restore_all(&dd, &pids, &[]).unwrap_err();
+        let (e, _) = restore_all(&dd, &pids, &[], false).unwrap_err();
         assert!(e.to_string().contains("OUT_OF_MEMORY"), "{e}");
         assert_eq!(
             states(&d, &pids),
@@ -538,7 +580,7 @@ mod tests {
         freeze_all(&dd2, &pids, &GroupOptions::default())
             .unwrap()
             .finish();
-        let recs = restore_all(&dd2, &pids, &[]).unwrap();
+        let recs = restore_all(&dd2, &pids, &[], false).unwrap();
         assert_eq!(states(&d2, &pids), vec![ProcessState::Running; 2]);
         assert!(recs.iter().all(|r| r.ms(Op::Restore) >= 0.0));
     }

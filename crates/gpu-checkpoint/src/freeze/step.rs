@@ -54,6 +54,10 @@ pub struct GpuRecord {
     /// This node's GPUs at checkpoint time.
     pub gpus: Vec<GpuInfo>,
     pub lock_timeout_ms: Option<u64>,
+    /// Locked one after another in the tree's order (processes sharing CUDA IPC memory): the restore
+    /// restores and unlocks them in the same order.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ordered: bool,
     pub processes: Vec<RecordedProcess>,
     /// Processes of the tree left alone (no CUDA context).
     pub skipped: Vec<Skipped>,
@@ -169,6 +173,7 @@ impl GpuStep {
             driver_version: self.driver.driver_version(),
             gpus,
             lock_timeout_ms: self.opts.lock_timeout.map(|d| d.as_millis() as u64),
+            ordered: self.opts.ordered,
             processes: per_process
                 .into_iter()
                 .map(|(pid, gpus, memory)| RecordedProcess {
@@ -237,7 +242,7 @@ impl GpuStep {
         record: &GpuRecord,
         pairs: &[GpuPair],
     ) -> Result<Vec<ProcessRecord>> {
-        group::restore_all(&self.driver, &record.pids(), pairs).map_err(|(e, _)| e)
+        group::restore_all(&self.driver, &record.pids(), pairs, record.ordered).map_err(|(e, _)| e)
     }
 }
 
@@ -363,6 +368,7 @@ mod tests {
     fn record(gpus: Vec<GpuInfo>, used: Vec<GpuUuid>) -> GpuRecord {
         GpuRecord {
             schema: RECORD_SCHEMA,
+            ordered: false,
             backend: Backend::Fake,
             driver_version: None,
             gpus,

@@ -58,6 +58,7 @@ impl RecordingGpu {
 fn frozen_record(pid: i32) -> GpuRecord {
     GpuRecord {
         schema: RECORD_SCHEMA,
+        ordered: false,
         backend: Backend::Fake,
         driver_version: None,
         gpus: vec![],
