@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use super::direct::{cached_pages, set_direct, write_direct};
+use super::files::{flock, is_hex_name, open_regular, tree_size};
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
 use crate::store::chunk::{ChunkId, Header, HEADER_LEN};
 use crate::store::error::{Error, Result};
@@ -230,54 +231,6 @@ fn writable_error(path: &Path, source: io::Error) -> Error {
     Error::Unwritable {
         path: path.to_path_buf(),
         source,
-    }
-}
-
-/// Opens a store file for reading, accepting only a regular file: `None` when it is missing, a link, or
-/// anything else (a FIFO would block the open or the read forever, a device such as `/dev/zero` would never
-/// end). The store never makes anything but regular files, so any other kind is not one of its objects.
-fn open_regular(path: &Path) -> io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = match fs::OpenOptions::new()
-        .read(true)
-        // O_NONBLOCK: opening a FIFO must not wait for a writer (it has no effect on regular files).
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    Ok(file.metadata()?.is_file().then_some(file))
-}
-
-fn is_hex_name(name: &str) -> bool {
-    name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-/// Takes the store lock on `file` (`nonblocking`: `Ok(None)` when another process holds it). nix's `Flock`
-/// (the one flock implementation the crate uses, as the flows' per-PID locks do) releases it on drop.
-fn flock(
-    file: File,
-    mode: LockMode,
-    nonblocking: bool,
-) -> io::Result<Option<nix::fcntl::Flock<File>>> {
-    use nix::fcntl::{Flock, FlockArg};
-    let arg = match (mode, nonblocking) {
-        (LockMode::Shared, false) => FlockArg::LockShared,
-        (LockMode::Shared, true) => FlockArg::LockSharedNonblock,
-        (LockMode::Exclusive, false) => FlockArg::LockExclusive,
-        (LockMode::Exclusive, true) => FlockArg::LockExclusiveNonblock,
-    };
-    let mut file = file;
-    loop {
-        match Flock::lock(file, arg) {
-            Ok(lock) => return Ok(Some(lock)),
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
-            Err((f, nix::errno::Errno::EINTR)) => file = f,
-            Err((_, e)) => return Err(e.into()),
-        }
     }
 }
 
@@ -678,19 +631,6 @@ impl Backend for LocalBackend {
         }
         Ok(out)
     }
-}
-
-/// Bytes under a path (files only), for reporting what a cleanup freed.
-fn tree_size(path: &Path) -> u64 {
-    let Ok(meta) = fs::symlink_metadata(path) else {
-        return 0;
-    };
-    if !meta.is_dir() {
-        return meta.len();
-    }
-    fs::read_dir(path)
-        .map(|entries| entries.flatten().map(|e| tree_size(&e.path())).sum())
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

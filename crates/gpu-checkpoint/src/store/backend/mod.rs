@@ -6,6 +6,7 @@
 //! (tests only).
 
 mod direct;
+mod files;
 mod local;
 mod memory;
 
