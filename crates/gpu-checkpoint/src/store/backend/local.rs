@@ -15,16 +15,16 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::direct::{cached_pages, set_direct, write_direct};
+use super::direct::{cached_pages, read_up_to, set_direct, write_direct};
 use super::files::{flock, is_hex_name, open_regular, tree_size};
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
-use crate::store::chunk::{ChunkId, Header, HEADER_LEN};
+use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
 use crate::util::{
     create_private_dir_all, fsync_dir, is_direct_io_aligned, write_atomic, AlignedBuf,
@@ -171,6 +171,46 @@ impl LocalBackend {
             let _ = fs::remove_file(&tmp);
             Error::io("cannot rename chunk into place", &path)(e)
         })
+    }
+
+    /// Reads `len` bytes of the chunk object `file` into `buf` with direct I/O when they are not all in the
+    /// page cache. `Ok(None)`: it did not (cached, or no direct reads here); read it the usual way.
+    fn read_cold(
+        &self,
+        file: &File,
+        path: &Path,
+        len: usize,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<usize>> {
+        if !self.direct_reads.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        match cached_pages(file) {
+            Ok(pages) if pages * DIRECT_IO_ALIGN as u64 >= len as u64 => return Ok(None),
+            Ok(_) => {}
+            Err(e) => {
+                self.no_direct_reads(&e);
+                return Ok(None);
+            }
+        }
+        if let Err(e) = set_direct(file, true) {
+            self.no_direct_reads(&e);
+            return Ok(None);
+        }
+        match read_up_to(
+            file,
+            buf.slice_mut(len.next_multiple_of(DIRECT_IO_ALIGN)),
+            len,
+        ) {
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                self.no_direct_reads(&e);
+                // The caller may read the same file the usual way.
+                let _ = set_direct(file, false);
+                Ok(None)
+            }
+            Err(e) => Err(Error::io("cannot read chunk", path)(e)),
+        }
     }
 
     /// Reads chunks through the page cache from now on (no `cachestat`, or no direct I/O here).
@@ -331,29 +371,6 @@ impl Backend for LocalBackend {
         &self.staging
     }
 
-    fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>> {
-        let path = self.chunk_path(id);
-        let file = match open_regular(&path) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(None),
-            Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
-        };
-        let len = file
-            .metadata()
-            .map_err(Error::io("cannot stat chunk", &path))?
-            .len();
-        let mut head = [0u8; HEADER_LEN];
-        if file.read_exact_at(&mut head, 0).is_err() {
-            return Ok(None);
-        }
-        // A chunk file whose size disagrees with its header was cut short (a crash before the data reached the
-        // disk): treat it as absent so that this ingest writes it again instead of referencing it.
-        match Header::decode(&head) {
-            Ok(h) if h.stored_len() == len => Ok(Some(len)),
-            _ => Ok(None),
-        }
-    }
-
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {
         self.put(id, Object::Parts(header, payload))
     }
@@ -428,33 +445,34 @@ impl Backend for LocalBackend {
             .metadata()
             .map_err(Error::io("cannot stat chunk", &path))?
             .len() as usize;
-        match cached_pages(&file) {
-            Ok(pages) if pages * DIRECT_IO_ALIGN as u64 >= len as u64 => return Ok(None),
-            Ok(_) => {}
-            Err(e) => {
-                self.no_direct_reads(&e);
-                return Ok(None);
-            }
+        self.read_cold(&file, &path, len, buf)
+    }
+
+    fn read_object(
+        &self,
+        id: &ChunkId,
+        max_len: usize,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<usize>> {
+        let path = self.chunk_path(id);
+        let file = match open_regular(&path) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(Error::io("cannot stat chunk", &path))?
+            .len() as usize;
+        if len > max_len {
+            return Ok(Some(len));
         }
-        if let Err(e) = set_direct(&file, true) {
-            self.no_direct_reads(&e);
-            return Ok(None);
+        if let Some(n) = self.read_cold(&file, &path, len, buf)? {
+            return Ok(Some(n));
         }
-        let dst = buf.slice_mut(len.next_multiple_of(DIRECT_IO_ALIGN));
-        let mut n = 0;
-        while n < len {
-            match file.read_at(&mut dst[n..], n as u64) {
-                Ok(0) => break, // shorter than it was: the decoder reports the truncation
-                Ok(k) => n += k,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    self.no_direct_reads(&e);
-                    return Ok(None);
-                }
-                Err(e) => return Err(Error::io("cannot read chunk", &path)(e)),
-            }
-        }
-        Ok(Some(n))
+        read_up_to(&file, buf.slice_mut(len), len)
+            .map(Some)
+            .map_err(Error::io("cannot read chunk", &path))
     }
 
     fn prefetch_chunk(&self, id: &ChunkId) {
@@ -636,7 +654,7 @@ impl Backend for LocalBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::chunk::{Decoder, Encoder};
+    use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
     use crate::testdata::random_bytes as random;
     use std::os::unix::fs::PermissionsExt;
 
@@ -669,7 +687,12 @@ mod tests {
                 fs::metadata(&path).unwrap().permissions().mode() & 0o777,
                 0o600
             );
-            assert_eq!(b.chunk_stored_len(&id).unwrap(), Some(object.len() as u64));
+            let mut whole = AlignedBuf::new();
+            assert_eq!(
+                b.read_object(&id, object.len(), &mut whole).unwrap(),
+                Some(object.len())
+            );
+            assert_eq!(whole.slice(object.len()), object);
             // fs::read above cached every page: read the usual way now.
             assert_eq!(b.read_chunk_uncached(&id, &mut direct).unwrap(), None);
             let mut buf = Vec::new();

@@ -65,10 +65,6 @@ pub trait Backend: Send + Sync {
     /// images there). For the local backend it is on the store's own filesystem.
     fn staging_root(&self) -> &Path;
 
-    /// The stored size of chunk `id` if it is present and looks complete (header consistent with the object's
-    /// size), `None` otherwise. Used for deduplication, so it must be cheap.
-    fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>>;
-
     /// Stores chunk `id` (header + payload) under its name, write-once: if another writer stored the same
     /// name meanwhile, either copy may stay (they are identical). Not durable until [`Backend::sync_chunks`].
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()>;
@@ -110,6 +106,26 @@ pub trait Backend: Send + Sync {
     /// same files ran at 3.8 GB/s with a tenth of the system CPU.
     fn read_chunk_uncached(&self, _id: &ChunkId, _buf: &mut AlignedBuf) -> Result<Option<usize>> {
         Ok(None)
+    }
+
+    /// Reads chunk `id`'s whole object into `buf` and returns its length, or `Ok(None)` if there is no such
+    /// chunk. The ingest reads every chunk it would reuse this way, to check it first (`check_reused`). An object longer than `max_len` is not read (its length is returned): the caller knows it
+    /// cannot be the chunk it wants. The local backend reads a cold object with direct I/O, like
+    /// [`Backend::read_chunk_uncached`]; the default goes through [`Backend::read_chunk`].
+    fn read_object(
+        &self,
+        id: &ChunkId,
+        max_len: usize,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<usize>> {
+        let mut object = Vec::new();
+        if !self.read_chunk(id, &mut object)? {
+            return Ok(None);
+        }
+        if object.len() <= max_len {
+            buf.slice_mut(object.len()).copy_from_slice(&object);
+        }
+        Ok(Some(object.len()))
     }
 
     /// Hints that chunk `id` will be read soon: a backend that can start fetching it in the background
