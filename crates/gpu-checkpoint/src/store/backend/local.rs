@@ -77,9 +77,21 @@ pub const DIRECT_IO_ENV: &str = "GPU_CHECKPOINT_DIRECT_IO";
 
 impl LocalBackend {
     /// Whether `root` holds a store (its `store.json` marker): commands that only read a store must not
-    /// create one where there is none.
-    pub fn holds_store(root: &Path) -> bool {
-        root.join(STORE_FILE).is_file()
+    /// create one where there is none. A store this user may not look into is [`Error::Unreadable`]
+    /// (permission denied), not "no store".
+    pub fn holds_store(root: &Path) -> Result<bool> {
+        let marker = root.join(STORE_FILE);
+        match fs::metadata(&marker) {
+            Ok(m) => Ok(m.is_file()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
+                Ok(false)
+            }
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::Unreadable {
+                path: root.to_path_buf(),
+                source: e,
+            }),
+            Err(e) => Err(Error::io("cannot look for", marker)(e)),
+        }
     }
 
     /// A backend on `root`, with direct I/O unless [`DIRECT_IO_ENV`] is `0`.
