@@ -352,3 +352,45 @@ fn a_list_without_permission_is_exit_4() {
         assert_eq!(code, Some(4), "{cmd}: {err}");
     }
 }
+/// Issue 13, item 11: loosened store permissions (the store folder 0755, a chunk 0644, a manifest 0644) are
+/// reported by `verify` on stderr and put back to 0700/0600; opening the store to write does the same for
+/// folders and manifests.
+#[test]
+fn loosened_permissions_are_reported_and_put_back() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let id = checkpoint(&store, "job", 6);
+    let chunk = store.get(&id).unwrap().files[1].chunks[0]
+        .id
+        .unwrap()
+        .to_hex();
+    let chunk = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    let manifest = store.manifest_path(&id);
+    let loosen = || {
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::set_permissions(dir.join("chunks"), fs::Permissions::from_mode(0o777)).unwrap();
+        fs::set_permissions(&chunk, fs::Permissions::from_mode(0o644)).unwrap();
+        fs::set_permissions(&manifest, fs::Permissions::from_mode(0o644)).unwrap();
+    };
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    loosen();
+    let out = bin(&["verify"], &dir);
+    let (code, err) = code_and_stderr(&out);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("permissions") && err.contains(&chunk.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("chunks")), 0o700);
+    assert_eq!(mode(&chunk), 0o600);
+    assert_eq!(mode(&manifest), 0o600);
+
+    loosen();
+    drop(store);
+    let _store = Store::open(&dir, StoreOptions::default()).unwrap();
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("chunks")), 0o700);
+    assert_eq!(mode(&manifest), 0o600);
+}

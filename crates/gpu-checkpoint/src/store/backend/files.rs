@@ -66,3 +66,47 @@ pub(super) fn tree_size(path: &Path) -> u64 {
         .map(|entries| entries.flatten().map(|e| tree_size(&e.path())).sum())
         .unwrap_or(0)
 }
+
+/// Puts the mode of store path `path` back to `want` (0700 for folders, 0600 for files: chunks and
+/// manifests hold process memory and what the process ran with) when someone loosened or changed it, and
+/// records it in `found`. Links are never followed or changed. One that cannot be changed (another owner,
+/// a read-only mount) is recorded too, with why.
+pub(super) fn restore_mode(path: &Path, want: u32, found: &mut Vec<String>) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return;
+    };
+    let mode = meta.permissions().mode() & 0o7777;
+    if meta.file_type().is_symlink() || mode == want {
+        return;
+    }
+    found.push(
+        match fs::set_permissions(path, fs::Permissions::from_mode(want)) {
+            Ok(()) => format!("{} was {mode:04o}, now {want:04o}", path.display()),
+            Err(e) => format!(
+                "{} is {mode:04o}, should be {want:04o}, and cannot be changed: {e}",
+                path.display()
+            ),
+        },
+    );
+}
+
+/// Says on stderr (a warning) which store paths had other permissions than the store's, if any.
+pub(super) fn warn_modes(root: &Path, found: &[String]) {
+    const SHOWN: usize = 8;
+    if found.is_empty() {
+        return;
+    }
+    let more = found.len().saturating_sub(SHOWN);
+    tracing::warn!(
+        "store {}: {} path(s) had loosened permissions (folders must be 0700, files 0600): {}{}",
+        root.display(),
+        found.len(),
+        found[..found.len().min(SHOWN)].join("; "),
+        if more > 0 {
+            format!("; and {more} more")
+        } else {
+            String::new()
+        }
+    );
+}

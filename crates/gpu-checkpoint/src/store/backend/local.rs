@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use super::direct::{cached_pages, read_up_to, set_direct, write_direct};
-use super::files::{flock, is_hex_name, open_regular, tree_size};
+use super::files::{flock, is_hex_name, open_regular, restore_mode, tree_size, warn_modes};
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
 use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
@@ -257,6 +257,33 @@ impl LocalBackend {
             .map_err(Error::io("cannot open lock file", &path))
     }
 
+    /// Puts every store path's permissions back to 0700 (folders) and 0600 (files) where they differ;
+    /// with `chunks`, the chunk files and their folders too. Returns what differed.
+    fn restore_modes(&self, chunks: bool) -> Vec<String> {
+        let mut found = Vec::new();
+        for dir in [&self.root, &self.chunks, &self.manifests, &self.staging] {
+            restore_mode(dir, DIR_MODE, &mut found);
+        }
+        for file in [STORE_FILE, "lock"] {
+            restore_mode(&self.root.join(file), FILE_MODE, &mut found);
+        }
+        let files_in = |dir: &Path, found: &mut Vec<String>| {
+            for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+                restore_mode(&entry.path(), FILE_MODE, found);
+            }
+        };
+        files_in(&self.manifests, &mut found);
+        if chunks {
+            for sub in fs::read_dir(&self.chunks).into_iter().flatten().flatten() {
+                if sub.file_type().is_ok_and(|t| t.is_dir()) {
+                    restore_mode(&sub.path(), DIR_MODE, &mut found);
+                    files_in(&sub.path(), &mut found);
+                }
+            }
+        }
+        found
+    }
+
     fn create_layout(&self) -> Result<()> {
         for dir in [&self.root, &self.chunks, &self.manifests, &self.staging] {
             create_private_dir_all(dir).map_err(|e| writable_error(&self.root, e))?;
@@ -332,6 +359,9 @@ impl Backend for LocalBackend {
                         create_private_dir_all(dir).map_err(|e| writable_error(dir, e))?;
                     }
                 }
+                // Loosened permissions are put back on every open (the folders and manifests: a few
+                // paths); `verify` also checks every chunk.
+                warn_modes(&self.root, &self.restore_modes(false));
                 Ok(())
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -377,6 +407,12 @@ impl Backend for LocalBackend {
             }
         }
         Ok(())
+    }
+
+    fn restore_permissions(&self) -> Vec<String> {
+        let found = self.restore_modes(true);
+        warn_modes(&self.root, &found);
+        found
     }
 
     fn staging_root(&self) -> &Path {

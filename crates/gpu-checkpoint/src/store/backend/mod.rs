@@ -61,6 +61,12 @@ pub trait Backend: Send + Sync {
     /// Fails with a storage error (exit status 6) if chunks and manifests cannot be written right now.
     fn check_writable(&self) -> Result<()>;
 
+    /// Puts the permissions of every store path (chunks included) back to private where someone changed
+    /// them, says so on stderr, and returns what it found (`verify` reports it). Default: nothing to do.
+    fn restore_permissions(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// A local folder, private to this store, in which ingests get their staging folders (CRIU writes its
     /// images there). For the local backend it is on the store's own filesystem.
     fn staging_root(&self) -> &Path;
