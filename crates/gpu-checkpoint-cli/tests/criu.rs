@@ -320,16 +320,23 @@ fn file_mappings_and_open_files_continue() {
     );
 }
 
-#[test]
-fn one_gib_of_memory_survives_with_its_checksum() {
-    let Some((dir, store)) = scene() else { return };
-    let w = Workload::start("memory", dir.path(), &["--mib", "1024"]);
+/// A `memory` workload of `mib` MiB, once it has filled its memory and verified it: the workload and the
+/// memory's checksum.
+fn memory_workload(dir: &Path, mib: &str) -> (Workload, String) {
+    let w = Workload::start("memory", dir, &["--mib", mib]);
     let r = w.wait_state("memory filled and verified", |r| {
         r.len() == 1
             && r[0].get("phase").map(String::as_str) == Some("verifying")
             && num(&r[0], "verified") >= 1
     });
     let checksum = r[0]["checksum"].clone();
+    (w, checksum)
+}
+
+#[test]
+fn one_gib_of_memory_survives_with_its_checksum() {
+    let Some((dir, store)) = scene() else { return };
+    let (w, checksum) = memory_workload(dir.path(), "1024");
     // Restored right away, as a user would: the checkpoint returns once the killed process is exiting,
     // possibly still freeing its GiB, and restore waits for its PID instead of calling it taken.
     let ck = checkpoint(w.pid, &store, &[]);
@@ -556,6 +563,44 @@ fn a_damaged_chunk_stops_a_restore() {
         "seq",
     );
     assert!(seq > 3);
+}
+
+/// Issue 13, item 1: a re-checkpoint of unchanged memory reuses the previous checkpoint's chunks; one of
+/// them damaged in the store (a flipped payload byte: header and size still right) is written again from
+/// the bytes the checkpoint has in hand, not referenced. The new checkpoint verifies and restores with the
+/// memory's checksum (before the fix: exit 0, the process killed, `verify` exit 7 and no restore).
+#[test]
+fn a_re_checkpoint_rewrites_a_damaged_chunk_of_unchanged_memory() {
+    let Some((dir, store)) = scene() else { return };
+    let (w, checksum) = memory_workload(dir.path(), "64");
+    let first = checkpoint(w.pid, &store, &["--leave-running"]);
+    assert!(w.alive());
+    let stored = page_chunks(&first);
+    let hash = stored[stored.len() / 2].clone();
+    damage_chunk(&store, &hash, |d| {
+        let mid = d.len() / 2;
+        d[mid] ^= 1;
+    });
+
+    let second = checkpoint(w.pid, &store, &[]);
+    let id = second["id"].as_str().unwrap();
+    assert!(
+        page_chunks(&second).contains(&hash),
+        "the unchanged memory has the same chunk"
+    );
+    let storage = store.to_str().unwrap();
+    ok(&gc(&["verify", id, "--storage", storage]));
+    // The rewrite repaired the first checkpoint too.
+    ok(&gc(&["verify", "--storage", storage]));
+    wait_pid_free(w.pid);
+    let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
+    assert_eq!(restore(id, &store), w.pid);
+    let verified0 = num(&before[0], "verified");
+    let after = w.wait_state("re-verified after restore", |r| {
+        r.len() == 1 && num(&r[0], "verified") >= verified0 + 2
+    });
+    assert_eq!(num(&after[0], "bad"), 0, "{after:?}");
+    assert_eq!(after[0]["checksum"], checksum);
 }
 
 /// A store deep in the file system: the streamer sockets' paths would exceed what a UNIX socket address

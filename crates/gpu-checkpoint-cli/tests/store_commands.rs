@@ -1,6 +1,7 @@
 //! `list`, `inspect`, `delete`, `verify` and `gc` against a real store, through the binary.
 
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -191,4 +192,205 @@ fn reading_commands_make_no_store_and_a_file_is_not_a_storage() {
         gpu_checkpoint::ExitStatus::Usage,
         "{err}"
     );
+}
+
+fn code_and_stderr(out: &Output) -> (Option<i32>, String) {
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Issue 13, item 11: a `--lock-timeout` too large for a duration is a usage error naming the value
+/// (exit 2), never a panic (exit 101), and nothing is created. (Already so before this test: it pins the
+/// binary's behaviour, where the unit test covers only the parser.)
+#[test]
+fn a_lock_timeout_out_of_range_is_a_usage_error() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    for value in ["99999999999999999999s", "18446744073709551616", "1e300ms"] {
+        let out = bin(
+            &["checkpoint", "--pid", "999999999", "--lock-timeout", value],
+            &dir,
+        );
+        let (code, err) = code_and_stderr(&out);
+        assert_eq!(code, Some(2), "{value}: {err}");
+        assert!(err.contains(value), "{value}: {err}");
+    }
+    assert!(!dir.exists());
+}
+
+/// Issue 13, item 11: a chunk replaced by a folder is a damaged checkpoint (exit 7, naming the chunk), for
+/// `verify` and for a restore's reading of it.
+#[test]
+fn a_chunk_replaced_by_a_folder_is_damage() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let id = checkpoint(&store, "job", 3);
+    let chunk = store.get(&id).unwrap().files[1].chunks[0]
+        .id
+        .unwrap()
+        .to_hex();
+    let path = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    fs::remove_file(&path).unwrap();
+    fs::create_dir(&path).unwrap();
+    fs::write(path.join("x"), b"not a chunk").unwrap();
+    let out = bin(&["verify", &id], &dir);
+    let (code, err) = code_and_stderr(&out);
+    assert_eq!(code, Some(7), "{err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&chunk));
+    let err = store
+        .materialize(&id, &t.path().join("out"), &NoProgress)
+        .unwrap_err();
+    assert_eq!(
+        gpu_checkpoint::Classify::exit_status(&err),
+        gpu_checkpoint::ExitStatus::CheckpointInvalid,
+        "{err}"
+    );
+}
+
+/// Issue 13, item 11: `gc` refuses to run while a damaged manifest exists (exit 7, naming it), and deletes
+/// nothing: neither unreferenced chunks nor what interrupted writers left.
+#[test]
+fn gc_refuses_while_a_manifest_is_damaged_and_deletes_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let a = checkpoint(&store, "a", 1);
+    let b = checkpoint(&store, "b", 2);
+    store.delete(&a).unwrap(); // a's chunks are unreferenced now
+    let stale = dir.join("staging").join("20261124T000000Z-dead0000");
+    fs::create_dir_all(&stale).unwrap();
+    fs::write(stale.join("pages-1.img"), b"left by a killed writer").unwrap();
+    let manifest = store.manifest_path(&b);
+    let mut bytes = fs::read(&manifest).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    fs::write(&manifest, bytes).unwrap();
+    let before = walk(&dir);
+
+    let out = bin(&["gc"], &dir);
+    let (code, err) = code_and_stderr(&out);
+    assert_eq!(code, Some(7), "{err}");
+    assert!(err.contains(&b) && err.contains("gc refuses"), "{err}");
+    assert_eq!(walk(&dir), before, "gc deleted something");
+}
+
+/// Every path under `d`, sorted.
+fn walk(d: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(d).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out.sort();
+    out
+}
+
+/// Issue 13, item 11: a manifest (with a right checksum) naming a file outside the image folder is damaged
+/// for `verify` (exit 7), as it is for a restore, and for every other reader of manifests.
+#[test]
+fn verify_calls_a_manifest_with_an_escaping_path_damaged() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let id = checkpoint(&store, "job", 4);
+    let good = store.get(&id).unwrap();
+    for bad in ["../x", "/etc/x", "a/../../x", ""] {
+        let mut info = good.clone();
+        info.files[0].path = bad.into();
+        fs::write(
+            store.manifest_path(&id),
+            gpu_checkpoint::store::manifest::encode(&info),
+        )
+        .unwrap();
+        let out = bin(&["verify", &id], &dir);
+        let (code, err) = code_and_stderr(&out);
+        assert_eq!(code, Some(7), "{bad:?}: {err}");
+        let out = bin(&["verify"], &dir);
+        assert_eq!(out.status.code(), Some(7), "{bad:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("escapes the image folder"), "{bad:?}: {text}");
+        // The restore's reading of it: the same verdict.
+        let err = store.get(&id).unwrap_err();
+        assert_eq!(
+            gpu_checkpoint::Classify::exit_status(&err),
+            gpu_checkpoint::ExitStatus::CheckpointInvalid,
+            "{err}"
+        );
+    }
+}
+
+/// Issue 13, item 11: a `list` by a user who may not read a root-owned store is "permission denied" (exit
+/// 4), not "storage full or not writable" (6).
+#[test]
+fn a_list_without_permission_is_exit_4() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: needs root to run the binary as another user");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    checkpoint(&store, "job", 5);
+    // The way in must be open to the user; the store itself stays 0700 root.
+    fs::set_permissions(t.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    for cmd in ["list", "verify", "gc"] {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+            .args([cmd, "--storage"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let (code, err) = code_and_stderr(&out);
+        assert_eq!(code, Some(4), "{cmd}: {err}");
+    }
+}
+/// Issue 13, item 11: loosened store permissions (the store folder 0755, a chunk 0644, a manifest 0644) are
+/// reported by `verify` on stderr and put back to 0700/0600; opening the store to write does the same for
+/// folders and manifests.
+#[test]
+fn loosened_permissions_are_reported_and_put_back() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let id = checkpoint(&store, "job", 6);
+    let chunk = store.get(&id).unwrap().files[1].chunks[0]
+        .id
+        .unwrap()
+        .to_hex();
+    let chunk = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    let manifest = store.manifest_path(&id);
+    let loosen = || {
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::set_permissions(dir.join("chunks"), fs::Permissions::from_mode(0o777)).unwrap();
+        fs::set_permissions(&chunk, fs::Permissions::from_mode(0o644)).unwrap();
+        fs::set_permissions(&manifest, fs::Permissions::from_mode(0o644)).unwrap();
+    };
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    loosen();
+    let out = bin(&["verify"], &dir);
+    let (code, err) = code_and_stderr(&out);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("permissions") && err.contains(&chunk.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("chunks")), 0o700);
+    assert_eq!(mode(&chunk), 0o600);
+    assert_eq!(mode(&manifest), 0o600);
+
+    loosen();
+    drop(store);
+    let _store = Store::open(&dir, StoreOptions::default()).unwrap();
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("chunks")), 0o700);
+    assert_eq!(mode(&manifest), 0o600);
 }

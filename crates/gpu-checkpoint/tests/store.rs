@@ -387,6 +387,85 @@ fn truncated_chunk_is_detected() {
     assert!(store.verify(None, &NoProgress).unwrap().is_ok());
 }
 
+/// Issue 13, item 1: a re-checkpoint of unchanged data must not reference a stored chunk that is damaged
+/// while its header and size still look right (a flipped payload byte): the checkpoint has the right bytes
+/// in hand, so it verifies what it reuses and writes a damaged chunk again. Both encodings: a raw chunk
+/// (random pages) and a zstd one (text-like pages), on the local and the memory backend.
+#[test]
+fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    criu_like(&src, 600, 11);
+    let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    let pages = first
+        .files
+        .iter()
+        .find(|f| f.path == "pages-1.img")
+        .unwrap();
+    // One raw and one compressed chunk (their payload sizes tell them apart).
+    let (mut raw, mut zstd) = (None, None);
+    for c in pages
+        .chunks
+        .iter()
+        .filter_map(|c| c.id.map(|id| (id, c.len)))
+    {
+        let hex = c.0.to_hex();
+        let path = t.path().join("store/chunks").join(&hex[..2]).join(&hex);
+        let stored = fs::metadata(&path).unwrap().len();
+        if stored == 16 + c.1 as u64 {
+            raw.get_or_insert(path);
+        } else {
+            zstd.get_or_insert(path);
+        }
+    }
+    let (raw, zstd) = (raw.expect("a raw chunk"), zstd.expect("a zstd chunk"));
+    for path in [&raw, &zstd] {
+        let mut b = fs::read(path).unwrap();
+        let n = b.len();
+        b[n - 7] ^= 0x40;
+        fs::write(path, b).unwrap();
+    }
+    assert_eq!(
+        store
+            .verify(Some(&first.id), &NoProgress)
+            .unwrap()
+            .problems
+            .len(),
+        2
+    );
+
+    let again = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert_eq!(
+        again.stats.new_chunks, 2,
+        "the two damaged chunks are written again"
+    );
+    let report = store.verify(Some(&again.id), &NoProgress).unwrap();
+    assert!(report.is_ok(), "{:?}", report.problems);
+    let out = t.path().join("out");
+    store.materialize(&again.id, &out, &NoProgress).unwrap();
+    assert_same_tree(&src, &out);
+    // The rewrite repaired the older checkpoint too, and left the files private.
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    assert_eq!(mode(&raw), 0o600);
+    assert_eq!(mode(&zstd), 0o600);
+    // A third, unchanged checkpoint finds every chunk good and writes none.
+    let third = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert_eq!(third.stats.new_chunks, 0);
+
+    // The same through a backend without files (the verification reads the object through the trait).
+    let mem = Arc::new(MemoryBackend::new(&t.path().join("staging")));
+    let store = Store::with_backend(mem.clone(), small_opts()).unwrap();
+    let data = pseudo_random(100_000, 4);
+    let info = ingest(&store, None, |d| fs::write(d.join("a.img"), &data).unwrap());
+    let first = info.files[0].chunks[1].id.unwrap();
+    assert!(mem.with_chunk(&first, |c| c[20] ^= 1));
+    let again = ingest(&store, None, |d| fs::write(d.join("a.img"), &data).unwrap());
+    assert_eq!(again.stats.new_chunks, 1);
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+}
+
 #[test]
 fn missing_chunk_is_detected() {
     let t = tempfile::tempdir().unwrap();

@@ -60,7 +60,7 @@ fn open_store(storage: &std::path::Path) -> anyhow::Result<Store> {
             storage.display()
         )));
     }
-    if !gpu_checkpoint::store::LocalBackend::holds_store(storage) {
+    if !gpu_checkpoint::store::LocalBackend::holds_store(storage)? {
         return Err(gpu_checkpoint::store::Error::NotFound {
             what: "any checkpoint (no store here)".into(),
             storage: storage.to_path_buf(),

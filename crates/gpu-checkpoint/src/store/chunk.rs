@@ -232,6 +232,14 @@ impl Encoder {
         (header, obj)
     }
 
+    /// The encoder's object buffer, with room for the largest object, lent out between two encodes: the
+    /// ingest reads a stored chunk it is about to reuse into it to check it, instead of holding a second
+    /// buffer of that size per worker.
+    pub fn object_buffer(&mut self) -> &mut AlignedBuf {
+        Self::object_room(&mut self.obj, self.max_chunk, 0);
+        &mut self.obj
+    }
+
     /// The object buffer `obj`, room for the header and a chunk of `len` raw bytes. Sized for the largest
     /// chunk at once: growing it chunk by chunk would reallocate it (and lose its contents) every time.
     fn object_room(obj: &mut AlignedBuf, max_chunk: usize, len: usize) -> &mut [u8] {
@@ -397,6 +405,29 @@ impl Decoder {
     /// Decodes a stored chunk and checks that it hashes to `id`. Returns the raw bytes, borrowed from `stored`
     /// (raw chunks) or from the decoder's buffer (zstd chunks). The error describes the damage.
     pub fn decode<'a>(&'a mut self, id: &ChunkId, stored: &'a [u8]) -> Result<&'a [u8], String> {
+        let raw = self.decode_unhashed(stored)?;
+        if ChunkId::of(raw) != *id {
+            return Err(HASH_MISMATCH.into());
+        }
+        Ok(raw)
+    }
+
+    /// Checks that a stored chunk decodes to exactly `expected`, bytes the caller has just hashed to the
+    /// chunk's name: then the stored object is as good as a hash check would prove, and comparing costs
+    /// less than hashing again (the ingest checks every chunk it reuses this way). The error describes the
+    /// damage.
+    pub fn check_equal(&mut self, stored: &[u8], expected: &[u8]) -> Result<(), String> {
+        if Header::decode(stored)?.raw_len as usize != expected.len() {
+            return Err(HASH_MISMATCH.into());
+        }
+        if self.decode_unhashed(stored)? != expected {
+            return Err(HASH_MISMATCH.into());
+        }
+        Ok(())
+    }
+
+    /// Decodes a stored chunk, checking its header and lengths but not its hash.
+    fn decode_unhashed<'a>(&'a mut self, stored: &'a [u8]) -> Result<&'a [u8], String> {
         let header = Header::decode(stored)?;
         let payload = &stored[HEADER_LEN..];
         if payload.len() as u64 != header.payload_len as u64 {
@@ -425,9 +456,6 @@ impl Decoder {
                 &self.out
             }
         };
-        if ChunkId::of(raw) != *id {
-            return Err(HASH_MISMATCH.into());
-        }
         Ok(raw)
     }
 }

@@ -26,6 +26,15 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// The storage cannot be read by this user (a root-owned 0700 store read by another user): permission
+    /// denied (exit status 4), not a full or read-only storage.
+    #[error("storage {} cannot be read: {source}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
     /// The storage path exists but is not a gpu-checkpoint store, or one of a format this build cannot read.
     #[error("{}: {reason}", path.display())]
     BadStore { path: PathBuf, reason: String },
@@ -132,6 +141,7 @@ impl Classify for Error {
         match self {
             Error::Io { source, .. } => io_status(source),
             Error::Unwritable { .. } => ExitStatus::Storage,
+            Error::Unreadable { .. } => ExitStatus::PermissionDenied,
             Error::BadStore { .. } => ExitStatus::Failure,
             Error::NotFound { .. }
             | Error::DamagedManifest { .. }

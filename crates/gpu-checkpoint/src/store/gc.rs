@@ -43,11 +43,6 @@ pub(super) fn gc(inner: &Inner) -> Result<GcReport> {
         waited_ms: started.elapsed().as_millis() as u64,
         ..GcReport::default()
     };
-    let stale = backend.cleanup_stale()?;
-    report.stale_staging_removed = stale.staging_dirs;
-    report.stale_temp_removed = stale.temp_objects;
-    report.stale_bytes_removed = stale.bytes;
-
     let mut referenced: HashSet<ChunkId> = HashSet::new();
     for id in backend.list_manifests()? {
         let Some(bytes) = backend.get_manifest(&id)? else {
@@ -63,6 +58,12 @@ pub(super) fn gc(inner: &Inner) -> Result<GcReport> {
             referenced.extend(f.chunks.iter().filter_map(|c| c.id));
         }
     }
+    // Only now, with every manifest readable: a refusal above deletes nothing, leftovers included.
+    let stale = backend.cleanup_stale()?;
+    report.stale_staging_removed = stale.staging_dirs;
+    report.stale_temp_removed = stale.temp_objects;
+    report.stale_bytes_removed = stale.bytes;
+
     let mut unreferenced = Vec::new();
     backend.list_chunks(&mut |id, len| {
         if referenced.contains(&id) {

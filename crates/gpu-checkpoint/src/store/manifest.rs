@@ -165,6 +165,16 @@ pub fn decode(bytes: &[u8]) -> Result<CheckpointInfo, String> {
         ));
     }
     for f in &info.files {
+        // Every reader of a manifest sees the same verdict: a path a restore would refuse to write (outside
+        // the image folder) makes the manifest damaged for verify, list and gc too.
+        let rel = std::path::Path::new(&f.path);
+        if f.path.is_empty()
+            || rel
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(format!("file path {:?} escapes the image folder", f.path));
+        }
         let sum: u64 = f.chunks.iter().map(|c| c.len as u64).sum();
         if sum != f.size {
             return Err(format!(

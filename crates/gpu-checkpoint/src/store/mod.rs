@@ -529,7 +529,10 @@ impl Store {
                 })
                 .collect(),
         };
-        verify::verify(&self.inner, checkpoints, progress)
+        let permissions = self.inner.backend.restore_permissions();
+        let mut report = verify::verify(&self.inner, checkpoints, progress)?;
+        report.permissions_restored = permissions;
+        Ok(report)
     }
 
     /// Removes chunks no checkpoint references, and staging folders of dead writers. Waits for checkpoints

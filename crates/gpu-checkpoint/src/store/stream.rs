@@ -22,10 +22,10 @@ use std::sync::Mutex;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::chunk::{ChunkId, Encoder};
+use super::chunk::ChunkId;
 use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
 use super::error::{Error, Result};
-use super::ingest::{store_piece, Collected, Ingest, Plan};
+use super::ingest::{coder, store_piece, Collected, Ingest, Plan};
 use super::Progress;
 
 /// Images other than pages are read into memory up to this size; beyond it they go to the staging folder.
@@ -280,8 +280,8 @@ impl<'a> Streams<'a> {
     /// Runs one worker until the session is closed and every queued chunk is stored.
     pub fn work(&self, progress: &dyn Progress) {
         let backend = &*self.ingest.inner().backend;
-        let mut enc = match Encoder::new(self.level, self.params.max_size as usize) {
-            Ok(e) => Some(e),
+        let mut coder = match coder(self.level, self.params.max_size as usize) {
+            Ok(c) => Some(c),
             Err(e) => {
                 self.fail(Error::Zstd {
                     op: "cannot create zstd context",
@@ -291,14 +291,16 @@ impl<'a> Streams<'a> {
             }
         };
         for (file, piece) in self.rx.iter() {
-            let Some(enc) = enc.as_mut() else { continue };
+            let Some((enc, dec)) = coder.as_mut() else {
+                continue;
+            };
             if self.failed.load(Ordering::Relaxed) {
                 continue; // drop it: returns its segment, so the streams can see the failure
             }
             let name = self.files.lock().unwrap_or_else(|p| p.into_inner())[file]
                 .name
                 .clone();
-            match store_piece(backend, enc, &self.seen, &piece, self.hints.get(&name)) {
+            match store_piece(backend, enc, dec, &self.seen, &piece, self.hints.get(&name)) {
                 Ok((cref, outcome)) => {
                     let len = piece.data().len() as u64;
                     let index = piece.index;

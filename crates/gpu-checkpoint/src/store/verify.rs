@@ -59,6 +59,10 @@ pub struct VerifyReport {
     /// Stored bytes read.
     pub stored_bytes_read: u64,
     pub problems: Vec<VerifyProblem>,
+    /// Store paths whose permissions were not private (folders 0700, files 0600), now put back: a
+    /// warning, not a problem (the content is intact).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub permissions_restored: Vec<String>,
     pub elapsed_ms: u64,
 }
 

@@ -31,6 +31,22 @@ pub(super) fn write_direct(file: &File, object: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Reads `len` bytes from the start of `file` into `dst` (at least `len` long; page-aligned and a whole
+/// number of blocks for a file with `O_DIRECT`), and returns how many it read: fewer only when the file
+/// ended first (shorter than it was: the decoder then reports the truncation).
+pub(super) fn read_up_to(file: &File, dst: &mut [u8], len: usize) -> io::Result<usize> {
+    let mut n = 0;
+    while n < len {
+        match file.read_at(&mut dst[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
 /// Sets or clears `O_DIRECT` on an open file.
 pub(super) fn set_direct(file: &File, on: bool) -> io::Result<()> {
     let fd = file.as_raw_fd();

@@ -15,15 +15,16 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::direct::{cached_pages, set_direct, write_direct};
+use super::direct::{cached_pages, read_up_to, set_direct, write_direct};
+use super::files::{flock, is_hex_name, open_regular, restore_mode, tree_size, warn_modes};
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
-use crate::store::chunk::{ChunkId, Header, HEADER_LEN};
+use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
 use crate::util::{
     create_private_dir_all, fsync_dir, is_direct_io_aligned, write_atomic, AlignedBuf,
@@ -76,9 +77,21 @@ pub const DIRECT_IO_ENV: &str = "GPU_CHECKPOINT_DIRECT_IO";
 
 impl LocalBackend {
     /// Whether `root` holds a store (its `store.json` marker): commands that only read a store must not
-    /// create one where there is none.
-    pub fn holds_store(root: &Path) -> bool {
-        root.join(STORE_FILE).is_file()
+    /// create one where there is none. A store this user may not look into is [`Error::Unreadable`]
+    /// (permission denied), not "no store".
+    pub fn holds_store(root: &Path) -> Result<bool> {
+        let marker = root.join(STORE_FILE);
+        match fs::metadata(&marker) {
+            Ok(m) => Ok(m.is_file()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
+                Ok(false)
+            }
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::Unreadable {
+                path: root.to_path_buf(),
+                source: e,
+            }),
+            Err(e) => Err(Error::io("cannot look for", marker)(e)),
+        }
     }
 
     /// A backend on `root`, with direct I/O unless [`DIRECT_IO_ENV`] is `0`.
@@ -175,6 +188,46 @@ impl LocalBackend {
         })
     }
 
+    /// Reads `len` bytes of the chunk object `file` into `buf` with direct I/O when they are not all in the
+    /// page cache. `Ok(None)`: it did not (cached, or no direct reads here); read it the usual way.
+    fn read_cold(
+        &self,
+        file: &File,
+        path: &Path,
+        len: usize,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<usize>> {
+        if !self.direct_reads.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        match cached_pages(file) {
+            Ok(pages) if pages * DIRECT_IO_ALIGN as u64 >= len as u64 => return Ok(None),
+            Ok(_) => {}
+            Err(e) => {
+                self.no_direct_reads(&e);
+                return Ok(None);
+            }
+        }
+        if let Err(e) = set_direct(file, true) {
+            self.no_direct_reads(&e);
+            return Ok(None);
+        }
+        match read_up_to(
+            file,
+            buf.slice_mut(len.next_multiple_of(DIRECT_IO_ALIGN)),
+            len,
+        ) {
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                self.no_direct_reads(&e);
+                // The caller may read the same file the usual way.
+                let _ = set_direct(file, false);
+                Ok(None)
+            }
+            Err(e) => Err(Error::io("cannot read chunk", path)(e)),
+        }
+    }
+
     /// Reads chunks through the page cache from now on (no `cachestat`, or no direct I/O here).
     fn no_direct_reads(&self, e: &io::Error) {
         if self.direct_reads.swap(false, Ordering::Relaxed) {
@@ -207,6 +260,33 @@ impl LocalBackend {
             .map_err(Error::io("cannot open lock file", &path))
     }
 
+    /// Puts every store path's permissions back to 0700 (folders) and 0600 (files) where they differ;
+    /// with `chunks`, the chunk files and their folders too. Returns what differed.
+    fn restore_modes(&self, chunks: bool) -> Vec<String> {
+        let mut found = Vec::new();
+        for dir in [&self.root, &self.chunks, &self.manifests, &self.staging] {
+            restore_mode(dir, DIR_MODE, &mut found);
+        }
+        for file in [STORE_FILE, "lock"] {
+            restore_mode(&self.root.join(file), FILE_MODE, &mut found);
+        }
+        let files_in = |dir: &Path, found: &mut Vec<String>| {
+            for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+                restore_mode(&entry.path(), FILE_MODE, found);
+            }
+        };
+        files_in(&self.manifests, &mut found);
+        if chunks {
+            for sub in fs::read_dir(&self.chunks).into_iter().flatten().flatten() {
+                if sub.file_type().is_ok_and(|t| t.is_dir()) {
+                    restore_mode(&sub.path(), DIR_MODE, &mut found);
+                    files_in(&sub.path(), &mut found);
+                }
+            }
+        }
+        found
+    }
+
     fn create_layout(&self) -> Result<()> {
         for dir in [&self.root, &self.chunks, &self.manifests, &self.staging] {
             create_private_dir_all(dir).map_err(|e| writable_error(&self.root, e))?;
@@ -233,54 +313,6 @@ fn writable_error(path: &Path, source: io::Error) -> Error {
     Error::Unwritable {
         path: path.to_path_buf(),
         source,
-    }
-}
-
-/// Opens a store file for reading, accepting only a regular file: `None` when it is missing, a link, or
-/// anything else (a FIFO would block the open or the read forever, a device such as `/dev/zero` would never
-/// end). The store never makes anything but regular files, so any other kind is not one of its objects.
-fn open_regular(path: &Path) -> io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = match fs::OpenOptions::new()
-        .read(true)
-        // O_NONBLOCK: opening a FIFO must not wait for a writer (it has no effect on regular files).
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    Ok(file.metadata()?.is_file().then_some(file))
-}
-
-fn is_hex_name(name: &str) -> bool {
-    name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-/// Takes the store lock on `file` (`nonblocking`: `Ok(None)` when another process holds it). nix's `Flock`
-/// (the one flock implementation the crate uses, as the flows' per-PID locks do) releases it on drop.
-fn flock(
-    file: File,
-    mode: LockMode,
-    nonblocking: bool,
-) -> io::Result<Option<nix::fcntl::Flock<File>>> {
-    use nix::fcntl::{Flock, FlockArg};
-    let arg = match (mode, nonblocking) {
-        (LockMode::Shared, false) => FlockArg::LockShared,
-        (LockMode::Shared, true) => FlockArg::LockSharedNonblock,
-        (LockMode::Exclusive, false) => FlockArg::LockExclusive,
-        (LockMode::Exclusive, true) => FlockArg::LockExclusiveNonblock,
-    };
-    let mut file = file;
-    loop {
-        match Flock::lock(file, arg) {
-            Ok(lock) => return Ok(Some(lock)),
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Ok(None),
-            Err((f, nix::errno::Errno::EINTR)) => file = f,
-            Err((_, e)) => return Err(e.into()),
-        }
     }
 }
 
@@ -330,6 +362,9 @@ impl Backend for LocalBackend {
                         create_private_dir_all(dir).map_err(|e| writable_error(dir, e))?;
                     }
                 }
+                // Loosened permissions are put back on every open (the folders and manifests: a few
+                // paths); `verify` also checks every chunk.
+                warn_modes(&self.root, &self.restore_modes(false));
                 Ok(())
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -377,31 +412,14 @@ impl Backend for LocalBackend {
         Ok(())
     }
 
-    fn staging_root(&self) -> &Path {
-        &self.staging
+    fn restore_permissions(&self) -> Vec<String> {
+        let found = self.restore_modes(true);
+        warn_modes(&self.root, &found);
+        found
     }
 
-    fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>> {
-        let path = self.chunk_path(id);
-        let file = match open_regular(&path) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(None),
-            Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
-        };
-        let len = file
-            .metadata()
-            .map_err(Error::io("cannot stat chunk", &path))?
-            .len();
-        let mut head = [0u8; HEADER_LEN];
-        if file.read_exact_at(&mut head, 0).is_err() {
-            return Ok(None);
-        }
-        // A chunk file whose size disagrees with its header was cut short (a crash before the data reached the
-        // disk): treat it as absent so that this ingest writes it again instead of referencing it.
-        match Header::decode(&head) {
-            Ok(h) if h.stored_len() == len => Ok(Some(len)),
-            _ => Ok(None),
-        }
+    fn staging_root(&self) -> &Path {
+        &self.staging
     }
 
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {
@@ -478,33 +496,34 @@ impl Backend for LocalBackend {
             .metadata()
             .map_err(Error::io("cannot stat chunk", &path))?
             .len() as usize;
-        match cached_pages(&file) {
-            Ok(pages) if pages * DIRECT_IO_ALIGN as u64 >= len as u64 => return Ok(None),
-            Ok(_) => {}
-            Err(e) => {
-                self.no_direct_reads(&e);
-                return Ok(None);
-            }
+        self.read_cold(&file, &path, len, buf)
+    }
+
+    fn read_object(
+        &self,
+        id: &ChunkId,
+        max_len: usize,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<usize>> {
+        let path = self.chunk_path(id);
+        let file = match open_regular(&path) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(Error::io("cannot stat chunk", &path))?
+            .len() as usize;
+        if len > max_len {
+            return Ok(Some(len));
         }
-        if let Err(e) = set_direct(&file, true) {
-            self.no_direct_reads(&e);
-            return Ok(None);
+        if let Some(n) = self.read_cold(&file, &path, len, buf)? {
+            return Ok(Some(n));
         }
-        let dst = buf.slice_mut(len.next_multiple_of(DIRECT_IO_ALIGN));
-        let mut n = 0;
-        while n < len {
-            match file.read_at(&mut dst[n..], n as u64) {
-                Ok(0) => break, // shorter than it was: the decoder reports the truncation
-                Ok(k) => n += k,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    self.no_direct_reads(&e);
-                    return Ok(None);
-                }
-                Err(e) => return Err(Error::io("cannot read chunk", &path)(e)),
-            }
-        }
-        Ok(Some(n))
+        read_up_to(&file, buf.slice_mut(len), len)
+            .map(Some)
+            .map_err(Error::io("cannot read chunk", &path))
     }
 
     fn prefetch_chunk(&self, id: &ChunkId) {
@@ -683,23 +702,10 @@ impl Backend for LocalBackend {
     }
 }
 
-/// Bytes under a path (files only), for reporting what a cleanup freed.
-fn tree_size(path: &Path) -> u64 {
-    let Ok(meta) = fs::symlink_metadata(path) else {
-        return 0;
-    };
-    if !meta.is_dir() {
-        return meta.len();
-    }
-    fs::read_dir(path)
-        .map(|entries| entries.flatten().map(|e| tree_size(&e.path())).sum())
-        .unwrap_or(0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::chunk::{Decoder, Encoder};
+    use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
     use crate::testdata::random_bytes as random;
     use std::os::unix::fs::PermissionsExt;
 
@@ -732,7 +738,12 @@ mod tests {
                 fs::metadata(&path).unwrap().permissions().mode() & 0o777,
                 0o600
             );
-            assert_eq!(b.chunk_stored_len(&id).unwrap(), Some(object.len() as u64));
+            let mut whole = AlignedBuf::new();
+            assert_eq!(
+                b.read_object(&id, object.len(), &mut whole).unwrap(),
+                Some(object.len())
+            );
+            assert_eq!(whole.slice(object.len()), object);
             // fs::read above cached every page: read the usual way now.
             assert_eq!(b.read_chunk_uncached(&id, &mut direct).unwrap(), None);
             let mut buf = Vec::new();

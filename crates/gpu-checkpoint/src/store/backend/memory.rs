@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::{Backend, LockGuard, LockMode, StaleCleanup};
-use crate::store::chunk::{ChunkId, Header};
+use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
 
 #[derive(Default)]
@@ -151,17 +151,6 @@ impl Backend for MemoryBackend {
 
     fn staging_root(&self) -> &Path {
         &self.staging
-    }
-
-    fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>> {
-        Ok(self
-            .objects()
-            .chunks
-            .get(id)
-            .and_then(|c| match Header::decode(c) {
-                Ok(h) if h.stored_len() == c.len() as u64 => Some(c.len() as u64),
-                _ => None,
-            }))
     }
 
     fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {

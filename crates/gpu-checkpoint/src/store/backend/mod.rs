@@ -6,6 +6,7 @@
 //! (tests only).
 
 mod direct;
+mod files;
 mod local;
 mod memory;
 
@@ -60,13 +61,15 @@ pub trait Backend: Send + Sync {
     /// Fails with a storage error (exit status 6) if chunks and manifests cannot be written right now.
     fn check_writable(&self) -> Result<()>;
 
+    /// Puts the permissions of every store path (chunks included) back to private where someone changed
+    /// them, says so on stderr, and returns what it found (`verify` reports it). Default: nothing to do.
+    fn restore_permissions(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// A local folder, private to this store, in which ingests get their staging folders (CRIU writes its
     /// images there). For the local backend it is on the store's own filesystem.
     fn staging_root(&self) -> &Path;
-
-    /// The stored size of chunk `id` if it is present and looks complete (header consistent with the object's
-    /// size), `None` otherwise. Used for deduplication, so it must be cheap.
-    fn chunk_stored_len(&self, id: &ChunkId) -> Result<Option<u64>>;
 
     /// Stores chunk `id` (header + payload) under its name, write-once: if another writer stored the same
     /// name meanwhile, either copy may stay (they are identical). Not durable until [`Backend::sync_chunks`].
@@ -109,6 +112,26 @@ pub trait Backend: Send + Sync {
     /// same files ran at 3.8 GB/s with a tenth of the system CPU.
     fn read_chunk_uncached(&self, _id: &ChunkId, _buf: &mut AlignedBuf) -> Result<Option<usize>> {
         Ok(None)
+    }
+
+    /// Reads chunk `id`'s whole object into `buf` and returns its length, or `Ok(None)` if there is no such
+    /// chunk. The ingest reads every chunk it would reuse this way, to check it first (`check_reused`). An object longer than `max_len` is not read (its length is returned): the caller knows it
+    /// cannot be the chunk it wants. The local backend reads a cold object with direct I/O, like
+    /// [`Backend::read_chunk_uncached`]; the default goes through [`Backend::read_chunk`].
+    fn read_object(
+        &self,
+        id: &ChunkId,
+        max_len: usize,
+        buf: &mut AlignedBuf,
+    ) -> Result<Option<usize>> {
+        let mut object = Vec::new();
+        if !self.read_chunk(id, &mut object)? {
+            return Ok(None);
+        }
+        if object.len() <= max_len {
+            buf.slice_mut(object.len()).copy_from_slice(&object);
+        }
+        Ok(Some(object.len()))
     }
 
     /// Hints that chunk `id` will be read soon: a backend that can start fetching it in the background

@@ -61,19 +61,8 @@ fn write_all(
 ) -> Result<MaterializeStats> {
     let mut files = Vec::with_capacity(info.files.len());
     for f in &info.files {
-        let rel = Path::new(&f.path);
-        if rel.is_absolute()
-            || rel
-                .components()
-                .any(|c| !matches!(c, std::path::Component::Normal(_)))
-        {
-            return Err(Error::DamagedManifest {
-                checkpoint: info.id.clone(),
-                path: inner.backend.manifest_path(&info.id),
-                reason: format!("file path {:?} escapes the image folder", f.path),
-            });
-        }
-        let path = dest.join(rel);
+        // Relative, inside the folder: manifest::decode refuses any other path.
+        let path = dest.join(&f.path);
         if let Some(parent) = path.parent() {
             create_private_dir_all(parent).map_err(Error::io("cannot create folder", parent))?;
         }

@@ -31,6 +31,7 @@ use super::Inner;
 
 pub(in crate::store) use folder::{materialize, materialize_selected, visit_chunks};
 pub(in crate::store) use pipe::stream_file;
+pub(in crate::store) use verify::{check_reused, Reused};
 
 /// What [`Store::materialize`](crate::store::Store::materialize) did.
 #[derive(Clone, Debug, Default, Serialize)]
