@@ -50,6 +50,11 @@ pub struct Args {
     /// On by itself where detect finds such sharing.
     #[arg(long)]
     pub ordered: bool,
+    /// Checkpoint processes of the tree that are stopped on purpose (SIGSTOP, job control) as they are:
+    /// they stay stopped, and come back stopped, as with plain CRIU. Without it a stopped tree is refused
+    /// (exit 9): an earlier interrupted checkpoint may have left it so.
+    #[arg(long)]
+    pub allow_stopped: bool,
     /// How long locking a CUDA process may wait for its submitted GPU work (10s, 500ms; 0: no limit).
     /// On expiry every process is unlocked and keeps running.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
@@ -132,6 +137,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
     opts.strategy = args.strategy;
+    opts.allow_stopped = args.allow_stopped;
     let result = flow.checkpoint(&opts);
     super::say_if_interrupted();
     let out = result?;

@@ -62,8 +62,14 @@ impl Classify for Error {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", tag = "event")]
 pub enum Event {
-    /// A checkpoint is about to touch these processes (root first).
-    Checkpoint { pids: Vec<i32>, leave_running: bool },
+    /// A checkpoint is about to touch these processes (root first); `stopped` were stopped before it
+    /// (`--allow-stopped`) and stay so.
+    Checkpoint {
+        pids: Vec<i32>,
+        leave_running: bool,
+        #[serde(default)]
+        stopped: Vec<i32>,
+    },
     /// GPU state of the tree may be locked or checkpointed from now on, through this backend.
     Gpu { backend: Backend },
     /// The checkpoint is durable: from now on the tree is to be stopped, not put back.
@@ -175,11 +181,19 @@ impl Drop for Guardian {
     }
 }
 
+/// A checkpoint's tree, held through pidfds.
+struct Tree {
+    /// Every process: what a durable checkpoint stops.
+    all: Held,
+    /// Those that ran before the checkpoint: what an undone one continues.
+    running: Held,
+    leave_running: bool,
+}
+
 /// What the guardian knows: only what it was told.
 #[derive(Default)]
 struct Watched {
-    /// The checkpoint's tree, held through pidfds, and whether it is to keep running.
-    tree: Option<(Held, bool)>,
+    tree: Option<Tree>,
     gpu: Option<Backend>,
     durable: bool,
     restore: Option<Vec<i32>>,
@@ -258,7 +272,19 @@ impl Watched {
             Event::Checkpoint {
                 pids,
                 leave_running,
-            } => self.tree = Some((Held::open(&pids), leave_running)),
+                stopped,
+            } => {
+                let running: Vec<i32> = pids
+                    .iter()
+                    .copied()
+                    .filter(|p| !stopped.contains(p))
+                    .collect();
+                self.tree = Some(Tree {
+                    all: Held::open(&pids),
+                    running: Held::open(&running),
+                    leave_running,
+                });
+            }
             Event::Gpu { backend } => self.gpu = Some(backend),
             Event::Durable => self.durable = true,
             Event::Restore { pids } => self.restore = Some(pids),
@@ -277,12 +303,12 @@ impl Watched {
             ));
             return;
         }
-        let Some((held, leave_running)) = &self.tree else {
+        let Some(tree) = &self.tree else {
             return;
         };
         if self.durable {
-            if !leave_running {
-                let left = held.kill(Duration::from_secs(10));
+            if !tree.leave_running {
+                let left = tree.all.kill(Duration::from_secs(10));
                 say(&format!(
                     "the checkpoint was durable: stopped the tree as promised{}",
                     if left.is_empty() {
@@ -296,14 +322,14 @@ impl Watched {
         }
         // CRIU may still hold the tree (a dump in progress when the tool died fails or finishes by
         // itself): a continue sent meanwhile would be lost.
-        wait_untraced(&held.pids(), CRIU_LET_GO);
-        held.continue_all();
-        let thawed = self.gpu.map(|b| thaw_gpu(b, &held.pids())).unwrap_or(0);
+        wait_untraced(&tree.all.pids(), CRIU_LET_GO);
+        tree.running.continue_all();
+        let thawed = self.gpu.map(|b| thaw_gpu(b, &tree.all.pids())).unwrap_or(0);
         // The GPU restore runs in the processes themselves; continue again in case one was stopped meanwhile.
-        held.continue_all();
+        tree.running.continue_all();
         say(&format!(
             "the checkpoint was not durable: resumed the tree ({} processes) and put back the GPU state of {thawed}",
-            held.pids().len()
+            tree.running.pids().len()
         ));
     }
 }
@@ -412,6 +438,7 @@ mod tests {
             Event::Checkpoint {
                 pids: vec![4, 5],
                 leave_running: true,
+                stopped: vec![5],
             },
             Event::Gpu {
                 backend: Backend::Sim,

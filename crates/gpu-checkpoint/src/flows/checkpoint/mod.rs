@@ -68,7 +68,7 @@ pub enum Error {
         /// What needs each, per process.
         needs: Vec<String>,
     },
-    #[error("refusing to checkpoint process {pid} (nothing was touched): process {stopped} is stopped (state {state}), so its checkpoint would be restored stopped and never run again; if an earlier checkpoint or a debugger left it so, continue it first (kill -CONT {stopped})")]
+    #[error("refusing to checkpoint process {pid} (nothing was touched): process {stopped} is stopped (state {state}), so its checkpoint would be restored stopped; if an earlier checkpoint or a debugger left it so, continue it first (kill -CONT {stopped}); if it is stopped on purpose, pass --allow-stopped")]
     Stopped { pid: i32, stopped: i32, state: char },
     #[error("refusing --strategy {strategy} for process {pid} (nothing was touched): {reason}")]
     StrategyRefused {
@@ -118,6 +118,9 @@ pub struct CheckpointOptions {
     pub detect: DetectOptions,
     /// `--strategy`: detect's choice, or one forced (refused where detect says it cannot work).
     pub strategy: StrategyChoice,
+    /// `--allow-stopped`: checkpoint processes stopped on purpose (SIGSTOP, job control) as they are; they
+    /// stay stopped, and come back stopped, as with plain CRIU. Without it a stopped tree is refused.
+    pub allow_stopped: bool,
 }
 
 impl CheckpointOptions {
@@ -132,6 +135,7 @@ impl CheckpointOptions {
                 ..DetectOptions::default()
             },
             strategy: StrategyChoice::Auto,
+            allow_stopped: false,
         }
     }
 
@@ -217,7 +221,17 @@ impl Flow<'_> {
         check_options(pid, &report, &opts.criu)?;
         let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let _tree_locks = lock_tree(&tree_pids, pid)?;
-        refuse_stopped(pid, &tree_pids)?;
+        // Processes stopped before we came stay stopped whatever happens (`--allow-stopped`).
+        let stopped_before = stopped_processes(&tree_pids);
+        if let (false, Some(&(stopped, state))) = (opts.allow_stopped, stopped_before.first()) {
+            return Err(Error::Stopped {
+                pid,
+                stopped,
+                state,
+            }
+            .into());
+        }
+        let stopped_before: Vec<i32> = stopped_before.iter().map(|(p, _)| *p).collect();
         let mut timings = Timings {
             detect: ms(t),
             streamed: self.images != ImageTransfer::Staged,
@@ -233,6 +247,7 @@ impl Flow<'_> {
         self.watch.tell(&Event::Checkpoint {
             pids: tree_pids.clone(),
             leave_running: opts.leave_running,
+            stopped: stopped_before.clone(),
         })?;
         if report.strategy.name != StrategyName::None {
             if let Some(backend) = self.gpu.backend() {
@@ -282,7 +297,11 @@ impl Flow<'_> {
         timings.dump = ms(t);
         let process_tree = dumped_tree(pid, &report);
         let stopped_tree = ContinueGuard::new(
-            &process_tree.iter().map(|p| p.pid).collect::<Vec<_>>(),
+            &process_tree
+                .iter()
+                .map(|p| p.pid)
+                .filter(|p| !stopped_before.contains(p))
+                .collect::<Vec<_>>(),
             after == AfterDump::Stop,
         );
         // CRIU finished, but the store may not have taken every image.
@@ -370,20 +389,15 @@ fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
     })
 }
 
-/// Refuses a tree with a stopped process (state T: SIGSTOP, or what an interrupted checkpoint or a
-/// debugger left): CRIU would dump it stopped, and its restore would exit 0 with a process that never
-/// runs again.
-fn refuse_stopped(pid: i32, pids: &[i32]) -> Result<(), Error> {
-    for &p in pids {
-        if let Some(st) = tree::stat(p).filter(|s| matches!(s.state, 'T' | 't')) {
-            return Err(Error::Stopped {
-                pid,
-                stopped: p,
-                state: st.state,
-            });
-        }
-    }
-    Ok(())
+/// The processes of `pids` that are stopped (state T: SIGSTOP, job control, or what an interrupted
+/// checkpoint or a debugger left; t: traced). CRIU dumps them stopped and restores them stopped: without
+/// `--allow-stopped` the tree is refused, since a restore of what an interrupted checkpoint left would exit
+/// 0 with a process that never runs again.
+fn stopped_processes(pids: &[i32]) -> Vec<(i32, char)> {
+    pids.iter()
+        .filter_map(|&p| tree::stat(p).map(|s| (p, s.state)))
+        .filter(|(_, state)| matches!(state, 'T' | 't'))
+        .collect()
 }
 
 /// Detect's report of the tree rooted at `pid` (`tree` forced on: checkpoints act on trees), refused

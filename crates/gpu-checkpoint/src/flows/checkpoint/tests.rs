@@ -836,7 +836,8 @@ fn the_guardian_is_told_each_step_before_it_happens() {
         vec![
             Event::Checkpoint {
                 pids: vec![pid],
-                leave_running: false
+                leave_running: false,
+                stopped: vec![]
             },
             Event::Durable
         ]
@@ -890,6 +891,42 @@ fn a_stopped_tree_is_refused_not_checkpointed() {
     assert!(err.to_string().contains("kill -CONT"), "{err}");
     assert!(s.criu.calls().is_empty(), "{:?}", s.criu.calls());
     assert!(s.store.list().unwrap().is_empty());
+    // SAFETY: continuing our own child so that it can be killed and reaped.
+    unsafe { libc::kill(p.pid(), libc::SIGCONT) };
+}
+
+#[test]
+fn a_process_stopped_on_purpose_is_checkpointed_with_allow_stopped_and_stays_stopped_when_undone() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    // SAFETY: stopping our own child.
+    unsafe { libc::kill(p.pid(), libc::SIGSTOP) };
+    assert!(tree::wait_until(Duration::from_secs(5), || {
+        if p.running() {
+            vec![p.pid()]
+        } else {
+            vec![]
+        }
+    })
+    .is_empty());
+    // A store failure after the dump: the undo continues what ran, not what was stopped before.
+    s.criu.leave_odd_file();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let mut opts = CheckpointOptions::new(p.pid());
+    opts.allow_stopped = true;
+    let err = s.checkpoint(&mut gpu, &opts).unwrap_err();
+    assert!(matches!(err, crate::Error::Store(_)), "{err}");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!p.running(), "stopped on purpose: left stopped");
+    assert_eq!(
+        s.told()[0],
+        Event::Checkpoint {
+            pids: vec![p.pid()],
+            leave_running: false,
+            stopped: vec![p.pid()]
+        },
+        "the guardian knows not to continue it"
+    );
     // SAFETY: continuing our own child so that it can be killed and reaped.
     unsafe { libc::kill(p.pid(), libc::SIGCONT) };
 }
