@@ -37,6 +37,7 @@ const INVALID_VALUE: i32 = 1;
 const NOT_INITIALIZED: i32 = 3;
 const INVALID_DEVICE: i32 = 101;
 const NOT_FOUND: i32 = 500;
+const NOT_SUPPORTED: i32 = 801;
 const UNKNOWN: i32 = 999;
 /// `CU_GET_PROC_ADDRESS_SUCCESS` / `_SYMBOL_NOT_FOUND`.
 const PROC_FOUND: i32 = 0;
@@ -172,6 +173,11 @@ fn entry_point(name: &str) -> Option<*mut c_void> {
         "cuDeviceGetUuid" | "cuDeviceGetUuid_v2" => cuDeviceGetUuid_v2 as *mut c_void,
         "cuDeviceGetName" => cuDeviceGetName as *mut c_void,
         "cuDeviceTotalMem" | "cuDeviceTotalMem_v2" => cuDeviceTotalMem_v2 as *mut c_void,
+        // CUDA 13.4's custom storage, offered only when asked for: what the public documentation says of
+        // it is enough to detect it, not to simulate its data path (docs/gpu.md).
+        "cuCheckpointOperationComplete" if layout() == Some(Layout::V13_4) && custom_storage() => {
+            cuCheckpointOperationComplete as *mut c_void
+        }
         _ => return None,
     };
     Some(p)
@@ -224,6 +230,22 @@ pub unsafe extern "C" fn cuGetProcAddress(
 ) -> i32 {
     // SAFETY: the same contract, without the status output.
     unsafe { cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, std::ptr::null_mut()) }
+}
+
+/// `GPU_CHECKPOINT_SIM_CUSTOM_STORAGE=1`: the simulated 13.4 driver offers custom storage.
+fn custom_storage() -> bool {
+    std::env::var("GPU_CHECKPOINT_SIM_CUSTOM_STORAGE").as_deref() == Ok("1")
+}
+
+/// Ends a custom-storage operation. Not simulated: the simulator never hands out a handle. Not exported by
+/// name either, so that a driver without custom storage is simulated too: only `cuGetProcAddress` hands
+/// it out, when [`custom_storage`] says so.
+extern "C" fn cuCheckpointOperationComplete(_handle: *mut c_void) -> i32 {
+    refuse(
+        "cuCheckpointOperationComplete",
+        NOT_SUPPORTED,
+        "custom storage is detected but not simulated",
+    )
 }
 
 /// # Safety

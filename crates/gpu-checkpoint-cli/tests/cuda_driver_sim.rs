@@ -134,6 +134,21 @@ fn the_cuda_subcommands_drive_every_layout() {
             v != "12.8",
             "CUDA {v}: {doctor}"
         );
+        assert!(!doctor.contains("custom-storage"), "CUDA {v}: {doctor}");
+        // 13.4's custom storage is found at run time where the driver has it.
+        let o = Command::new(gpu_checkpoint())
+            .arg("doctor")
+            .env("LD_LIBRARY_PATH", d.dir.path())
+            .env("GPU_CHECKPOINT_SIM_CUDA_VERSION", v)
+            .env("GPU_CHECKPOINT_SIM_CUSTOM_STORAGE", "1")
+            .output()
+            .unwrap();
+        assert_eq!(
+            text(&o).contains("custom-storage"),
+            v == "13.4",
+            "CUDA {v}: {}",
+            text(&o)
+        );
     }
 }
 
