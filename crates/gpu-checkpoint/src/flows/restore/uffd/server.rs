@@ -28,6 +28,17 @@ pub const SOCKET: &str = "lazy-pages.socket";
 /// What CRIU sends on the socket once the restore is done (criu/uffd.c), after the descriptors.
 const RESTORE_FINISHED: i32 = 0x5253_5446;
 
+/// Whether `conn` has data (or a hang-up) to read right now.
+fn readable_now(conn: &std::os::unix::net::UnixStream) -> bool {
+    let mut fd = libc::pollfd {
+        fd: conn.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd; a zero timeout never blocks.
+    unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+}
+
 /// CRIU's side of the restore before the post-restore notification: receives the userfaultfds as CRIU
 /// sends them, and answers the page faults CRIU's restorer causes itself (it touches a few pages of lazy
 /// memory while completing a process, e.g. the thread's rseq area). The processes are not running yet,
@@ -102,25 +113,7 @@ impl<'a> Server<'a> {
                 return Err(io("waiting for CRIU", e));
             }
             if fds[0].revents != 0 {
-                let mut word = [0u8; 4];
-                match conn.read(&mut word[..1]) {
-                    Ok(0) => conn_open = false,
-                    Ok(_) => {
-                        conn.read_exact(&mut word[1..])
-                            .map_err(|e| io("reading CRIU's lazy-pages message", e))?;
-                        let pid = i32::from_ne_bytes(word);
-                        if pid > 0 && pid != RESTORE_FINISHED {
-                            let fd = crate::fdpass::receive_one(&conn, "the process's userfaultfd")
-                                .map_err(|e| io("receiving a userfaultfd", e))?;
-                            self.uffds
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .insert(pid, fd);
-                        }
-                        // pid < 0: a zombie (no memory); RESTORE_FINISHED: nothing to do.
-                    }
-                    Err(e) => return Err(io("reading CRIU's lazy-pages message", e)),
-                }
+                conn_open = self.take_message(&mut conn)?;
             }
             for (k, &(pid, fd)) in uffds.iter().enumerate() {
                 if fds[k + 1].revents != 0 {
@@ -128,9 +121,44 @@ impl<'a> Server<'a> {
                 }
             }
         }
+        // Stopped at the post-restore notification: every process sent its descriptor before it, but the
+        // last messages may still wait in the socket (a loaded machine was seen to lose one that way, and
+        // the restore then failed with "CRIU sent no userfaultfd"). Take all that is there.
+        while conn_open && readable_now(&conn) {
+            conn_open = self.take_message(&mut conn)?;
+        }
         // CRIU writes "restore finished" on the connection later: keep it open until the socket goes.
         *self.socket.conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
         Ok(())
+    }
+
+    /// Reads one message of CRIU's lazy-pages connection: a PID, then (for a live process) its
+    /// userfaultfd. Returns false once CRIU has closed the connection.
+    fn take_message(
+        &self,
+        conn: &mut std::os::unix::net::UnixStream,
+    ) -> crate::store::Result<bool> {
+        let io = |what: &str, e: std::io::Error| other(format!("{what}: {e}"));
+        let mut word = [0u8; 4];
+        match conn.read(&mut word[..1]) {
+            Ok(0) => Ok(false),
+            Ok(_) => {
+                conn.read_exact(&mut word[1..])
+                    .map_err(|e| io("reading CRIU's lazy-pages message", e))?;
+                let pid = i32::from_ne_bytes(word);
+                if pid > 0 && pid != RESTORE_FINISHED {
+                    let fd = crate::fdpass::receive_one(conn, "the process's userfaultfd")
+                        .map_err(|e| io("receiving a userfaultfd", e))?;
+                    self.uffds
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(pid, fd);
+                }
+                // pid < 0: a zombie (no memory); RESTORE_FINISHED: nothing to do.
+                Ok(true)
+            }
+            Err(e) => Err(io("reading CRIU's lazy-pages message", e)),
+        }
     }
 
     /// Handles every event queued on process `pid`'s userfaultfd.
@@ -222,5 +250,61 @@ impl LazySocket {
 impl Drop for LazySocket {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+
+    /// A checkpoint nothing is read from (the server only needs one to exist).
+    fn empty_info() -> CheckpointInfo {
+        serde_json::from_value(serde_json::json!({
+            "format": crate::store::manifest::MANIFEST_FORMAT_NAME,
+            "version": crate::store::manifest::MANIFEST_FORMAT_VERSION,
+            "id": "20261124T000000Z-0000",
+            "name": null,
+            "created": "2026-11-24T00:00:00.000Z",
+            "chunking": {"algorithm": "fastcdc-v2020", "min_size": 1, "avg_size": 2, "max_size": 3,
+                         "hash": "blake3", "compression": "none", "level": 0},
+            "stats": crate::store::manifest::IngestStats::default(),
+            "metadata": null,
+            "files": []
+        }))
+        .unwrap()
+    }
+
+    /// CRIU sends every process's userfaultfd before its post-restore notification, but a loaded
+    /// machine's server thread may not have read the last ones when the notification stops it: they must
+    /// still be taken (the restore failed with "CRIU sent no userfaultfd" before).
+    #[test]
+    fn descriptors_still_queued_at_the_notification_are_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = LazySocket::bind(dir.path()).unwrap();
+        let store = Store::open(&dir.path().join("store"), Default::default()).unwrap();
+        let (plan, info) = (Plan::default(), empty_info());
+        let server = Server::new(&socket, &plan, &store, &info);
+        // CRIU's side: connected, one process's PID and its descriptor sent, as criu/uffd.c sends them.
+        let mut criu = UnixStream::connect(&socket.path).unwrap();
+        criu.write_all(&4242i32.to_ne_bytes()).unwrap();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let fds = [w.as_raw_fd()];
+        sendmsg::<()>(
+            criu.as_raw_fd(),
+            &[std::io::IoSlice::new(&[0])],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        // The notification came before the server read anything.
+        server.stop.store(true, Ordering::SeqCst);
+        server.run().unwrap();
+        let uffds = server.uffds.lock().unwrap();
+        assert!(uffds.contains_key(&4242), "{:?}", uffds.keys());
     }
 }
