@@ -45,81 +45,12 @@ fi
 command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
     die "apt-get and dpkg are needed (a Debian-like system); otherwise install CRIU >= 4.0 yourself and pass --criu PATH"
 
-# --- The mirror: taken from the system's own apt sources, so that the project never names a host. ----------
-find_mirror() {
-    local f
-    # deb822 files: a stanza with `Types: deb` and a `Suites:` line without -security/-updates suites.
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [ -r "$f" ] || continue
-        awk '
-            function flush() {
-                if (types ~ /(^|[ \t])deb([ \t]|$)/ && uris != "" && suites !~ /-security/) { split(uris, u, /[ \t]+/); print u[1]; found = 1; exit }
-                types = ""; uris = ""; suites = ""
-            }
-            /^[ \t]*#/ { next }
-            /^[ \t]*$/ { flush(); next }
-            tolower($1) == "types:"  { $1 = ""; types = $0 }
-            tolower($1) == "uris:"   { $1 = ""; sub(/^[ \t]+/, ""); uris = $0 }
-            tolower($1) == "suites:" { $1 = ""; suites = $0 }
-            END { if (!found) flush() }
-        ' "$f"
-    done
-    # One-line style: `deb [options] URI suite components`.
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [ -r "$f" ] || continue
-        awk '$1 == "deb" {
-                i = 2; if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-                if ($(i + 1) !~ /-security/) print $i
-            }' "$f"
-    done
-}
-MIRROR=${GPU_CHECKPOINT_DEBIAN_MIRROR:-}
-if [ -z "$MIRROR" ]; then
-    # Prefer a URI that looks like the main Debian archive (".../debian"); else the first one found.
-    MIRRORS=$(find_mirror)
-    MIRROR=$(printf '%s\n' "$MIRRORS" | grep -E '/debian/?$' | head -1 || true)
-    [ -n "$MIRROR" ] || MIRROR=$(printf '%s\n' "$MIRRORS" | head -1)
-fi
-[ -n "$MIRROR" ] || die "no Debian mirror found in /etc/apt/sources.list{,.d}; set GPU_CHECKPOINT_DEBIAN_MIRROR"
-
-# --- Trust: the suites' Release files are signed by keys in Debian's archive keyring. -----------------------------
-KEYRING=${GPU_CHECKPOINT_APT_KEYRING:-}
-if [ -z "$KEYRING" ]; then
-    for k in /usr/share/keyrings/debian-archive-keyring.gpg /usr/share/keyrings/debian-archive-trixie-stable.gpg; do
-        [ -r "$k" ] && KEYRING=$k && break
-    done
-fi
-# We never fall back to an unsigned download by default: these binaries run as root and ptrace every process
-# they checkpoint. A system without the keyring can install `debian-archive-keyring` or point
-# GPU_CHECKPOINT_APT_KEYRING at a keyring that holds trixie's signing keys.
-[ -n "$KEYRING" ] && [ -r "$KEYRING" ] ||
-    die "no Debian archive keyring found (install debian-archive-keyring or set GPU_CHECKPOINT_APT_KEYRING)"
-
-# --- A private apt: own sources list, state, cache and lists; the system's apt state is never used. ---------
+# --- A private apt (scripts/lib/debian-apt.sh): the system's mirror, Debian's keyring, own state. ----------
+# shellcheck source=scripts/lib/debian-apt.sh
+. "$REPO/scripts/lib/debian-apt.sh"
 APTDIR="$PREFIX.apt"
-mkdir -p "$APTDIR"/{state/lists/partial,cache/archives/partial,sourceparts,preferences.d,debs}
-: >"$APTDIR/state/status" # empty package database: every dependency counts as "not installed"
-# target=Packages: only the package index, none of the extra indexes (AppStream...) the system may ask for.
-: >"$APTDIR/sources.list"
-for suite in $SUITES; do
-    echo "deb [signed-by=$KEYRING target=Packages] $MIRROR $suite main" >>"$APTDIR/sources.list"
-done
-APT_OPTS=(
-    -o "Dir::Etc::SourceList=$APTDIR/sources.list"
-    -o "Dir::Etc::SourceParts=$APTDIR/sourceparts"
-    -o "Dir::Etc::Preferences=$APTDIR/preferences"
-    -o "Dir::Etc::PreferencesParts=$APTDIR/preferences.d"
-    -o "Dir::State=$APTDIR/state"
-    -o "Dir::State::status=$APTDIR/state/status"
-    -o "Dir::Cache=$APTDIR/cache"
-    # The private folders belong to root; apt's download sandbox user could not write them.
-    -o "APT::Sandbox::User=root"
-    # Our state is private, so the system's apt locks need not (and must not) be taken.
-    -o "Debug::NoLocking=1"
-    -o "APT::Get::List-Cleanup=0"
-)
-log "package indexes of $SUITES from $MIRROR"
-apt-get "${APT_OPTS[@]}" -qq update >&2 || die "apt-get update of $SUITES failed (mirror $MIRROR)"
+debian_apt_init "$APTDIR" "deb $SUITES"
+mkdir -p "$APTDIR/debs"
 
 # --- Dependencies: criu, libcompel1 and the libraries they need, recursively. --------------------------------
 # Only library packages are followed: criu's non-library dependencies (none today) and the libraries' own

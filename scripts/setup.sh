@@ -61,4 +61,13 @@ if ! test_programs; then
     fi
     echo "setup: the tests of real programs will be skipped" >&2
 fi
+# CRIU's zdtm test programs (.deps/zdtm), which crates/gpu-checkpoint-cli/tests/zdtm.rs runs through plain
+# CRIU and gpu-checkpoint; the same rule: a failure fails CI, elsewhere that test says why it is skipped.
+if ! bash scripts/install-zdtm.sh >/dev/null; then
+    if [ "${CI:-}" = true ]; then
+        echo "setup: building CRIU's zdtm tests failed" >&2
+        exit 1
+    fi
+    echo "setup: building CRIU's zdtm tests failed; the zdtm suite will be skipped" >&2
+fi
 cargo build --workspace --all-targets

@@ -164,8 +164,16 @@ fn act(action: &str, keep: &mut Vec<Box<dyn std::any::Any>>) {
         );
         keep.push(Box::new(f));
     } else if let Some(path) = action.strip_prefix("deleted:") {
-        let f = std::fs::File::create(path).unwrap();
-        f.set_len(2 << 20).unwrap();
+        // 2 MiB of data: what CRIU copies (and counts against --ghost-limit) is what the file holds on disk.
+        let mut f = std::fs::File::create(path).unwrap();
+        f.write_all(&vec![0xa5; 2 << 20]).unwrap();
+        std::fs::remove_file(path).unwrap();
+        keep.push(Box::new(f));
+    } else if let Some(path) = action.strip_prefix("sparse-deleted:") {
+        // 64 MiB long, 4 KiB of it data: CRIU copies the data only, and needs no --ghost-limit for it.
+        let mut f = std::fs::File::create(path).unwrap();
+        f.write_all(&[0xa5; 4096]).unwrap();
+        f.set_len(64 << 20).unwrap();
         std::fs::remove_file(path).unwrap();
         keep.push(Box::new(f));
     } else if action == "tcp-pair" {
@@ -240,7 +248,8 @@ fn shared_segments_and_variables() {
 
 /// A held flock, a deleted 2 MiB file, an established loopback TCP pair and a datagram socket connected
 /// outside the tree are each named with the flag CRIU needs for it; a UNIX socket pair within the process
-/// needs none. Nothing blocks.
+/// and a deleted sparse file of 64 MiB holding 4 KiB (CRIU counts its blocks, as zdtm's unlink_largefile
+/// shows) need none. Nothing blocks.
 #[test]
 fn what_criu_needs_an_option_for() {
     let dir = tempfile::tempdir().unwrap();
@@ -248,11 +257,13 @@ fn what_criu_needs_an_option_for() {
     let _bound = std::os::unix::net::UnixDatagram::bind(&outside).unwrap();
     let lock = dir.path().join("held.lock");
     let scratch = dir.path().join("scratch");
+    let sparse = dir.path().join("sparse");
     let w = start(
         &format!(
-            "flock:{};deleted:{};tcp-pair;unix-pair;dgram-to:{}",
+            "flock:{};deleted:{};sparse-deleted:{};tcp-pair;unix-pair;dgram-to:{}",
             lock.display(),
             scratch.display(),
+            sparse.display(),
             outside.display()
         ),
         &[],

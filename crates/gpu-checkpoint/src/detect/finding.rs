@@ -64,7 +64,7 @@ impl FindingKind {
 pub enum NeededOption {
     /// A file lock is held (`--file-locks`).
     FileLocks,
-    /// A deleted file of `bytes` is open: CRIU copies its contents only up to `--ghost-limit`.
+    /// A deleted file holding `bytes` on disk is open: CRIU copies its contents only up to `--ghost-limit`.
     GhostLimit { bytes: u64 },
     /// A TCP connection is established (`--tcp-established`, or `--tcp-close`).
     TcpEstablished,

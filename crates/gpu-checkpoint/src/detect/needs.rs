@@ -102,7 +102,7 @@ fn ghost_files(snap: &ProcessSnapshot, _: &ClassifyContext<'_>) -> Vec<Evidence>
             let size = d.size.filter(|s| *s > CRIU_GHOST_LIMIT)?;
             let need = NeededOption::GhostLimit { bytes: size };
             let detail = format!(
-                "fd {} is a deleted file of {}: {} (CRIU copies deleted files into the images only up to \
+                "fd {} is a deleted file holding {} on disk: {} (CRIU copies deleted files into the images only up to \
                  {} by default)",
                 d.fd,
                 human_bytes(size),

@@ -29,7 +29,9 @@ pub struct DeletedFile {
     pub fd: i32,
     /// The path it had, without ` (deleted)`.
     pub path: String,
-    /// Its size; unknown in a captured tree (the link names a file that is not there).
+    /// The bytes it occupies on disk (`st_blocks` × 512, what CRIU measures against `--ghost-limit`;
+    /// less than its length when it is sparse); unknown in a captured tree (the link names a file that
+    /// is not there).
     pub size: Option<u64>,
 }
 
@@ -128,7 +130,7 @@ impl Reader {
             deleted.push(DeletedFile {
                 fd: *fd,
                 path: path.to_string(),
-                size: root.fd_file_size(pid, *fd),
+                size: root.fd_file_allocated(pid, *fd),
             });
         }
         (locks, deleted)

@@ -135,12 +135,14 @@ impl ProcRoot {
         Ok(out)
     }
 
-    /// The size of the regular file that fd `fd` of `pid` has open, through the fd link (which reaches a
-    /// deleted file too); `None` when it is no regular file or the tree is a capture (its links name
-    /// files that are not there).
-    pub fn fd_file_size(&self, pid: i32, fd: i32) -> Option<u64> {
+    /// The bytes on disk of the regular file that fd `fd` of `pid` has open (`st_blocks` × 512, what
+    /// CRIU copies of a deleted file and compares with `--ghost-limit`: a sparse file counts its data
+    /// only), through the fd link (which reaches a deleted file too); `None` when it is no regular file
+    /// or the tree is a capture (its links name files that are not there).
+    pub fn fd_file_allocated(&self, pid: i32, fd: i32) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
         let md = fs::metadata(self.pid_file(pid, &format!("fd/{fd}"))).ok()?;
-        md.is_file().then_some(md.len())
+        md.is_file().then_some(md.blocks() * 512)
     }
 
     /// Thread ids of `pid` (`task/*`); empty when the tree has no task folder.

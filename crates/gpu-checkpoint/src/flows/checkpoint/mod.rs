@@ -297,11 +297,8 @@ impl Flow<'_> {
         timings.dump = ms(t);
         let process_tree = dumped_tree(pid, &report);
         let stopped_tree = ContinueGuard::new(
-            &process_tree
-                .iter()
-                .map(|p| p.pid)
-                .filter(|p| !stopped_before.contains(p))
-                .collect::<Vec<_>>(),
+            &process_tree.iter().map(|p| p.pid).collect::<Vec<_>>(),
+            &stopped_before,
             after == AfterDump::Stop,
         );
         // CRIU finished, but the store may not have taken every image.

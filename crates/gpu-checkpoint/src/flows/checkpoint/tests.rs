@@ -426,15 +426,15 @@ fn the_continue_guard_continues_a_stopped_tree_unless_disarmed() {
         assert!(stopped.is_empty(), "SIGSTOP took no effect");
     };
     stop();
-    drop(ContinueGuard::new(&[p.pid()], true));
+    drop(ContinueGuard::new(&[p.pid()], &[], true));
     assert!(p.running(), "dropped: continued");
 
     stop();
     assert_eq!(
-        ContinueGuard::new(&[p.pid()], true).disarm().pids(),
+        ContinueGuard::new(&[p.pid()], &[], true).disarm().pids(),
         vec![p.pid()]
     );
-    drop(ContinueGuard::new(&[p.pid()], false));
+    drop(ContinueGuard::new(&[p.pid()], &[], false));
     std::thread::sleep(Duration::from_millis(50));
     assert!(!p.running(), "disarmed, or never stopped: left alone");
 }

@@ -66,7 +66,11 @@ impl Drop for GpuThawGuard<'_> {
 /// because the checkpoint is durable. The tree is held through pidfds: a continue or a kill never reaches
 /// a process that took one of its PIDs since.
 pub(super) struct ContinueGuard {
+    /// The whole tree: what the caller kills once the checkpoint is durable.
     tree: tree::Held,
+    /// What an undo continues: the tree less the processes that were stopped before the checkpoint
+    /// (`--allow-stopped`), which stay stopped.
+    resume: tree::Held,
     /// CRIU left the tree stopped (no `--leave-running`) and nothing has taken it over yet.
     armed: bool,
 }
@@ -74,9 +78,15 @@ pub(super) struct ContinueGuard {
 impl ContinueGuard {
     /// Guards `pids`, the tree as CRIU dumped it; `stopped`: CRIU left it stopped (with
     /// `--leave-running` it runs, and there is nothing to continue).
-    pub(super) fn new(pids: &[i32], stopped: bool) -> Self {
+    pub(super) fn new(pids: &[i32], stopped_before: &[i32], stopped: bool) -> Self {
+        let resume: Vec<i32> = pids
+            .iter()
+            .copied()
+            .filter(|p| !stopped_before.contains(p))
+            .collect();
         ContinueGuard {
             tree: tree::Held::open(pids),
+            resume: tree::Held::open(&resume),
             armed: stopped,
         }
     }
@@ -91,7 +101,7 @@ impl ContinueGuard {
 impl Drop for ContinueGuard {
     fn drop(&mut self) {
         if self.armed {
-            self.tree.continue_all();
+            self.resume.continue_all();
         }
     }
 }
