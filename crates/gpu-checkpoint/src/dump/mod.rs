@@ -8,6 +8,7 @@
 //! Every operation keeps CRIU's log (debug level) in a file the caller names; when CRIU fails the error
 //! carries the log's `Error (...)` lines and its path, because CRIU's own answer over the RPC is only an errno.
 
+pub mod devices;
 mod discover;
 mod fake;
 pub mod images;
