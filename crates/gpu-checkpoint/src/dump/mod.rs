@@ -17,6 +17,7 @@ pub mod options;
 mod rpc;
 pub mod streamer;
 
+use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -78,6 +79,8 @@ pub struct DumpRequest<'a> {
     /// CRIU sends its images to the image streamer listening in `images_dir` ([`streamer`]) instead of
     /// writing them there (CRIU's `--stream`); only its log is written to `images_dir`.
     pub stream: bool,
+    /// Variables CRIU runs with, on top of ours ([`devices::PluginDir::env`]: its plugin folder).
+    pub env: &'a [(OsString, OsString)],
 }
 
 /// One restore of the images in `images_dir`; the tree is restored detached (re-parented to init).
@@ -96,6 +99,8 @@ pub struct RestoreRequest<'a> {
     /// Called at CRIU's post-restore notification (every process restored, none resumed yet); an error
     /// makes CRIU kill the restored tree and fail.
     pub post_restore: Option<&'a PostRestore<'a>>,
+    /// Variables CRIU runs with, on top of ours ([`devices::PluginDir::env`]: its plugin folder).
+    pub env: &'a [(OsString, OsString)],
 }
 
 /// A hook run at CRIU's post-restore notification; its error is the restore's.
@@ -110,6 +115,7 @@ impl std::fmt::Debug for RestoreRequest<'_> {
             .field("stream", &self.stream)
             .field("lazy_pages", &self.lazy_pages)
             .field("post_restore", &self.post_restore.is_some())
+            .field("env", &self.env)
             .finish()
     }
 }
