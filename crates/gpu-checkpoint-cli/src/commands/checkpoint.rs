@@ -240,7 +240,9 @@ fn parse_device(s: &str) -> Result<PathBuf, String> {
     }
     match path.to_str() {
         Some(p) if !p.contains(':') && !p.contains('\n') => Ok(path),
-        _ => Err(format!("{s}: a device path with ':' or a line break is not supported")),
+        _ => Err(format!(
+            "{s}: a device path with ':' or a line break is not supported"
+        )),
     }
 }
 

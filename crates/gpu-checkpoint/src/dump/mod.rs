@@ -207,10 +207,25 @@ impl fmt::Display for Failure {
         for line in &self.error_lines {
             write!(f, "\n  {line}")?;
         }
+        if let Some(hint) = self.hint() {
+            write!(f, "\n  {hint}")?;
+        }
         if let Some(log) = &self.log {
             write!(f, "\n  CRIU log: {}", log.display())?;
         }
         Ok(())
+    }
+}
+
+impl Failure {
+    /// What the user can do about a failure the tool knows a way around.
+    pub fn hint(&self) -> Option<&'static str> {
+        let said = |needle: &str| self.error_lines.iter().any(|l| l.contains(needle));
+        (self.op == Op::Dump && said("Can't dump file") && said("(chr ")).then_some(
+            "hint: a process holds a character device CRIU cannot dump; if it only holds it open (no \
+             mapping), `--reopen-device PATH` (the path `ls -l /proc/PID/fd` shows) records it and \
+             reopens it at the same descriptor number on restore",
+        )
     }
 }
 

@@ -76,6 +76,94 @@ fn maps_file(maps: &str, path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{json, Value};
+
+    fn finding(kind: &str, pid: i32, path: &str, mappings: Option<u32>) -> Value {
+        json!({"kind": kind, "pid": pid,
+               "evidence": {"detail": "x", "path": path, "mappings": mappings}})
+    }
+
+    fn report(pids: &[i32], findings: Vec<Value>) -> Report {
+        let processes: Vec<Value> = pids
+            .iter()
+            .map(|pid| json!({"pid": pid, "comm": "x", "ppid": 1, "strategy": "cuda-driver", "simulated": false}))
+            .collect();
+        serde_json::from_value(json!({
+            "schema_version": 1, "pid": pids[0], "gpu": true, "processes": processes,
+            "findings": findings, "strategy": {"name": "cuda-driver", "blockers": []},
+            "driver_version": null, "elapsed_ms": 0.0
+        }))
+        .unwrap()
+    }
+
+    /// A /proc root with no process folders: only the report counts.
+    fn no_proc() -> tempfile::TempDir {
+        tempfile::tempdir().unwrap()
+    }
+
+    #[test]
+    fn nvidia_nodes_without_a_context_need_the_plugin() {
+        let proc_root = no_proc();
+        // pid 1: a CUDA process (context: /dev/nvidia0 mapped); pid 2: a child forked without exec,
+        // holding the descriptors and no mapping (CUDA marks its mappings do-not-fork).
+        let r = report(
+            &[1, 2],
+            vec![
+                finding("nvidia-ctl", 1, "/dev/nvidiactl", None),
+                finding("device-mapping", 1, "/dev/nvidia0", Some(3)),
+                finding("nvidia-ctl", 2, "/dev/nvidiactl", None),
+                finding("nvidia-device", 2, "/dev/nvidia0", None),
+            ],
+        );
+        assert_eq!(plan(1, &r, &[], proc_root.path()).unwrap(), Some(vec![]));
+        // The CUDA process alone needs nothing: its files are the GPU step's.
+        let r = report(
+            &[1],
+            vec![
+                finding("nvidia-ctl", 1, "/dev/nvidiactl", None),
+                finding("device-mapping", 1, "/dev/nvidia0", Some(3)),
+            ],
+        );
+        assert_eq!(plan(1, &r, &[], proc_root.path()).unwrap(), None);
+        // A device given by the user always takes the plugin.
+        let given = vec![PathBuf::from("/dev/fuse")];
+        assert_eq!(
+            plan(1, &r, &given, proc_root.path()).unwrap(),
+            Some(given.clone())
+        );
+    }
+
+    #[test]
+    fn a_mapping_that_remains_is_refused() {
+        let proc_root = no_proc();
+        // NVML-only (nvidia-smi): one page of /dev/nvidiactl mapped, no context.
+        let r = report(
+            &[5],
+            vec![
+                finding("nvidia-ctl", 5, "/dev/nvidiactl", None),
+                finding("device-mapping", 5, "/dev/nvidiactl", Some(1)),
+            ],
+        );
+        let e = plan(5, &r, &[], proc_root.path()).unwrap_err();
+        assert!(
+            matches!(&e, Error::DeviceMapped { process: 5, path, .. } if path == "/dev/nvidiactl"),
+            "{e}"
+        );
+        assert_eq!(
+            crate::exit::Classify::exit_status(&e),
+            crate::exit::ExitStatus::Unsupported
+        );
+        // A device named by the user and mapped by a process of the tree.
+        std::fs::create_dir(proc_root.path().join("5")).unwrap();
+        std::fs::write(
+            proc_root.path().join("5/maps"),
+            "7f00-7f01 rw-s 00000000 00:06 90    /dev/fuse\n",
+        )
+        .unwrap();
+        let r = report(&[5], vec![]);
+        let e = plan(5, &r, &[PathBuf::from("/dev/fuse")], proc_root.path()).unwrap_err();
+        assert!(e.to_string().contains("maps /dev/fuse"), "{e}");
+    }
 
     #[test]
     fn maps_name_the_device() {

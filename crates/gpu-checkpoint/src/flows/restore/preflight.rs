@@ -59,6 +59,31 @@ mod tests {
     use super::*;
     use crate::exit::{Classify, ExitStatus};
 
+    #[test]
+    fn reopened_devices_must_be_the_same_nodes() {
+        let null = |path: &str, rdev: u64| ReopenedDevice {
+            id: 1,
+            path: path.into(),
+            flags: libc::O_RDWR,
+            rdev,
+        };
+        // /dev/null is character device 1:3 everywhere.
+        let dev_null = libc::makedev(1, 3);
+        assert!(check_devices("c", &[null("/dev/null", dev_null)]).is_ok());
+        for (d, why) in [
+            (
+                null("/dev/null", libc::makedev(10, 229)),
+                "another device (number 1:3, was 10:229)",
+            ),
+            (null("/dev/no-such-node", dev_null), "cannot be reached"),
+            (null("/", dev_null), "not a character device"),
+        ] {
+            let e = check_devices("c", &[d]).unwrap_err();
+            assert!(e.to_string().contains(why), "{e}");
+            assert_eq!(e.exit_status(), ExitStatus::Conflict);
+        }
+    }
+
     const MEMINFO: &str =
         "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:    2048 kB\n";
 
