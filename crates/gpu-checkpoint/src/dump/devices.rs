@@ -210,20 +210,11 @@ impl Drop for PluginDir {
     }
 }
 
-/// The plugin: [`ENV_PLUGIN`], else [`PLUGIN_FILE`] next to this executable (where cargo builds it).
+/// The plugin: [`ENV_PLUGIN`], else [`PLUGIN_FILE`] next to this executable (where cargo builds it);
+/// missing, exit 5 like a missing CRIU.
 pub fn find_plugin() -> Result<PathBuf, Error> {
-    let missing = |path: &Path| {
-        Error::io(
-            format!(
-                "the CRIU plugin that reopens device files ({}) is not there (build the workspace: cargo \
-                 build; or name it with {ENV_PLUGIN})",
-                path.display()
-            ),
-            std::io::Error::from(std::io::ErrorKind::NotFound),
-        )
-    };
     let path = match std::env::var_os(ENV_PLUGIN) {
-        Some(p) => PathBuf::from(p),
+        Some(p) => std::path::absolute(PathBuf::from(&p)).unwrap_or_else(|_| PathBuf::from(p)),
         None => {
             let exe = std::env::current_exe()
                 .map_err(|e| Error::io("finding this executable's folder", e))?;
@@ -239,7 +230,7 @@ pub fn find_plugin() -> Result<PathBuf, Error> {
     if path.is_file() {
         Ok(path)
     } else {
-        Err(missing(&path))
+        Err(Error::PluginMissing { path })
     }
 }
 

@@ -237,6 +237,8 @@ pub enum Error {
     TooOld { path: PathBuf, version: CriuVersion },
     #[error("checkpoint and restore need root (CRIU ptraces and re-creates processes); run gpu-checkpoint as root")]
     NotRoot,
+    #[error("the CRIU plugin that reopens device files ({}) is not there: build the workspace (cargo build), or name the plugin with {}", path.display(), devices::ENV_PLUGIN)]
+    PluginMissing { path: PathBuf },
     #[error("cannot run CRIU at {}: {source}", path.display())]
     Spawn {
         path: PathBuf,
@@ -258,7 +260,9 @@ pub enum Error {
 impl Classify for Error {
     fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::NotFound { .. } | Error::TooOld { .. } => ExitStatus::ToolMissing,
+            Error::NotFound { .. } | Error::TooOld { .. } | Error::PluginMissing { .. } => {
+                ExitStatus::ToolMissing
+            }
             Error::NotRoot => ExitStatus::PermissionDenied,
             Error::Spawn { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ExitStatus::ToolMissing,
