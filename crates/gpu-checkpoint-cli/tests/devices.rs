@@ -248,3 +248,88 @@ fn plain_criu_with_the_plugin() {
     holds_fuse(restored);
     kill_tree_and_wait_free(restored);
 }
+
+/// The NVIDIA case end to end, with a stand-in: in a private mount namespace whose `/dev` is a tmpfs,
+/// `/dev/nvidiactl` is made a node of the stand-in device (10:229). A process holding it at fd 9 and
+/// mapping nothing is what an NVML-only process or a child forked from a CUDA process looks like to detect:
+/// `nvidia-ctl`, no CUDA context. It is checkpointed without any flag (the GPU step leaves it alone, the
+/// plugin takes its descriptor) and restored with fd 9 on `/dev/nvidiactl` again, counting on.
+const NVIDIA_IN_A_NAMESPACE: &str = r#"
+set -eu
+py=$1 gc=$2 work=$3
+d=$(mktemp -d)
+mount -t tmpfs -o mode=755 tmpfs "$d"
+cp -a /dev/null /dev/zero /dev/full /dev/random /dev/urandom "$d"/
+ln -s /proc/self/fd "$d"/fd
+mkdir "$d"/pts "$d"/shm
+mount --bind /dev/pts "$d"/pts
+mount --bind /dev/shm "$d"/shm
+mknod "$d"/nvidiactl c 10 229
+mount --move "$d" /dev
+cat > "$work"/holder.py <<'PY'
+import os, sys, time
+# Descriptors inherited from outside (a harness's) name files of the host's /dev, which this namespace
+# hides from CRIU.
+os.closerange(3, 4096)
+f = os.open("/dev/nvidiactl", os.O_RDWR)
+os.dup2(f, 9)
+os.close(f)
+n = 0
+while True:
+    n += 1
+    with open(sys.argv[1] + ".tmp", "w") as s:
+        s.write("%d %d\n" % (n, os.readlink("/proc/self/fd/9") == "/dev/nvidiactl"))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(0.02)
+PY
+pid=$(setsid "$py" "$work"/holder.py "$work"/state </dev/null >/dev/null 2>&1 & echo $!)
+trap 'kill -9 $pid 2>/dev/null || true' EXIT
+for _ in $(seq 100); do [ -s "$work"/state ] && break; sleep 0.05; done
+"$gc" checkpoint --pid "$pid" --storage "$work"/store --format json > "$work"/checkpoint.json
+at=$(cut -d' ' -f1 "$work"/state)
+for _ in $(seq 200); do [ -e /proc/$pid ] || break; sleep 0.05; done
+rm "$work"/state
+id=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["id"])' "$work"/checkpoint.json)
+restored=$("$gc" restore "$id" --storage "$work"/store)
+for _ in $(seq 100); do [ -s "$work"/state ] && [ "$(cut -d' ' -f1 "$work"/state)" -gt "$at" ] && break; sleep 0.05; done
+echo "at=$at restored=$restored state=$(cat "$work"/state) link=$(readlink /proc/$restored/fd/9)"
+"#;
+
+#[test]
+fn nvidia_node_without_a_context_is_reopened_without_a_flag() {
+    let Some(py) = ready() else { return };
+    if !Path::new("/usr/bin/unshare").exists() && !Path::new("/bin/unshare").exists() {
+        missing::<()>("unshare (util-linux) missing");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("nvidia.sh");
+    std::fs::write(&script, NVIDIA_IN_A_NAMESPACE).unwrap();
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "bash"])
+        .arg(&script)
+        .arg(&py)
+        .arg(gc_bin())
+        .arg(dir.path())
+        .output()
+        .expect("run unshare");
+    let said = text(&out.stdout);
+    assert!(out.status.success(), "{said}\n{}", text(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("checkpoint.json")).unwrap())
+            .unwrap();
+    assert_eq!(v["devices"][0]["path"], "/dev/nvidiactl", "{v}");
+    assert_eq!(v["gpu"]["skipped"].as_array().map(Vec::len), Some(1), "{v}");
+    let field = |k: &str| {
+        said.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("{k} in {said}"))
+            .to_string()
+    };
+    let at: u64 = field("at").parse().unwrap();
+    let n: u64 = field("state").parse().unwrap();
+    assert!(n > at, "the copy counts on from {at}: {said}");
+    assert!(said.contains(" 1 link=/dev/nvidiactl"), "{said}");
+    let restored: i32 = field("restored").parse().unwrap();
+    kill_tree_and_wait_free(restored);
+}
