@@ -40,7 +40,7 @@ pub(super) fn plan(
         }
         needed = true;
     }
-    for p in &report.processes {
+    for p in report.processes.iter().filter(|_| !given.is_empty()) {
         let maps = proc_root.join(p.pid.to_string()).join("maps");
         // A process gone meanwhile is CRIU's to report; a captured tree may lack its maps.
         let Ok(text) = std::fs::read_to_string(&maps) else {
