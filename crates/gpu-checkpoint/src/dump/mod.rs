@@ -8,6 +8,7 @@
 //! Every operation keeps CRIU's log (debug level) in a file the caller names; when CRIU fails the error
 //! carries the log's `Error (...)` lines and its path, because CRIU's own answer over the RPC is only an errno.
 
+pub mod devices;
 mod discover;
 mod fake;
 pub mod images;
@@ -16,6 +17,7 @@ pub mod options;
 mod rpc;
 pub mod streamer;
 
+use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -77,6 +79,8 @@ pub struct DumpRequest<'a> {
     /// CRIU sends its images to the image streamer listening in `images_dir` ([`streamer`]) instead of
     /// writing them there (CRIU's `--stream`); only its log is written to `images_dir`.
     pub stream: bool,
+    /// Variables CRIU runs with, on top of ours ([`devices::PluginDir::env`]: its plugin folder).
+    pub env: &'a [(OsString, OsString)],
 }
 
 /// One restore of the images in `images_dir`; the tree is restored detached (re-parented to init).
@@ -95,6 +99,8 @@ pub struct RestoreRequest<'a> {
     /// Called at CRIU's post-restore notification (every process restored, none resumed yet); an error
     /// makes CRIU kill the restored tree and fail.
     pub post_restore: Option<&'a PostRestore<'a>>,
+    /// Variables CRIU runs with, on top of ours ([`devices::PluginDir::env`]: its plugin folder).
+    pub env: &'a [(OsString, OsString)],
 }
 
 /// A hook run at CRIU's post-restore notification; its error is the restore's.
@@ -109,6 +115,7 @@ impl std::fmt::Debug for RestoreRequest<'_> {
             .field("stream", &self.stream)
             .field("lazy_pages", &self.lazy_pages)
             .field("post_restore", &self.post_restore.is_some())
+            .field("env", &self.env)
             .finish()
     }
 }
@@ -200,10 +207,25 @@ impl fmt::Display for Failure {
         for line in &self.error_lines {
             write!(f, "\n  {line}")?;
         }
+        if let Some(hint) = self.hint() {
+            write!(f, "\n  {hint}")?;
+        }
         if let Some(log) = &self.log {
             write!(f, "\n  CRIU log: {}", log.display())?;
         }
         Ok(())
+    }
+}
+
+impl Failure {
+    /// What the user can do about a failure the tool knows a way around.
+    pub fn hint(&self) -> Option<&'static str> {
+        let said = |needle: &str| self.error_lines.iter().any(|l| l.contains(needle));
+        (self.op == Op::Dump && said("Can't dump file") && said("(chr ")).then_some(
+            "hint: a process holds a character device CRIU cannot dump; if it only holds it open (no \
+             mapping), `--reopen-device PATH` (the path `ls -l /proc/PID/fd` shows) records it and \
+             reopens it at the same descriptor number on restore",
+        )
     }
 }
 
@@ -215,6 +237,8 @@ pub enum Error {
     TooOld { path: PathBuf, version: CriuVersion },
     #[error("checkpoint and restore need root (CRIU ptraces and re-creates processes); run gpu-checkpoint as root")]
     NotRoot,
+    #[error("the CRIU plugin that reopens device files ({}) is not there: build the workspace (cargo build), or name the plugin with {}", path.display(), devices::ENV_PLUGIN)]
+    PluginMissing { path: PathBuf },
     #[error("cannot run CRIU at {}: {source}", path.display())]
     Spawn {
         path: PathBuf,
@@ -236,7 +260,9 @@ pub enum Error {
 impl Classify for Error {
     fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::NotFound { .. } | Error::TooOld { .. } => ExitStatus::ToolMissing,
+            Error::NotFound { .. } | Error::TooOld { .. } | Error::PluginMissing { .. } => {
+                ExitStatus::ToolMissing
+            }
             Error::NotRoot => ExitStatus::PermissionDenied,
             Error::Spawn { source, .. } => match source.kind() {
                 std::io::ErrorKind::NotFound => ExitStatus::ToolMissing,

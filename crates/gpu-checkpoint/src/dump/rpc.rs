@@ -6,6 +6,7 @@
 //! restore needs our terminal). One `swrk` process serves one request: it is spawned with one end of a
 //! `SOCK_SEQPACKET` pair, answers, and exits when we close our end.
 
+use std::ffi::OsString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -74,10 +75,10 @@ impl CriuRpc {
         log: Option<&Path>,
         inherit_stdio: bool,
     ) -> Result<rpc::Criu_resp, Error> {
-        self.call_notified(op, req, log, inherit_stdio, None)
+        self.call_notified(op, req, log, inherit_stdio, None, &[])
     }
 
-    /// [`CriuRpc::call`], running `post_restore` at CRIU's post-restore notification.
+    /// [`CriuRpc::call`], running `post_restore` at CRIU's post-restore notification, CRIU with `env` set.
     fn call_notified(
         &self,
         op: Op,
@@ -85,6 +86,7 @@ impl CriuRpc {
         log: Option<&Path>,
         inherit_stdio: bool,
         post_restore: Option<&PostRestore<'_>>,
+        env: &[(OsString, OsString)],
     ) -> Result<rpc::Criu_resp, Error> {
         let expected = req.type_();
         let (ours, theirs) = socketpair(
@@ -96,6 +98,7 @@ impl CriuRpc {
         .map_err(|e| Error::io("creating the socket pair for criu swrk", e.into()))?;
         let mut cmd = Command::new(&self.path);
         cmd.arg("swrk").arg(theirs.as_raw_fd().to_string());
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         if inherit_stdio {
             cmd.stdin(Stdio::inherit()).stdout(Stdio::inherit());
         } else {
@@ -224,13 +227,20 @@ impl CriuRpc {
 /// it comes through the RPC's `config_file`). The command takes the same options; what the RPC would
 /// answer comes from the exit status, the log, and `--pidfile`.
 impl CriuRpc {
-    fn cli_command(&self, verb: &str, images_dir: &Path, log_file: &str) -> Command {
+    fn cli_command(
+        &self,
+        verb: &str,
+        images_dir: &Path,
+        log_file: &str,
+        env: &[(OsString, OsString)],
+    ) -> Command {
         // Absolute: CRIU runs in another folder (a relative `--criu` would not be found from there).
         let mut cmd =
             Command::new(std::path::absolute(&self.path).unwrap_or_else(|_| self.path.clone()));
         // CRIU runs in the images folder and names it `.`: it connects to `./streamer-*.sock`, which fits
         // a socket path however deep the store is (the log and the pidfile land there too).
         cmd.current_dir(images_dir);
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         cmd.arg(verb)
             .arg("--stream")
             .arg("-D")
@@ -259,7 +269,7 @@ impl CriuRpc {
     }
 
     fn dump_cli(&self, req: &DumpRequest<'_>) -> Result<(), Error> {
-        let mut cmd = self.cli_command("dump", req.images_dir, req.log_file);
+        let mut cmd = self.cli_command("dump", req.images_dir, req.log_file, req.env);
         cmd.arg("-t").arg(req.pid.to_string());
         cmd.arg(match req.after {
             AfterDump::KeepRunning => "--leave-running",
@@ -272,7 +282,7 @@ impl CriuRpc {
 
     fn restore_cli(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
         const PIDFILE: &str = "restored.pid";
-        let mut cmd = self.cli_command("restore", req.images_dir, req.log_file);
+        let mut cmd = self.cli_command("restore", req.images_dir, req.log_file, req.env);
         // Detached: the tree is re-parented to init when CRIU exits, as with the RPC.
         cmd.arg("--restore-detached").arg("--pidfile").arg(PIDFILE);
         if req.options.shell_job {
@@ -420,11 +430,13 @@ impl Criu for CriuRpc {
             AfterDump::Stop => opts.set_leave_stopped(true),
         }
         let log = req.images_dir.join(req.log_file);
-        self.call(
+        self.call_notified(
             Op::Dump,
             request(rpc::Criu_req_type::DUMP, Some(opts)),
             Some(&log),
             false,
+            None,
+            req.env,
         )?;
         Ok(())
     }
@@ -455,6 +467,7 @@ impl Criu for CriuRpc {
             Some(&log),
             req.options.shell_job,
             req.post_restore,
+            req.env,
         )?;
         let pid = resp
             .restore

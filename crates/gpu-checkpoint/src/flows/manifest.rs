@@ -11,6 +11,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::detect::{Report, StrategyName};
+use crate::dump::devices::ReopenedDevice;
 use crate::dump::{CriuOptions, CriuVersion};
 use crate::freeze::GpuRecord;
 use crate::proc::TreeProcess;
@@ -54,6 +55,10 @@ pub struct CheckpointManifest {
     /// Phase timings in milliseconds; the write phase is the store's `stats.ingest_ms`.
     pub timings_ms: PhaseTimings,
     pub sizes: Sizes,
+    /// Device files CRIU's devices plugin recorded (NVIDIA nodes of processes without a CUDA context,
+    /// nodes named with `--reopen-device`), reopened on restore; absent when there were none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<ReopenedDevice>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

@@ -87,7 +87,7 @@ impl FreezeHook {
 /// `/dev/nvidiaN` mapped, or the many `/dev/nvidiactl` mappings a context makes. On driver 580 an
 /// NVML-only process (nvidia-smi) also answers the state query with RUNNING and accepts a lock, so the
 /// query alone cannot tell (docs/hardware.md); such a process maps at most one page of /dev/nvidiactl.
-fn has_cuda_context(report: &Report, pid: i32) -> bool {
+pub fn has_cuda_context(report: &Report, pid: i32) -> bool {
     report.findings_of(pid).any(|f| {
         f.kind == FindingKind::DeviceMapping
             && match f.evidence.path.as_deref() {

@@ -24,7 +24,7 @@ pub mod step;
 mod types;
 
 pub use cuda_driver::SetupTimings;
-pub use freeze_hook::{FreezeHook, HookOptions};
+pub use freeze_hook::{has_cuda_context, FreezeHook, HookOptions};
 pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };

@@ -16,6 +16,7 @@
 //! checkpoint would not contain: files written, messages sent after the dump would otherwise be done a
 //! second time by the restored copy.
 
+mod devices;
 mod lock;
 mod stream;
 mod undo;
@@ -28,6 +29,7 @@ use super::manifest::{
 };
 use super::{ms, save_log, Flow, ImageTransfer};
 use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
+use crate::dump::devices::PluginDir;
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::fault;
@@ -76,6 +78,12 @@ pub enum Error {
         strategy: StrategyChoice,
         reason: String,
     },
+    #[error("refusing to checkpoint process {pid} (nothing was touched): process {process} maps {path}; a device file is reopened on restore (at the same descriptor number) only where a process holds descriptors of it, and the contents of a mapping would not come back")]
+    DeviceMapped {
+        pid: i32,
+        process: i32,
+        path: String,
+    },
     #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
     Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
@@ -97,7 +105,8 @@ impl Classify for Error {
             Error::Unsupported { .. }
             | Error::NeedsOptions { .. }
             | Error::Stopped { .. }
-            | Error::StrategyRefused { .. } => ExitStatus::Unsupported,
+            | Error::StrategyRefused { .. }
+            | Error::DeviceMapped { .. } => ExitStatus::Unsupported,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
@@ -121,6 +130,9 @@ pub struct CheckpointOptions {
     /// `--allow-stopped`: checkpoint processes stopped on purpose (SIGSTOP, job control) as they are; they
     /// stay stopped, and come back stopped, as with plain CRIU. Without it a stopped tree is refused.
     pub allow_stopped: bool,
+    /// `--reopen-device`: device nodes CRIU cannot dump whose descriptors are recorded and reopened on
+    /// restore, besides the NVIDIA nodes of processes without a CUDA context (always).
+    pub reopen_devices: Vec<PathBuf>,
 }
 
 impl CheckpointOptions {
@@ -136,6 +148,7 @@ impl CheckpointOptions {
             },
             strategy: StrategyChoice::Auto,
             allow_stopped: false,
+            reopen_devices: Vec::new(),
         }
     }
 
@@ -219,6 +232,7 @@ impl Flow<'_> {
         let report = detect_tree(pid, &opts.detect)?;
         detect::choice::check(opts.strategy, &report).map_err(refuse)?;
         check_options(pid, &report, &opts.criu)?;
+        let reopen = devices::plan(pid, &report, &opts.reopen_devices, Path::new("/proc"))?;
         let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let _tree_locks = lock_tree(&tree_pids, pid)?;
         // Processes stopped before we came stay stopped whatever happens (`--allow-stopped`).
@@ -241,6 +255,9 @@ impl Flow<'_> {
             version: self.criu.version()?,
             path: self.criu.describe(),
         };
+        // CRIU's devices plugin, in a private folder, when the tree holds device files it cannot dump.
+        let plugin = reopen.as_deref().map(PluginDir::for_dump).transpose()?;
+        let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let ingest = self.store.begin(opts.name.as_deref())?;
         // The guardian learns what it would have to put back before anything is touched; if it cannot be
         // told, nothing is.
@@ -285,6 +302,7 @@ impl Flow<'_> {
             after,
             options: &opts.criu,
             stream: self.images != ImageTransfer::Staged,
+            env: &criu_env,
         };
         let stored = dump_tree(
             self.criu,
@@ -303,6 +321,10 @@ impl Flow<'_> {
         );
         // CRIU finished, but the store may not have taken every image.
         let streamed = stored.transpose()?;
+        let reopened = match &plugin {
+            Some(p) => p.records()?,
+            None => Vec::new(),
+        };
         fault::at("checkpoint.after-dump");
         check_interrupt(&interrupt)?;
         if opts.leave_running {
@@ -334,6 +356,7 @@ impl Flow<'_> {
             options: opts.record(),
             timings_ms: timings.phases(),
             sizes,
+            devices: reopened,
         };
         let metadata = encode(&manifest)?;
 

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer};
+use crate::dump::devices::PluginDir;
 use crate::dump::{CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::fault;
@@ -68,6 +69,12 @@ pub enum Error {
     Interrupted { signal: String },
     #[error("restore of checkpoint {id}: {reason}")]
     Options { id: String, reason: String },
+    #[error("cannot restore checkpoint {id}: its process held {path} open (reopened on restore), and {reason} here; the checkpoint is intact")]
+    Device {
+        id: String,
+        path: String,
+        reason: String,
+    },
     #[error("cannot create a work folder for the images: {} ({source})", path.display())]
     WorkDir {
         path: PathBuf,
@@ -79,7 +86,9 @@ pub enum Error {
 impl Classify for Error {
     fn exit_status(&self) -> ExitStatus {
         match self {
-            Error::PidInUse { .. } | Error::NotEnoughMemory { .. } => ExitStatus::Conflict,
+            Error::PidInUse { .. } | Error::NotEnoughMemory { .. } | Error::Device { .. } => {
+                ExitStatus::Conflict
+            }
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::Uffd(_) => ExitStatus::Failure,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
@@ -203,6 +212,12 @@ impl Flow<'_> {
                 Err(e) => tracing::debug!("looking for interrupted restores' work folders: {e}"),
             }
         }
+        // The device files CRIU's devices plugin reopens: the same nodes must be here.
+        preflight::check_devices(&info.id, &manifest.devices)?;
+        let plugin = (!manifest.devices.is_empty())
+            .then(|| PluginDir::for_restore(&manifest.devices))
+            .transpose()?;
+        let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
         // Should this process die from here on, the guardian kills what CRIU created of the copy.
         self.watch.tell(&Event::Restore { pids: ids.clone() })?;
@@ -220,6 +235,7 @@ impl Flow<'_> {
             stream: self.images == ImageTransfer::Stream,
             lazy_pages: false,
             post_restore: None,
+            env: &criu_env,
         };
         let mut uffd_stats = None;
         let (fetch, restore_ms, restored) = if self.images == ImageTransfer::Uffd {

@@ -1,0 +1,302 @@
+//! Device descriptors CRIU cannot dump, reopened on restore: the tool's side of the CRIU plugin in
+//! `crates/criu-devices` (`libgpu_checkpoint_devices.so`).
+//!
+//! A process that uses only NVML, or a child forked without exec from a CUDA process, holds
+//! `/dev/nvidiactl` / `/dev/nvidiaN` descriptors without a CUDA context: there is no GPU state to save, but
+//! CRIU refuses to dump a descriptor of a device it does not know (`Can't dump file N of that type`). CRIU
+//! asks its plugins first (`DUMP_EXT_FILE`): ours takes the descriptors of the device nodes it is told to
+//! (NVIDIA's, and those the user names with `--reopen-device`), and writes one [`ReopenedDevice`] line per
+//! open file into a record file; CRIU then writes an external-file entry (id, owner) into its own images.
+//! The checkpoint keeps the records in its manifest. On restore CRIU asks the plugin for each such file by
+//! id (`RESTORE_EXT_FILE`) inside the process it restores; the plugin opens the same node with the same
+//! status flags (never creating or truncating anything) after checking it is still the same device
+//! (character device, same device number), and CRIU puts the descriptor at its old number.
+//!
+//! The tool hands CRIU a private plugin folder ([`PluginDir`]: 0700, unguessable name) holding a link to the
+//! plugin and nothing else, through `CRIU_LIBS_DIR`, and tells the plugin where its record file is
+//! ([`ENV_RECORD`]) and which nodes besides NVIDIA's it takes ([`ENV_ALLOW`]). Nothing about the images
+//! changes: the plugin writes nothing into the images folder, so streamed and staged dumps work alike.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::Error;
+use crate::util;
+
+/// The plugin's file name, as cargo builds it (next to the `gpu-checkpoint` binary).
+pub const PLUGIN_FILE: &str = "libgpu_checkpoint_devices.so";
+/// Names the plugin file to use instead of the one next to the binary.
+pub const ENV_PLUGIN: &str = "GPU_CHECKPOINT_DEVICES_PLUGIN";
+/// The plugin's record file: appended to while dumping, read while restoring.
+pub const ENV_RECORD: &str = "GPU_CHECKPOINT_DEVICES_RECORD";
+/// Device nodes the plugin takes besides NVIDIA's, separated by `:`.
+pub const ENV_ALLOW: &str = "GPU_CHECKPOINT_DEVICES_ALLOW";
+/// Where CRIU looks for plugins (its own variable).
+pub const ENV_CRIU_LIBS_DIR: &str = "CRIU_LIBS_DIR";
+
+/// One open file of a device node, as the plugin saw it while dumping: the manifest's `devices` entries.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ReopenedDevice {
+    /// CRIU's id of the open file (shared by every descriptor and process holding it).
+    pub id: u32,
+    /// The device node (`/dev/nvidiactl`).
+    pub path: String,
+    /// The file's status flags (`fcntl(F_GETFL)`): access mode, `O_NONBLOCK`, ...
+    pub flags: i32,
+    /// The node's device number (`st_rdev`), checked again before it is reopened.
+    pub rdev: u64,
+}
+
+impl ReopenedDevice {
+    /// The record file's line: `id flags rdev path` (decimal; the path last, it may hold spaces).
+    pub fn line(&self) -> String {
+        format!("{} {} {} {}\n", self.id, self.flags, self.rdev, self.path)
+    }
+
+    /// The flags to reopen with: the access mode and the status flags that make sense for a device;
+    /// never `O_CREAT`, `O_TRUNC` or `O_EXCL`.
+    pub fn open_flags(&self) -> i32 {
+        let keep =
+            libc::O_ACCMODE | libc::O_NONBLOCK | libc::O_APPEND | libc::O_SYNC | libc::O_DSYNC;
+        (self.flags & keep) | libc::O_NOCTTY
+    }
+}
+
+/// Reads a record file's lines.
+pub fn parse_records(text: &str) -> Result<Vec<ReopenedDevice>, String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.is_empty() {
+            continue;
+        }
+        let bad = || {
+            format!(
+                "line {}: expected `id flags rdev path`, got {line:?}",
+                n + 1
+            )
+        };
+        let mut parts = line.splitn(4, ' ');
+        let mut field = || parts.next().ok_or_else(bad);
+        let id = field()?.parse().map_err(|_| bad())?;
+        let flags = field()?.parse().map_err(|_| bad())?;
+        let rdev = field()?.parse().map_err(|_| bad())?;
+        let path = field()?;
+        if !path.starts_with('/') {
+            return Err(bad());
+        }
+        out.push(ReopenedDevice {
+            id,
+            path: path.to_string(),
+            flags,
+            rdev,
+        });
+    }
+    Ok(out)
+}
+
+/// The NVIDIA device nodes the plugin always takes: `/dev/nvidiactl`, `/dev/nvidiaN`, `/dev/nvidia-modeset`.
+/// Not `/dev/nvidia-uvm`: a UVM descriptor is set up by the CUDA driver, and reopening it blank is not
+/// known to be what a process expects.
+pub fn is_nvidia_node(path: &str) -> bool {
+    match path.strip_prefix("/dev/nvidia") {
+        Some("ctl") | Some("-modeset") => true,
+        Some(n) => !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()),
+        None => false,
+    }
+}
+
+/// Whether the plugin takes `path`, given [`ENV_ALLOW`]'s value.
+pub fn is_taken(path: &str, allow: Option<&str>) -> bool {
+    is_nvidia_node(path) || allow.is_some_and(|a| a.split(':').any(|p| !p.is_empty() && p == path))
+}
+
+/// A private folder holding the plugin alone (for `CRIU_LIBS_DIR`) and the plugin's record file; removed
+/// when dropped.
+#[derive(Debug)]
+pub struct PluginDir {
+    dir: PathBuf,
+    record: PathBuf,
+    allow: Vec<PathBuf>,
+}
+
+impl PluginDir {
+    /// For a dump: an empty record file the plugin appends to; `allow`: the nodes besides NVIDIA's.
+    pub fn for_dump(allow: &[PathBuf]) -> Result<PluginDir, Error> {
+        let mut dir = Self::create()?;
+        dir.write_record(&[])?;
+        dir.allow = allow.to_vec();
+        Ok(dir)
+    }
+
+    /// For a restore: the records the plugin reopens.
+    pub fn for_restore(devices: &[ReopenedDevice]) -> Result<PluginDir, Error> {
+        let dir = Self::create()?;
+        dir.write_record(devices)?;
+        Ok(dir)
+    }
+
+    fn create() -> Result<PluginDir, Error> {
+        let plugin = find_plugin()?;
+        let tmp = std::env::temp_dir();
+        let dir = util::create_unique_private_dir(&tmp, "gpu-checkpoint-plugins.")
+            .map_err(|e| Error::io(format!("creating a plugin folder in {}", tmp.display()), e))?;
+        let this = PluginDir {
+            record: dir.join("devices.records"),
+            dir,
+            allow: Vec::new(),
+        };
+        // A link, not a copy (a debug build's plugin is tens of MB): the plugin is as trusted as the binary
+        // it lies beside, and the folder holds nothing else for CRIU to load.
+        let link = this.dir.join(PLUGIN_FILE);
+        std::os::unix::fs::symlink(&plugin, &link).map_err(|e| {
+            Error::io(
+                format!(
+                    "linking the CRIU plugin {} into {}",
+                    plugin.display(),
+                    this.dir.display()
+                ),
+                e,
+            )
+        })?;
+        Ok(this)
+    }
+
+    fn write_record(&self, devices: &[ReopenedDevice]) -> Result<(), Error> {
+        let mut f = util::create_new_private_file(&self.record)
+            .map_err(|e| Error::io(format!("creating {}", self.record.display()), e))?;
+        let text = devices.iter().fold(String::new(), |mut s, d| {
+            let _ = write!(s, "{}", d.line());
+            s
+        });
+        f.write_all(text.as_bytes())
+            .map_err(|e| Error::io(format!("writing {}", self.record.display()), e))
+    }
+
+    /// The environment CRIU runs with.
+    pub fn env(&self) -> Vec<(OsString, OsString)> {
+        let mut env = vec![
+            (ENV_CRIU_LIBS_DIR.into(), self.dir.clone().into_os_string()),
+            (ENV_RECORD.into(), self.record.clone().into_os_string()),
+        ];
+        let allow: Vec<String> = self.allow.iter().map(|p| p.display().to_string()).collect();
+        env.push((ENV_ALLOW.into(), allow.join(":").into()));
+        env
+    }
+
+    /// What the plugin recorded during the dump.
+    pub fn records(&self) -> Result<Vec<ReopenedDevice>, Error> {
+        let text = std::fs::read_to_string(&self.record)
+            .map_err(|e| Error::io(format!("reading {}", self.record.display()), e))?;
+        parse_records(&text).map_err(|e| {
+            Error::io(
+                format!("the CRIU plugin's records {}", self.record.display()),
+                std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            )
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for PluginDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The plugin: [`ENV_PLUGIN`], else [`PLUGIN_FILE`] next to this executable (where cargo builds it);
+/// missing, exit 5 like a missing CRIU.
+pub fn find_plugin() -> Result<PathBuf, Error> {
+    let path = match std::env::var_os(ENV_PLUGIN) {
+        Some(p) => std::path::absolute(PathBuf::from(&p)).unwrap_or_else(|_| PathBuf::from(p)),
+        None => {
+            let exe = std::env::current_exe()
+                .map_err(|e| Error::io("finding this executable's folder", e))?;
+            let dir = exe.parent().unwrap_or(Path::new("/"));
+            // Test executables live one folder below the binaries (target/debug/deps).
+            let here = dir.join(PLUGIN_FILE);
+            match (here.is_file(), dir.parent()) {
+                (false, Some(up)) if dir.ends_with("deps") => up.join(PLUGIN_FILE),
+                _ => here,
+            }
+        }
+    };
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(Error::PluginMissing { path })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip() {
+        let d = [
+            ReopenedDevice {
+                id: 7,
+                path: "/dev/nvidiactl".into(),
+                flags: libc::O_RDWR | libc::O_NONBLOCK,
+                rdev: (195 << 8) | 255,
+            },
+            ReopenedDevice {
+                id: 12,
+                path: "/dev/odd name".into(),
+                flags: libc::O_RDONLY,
+                rdev: 1,
+            },
+        ];
+        let text: String = d.iter().map(ReopenedDevice::line).collect();
+        assert_eq!(parse_records(&text).unwrap(), d);
+        assert_eq!(parse_records("").unwrap(), vec![]);
+        for bad in ["7 2 3", "x 2 3 /dev/a", "7 2 3 dev/a", "7 2 -3 /dev/a"] {
+            assert!(parse_records(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reopen_flags_never_create() {
+        let d = ReopenedDevice {
+            id: 1,
+            path: "/dev/fuse".into(),
+            flags: libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_EXCL | libc::O_NONBLOCK,
+            rdev: 0,
+        };
+        assert_eq!(
+            d.open_flags(),
+            libc::O_RDWR | libc::O_NONBLOCK | libc::O_NOCTTY
+        );
+    }
+
+    #[test]
+    fn which_nodes_are_taken() {
+        for p in [
+            "/dev/nvidiactl",
+            "/dev/nvidia0",
+            "/dev/nvidia12",
+            "/dev/nvidia-modeset",
+        ] {
+            assert!(is_taken(p, None), "{p}");
+        }
+        for p in [
+            "/dev/nvidia-uvm",
+            "/dev/nvidia",
+            "/dev/nvidia0x",
+            "/dev/fuse",
+            "/dev/nvidia-caps/x",
+        ] {
+            assert!(!is_taken(p, None), "{p}");
+        }
+        assert!(is_taken("/dev/fuse", Some("/dev/a:/dev/fuse")));
+        assert!(!is_taken("/dev/fus", Some("/dev/fuse")));
+        assert!(!is_taken("", Some("")));
+    }
+}
