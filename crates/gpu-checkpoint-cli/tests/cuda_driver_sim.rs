@@ -124,6 +124,13 @@ fn the_cuda_subcommands_drive_every_layout() {
             json.contains(&format!("SIMULATED CUDA {v}")),
             "CUDA {v}: {json}"
         );
+        // detect says which driver would checkpoint the tree here, its layout and capabilities.
+        let detect = d.ok(&["detect", "--pid", &pid, "--simulator"]);
+        assert!(
+            detect.contains(&format!("SIMULATED CUDA {v}"))
+                && detect.contains(&format!("argument layout {v}")),
+            "CUDA {v}: {detect}"
+        );
         let doctor = d.ok(&["doctor"]);
         assert!(
             doctor.contains(&format!("argument layout {v}")),

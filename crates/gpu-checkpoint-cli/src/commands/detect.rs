@@ -60,9 +60,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Text => print!("{}", render_text(&report, args.verbose)),
+        Format::Text => {
+            print!("{}", render_text(&report, args.verbose));
+            // What would checkpoint this tree's GPU state here: only for the live /proc (a captured tree
+            // comes from another machine, whose driver this one says nothing about).
+            let live = args.proc_root == std::path::Path::new("/proc");
+            let nvidia = report
+                .processes
+                .iter()
+                .any(|p| matches!(p.strategy, StrategyName::CudaDriver | StrategyName::CudaCli));
+            if live && nvidia {
+                println!("{}", driver_here());
+            }
+        }
     }
     Ok(())
+}
+
+/// The CUDA checkpoint API this machine offers: version, argument layout, capabilities (as `doctor`).
+fn driver_here() -> String {
+    use gpu_checkpoint::freeze::{cuda_driver::CudaDriver, GpuDriver};
+    match CudaDriver::open() {
+        Ok(d) => format!(
+            "driver here: {} (argument layout {}; {})",
+            d.driver_version().unwrap_or_default(),
+            d.layout().name(),
+            d.capabilities().join(", ")
+        ),
+        Err(e) => format!("driver here: the in-process checkpoint API is not available: {e}"),
+    }
 }
 
 fn strategy_meaning(name: StrategyName, simulated: bool) -> &'static str {

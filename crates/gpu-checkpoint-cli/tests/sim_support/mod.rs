@@ -150,8 +150,12 @@ pub fn json_ok(args: &[&str]) -> serde_json::Value {
     })
 }
 
-/// The checkpoints a store lists.
+/// The checkpoints a store lists; none where no store was made (a checkpoint refused or interrupted before
+/// it opened the store leaves none, and `list` refuses a folder that is not a store).
 pub fn listed(store: &std::path::Path) -> Vec<serde_json::Value> {
+    if !store.join("store.json").exists() {
+        return Vec::new();
+    }
     let v = json_ok(&[
         "list",
         "--storage",
