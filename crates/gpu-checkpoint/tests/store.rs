@@ -391,6 +391,17 @@ fn truncated_chunk_is_detected() {
 /// while its header and size still look right (a flipped payload byte): the checkpoint has the right bytes
 /// in hand, so it verifies what it reuses and writes a damaged chunk again. Both encodings: a raw chunk
 /// (random pages) and a zstd one (text-like pages), on the local and the memory backend.
+/// Where the local store under `t` keeps chunk `id`.
+fn chunk_path(t: &Path, id: &gpu_checkpoint::store::chunk::ChunkId) -> PathBuf {
+    let hex = id.to_hex();
+    t.join("store/chunks").join(&hex[..2]).join(&hex)
+}
+
+/// How many problems `verify` finds in checkpoint `id`.
+fn problems(store: &Store, id: &str) -> usize {
+    store.verify(Some(id), &NoProgress).unwrap().problems.len()
+}
+
 #[test]
 fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
     let t = tempfile::tempdir().unwrap();
@@ -411,8 +422,7 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
         .iter()
         .filter_map(|c| c.id.map(|id| (id, c.len)))
     {
-        let hex = c.0.to_hex();
-        let path = t.path().join("store/chunks").join(&hex[..2]).join(&hex);
+        let path = chunk_path(t.path(), &c.0);
         let stored = fs::metadata(&path).unwrap().len();
         if stored == 16 + c.1 as u64 {
             raw.get_or_insert(path);
@@ -427,14 +437,7 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
         b[n - 7] ^= 0x40;
         fs::write(path, b).unwrap();
     }
-    assert_eq!(
-        store
-            .verify(Some(&first.id), &NoProgress)
-            .unwrap()
-            .problems
-            .len(),
-        2
-    );
+    assert_eq!(problems(&store, &first.id), 2);
 
     let again = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     assert_eq!(
@@ -464,6 +467,80 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
     let again = ingest(&store, None, |d| fs::write(d.join("a.img"), &data).unwrap());
     assert_eq!(again.stats.new_chunks, 1);
     assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+}
+
+/// What a re-checkpoint does with compressed chunks, which it checks by their checksum trailer (format
+/// version 2) instead of decompressing them, and with those of earlier builds (version 1, no trailer),
+/// which it still decodes and compares.
+#[test]
+fn a_re_checkpoint_checks_compressed_chunks_by_their_trailer_and_older_ones_in_full() {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    criu_like(&src, 600, 12);
+    let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    let mut zstd: Vec<PathBuf> = Vec::new();
+    for f in &first.files {
+        for c in f.chunks.iter().filter_map(|c| c.id.map(|id| (id, c.len))) {
+            let path = chunk_path(t.path(), &c.0);
+            let stored = fs::read(&path).unwrap();
+            if stored.len() != 16 + c.1 as usize && !zstd.contains(&path) {
+                assert_eq!(
+                    stored[4], 2,
+                    "compressed chunks are written in format version 2"
+                );
+                zstd.push(path);
+            }
+        }
+    }
+    assert!(zstd.len() >= 6, "{} compressed chunks", zstd.len());
+    let edit = |path: &Path, f: &dyn Fn(&mut Vec<u8>)| {
+        let mut b = fs::read(path).unwrap();
+        f(&mut b);
+        fs::write(path, b).unwrap();
+    };
+    // Version 1 as earlier builds wrote it: the same header and payload, no trailer.
+    let to_v1 = |b: &mut Vec<u8>| {
+        b[4] = 1;
+        b.truncate(b.len() - 32);
+    };
+    let mid = |b: &[u8]| 16 + (b.len() - 48) / 2;
+    // A flipped payload byte, a flipped trailer byte, another chunk's intact object in its place.
+    edit(&zstd[0], &|b| {
+        let i = mid(b);
+        b[i] ^= 0x10;
+    });
+    edit(&zstd[1], &|b| {
+        let n = b.len();
+        b[n - 1] ^= 0x01;
+    });
+    fs::copy(&zstd[5], &zstd[2]).unwrap();
+    // An intact version 1 object is accepted as it is; a damaged one is found the full way.
+    edit(&zstd[3], &to_v1);
+    edit(&zstd[4], &|b| {
+        to_v1(b);
+        let i = 16 + (b.len() - 16) / 2;
+        b[i] ^= 0x10;
+    });
+    let v1 = fs::read(&zstd[3]).unwrap();
+    assert_eq!(problems(&store, &first.id), 4);
+
+    let again = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert_eq!(
+        again.stats.new_chunks, 4,
+        "the four damaged chunks, and only those, are written again"
+    );
+    assert_eq!(fs::read(&zstd[3]).unwrap(), v1, "left as it was");
+    for path in [&zstd[0], &zstd[1], &zstd[2], &zstd[4]] {
+        assert_eq!(fs::read(path).unwrap()[4], 2, "rewritten in version 2");
+    }
+    assert!(store.verify(None, &NoProgress).unwrap().is_ok());
+    let out = t.path().join("out");
+    store.materialize(&again.id, &out, &NoProgress).unwrap();
+    assert_same_tree(&src, &out);
+    let third = ingest(&store, Some("job"), |d| copy_tree(&src, d));
+    assert_eq!(third.stats.new_chunks, 0);
 }
 
 #[test]

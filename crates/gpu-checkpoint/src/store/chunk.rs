@@ -1,16 +1,25 @@
-//! The chunk object format: a 16-byte header, then the payload (zstd frame or raw bytes).
+//! The chunk object format: a 16-byte header, then the payload (zstd frame or raw bytes), then in format
+//! version 2 a 32-byte trailer.
 //!
 //! ```text
 //! offset size field
 //!      0    4 magic "GCKC"
-//!      4    1 format version (1)
+//!      4    1 format version (1 or 2)
 //!      5    1 encoding: 0 = raw, 1 = zstd
 //!      6    2 reserved, 0
 //!      8    4 raw length (little endian): the chunk's uncompressed size
-//!     12    4 payload length (little endian): bytes after the header
+//!     12    4 payload length (little endian): bytes after the header (before the trailer)
+//!     16    n payload
+//!   16+n   32 version 2 only: trailer, BLAKE3 keyed with the chunk's name (its 32 bytes) of header and payload
 //! ```
 //! A chunk is named by the BLAKE3 hash of its *raw* bytes, so decoding it and hashing the result proves every
 //! byte; the payload length in the header makes truncation detectable without decompressing.
+//!
+//! The trailer proves the stored object is the one written for this name, without decompressing it: a
+//! re-checkpoint checks every compressed chunk it reuses by hashing the stored bytes (see
+//! [`Decoder::check_reuse`]). Keyed with the name, so that another chunk's intact object in its place does not
+//! pass. Writers use version 2 for zstd objects and version 1 for raw ones (a raw payload is compared with
+//! the bytes in hand, which costs less than hashing it); readers accept both, for either encoding.
 
 use std::fmt;
 
@@ -19,10 +28,19 @@ use crate::util::AlignedBuf;
 /// How a chunk whose bytes do not hash to its name is described in errors.
 pub(crate) const HASH_MISMATCH: &str = "damaged (content does not match its BLAKE3 name)";
 
+/// How a version 2 object whose trailer does not match is described in errors.
+pub(crate) const TRAILER_MISMATCH: &str =
+    "damaged (stored object does not match its checksum trailer)";
+
 /// Size of the fixed header in front of every stored chunk.
 pub const HEADER_LEN: usize = 16;
+/// Size of the checksum trailer after the payload of a format version 2 object.
+pub const TRAILER_LEN: usize = 32;
 const MAGIC: &[u8; 4] = b"GCKC";
-const VERSION: u8 = 1;
+/// Format version of an object without a trailer (earlier builds wrote only these).
+const VERSION_PLAIN: u8 = 1;
+/// Format version of an object with a checksum trailer.
+const VERSION_TRAILER: u8 = 2;
 
 /// How a chunk's payload is encoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,13 +118,19 @@ pub struct Header {
     pub encoding: Encoding,
     pub raw_len: u32,
     pub payload_len: u32,
+    /// Format version 2: a checksum trailer follows the payload.
+    pub trailer: bool,
 }
 
 impl Header {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         h[..4].copy_from_slice(MAGIC);
-        h[4] = VERSION;
+        h[4] = if self.trailer {
+            VERSION_TRAILER
+        } else {
+            VERSION_PLAIN
+        };
         h[5] = self.encoding as u8;
         h[8..12].copy_from_slice(&self.raw_len.to_le_bytes());
         h[12..16].copy_from_slice(&self.payload_len.to_le_bytes());
@@ -124,9 +148,11 @@ impl Header {
         if &bytes[..4] != MAGIC {
             return Err("not a chunk (bad magic)".into());
         }
-        if bytes[4] != VERSION {
-            return Err(format!("of unsupported chunk format version {}", bytes[4]));
-        }
+        let trailer = match bytes[4] {
+            VERSION_PLAIN => false,
+            VERSION_TRAILER => true,
+            v => return Err(format!("of unsupported chunk format version {v}")),
+        };
         let encoding = match bytes[5] {
             0 => Encoding::Raw,
             1 => Encoding::Zstd,
@@ -141,12 +167,21 @@ impl Header {
             encoding,
             raw_len,
             payload_len,
+            trailer,
         })
     }
 
     /// Total size of the stored object.
     pub fn stored_len(&self) -> u64 {
-        HEADER_LEN as u64 + self.payload_len as u64
+        HEADER_LEN as u64 + self.payload_len as u64 + self.trailer_len() as u64
+    }
+
+    fn trailer_len(&self) -> usize {
+        if self.trailer {
+            TRAILER_LEN
+        } else {
+            0
+        }
     }
 
     fn raw(len: usize) -> Header {
@@ -154,6 +189,7 @@ impl Header {
             encoding: Encoding::Raw,
             raw_len: len as u32,
             payload_len: len as u32,
+            trailer: false,
         }
     }
 
@@ -162,8 +198,46 @@ impl Header {
             encoding: Encoding::Zstd,
             raw_len: raw_len as u32,
             payload_len: payload_len as u32,
+            trailer: true,
         }
     }
+}
+
+/// The trailer of chunk `id`'s version 2 object: BLAKE3 keyed with the name, of `head_and_payload` (the
+/// object without its trailer).
+fn trailer_of(id: &ChunkId, head_and_payload: &[u8]) -> [u8; TRAILER_LEN] {
+    *blake3::keyed_hash(&id.0, head_and_payload).as_bytes()
+}
+
+/// Checks a whole stored object's length against its header and, in format version 2, its trailer against
+/// `id`; returns the header. The payload is `stored[HEADER_LEN..][..payload_len]`. The error describes the
+/// damage.
+fn check_object(id: Option<&ChunkId>, stored: &[u8]) -> Result<Header, String> {
+    let header = Header::decode(stored)?;
+    let want = header.stored_len();
+    if stored.len() as u64 != want {
+        let after = stored.len().saturating_sub(HEADER_LEN);
+        let what = if header.trailer {
+            "payload and trailer"
+        } else {
+            "payload"
+        };
+        return Err(if (stored.len() as u64) < want {
+            format!(
+                "truncated ({after} of {} {what} bytes)",
+                want - HEADER_LEN as u64
+            )
+        } else {
+            format!("damaged ({} bytes, its header says {want})", stored.len())
+        });
+    }
+    if let (Some(id), true) = (id, header.trailer) {
+        let end = stored.len() - TRAILER_LEN;
+        if trailer_of(id, &stored[..end])[..] != stored[end..] {
+            return Err(TRAILER_MISMATCH.into());
+        }
+    }
+    Ok(header)
 }
 
 /// Reusable per-thread compression state, so that contexts and buffers are allocated once per worker and
@@ -197,26 +271,28 @@ impl Encoder {
         })
     }
 
-    /// Encodes one chunk: returns its header and payload (the zstd frame in the encoder's buffer, or `raw`).
+    /// Encodes chunk `id` (the name of `raw`): returns its header and the rest of its stored object (the
+    /// zstd frame and its trailer in the encoder's buffer, or `raw`).
     ///
     /// Chunks are stored raw unless zstd saves at least 1/32 of them: a chunk that barely compresses costs
     /// decompression time on every restore for almost no space. A chunk the `Predictor` finds random
     /// (encrypted or compressed data) is stored raw without running zstd; otherwise zstd's output buffer is
     /// capped at the limit, so zstd gives up early on whatever the predictor let through.
-    pub fn encode<'a>(&'a mut self, raw: &'a [u8]) -> (Header, &'a [u8]) {
+    pub fn encode<'a>(&'a mut self, id: &ChunkId, raw: &'a [u8]) -> (Header, &'a [u8]) {
         match self.compress(raw) {
-            Some(n) => (
-                Header::zstd(raw.len(), n),
-                &self.obj.slice(HEADER_LEN + n)[HEADER_LEN..],
-            ),
+            Some(n) => {
+                let header = Header::zstd(raw.len(), n);
+                let obj = self.finish(id, header);
+                (header, &obj[HEADER_LEN..])
+            }
             None => (Header::raw(raw.len()), raw),
         }
     }
 
-    /// Encodes one chunk like [`Encoder::encode`] and returns the whole stored object, header then
-    /// payload, in one page-aligned buffer (for a backend writing with direct I/O): a raw chunk is copied
+    /// Encodes chunk `id` like [`Encoder::encode`] and returns the whole stored object, header, payload and
+    /// trailer, in one page-aligned buffer (for a backend writing with direct I/O): a raw chunk is copied
     /// into it.
-    pub fn encode_object(&mut self, raw: &[u8]) -> (Header, &[u8]) {
+    pub fn encode_object(&mut self, id: &ChunkId, raw: &[u8]) -> (Header, &[u8]) {
         let header = match self.compress(raw) {
             Some(n) => Header::zstd(raw.len(), n),
             None => {
@@ -226,10 +302,21 @@ impl Encoder {
                 Header::raw(raw.len())
             }
         };
-        let obj = &mut Self::object_room(&mut self.obj, self.max_chunk, raw.len())
+        (header, self.finish(id, header))
+    }
+
+    /// Completes the object whose payload lies in the buffer after the header room: writes the header in
+    /// front and, in version 2, the trailer after it. Returns the whole object.
+    fn finish(&mut self, id: &ChunkId, header: Header) -> &[u8] {
+        let obj = &mut Self::object_room(&mut self.obj, self.max_chunk, header.raw_len as usize)
             [..header.stored_len() as usize];
         obj[..HEADER_LEN].copy_from_slice(&header.encode());
-        (header, obj)
+        if header.trailer {
+            let end = obj.len() - TRAILER_LEN;
+            let trailer = trailer_of(id, &obj[..end]);
+            obj[end..].copy_from_slice(&trailer);
+        }
+        obj
     }
 
     /// The encoder's object buffer, with room for the largest object, lent out between two encodes: the
@@ -240,10 +327,11 @@ impl Encoder {
         &mut self.obj
     }
 
-    /// The object buffer `obj`, room for the header and a chunk of `len` raw bytes. Sized for the largest
-    /// chunk at once: growing it chunk by chunk would reallocate it (and lose its contents) every time.
+    /// The object buffer `obj`, room for the header, a chunk of `len` raw bytes and a trailer. Sized for the
+    /// largest chunk at once: growing it chunk by chunk would reallocate it (and lose its contents) every
+    /// time.
     fn object_room(obj: &mut AlignedBuf, max_chunk: usize, len: usize) -> &mut [u8] {
-        obj.slice_mut(HEADER_LEN + max_chunk.max(len))
+        obj.slice_mut(HEADER_LEN + max_chunk.max(len) + TRAILER_LEN)
     }
 
     /// Compresses `raw` into `obj` after the header room if that is worth it; returns the frame's length.
@@ -412,31 +500,49 @@ impl Decoder {
         Ok(raw)
     }
 
-    /// Checks that a stored chunk decodes to exactly `expected`, bytes the caller has just hashed to the
-    /// chunk's name: then the stored object is as good as a hash check would prove, and comparing costs
-    /// less than hashing again (the ingest checks every chunk it reuses this way). The error describes the
-    /// damage.
-    pub fn check_equal(&mut self, stored: &[u8], expected: &[u8]) -> Result<(), String> {
-        if Header::decode(stored)?.raw_len as usize != expected.len() {
+    /// Checks a stored chunk like [`Decoder::decode`] and, in format version 2, its trailer too: a whole
+    /// object check (`verify`). Restores skip the trailer: the hash of the decoded bytes proves them, and a
+    /// damaged trailer alone does not make a checkpoint unrestorable. Returns the raw length.
+    pub fn verify(&mut self, id: &ChunkId, stored: &[u8]) -> Result<usize, String> {
+        check_object(Some(id), stored)?;
+        self.decode(id, stored).map(<[u8]>::len)
+    }
+
+    /// Checks that stored chunk `id` holds exactly `expected`, bytes the caller has just hashed to `id`
+    /// (the ingest checks every chunk it reuses this way; the error describes the damage):
+    /// - a raw payload is compared with `expected` (equal bytes are the proof, and comparing costs less
+    ///   than hashing again);
+    /// - a zstd payload in format version 2 is proved by its trailer (BLAKE3 keyed with `id`, of header and
+    ///   payload, as the writer computed it from the compressed bytes of `expected`): hashing the stored
+    ///   bytes, not decompressing them, which costs a fraction;
+    /// - a zstd payload in version 1 (earlier builds) is decoded and compared.
+    pub fn check_reuse(
+        &mut self,
+        id: &ChunkId,
+        stored: &[u8],
+        expected: &[u8],
+    ) -> Result<(), String> {
+        let header = check_object(Some(id), stored)?;
+        if header.raw_len as usize != expected.len() {
             return Err(HASH_MISMATCH.into());
         }
-        if self.decode_unhashed(stored)? != expected {
+        let payload = &stored[HEADER_LEN..HEADER_LEN + header.payload_len as usize];
+        let equal = match (header.encoding, header.trailer) {
+            (Encoding::Raw, _) => payload == expected,
+            // The trailer matched in `check_object`.
+            (Encoding::Zstd, true) => true,
+            (Encoding::Zstd, false) => self.decode_unhashed(stored)? == expected,
+        };
+        if !equal {
             return Err(HASH_MISMATCH.into());
         }
         Ok(())
     }
 
-    /// Decodes a stored chunk, checking its header and lengths but not its hash.
+    /// Decodes a stored chunk, checking its header and lengths but neither its hash nor its trailer.
     fn decode_unhashed<'a>(&'a mut self, stored: &'a [u8]) -> Result<&'a [u8], String> {
-        let header = Header::decode(stored)?;
-        let payload = &stored[HEADER_LEN..];
-        if payload.len() as u64 != header.payload_len as u64 {
-            return Err(format!(
-                "truncated ({} of {} payload bytes)",
-                payload.len(),
-                header.payload_len
-            ));
-        }
+        let header = check_object(None, stored)?;
+        let payload = &stored[HEADER_LEN..HEADER_LEN + header.payload_len as usize];
         self.decoded_here = header.encoding == Encoding::Zstd;
         let raw: &[u8] = match header.encoding {
             Encoding::Raw => payload,
@@ -490,7 +596,7 @@ mod tests {
 
     fn roundtrip(data: &[u8]) -> Encoding {
         let mut enc = Encoder::new(Some(3), data.len()).unwrap();
-        let (header, payload) = enc.encode(data);
+        let (header, payload) = enc.encode(&ChunkId::of(data), data);
         let mut stored = header.encode().to_vec();
         stored.extend_from_slice(payload);
         let mut dec = Decoder::new(data.len()).unwrap();
@@ -512,10 +618,10 @@ mod tests {
             (&b"tiny"[..], Encoding::Raw),
         ] {
             // The split form first, then the whole object from the same encoder (its buffer reused).
-            let (h1, payload) = enc.encode(data);
+            let (h1, payload) = enc.encode(&ChunkId::of(data), data);
             let mut split = h1.encode().to_vec();
             split.extend_from_slice(payload);
-            let (h2, object) = enc.encode_object(data);
+            let (h2, object) = enc.encode_object(&ChunkId::of(data), data);
             assert_eq!(h1, h2);
             assert_eq!(h2.encoding, want);
             assert!(crate::util::is_direct_io_aligned(object));
@@ -525,7 +631,7 @@ mod tests {
         }
         // Compression off: raw objects all the same.
         let mut raw_only = Encoder::new(None, 80_000).unwrap();
-        let (h, object) = raw_only.encode_object(&text);
+        let (h, object) = raw_only.encode_object(&ChunkId::of(&text), &text);
         assert_eq!(h.encoding, Encoding::Raw);
         assert_eq!(&object[HEADER_LEN..], &text[..]);
     }
@@ -611,7 +717,7 @@ mod tests {
             ("mixed", &mixed, Encoding::Zstd),
             ("mostly random", &mostly_random, Encoding::Zstd),
         ] {
-            let (header, payload) = enc.encode(data);
+            let (header, payload) = enc.encode(&ChunkId::of(data), data);
             assert_eq!(header.encoding, want, "{name}");
             if want == Encoding::Zstd {
                 assert!(payload.len() < data.len() - data.len() / 32, "{name}");
@@ -641,7 +747,7 @@ mod tests {
         let half = random_bytes(2 << 20, 31);
         let data: Vec<u8> = half.iter().chain(&half).copied().collect();
         let mut enc = Encoder::new(Some(1), 4 << 20).unwrap();
-        let (header, payload) = enc.encode(&data);
+        let (header, payload) = enc.encode(&ChunkId::of(&data), &data);
         assert_eq!(header.encoding, Encoding::Zstd);
         assert!(
             payload.len() < half.len() + half.len() / 16,
@@ -664,6 +770,7 @@ mod tests {
                 encoding: Encoding::Zstd,
                 raw_len: data.len() as u32,
                 payload_len: payload.len() as u32,
+                trailer: false,
             };
             let mut stored = header.encode().to_vec();
             stored.extend_from_slice(&payload);
@@ -676,7 +783,7 @@ mod tests {
     fn compression_off_stores_even_compressible_chunks_raw() {
         let data = vec![7u8; 100_000];
         let mut enc = Encoder::new(None, data.len()).unwrap();
-        let (header, payload) = enc.encode(&data);
+        let (header, payload) = enc.encode(&ChunkId::of(&data), &data);
         assert_eq!(header.encoding, Encoding::Raw);
         assert_eq!(payload, &data[..]);
         let mut stored = header.encode().to_vec();
@@ -690,7 +797,7 @@ mod tests {
         let data = vec![7u8; 10_000];
         let id = ChunkId::of(&data);
         let mut enc = Encoder::new(Some(1), data.len()).unwrap();
-        let (header, payload) = enc.encode(&data);
+        let (header, payload) = enc.encode(&ChunkId::of(&data), &data);
         let mut stored = header.encode().to_vec();
         stored.extend_from_slice(payload);
         let mut dec = Decoder::new(data.len()).unwrap();
@@ -699,16 +806,142 @@ mod tests {
             .decode(&id, truncated)
             .unwrap_err()
             .contains("truncated"));
+        // The payload's last byte (a version 2 object: the trailer follows).
+        assert!(header.trailer);
+        let mut flipped = stored.clone();
+        let last = flipped.len() - 1 - TRAILER_LEN;
+        flipped[last] ^= 1;
+        assert!(dec.decode(&id, &flipped).is_err());
+        assert!(dec.verify(&id, &flipped).is_err());
+        // The trailer's last byte: the content still decodes to its name (a restore takes it), `verify`
+        // reports the object.
         let mut flipped = stored.clone();
         let last = flipped.len() - 1;
         flipped[last] ^= 1;
-        assert!(dec.decode(&id, &flipped).is_err());
+        assert_eq!(dec.decode(&id, &flipped).unwrap(), &data[..]);
+        assert_eq!(dec.verify(&id, &flipped).unwrap_err(), TRAILER_MISMATCH);
+        assert_eq!(dec.verify(&id, &stored), Ok(data.len()));
         assert!(dec
             .decode(&id, &stored[..3])
             .unwrap_err()
             .contains("truncated"));
+        let mut longer = stored.clone();
+        longer.push(0);
+        assert!(dec
+            .decode(&id, &longer)
+            .unwrap_err()
+            .contains("header says"));
         let other = ChunkId::of(b"other");
         assert!(dec.decode(&other, &stored).unwrap_err().contains("BLAKE3"));
+    }
+
+    /// A version 1 object of `data` as earlier builds wrote it (no trailer).
+    fn v1_object(data: &[u8]) -> Vec<u8> {
+        let payload = zstd::bulk::compress(data, 1).unwrap();
+        let header = Header {
+            encoding: Encoding::Zstd,
+            raw_len: data.len() as u32,
+            payload_len: payload.len() as u32,
+            trailer: false,
+        };
+        let mut stored = header.encode().to_vec();
+        stored.extend_from_slice(&payload);
+        stored
+    }
+
+    /// Chunk `data`'s name, header and whole object as this build writes them (zstd level 1).
+    fn object_of(data: &[u8]) -> (ChunkId, Header, Vec<u8>) {
+        let id = ChunkId::of(data);
+        let mut enc = Encoder::new(Some(1), data.len()).unwrap();
+        let (header, object) = enc.encode_object(&id, data);
+        (id, header, object.to_vec())
+    }
+
+    #[test]
+    fn a_reused_zstd_object_is_proved_by_its_trailer_without_decompressing() {
+        let data = heap_like(20_000, 51);
+        let (id, header, object) = object_of(&data);
+        assert_eq!((header.encoding, header.trailer), (Encoding::Zstd, true));
+        assert_eq!(object[4], 2, "format version 2");
+        // The ingest's decoder starts without an output buffer: it stays so, nothing was decompressed.
+        let mut dec = Decoder::new(0).unwrap();
+        assert_eq!(dec.check_reuse(&id, &object, &data), Ok(()));
+        assert_eq!(dec.out.capacity(), 0, "decompressed");
+        // Bytes of another length than the header says: refused.
+        assert!(dec.check_reuse(&id, &object, &data[..100]).is_err());
+        // Every flipped byte, in header, payload or trailer, is found; so is every truncation.
+        for i in 0..object.len() {
+            for bit in [0x01, 0x80] {
+                let mut bad = object.clone();
+                bad[i] ^= bit;
+                assert!(dec.check_reuse(&id, &bad, &data).is_err(), "byte {i}");
+            }
+        }
+        for n in 0..object.len() {
+            assert!(dec.check_reuse(&id, &object[..n], &data).is_err(), "{n}");
+        }
+        let mut longer = object.clone();
+        longer.extend_from_slice(&[0; 4096]);
+        assert!(dec.check_reuse(&id, &longer, &data).is_err());
+        // Another chunk's intact object in its place (same raw length): its trailer is keyed with its own
+        // name.
+        let swapped_data = heap_like(20_000, 52);
+        let (swapped_id, _, swapped) = object_of(&swapped_data);
+        assert_eq!(
+            dec.check_reuse(&swapped_id, &swapped, &swapped_data),
+            Ok(())
+        );
+        assert_eq!(
+            dec.check_reuse(&id, &swapped, &data).unwrap_err(),
+            TRAILER_MISMATCH
+        );
+        // Garbage.
+        assert!(dec
+            .check_reuse(&id, &random_bytes(object.len(), 3), &data)
+            .is_err());
+        assert_eq!(dec.out.capacity(), 0, "decompressed");
+    }
+
+    #[test]
+    fn a_reused_version_1_object_is_still_decoded_and_compared() {
+        let data = heap_like(200_000, 53);
+        let id = ChunkId::of(&data);
+        let stored = v1_object(&data);
+        let mut dec = Decoder::new(0).unwrap();
+        assert_eq!(dec.check_reuse(&id, &stored, &data), Ok(()));
+        assert!(dec.out.capacity() >= data.len(), "decompressed");
+        // Damage under an intact header, and a truncation, are found the full way.
+        let mut bad = stored.clone();
+        let mid = HEADER_LEN + (bad.len() - HEADER_LEN) / 2;
+        bad[mid] ^= 0x40;
+        assert!(dec.check_reuse(&id, &bad, &data).is_err());
+        assert!(dec
+            .check_reuse(&id, &stored[..stored.len() - 1], &data)
+            .unwrap_err()
+            .contains("truncated"));
+        // A version 2 object turned into version 1 by a flipped version byte: its trailer is left over.
+        let mut relabelled = object_of(&data).2;
+        relabelled[4] = 1;
+        assert!(dec.check_reuse(&id, &relabelled, &data).is_err());
+    }
+
+    #[test]
+    fn a_reused_raw_object_is_compared() {
+        let data = random_bytes(100_000, 54);
+        let (id, header, object) = object_of(&data);
+        assert_eq!((header.encoding, header.trailer), (Encoding::Raw, false));
+        assert_eq!(object[4], 1, "raw objects keep format version 1");
+        let mut dec = Decoder::new(0).unwrap();
+        assert_eq!(dec.check_reuse(&id, &object, &data), Ok(()));
+        let mut bad = object.clone();
+        bad[HEADER_LEN + 5000] ^= 1;
+        assert_eq!(
+            dec.check_reuse(&id, &bad, &data).unwrap_err(),
+            HASH_MISMATCH
+        );
+        assert!(dec
+            .check_reuse(&id, &object[..object.len() - 1], &data)
+            .is_err());
     }
 
     #[test]

@@ -632,11 +632,11 @@ pub(super) fn store_piece(
         ),
     }
     let header = if backend.aligned_objects() {
-        let (header, object) = enc.encode_object(data);
+        let (header, object) = enc.encode_object(&id, data);
         backend.put_chunk_object(&id, object)?;
         header
     } else {
-        let (header, payload) = enc.encode(data);
+        let (header, payload) = enc.encode(&id, data);
         backend.put_chunk(&id, &header.encode(), payload)?;
         header
     };

@@ -144,7 +144,9 @@ pub(super) fn verify(
         for _ in 0..plan.workers.min(chunks.len()).max(1) {
             s.spawn(|| {
                 let mut dec = Decoder::new(max_chunk).ok();
-                let mut buf = Vec::with_capacity(max_chunk + super::chunk::HEADER_LEN);
+                let mut buf = Vec::with_capacity(
+                    max_chunk + super::chunk::HEADER_LEN + super::chunk::TRAILER_LEN,
+                );
                 let (mut n, mut raw_bytes, mut stored) = (0u64, 0u64, 0u64);
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -153,7 +155,7 @@ pub(super) fn verify(
                         (Err(e), _) => Err(e.to_string()),
                         (Ok(false), _) => Err("missing".to_string()),
                         (Ok(true), None) => Err("cannot create a zstd context".to_string()),
-                        (Ok(true), Some(dec)) => dec.decode(id, &buf).map(|raw| raw.len()),
+                        (Ok(true), Some(dec)) => dec.verify(id, &buf),
                     };
                     let mut found = Vec::new();
                     match outcome {

@@ -730,7 +730,7 @@ mod tests {
         {
             let data = random(len, i as u64 + 1);
             let id = ChunkId::of(&data);
-            let (_, object) = enc.encode_object(&data);
+            let (_, object) = enc.encode_object(&id, &data);
             b.put_chunk_object(&id, object).unwrap();
             let path = b.chunk_path(&id);
             assert_eq!(fs::read(&path).unwrap(), object, "length {len}");
@@ -753,7 +753,7 @@ mod tests {
         // A chunk written directly and not read since is not (all) cached: read with direct I/O, exact.
         let data = random(2 * 4096 + 7, 99);
         let id = ChunkId::of(&data);
-        let (_, object) = enc.encode_object(&data);
+        let (_, object) = enc.encode_object(&id, &data);
         b.put_chunk_object(&id, object).unwrap();
         let n = b
             .read_chunk_uncached(&id, &mut direct)
@@ -773,7 +773,7 @@ mod tests {
         let data = random(5000, 7);
         let id = ChunkId::of(&data);
         let mut enc = Encoder::new(None, 8192).unwrap();
-        let (_, object) = enc.encode_object(&data);
+        let (_, object) = enc.encode_object(&id, &data);
         buffered.put_chunk_object(&id, object).unwrap();
         let mut direct = AlignedBuf::new();
         assert_eq!(

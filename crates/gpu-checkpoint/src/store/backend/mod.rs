@@ -71,9 +71,10 @@ pub trait Backend: Send + Sync {
     /// images there). For the local backend it is on the store's own filesystem.
     fn staging_root(&self) -> &Path;
 
-    /// Stores chunk `id` (header + payload) under its name, write-once: if another writer stored the same
-    /// name meanwhile, either copy may stay (they are identical). Not durable until [`Backend::sync_chunks`].
-    fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()>;
+    /// Stores chunk `id` (its header, then the rest of its object: the payload and, in format version 2, the
+    /// trailer) under its name, write-once: if another writer stored the same name meanwhile, either copy
+    /// may stay (they are identical). Not durable until [`Backend::sync_chunks`].
+    fn put_chunk(&self, id: &ChunkId, header: &[u8], rest: &[u8]) -> Result<()>;
 
     /// Whether [`Backend::put_chunk_object`] is the cheaper way in: it writes a page-aligned object with
     /// direct I/O. The ingest then builds each object in an aligned buffer ([`Encoder::encode_object`]).
@@ -83,7 +84,7 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// Stores chunk `id` given as its whole object (header then payload), like [`Backend::put_chunk`].
+    /// Stores chunk `id` given as its whole object (header, payload, trailer), like [`Backend::put_chunk`].
     fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
         self.put_chunk(id, &object[..HEADER_LEN], &object[HEADER_LEN..])
     }
@@ -115,7 +116,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// Reads chunk `id`'s whole object into `buf` and returns its length, or `Ok(None)` if there is no such
-    /// chunk. The ingest reads every chunk it would reuse this way, to check it first (`check_reused`). An object longer than `max_len` is not read (its length is returned): the caller knows it
+    /// chunk. The ingest reads every chunk it would reuse this way, to check it first (`check_reused`). An
+    /// object longer than `max_len` is not read (its length is returned): the caller knows it
     /// cannot be the chunk it wants. The local backend reads a cold object with direct I/O, like
     /// [`Backend::read_chunk_uncached`]; the default goes through [`Backend::read_chunk`].
     fn read_object(
