@@ -184,6 +184,13 @@ mod tests {
         if std::env::var_os("GC_SIGNAL_CHILD").is_none() {
             return in_child("interrupt::tests::a_signal_under_the_guard_is_recorded_not_fatal");
         }
+        // What was there before (SIG_DFL, or SIG_IGN under nohup): the guard must put exactly that back.
+        // SAFETY: a null new action only reads the current one.
+        let before = unsafe {
+            let mut cur: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(libc::SIGHUP, std::ptr::null(), &mut cur), 0);
+            cur.sa_sigaction
+        };
         {
             let g = InterruptGuard::new();
             for sig in [
@@ -205,10 +212,10 @@ mod tests {
             // A guard made after the signals has seen none of them.
             assert!(!InterruptGuard::new().interrupted());
         }
-        // The previous disposition (default) is back: do not raise again here.
+        // The previous disposition is back: do not raise again here.
         // SAFETY: reading the current handler by swapping it with itself.
         let h = unsafe { libc::signal(libc::SIGHUP, libc::SIG_DFL) };
-        assert_eq!(h, libc::SIG_DFL);
+        assert_eq!(h, before);
     }
 
     #[test]
