@@ -697,6 +697,33 @@ fn open_refuses_foreign_folders_and_newer_formats() {
     assert!(err.to_string().contains("newer"), "{err}");
 }
 
+/// Builds of store format version 1 read compressed chunks of chunk format version 2 as damaged: a store
+/// this build writes is marked version 2, which they refuse ("newer than this build supports"), and a
+/// version 1 store is marked so when this build opens it, before anything is written.
+#[test]
+fn a_store_is_marked_with_a_version_older_builds_refuse() {
+    let t = tempfile::tempdir().unwrap();
+    let s = t.path().join("store");
+    let marker = |s: &Path| -> serde_json::Value {
+        serde_json::from_slice(&fs::read(s.join("store.json")).unwrap()).unwrap()
+    };
+    let store = open(t.path());
+    let info = ingest(&store, None, |d| {
+        fs::write(d.join("pages-1.img"), pseudo_random(300_000, 8)).unwrap()
+    });
+    assert_eq!(marker(&s)["version"], 2, "older builds accept 1 only");
+    // A store of an earlier build, opened by this one: marked version 2, and still read as before.
+    fs::write(
+        s.join("store.json"),
+        br#"{"format":"gpu-checkpoint-store","version":1}"#,
+    )
+    .unwrap();
+    let store = Store::open(&s, small_opts()).unwrap();
+    assert_eq!(marker(&s)["version"], 2);
+    assert_eq!(mode(&s.join("store.json")), 0o600);
+    assert!(store.verify(Some(&info.id), &NoProgress).unwrap().is_ok());
+}
+
 #[test]
 fn unwritable_storage_is_exit_status_6() {
     let t = tempfile::tempdir().unwrap();

@@ -327,6 +327,17 @@ impl Encoder {
         &mut self.obj
     }
 
+    /// The object buffer lent out by value (to a thread that reads a stored chunk into it); the encoder
+    /// holds none until [`Encoder::return_object_buffer`], and allocates a new one if it is never returned.
+    pub fn lend_object_buffer(&mut self) -> AlignedBuf {
+        std::mem::take(self.object_buffer())
+    }
+
+    /// Takes back the buffer of [`Encoder::lend_object_buffer`].
+    pub fn return_object_buffer(&mut self, buf: AlignedBuf) {
+        self.obj = buf;
+    }
+
     /// The object buffer `obj`, room for the header, a chunk of `len` raw bytes and a trailer. Sized for the
     /// largest chunk at once: growing it chunk by chunk would reallocate it (and lose its contents) every
     /// time.

@@ -22,7 +22,7 @@ use super::chunk::{is_zero, ChunkId, Decoder, Encoder};
 use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
-use super::read::{check_reused, Reused};
+use super::read::{ReadAhead, Reused};
 use super::stream::{Streamed, Streams};
 use super::{Inner, Progress};
 
@@ -498,6 +498,7 @@ impl Ingest {
                 let (collected, seen, failed, fail, reader, pool) =
                     (&collected, &seen, &failed, &fail, &reader, &pool);
                 s.spawn(move || {
+                    let mut ahead = ReadAhead::spawn(s, backend);
                     let mut coder = match coder(level, params.max_size as usize) {
                         Ok(c) => Some(c),
                         Err(e) => {
@@ -541,7 +542,8 @@ impl Ingest {
                             continue;
                         };
                         let file_hints = hints.get(&files[file].rel);
-                        match store_piece(backend, enc, dec, seen, &piece, file_hints) {
+                        let coder = (enc, dec, &mut ahead);
+                        match store_piece(backend, coder, seen, &piece, file_hints) {
                             Ok((cref, outcome)) => {
                                 let len = piece.data().len() as u64;
                                 let index = piece.index;
@@ -594,14 +596,23 @@ pub(super) enum Outcome {
 
 pub(super) fn store_piece(
     backend: &dyn super::backend::Backend,
-    enc: &mut Encoder,
-    dec: &mut Decoder,
+    (enc, dec, ahead): (&mut Encoder, &mut Decoder, &mut ReadAhead),
     seen: &Mutex<HashSet<ChunkId>>,
     piece: &Piece,
     hints: Option<&Hints>,
 ) -> Result<(ChunkRef, Outcome)> {
     let data = piece.data();
     let len = data.len() as u32;
+    if let Known::Expect(old) = piece.known {
+        // Most likely the old chunk again, to be checked before it is reused: read it while hashing.
+        if !seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&old)
+        {
+            ahead.start(old, data.len(), enc);
+        }
+    }
     let id = match piece.known {
         Known::Id(id) => id,
         Known::Zero => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
@@ -620,9 +631,10 @@ pub(super) fn store_piece(
     let cref = ChunkRef { id: Some(id), len };
     let first = seen.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
     if !first {
+        ahead.settle(enc);
         return Ok((cref, Outcome::Duplicate));
     }
-    match check_reused(backend, &id, data, enc.object_buffer(), dec) {
+    match ahead.check(backend, &id, data, enc, dec) {
         Reused::Good(stored) => return Ok((cref, Outcome::Present(stored))),
         Reused::Missing => {}
         // Written again below, under a temporary name renamed over the damaged one, and made durable with
@@ -643,7 +655,7 @@ pub(super) fn store_piece(
     Ok((cref, Outcome::New(header.stored_len())))
 }
 
-/// A worker's encoder, and its decoder for checking the chunks it reuses ([`check_reused`]). The decoder's
+/// A worker's encoder, and its decoder for checking the chunks it reuses ([`ReadAhead::check`]). The decoder's
 /// buffer grows only when a compressed chunk is checked; [`Plan`] counts it anyway.
 pub(super) fn coder(level: Option<i32>, max_chunk: usize) -> std::io::Result<(Encoder, Decoder)> {
     Ok((Encoder::new(level, max_chunk)?, Decoder::new(0)?))

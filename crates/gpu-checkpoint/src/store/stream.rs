@@ -26,6 +26,7 @@ use super::chunk::ChunkId;
 use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::ingest::{coder, store_piece, Collected, Ingest, Plan};
+use super::read::ReadAhead;
 use super::Progress;
 
 /// Images other than pages are read into memory up to this size; beyond it they go to the staging folder.
@@ -290,32 +291,37 @@ impl<'a> Streams<'a> {
                 None
             }
         };
-        for (file, piece) in self.rx.iter() {
-            let Some((enc, dec)) = coder.as_mut() else {
-                continue;
-            };
-            if self.failed.load(Ordering::Relaxed) {
-                continue; // drop it: returns its segment, so the streams can see the failure
-            }
-            let name = self.files.lock().unwrap_or_else(|p| p.into_inner())[file]
-                .name
-                .clone();
-            match store_piece(backend, enc, dec, &self.seen, &piece, self.hints.get(&name)) {
-                Ok((cref, outcome)) => {
-                    let len = piece.data().len() as u64;
-                    let index = piece.index;
-                    drop(piece);
-                    self.collected
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .record(file, index, cref, outcome, len);
-                    progress.advance(len);
+        // The chunks this worker checks before reusing them are read while it hashes (see `ReadAhead`).
+        std::thread::scope(|s| {
+            let mut ahead = ReadAhead::spawn(s, backend);
+            for (file, piece) in self.rx.iter() {
+                let Some((enc, dec)) = coder.as_mut() else {
+                    continue;
+                };
+                if self.failed.load(Ordering::Relaxed) {
+                    continue; // drop it: returns its segment, so the streams can see the failure
                 }
-                Err(e) => {
-                    self.fail(e);
+                let name = self.files.lock().unwrap_or_else(|p| p.into_inner())[file]
+                    .name
+                    .clone();
+                let hints = self.hints.get(&name);
+                match store_piece(backend, (enc, dec, &mut ahead), &self.seen, &piece, hints) {
+                    Ok((cref, outcome)) => {
+                        let len = piece.data().len() as u64;
+                        let index = piece.index;
+                        drop(piece);
+                        self.collected
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .record(file, index, cref, outcome, len);
+                        progress.advance(len);
+                    }
+                    Err(e) => {
+                        self.fail(e);
+                    }
                 }
             }
-        }
+        });
     }
 
     /// No more images will come: the workers stop once the queue is empty.

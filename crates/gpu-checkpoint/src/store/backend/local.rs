@@ -32,8 +32,10 @@ use crate::util::{
 };
 
 /// The store format this build writes and reads. Bump it on incompatible layout changes; older builds then
-/// refuse the store instead of misreading it.
-pub const STORE_FORMAT_VERSION: u32 = 1;
+/// refuse the store instead of misreading it. 2: compressed chunks are written in chunk format version 2
+/// (with a trailer), which builds of store version 1 read as damaged; this build reads version 1 stores and
+/// marks them version 2 when it opens them (see [`LocalBackend::upgrade_marker`]).
+pub const STORE_FORMAT_VERSION: u32 = 2;
 const STORE_FORMAT_NAME: &str = "gpu-checkpoint-store";
 const STORE_FILE: &str = "store.json";
 
@@ -59,6 +61,8 @@ pub struct LocalBackend {
     /// Chunks missing from the page cache are read with `O_DIRECT` ([`Backend::read_chunk_uncached`]) until
     /// the kernel or the filesystem cannot.
     direct_reads: AtomicBool,
+    /// The store's marker names an older version and could not be rewritten: readable, not writable.
+    old_marker: AtomicBool,
 }
 
 /// A chunk object as the ingest hands it over.
@@ -113,6 +117,7 @@ impl LocalBackend {
             tmp_counter: AtomicU64::new(0),
             direct: AtomicBool::new(direct),
             direct_reads: AtomicBool::new(direct),
+            old_marker: AtomicBool::new(false),
         }
     }
 
@@ -293,14 +298,40 @@ impl LocalBackend {
         }
         // The root may have existed (an empty folder the user made): make it private too.
         set_mode(&self.root, DIR_MODE)?;
+        self.write_marker()
+            .map_err(|e| writable_error(&self.root, e))?;
+        fsync_dir(&self.root).map_err(Error::io("cannot sync", &self.root))
+    }
+
+    /// Writes the marker of this build's store version, atomically and durably.
+    fn write_marker(&self) -> io::Result<()> {
         let marker = StoreFile {
             format: STORE_FORMAT_NAME.into(),
             version: STORE_FORMAT_VERSION,
         };
         let bytes = serde_json::to_vec_pretty(&marker).expect("serialisable");
         write_atomic(&self.root.join(STORE_FILE), &bytes)
-            .map_err(|e| writable_error(&self.root, e))?;
-        fsync_dir(&self.root).map_err(Error::io("cannot sync", &self.root))
+    }
+
+    /// Marks a store of an older version as this build's before anything is written to it: builds of the
+    /// older version would misread what this one writes (compressed chunks in chunk format version 2 read
+    /// as damaged), and the marker makes them refuse the store instead, naming the versions. A store whose
+    /// marker cannot be rewritten (a read-only mount, an immutable folder) still opens for reading (verify,
+    /// restore), and [`Backend::check_writable`] then refuses writes.
+    fn upgrade_marker(&self, from: u32) {
+        match self.write_marker() {
+            Ok(()) => tracing::debug!(
+                "{}: store format version {from} marked {STORE_FORMAT_VERSION}",
+                self.root.display()
+            ),
+            Err(e) => {
+                self.old_marker.store(true, Ordering::Relaxed);
+                tracing::debug!(
+                    "{}: store format version {from} left as it is ({e}); the store is read only",
+                    self.root.display()
+                );
+            }
+        }
     }
 }
 
@@ -356,6 +387,9 @@ impl Backend for LocalBackend {
                         ),
                     });
                 }
+                if parsed.version < STORE_FORMAT_VERSION {
+                    self.upgrade_marker(parsed.version);
+                }
                 // Folders may be missing if someone cleaned up by hand; they hold nothing we need to keep.
                 for dir in [&self.chunks, &self.manifests, &self.staging] {
                     if !dir.is_dir() {
@@ -386,6 +420,12 @@ impl Backend for LocalBackend {
     }
 
     fn check_writable(&self) -> Result<()> {
+        if self.old_marker.load(Ordering::Relaxed) {
+            // Retried: what this build writes must not go into a store older builds would misread.
+            self.write_marker()
+                .map_err(|e| writable_error(&self.root.join(STORE_FILE), e))?;
+            self.old_marker.store(false, Ordering::Relaxed);
+        }
         // Really write and sync a file: a read-only mount, a full disk or missing permissions show up here,
         // before any process is touched.
         let probe = self.staging.join(format!(

@@ -20,6 +20,7 @@
 mod folder;
 mod pipe;
 mod pool;
+mod reuse;
 mod verify;
 
 use std::sync::Mutex;
@@ -31,7 +32,7 @@ use super::Inner;
 
 pub(in crate::store) use folder::{materialize, materialize_selected, visit_chunks};
 pub(in crate::store) use pipe::stream_file;
-pub(in crate::store) use verify::{check_reused, Reused};
+pub(in crate::store) use reuse::{ReadAhead, Reused};
 
 /// What [`Store::materialize`](crate::store::Store::materialize) did.
 #[derive(Clone, Debug, Default, Serialize)]

@@ -4,8 +4,7 @@
 
 use std::fs;
 
-use crate::store::backend::Backend;
-use crate::store::chunk::{ChunkId, Decoder, HEADER_LEN, TRAILER_LEN};
+use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;
 use crate::store::Inner;
@@ -224,49 +223,4 @@ pub(super) fn verify_raw_in_place(
         ));
     }
     Ok(Some(map))
-}
-
-/// What the ingest found when it looked at a chunk it already has in the store.
-pub(in crate::store) enum Reused {
-    /// Not stored: write it.
-    Missing,
-    /// Stored and good; its stored size.
-    Good(u64),
-    /// Stored, but not as these bytes (damaged, truncated, unreadable): the problem. Write it again.
-    Damaged(String),
-}
-
-/// Checks chunk `id` before the ingest reuses it instead of writing it: its stored object must hold exactly
-/// `data`, the bytes the ingest has just hashed to `id`. A header and size that look right are not
-/// enough (issue 13): the checkpoint that references the chunk lets the tool stop the process, so every
-/// chunk it names must be known good at that moment, and the ingest has the right bytes in hand to write
-/// a damaged one again.
-///
-/// A raw object is compared with `data` (it hashes to `id` already, so equal bytes are the proof); a
-/// compressed one is proved by its checksum trailer (format version 2) without decompressing it, or, written
-/// by an earlier build (version 1), decoded and compared ([`Decoder::check_reuse`]). `buf` is the encoder's
-/// object buffer (free between encodes); a cold object is read with direct I/O. Each chunk is checked once
-/// per ingest (the ingest's `seen` set lets only its first occurrence through).
-pub(in crate::store) fn check_reused(
-    backend: &dyn Backend,
-    id: &ChunkId,
-    data: &[u8],
-    buf: &mut AlignedBuf,
-    dec: &mut Decoder,
-) -> Reused {
-    // A stored object is never longer than its raw bytes plus the header and a trailer (zstd is kept only
-    // when smaller).
-    let max = HEADER_LEN + data.len() + TRAILER_LEN;
-    match backend.read_object(id, max, buf) {
-        Ok(None) => Reused::Missing,
-        Ok(Some(n)) if n > max => Reused::Damaged(format!(
-            "damaged ({n} bytes, more than a chunk of {} bytes takes)",
-            data.len()
-        )),
-        Ok(Some(n)) => match dec.check_reuse(id, buf.slice(n), data) {
-            Ok(()) => Reused::Good(n as u64),
-            Err(problem) => Reused::Damaged(problem),
-        },
-        Err(e) => Reused::Damaged(format!("unreadable ({e})")),
-    }
 }
