@@ -54,10 +54,9 @@ fn setup(args: &[&str], env: &[&str]) -> Option<Setup> {
 
 impl Setup {
     fn gc(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-        let mut all: Vec<&str> = args.to_vec();
-        all.extend(store_args(&self.store, &self.runc));
         std::process::Command::new(gpu_checkpoint())
-            .args(&all)
+            .args(args)
+            .args(store_args(&self.store, &self.runc))
             .envs(env.iter().copied())
             .output()
             .unwrap()
@@ -193,6 +192,7 @@ fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original
 #[test]
 fn a_cpu_container_with_memory_threads_and_a_tcp_listener_restores() {
     let args = [
+        "ip link set lo up &&",
         "workload memory --mib 32 --state /state/mem &",
         "exec workload sockets --state /state/sock --unix /tmp/u",
     ];

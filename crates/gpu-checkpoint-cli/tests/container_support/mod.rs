@@ -44,6 +44,27 @@ pub fn containers_ready() -> bool {
     }
 }
 
+/// Whether real runsc sandboxes can run here (besides [`containers_ready`]): runsc installed. In CI its
+/// absence fails the test; locally it is skipped with the reason.
+pub fn runsc_ready() -> bool {
+    if !containers_ready() {
+        return false;
+    }
+    let ok = Command::new("runsc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| !o.stdout.is_empty());
+    if !ok && std::env::var("CI").as_deref() == Ok("true") {
+        panic!("runsc tests cannot run in CI: runsc is not installed (scripts/install-containers.sh installs it)");
+    }
+    if !ok {
+        eprintln!(
+            "SKIPPED: runsc is not installed; run scripts/setup.sh as root to run the runsc tests"
+        );
+    }
+    ok
+}
+
 /// busybox-static's binary.
 const BUSYBOX: &str = "/bin/busybox";
 
@@ -53,8 +74,7 @@ pub struct Bundle {
 }
 
 impl Bundle {
-    /// A bundle in `dir` whose container runs the shell command `args` (joined, after bringing its
-    /// loopback up), with `env` added.
+    /// A bundle in `dir` whose container runs the shell command `args` (joined), with `env` added.
     pub fn new(dir: &Path, args: &[&str], env: &[&str]) -> Bundle {
         let rootfs = dir.join("rootfs");
         for d in ["bin", "proc", "sys", "dev", "tmp", "state"] {
@@ -77,14 +97,15 @@ impl Bundle {
         let path = dir.join("config.json");
         let mut config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        let script = format!("ip link set lo up && {}", args.join(" "));
+        let script = args.join(" ");
         let process = &mut config["process"];
         process["terminal"] = false.into();
         process["args"] = serde_json::json!(["sh", "-c", script]);
         for e in env {
             process["env"].as_array_mut().unwrap().push((*e).into());
         }
-        // Bringing the container's own loopback up needs CAP_NET_ADMIN (in its network namespace).
+        // Bringing the container's own loopback up (`ip link set lo up`) needs CAP_NET_ADMIN (in its
+        // network namespace).
         for set in process["capabilities"]
             .as_object_mut()
             .unwrap()
@@ -123,37 +144,68 @@ fn copy_libraries(bin: &Path, rootfs: &Path) {
     }
 }
 
-/// runc with a private state folder (`--root`), whose containers are deleted on drop.
+/// runc (or runsc) with a private state folder (`--root`), whose containers are deleted on drop.
 pub struct Runc {
     pub root: PathBuf,
+    /// `runc` or `runsc`.
+    pub binary: &'static str,
+    /// More global flags (runsc: `--platform=ptrace --network=none`, all that works here).
+    pub global: Vec<&'static str>,
 }
 
 impl Runc {
     pub fn new(dir: &Path) -> Runc {
         let root = dir.join("runc-root");
         std::fs::create_dir_all(&root).unwrap();
-        Runc { root }
+        Runc {
+            root,
+            binary: "runc",
+            global: Vec::new(),
+        }
+    }
+
+    /// runsc, on the platform that works here (kvm hangs) and without a network (its only mode here).
+    pub fn runsc(dir: &Path) -> Runc {
+        let root = dir.join("runsc-root");
+        std::fs::create_dir_all(&root).unwrap();
+        Runc {
+            root,
+            binary: "runsc",
+            global: vec!["--platform=ptrace", "--network=none"],
+        }
     }
 
     pub fn cmd(&self) -> Command {
-        let mut c = Command::new("runc");
-        c.arg("--root").arg(&self.root);
+        let mut c = Command::new(self.binary);
+        c.arg("--root").arg(&self.root).args(&self.global);
         c.stdin(Stdio::null());
         c
+    }
+
+    /// The gpu-checkpoint arguments that name this runtime, its root and its flags.
+    pub fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--runtime".to_string(),
+            self.binary.to_string(),
+            "--runtime-root".to_string(),
+            self.root.display().to_string(),
+        ];
+        a.extend(self.global.iter().map(|g| format!("--runtime-arg={g}")));
+        a
     }
 
     /// `runc run -d`: the container's stdio is /dev/null (CRIU cannot restore host files or our pipes).
     pub fn run(&self, id: &str, bundle: &Bundle) {
         let st = self
             .cmd()
-            .args(["run", "-d", "--bundle"])
+            .args(["run", "--detach", "--bundle"])
             .arg(&bundle.dir)
             .arg(id)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
             .unwrap();
-        assert!(st.success(), "runc run {id}");
+        assert!(st.success(), "{} run {id}", self.binary);
     }
 
     /// `runc state`: `(status, init pid)`, `None` when runc does not know the container.
@@ -216,17 +268,14 @@ impl Drop for Runc {
             .unwrap_or_default();
         for id in ids {
             unmount_under(&self.root.join(&id));
-            let _ = self.cmd().args(["delete", "-f", &id]).output();
+            let _ = self.cmd().args(["delete", "--force", &id]).output();
         }
     }
 }
 
-/// The gpu-checkpoint arguments that name the store and the runtime's root.
-pub fn store_args<'a>(store: &'a Path, runc: &'a Runc) -> Vec<&'a str> {
-    vec![
-        "--storage",
-        store.to_str().unwrap(),
-        "--runtime-root",
-        runc.root.to_str().unwrap(),
-    ]
+/// The gpu-checkpoint arguments that name the store and the runtime.
+pub fn store_args(store: &Path, runc: &Runc) -> Vec<String> {
+    let mut a = vec!["--storage".to_string(), store.display().to_string()];
+    a.extend(runc.args());
+    a
 }

@@ -195,6 +195,45 @@ impl Drop for ResumeGuard<'_> {
     }
 }
 
+/// Brings a container its runtime stopped at checkpoint time back from the images when dropped, unless
+/// disarmed: the undo (and `--leave-running`) where the runtime cannot hold it paused (runsc).
+struct Revive<'r> {
+    runtime: &'r dyn ContainerRuntime,
+    id: String,
+    images: PathBuf,
+    bundle: PathBuf,
+    tcp_established: bool,
+    armed: bool,
+}
+
+impl Revive<'_> {
+    fn now(mut self) -> Result<(), Error> {
+        self.armed = false;
+        self.revive()
+    }
+
+    fn revive(&self) -> Result<(), Error> {
+        // The stopped container still holds its id.
+        self.runtime.delete(&self.id, true)?;
+        self.runtime.restore(&RestoreRequest {
+            id: &self.id,
+            images: &self.images,
+            bundle: &self.bundle,
+            tcp_established: self.tcp_established,
+        })
+    }
+}
+
+impl Drop for Revive<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Err(e) = self.revive() {
+                tracing::error!("after the failed checkpoint, restoring the container from its images failed too: {e}");
+            }
+        }
+    }
+}
+
 /// A signal came since `interrupt` was made: the caller's guards undo as it returns the error.
 fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
     if !interrupt.interrupted() {
@@ -252,6 +291,17 @@ impl ContainerFlow<'_> {
             }
             .into());
         }
+        if !self.runtime.gpu_from_host() && found.report.strategy.name != StrategyName::None {
+            return Err(Error::Processes {
+                id: id.into(),
+                reason: format!(
+                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host; nothing was touched (docs/containers.md)",
+                    found.report.strategy.name,
+                    self.runtime.name()
+                ),
+            }
+            .into());
+        }
         let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
         let process_tree: Vec<crate::proc::TreeProcess> = pids
             .iter()
@@ -302,13 +352,33 @@ impl ContainerFlow<'_> {
         };
         timings.pause = ms(t);
         let t = Instant::now();
+        // A runtime that cannot hold the container paused stops it at its checkpoint, and the undo
+        // restores it from the images: those must outlive a failed commit, which removes the staging
+        // folder. They go to a work folder of ours, linked into the staging folder afterwards.
+        let own_images = (!hold)
+            .then(|| WorkDir::create(self.store, ingest.id()))
+            .transpose()?;
+        let images = own_images
+            .as_ref()
+            .map_or(ingest.staging_dir(), WorkDir::path);
         injected("container.runtime-checkpoint", self.runtime)?;
         self.runtime.checkpoint(&CheckpointRequest {
             id,
-            images: ingest.staging_dir(),
-            leave_running: hold || opts.leave_running,
+            images,
+            leave_running: hold,
             tcp_established: opts.tcp_established,
         })?;
+        let revive = own_images.as_ref().map(|w| Revive {
+            runtime: self.runtime,
+            id: id.to_string(),
+            images: w.path().to_path_buf(),
+            bundle: found.state.bundle.clone(),
+            tcp_established: opts.tcp_established,
+            armed: true,
+        });
+        if let Some(w) = &own_images {
+            link_files(w.path(), ingest.staging_dir())?;
+        }
         timings.runtime_checkpoint = ms(t);
         fault::at("checkpoint.after-dump");
         check_interrupt(&interrupt)?;
@@ -316,6 +386,13 @@ impl ContainerFlow<'_> {
             Some(p) if opts.leave_running => {
                 // It runs on: GPU work and the container resume while the images are stored.
                 p.resume_now()?;
+                None
+            }
+            other => other,
+        };
+        let revive = match revive {
+            Some(r) if opts.leave_running => {
+                r.now()?;
                 None
             }
             other => other,
@@ -392,6 +469,9 @@ impl ContainerFlow<'_> {
             if let Some(p) = paused {
                 p.disarm();
             }
+            if let Some(mut r) = revive {
+                r.armed = false;
+            }
             self.stop(id, found.state.pid)?;
         }
         timings.stop = ms(t);
@@ -426,8 +506,28 @@ impl ContainerFlow<'_> {
     }
 }
 
-/// Where [`ContainerFlow`] puts the runtime's images on restore: a private folder in the store's
-/// folder (same disk as the chunks), removed when dropped.
+/// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image
+/// folders keep flat.
+fn link_files(from: &std::path::Path, to: &std::path::Path) -> Result<(), Error> {
+    let failed = |source| Error::WorkDir {
+        path: from.to_path_buf(),
+        source,
+    };
+    for e in std::fs::read_dir(from).map_err(failed)? {
+        let e = e.map_err(failed)?;
+        if !e.file_type().map_err(failed)?.is_file() {
+            continue;
+        }
+        let dest = to.join(e.file_name());
+        if std::fs::hard_link(e.path(), &dest).is_err() {
+            std::fs::copy(e.path(), &dest).map_err(failed)?;
+        }
+    }
+    Ok(())
+}
+
+/// Where [`ContainerFlow`] puts the runtime's images on restore (and runsc's on checkpoint): a private
+/// folder in the store's folder (same disk as the chunks, so that links work), removed when dropped.
 pub(crate) struct WorkDir(PathBuf);
 
 impl WorkDir {

@@ -164,9 +164,10 @@ impl ContainerRuntime for OciCli {
                 runtime: self.kind.name().into(),
                 reason: format!("`state {id}`: {e}"),
             }),
-            // runc and runsc say so in words, and exit 1: ask the state folder whether it exists.
-            Err(e) if !self.state_dir(id).exists() => {
-                tracing::debug!("{e}");
+            // runc ("container does not exist") and runsc ("loading container: file does not exist")
+            // say so only in words, with exit status 1.
+            Err(Error::Runtime { stderr, .. }) if stderr.contains("does not exist") => {
+                tracing::debug!("{stderr}");
                 Err(self.no_such(id))
             }
             Err(e) => Err(e),
@@ -195,6 +196,13 @@ impl ContainerRuntime for OciCli {
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {
         let images = req.images.display().to_string();
         let mut args = vec!["checkpoint", "--image-path", &images];
+        if self.kind == RuntimeKind::Runsc && req.leave_running {
+            // runsc's own --leave-running restores the sandbox and then waits for it to exit.
+            return Err(Error::Protocol {
+                runtime: self.kind.name().into(),
+                reason: "checkpoint --leave-running is not used with runsc (it waits for the container to exit)".into(),
+            });
+        }
         if self.kind == RuntimeKind::Runc {
             // CRIU's log and runc's descriptors.json go with the images, into the store.
             args.extend(["--work-path", &images]);
@@ -213,10 +221,27 @@ impl ContainerRuntime for OciCli {
         let images = req.images.display().to_string();
         let bundle = req.bundle.display().to_string();
         // The restored container inherits the runtime's stdio: never a pipe of ours (we would wait for
-        // its end for ever) nor a host file. Its errors go to a log in the work folder instead.
-        let log = req.images.join(format!("{}-restore.log", self.kind.name()));
+        // its end for ever) nor a host file. runc's errors go to its `--log` in the work folder; runsc's
+        // sandbox would keep a `--log` open for ever (and the images folder may be ingested), so its
+        // stderr goes to a private file of its own.
+        let private = crate::util::create_unique_private_dir(
+            &std::env::temp_dir(),
+            "gpu-checkpoint-restore.",
+        )
+        .map_err(|source| Error::WorkDir {
+            path: std::env::temp_dir(),
+            source,
+        })?;
+        let _remove = RemoveDir(private.clone());
+        let log = match self.kind {
+            RuntimeKind::Runc => req.images.join("runc-restore.log"),
+            RuntimeKind::Runsc => private.join("runsc-restore.err"),
+        };
         let log_s = log.display().to_string();
-        let mut args = vec!["--log", &log_s, "restore", "--detach"];
+        let mut args = vec!["restore", "--detach"];
+        if self.kind == RuntimeKind::Runc {
+            args.splice(0..0, ["--log", log_s.as_str()]);
+        }
         args.extend(["--image-path", &images, "--bundle", &bundle]);
         if self.kind == RuntimeKind::Runc {
             args.extend(["--work-path", &images]);
@@ -226,9 +251,15 @@ impl ContainerRuntime for OciCli {
         }
         args.push(req.id);
         let mut c = self.command();
+        let stderr = match self.kind {
+            RuntimeKind::Runc => Stdio::null(),
+            RuntimeKind::Runsc => crate::util::create_new_private_file(&log)
+                .map(Stdio::from)
+                .unwrap_or_else(|_| Stdio::null()),
+        };
         c.args(&args)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .current_dir(req.bundle);
         let status = c.status().map_err(|source| Error::Spawn {
             runtime: self.kind.name().into(),
@@ -255,6 +286,15 @@ impl ContainerRuntime for OciCli {
         }
         args.push(id);
         self.run(&args).map(drop)
+    }
+}
+
+/// Removes a folder when dropped.
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

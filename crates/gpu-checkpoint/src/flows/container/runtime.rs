@@ -58,10 +58,18 @@ pub trait ContainerRuntime {
     /// The global flags every command gets (`--root`, `--runtime-arg`s), as recorded in the manifest and
     /// used again on restore.
     fn global_args(&self) -> Vec<String>;
-    /// Whether `pause` followed by `checkpoint --leave-running` works (runc: yes; runsc's
-    /// `--leave-running` hung for over 10 minutes here): the flow then holds the container stopped from
-    /// the dump until the checkpoint is durable.
+    /// Whether `pause` followed by `checkpoint --leave-running` works (runc: yes): the flow then holds
+    /// the container stopped from the dump until the checkpoint is durable. Where not (runsc, whose
+    /// `--leave-running` restores the sandbox and then waits for it to exit: the "hang" seen here), the
+    /// runtime's checkpoint stops the container, and the flow restores it from the images to leave it
+    /// running or to undo.
     fn can_hold_paused(&self) -> bool;
+    /// Whether the container's GPU processes are host processes the GPU step can freeze from the host
+    /// (runc: yes). In a gVisor sandbox the application runs inside the sentry, and the host driver sees
+    /// only the sandbox (nvproxy): its CUDA state must be checkpointed inside (docs/containers.md).
+    fn gpu_from_host(&self) -> bool {
+        self.can_hold_paused()
+    }
     /// The container's state; [`Error::NoSuchContainer`] when the runtime does not know it.
     fn state(&self, id: &str) -> Result<ContainerState, Error>;
     /// Every container the runtime knows (`list`).
