@@ -46,6 +46,8 @@ pub enum Error {
     },
     #[error("container {id}: {reason}")]
     Processes { id: String, reason: String },
+    #[error("refusing to checkpoint container {id} (nothing was touched): {reason}")]
+    Unsupported { id: String, reason: String },
     #[error("interrupted by {signal}: {undone}")]
     Interrupted { signal: String, undone: String },
     #[error("a work folder for the runtime: {} ({source})", path.display())]
@@ -68,6 +70,7 @@ impl Classify for Error {
             | Error::Protocol { .. }
             | Error::Processes { .. } => ExitStatus::Failure,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
+            Error::Unsupported { .. } => ExitStatus::Unsupported,
             Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }
     }

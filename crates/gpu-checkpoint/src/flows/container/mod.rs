@@ -285,17 +285,17 @@ impl ContainerFlow<'_> {
                 .iter()
                 .map(|b| format!("\n  - pid {} {}: {}", b.pid, b.kind, b.message))
                 .collect::<String>();
-            return Err(Error::Processes {
+            return Err(Error::Unsupported {
                 id: id.into(),
                 reason: format!("its GPU state cannot be checkpointed:{blockers}"),
             }
             .into());
         }
         if !self.runtime.gpu_from_host() && found.report.strategy.name != StrategyName::None {
-            return Err(Error::Processes {
+            return Err(Error::Unsupported {
                 id: id.into(),
                 reason: format!(
-                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host; nothing was touched (docs/containers.md)",
+                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host (docs/containers.md)",
                     found.report.strategy.name,
                     self.runtime.name()
                 ),
