@@ -302,6 +302,18 @@ fn every_failed_checkpoint_step_leaves_the_container_running() {
         assert!(text(&o).contains(needle), "{fault}: {}", text(&o));
         assert_untouched(&s, &id, &pids);
     }
+    // SIGKILL of the tool while the container is paused and its GPU state checkpointed: the guardian
+    // resumes the container and puts the GPU state back.
+    for fault in ["checkpoint.after-freeze=kill", "checkpoint.after-dump=kill"] {
+        let o = s.gc(&ck, &[("GPU_CHECKPOINT_FAULT", fault)]);
+        assert!(!o.status.success(), "{fault}: {}", text(&o));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !(s.running(&id) && pids.iter().all(|&p| status(p)["state"] == "running")) {
+            assert!(Instant::now() < deadline, "{fault}: {:?}", s.runc.list());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_untouched(&s, &id, &pids);
+    }
 }
 
 #[test]

@@ -91,12 +91,15 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend.into())?;
     let mut gpu = hook(backend, args.lock_timeout.0, args.ordered);
+    // Started before the container is touched, dropped (told it is done) after the flow's own undo.
+    let guardian = super::start_guardian()?;
     let mut flow = ContainerFlow {
         runtime: &runtime,
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
         criu: criu.map(|c| c.1),
+        watch: &guardian,
     };
     let mut opts = ContainerCheckpointOptions::new(id);
     opts.name = args.name;
@@ -200,6 +203,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         store: &store,
         progress: &progress,
         criu: criu.map(|c| c.1),
+        watch: &gpu_checkpoint::flows::guardian::NoWatch,
     };
     let result = flow.restore(&ContainerRestoreOptions {
         checkpoint,

@@ -103,6 +103,10 @@ impl ContainerRuntime for FakeRuntime {
         self.set(id, "paused")
     }
 
+    fn resume_command(&self, id: &str) -> Vec<String> {
+        vec!["fake".into(), "resume".into(), id.into()]
+    }
+
     fn resume(&self, id: &str) -> Result<(), Error> {
         self.call("resume", id)?;
         self.set(id, "running")

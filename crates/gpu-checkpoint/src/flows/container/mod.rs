@@ -37,6 +37,7 @@ pub use oci::{unmount_under, OciCli, RuntimeKind};
 pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
 pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 
+use super::guardian::Event;
 use super::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
 use super::manifest::{OptionsRecord, PhaseTimings, Sizes};
 use super::ms;
@@ -55,6 +56,10 @@ pub struct ContainerFlow<'a> {
     pub progress: &'a dyn Progress,
     /// The CRIU the runtime runs (runc's `--criu`), for the manifest; `None` for runsc (its own).
     pub criu: Option<CriuInfo>,
+    /// Who is told each step of a checkpoint, to undo or finish it should this process die
+    /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
+    /// container once the checkpoint is durable.
+    pub watch: &'a dyn super::Watch,
 }
 
 /// What to checkpoint and how.
@@ -321,6 +326,17 @@ impl ContainerFlow<'_> {
             ..CheckpointTimings::default()
         };
         let ingest = self.store.begin(opts.name.as_deref())?;
+        // The guardian learns what it would have to put back before anything is touched.
+        self.watch.tell(&Event::Checkpoint {
+            pids: pids.clone(),
+            leave_running: opts.leave_running,
+            stopped: Vec::new(),
+        })?;
+        if found.report.strategy.name != StrategyName::None {
+            if let Some(backend) = self.gpu.backend() {
+                self.watch.tell(&Event::Gpu { backend })?;
+            }
+        }
         fault::at("checkpoint.before-freeze");
         check_interrupt(&interrupt)?;
 
@@ -341,6 +357,9 @@ impl ContainerFlow<'_> {
         let hold = self.runtime.can_hold_paused();
         let t = Instant::now();
         let paused = if hold {
+            self.watch.tell(&Event::Paused {
+                resume: self.runtime.resume_command(id),
+            })?;
             self.runtime.pause(id)?;
             Some(ResumeGuard {
                 runtime: self.runtime,
@@ -459,6 +478,9 @@ impl ContainerFlow<'_> {
         check_interrupt(&interrupt)?;
         let info = ingest.commit(metadata, self.progress)?;
         timings.write = ms(t);
+        if let Err(e) = self.watch.tell(&Event::Durable) {
+            tracing::warn!("{e}");
+        }
         fault::at("checkpoint.after-commit");
 
         // Durable: nothing is undone any more.

@@ -193,6 +193,14 @@ impl ContainerRuntime for OciCli {
         self.run(&["resume", id]).map(drop)
     }
 
+    fn resume_command(&self, id: &str) -> Vec<String> {
+        let c = self.command();
+        let mut argv = vec![c.get_program().to_string_lossy().into_owned()];
+        argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
+        argv.extend(["resume".to_string(), id.to_string()]);
+        argv
+    }
+
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {
         let images = req.images.display().to_string();
         let mut args = vec!["checkpoint", "--image-path", &images];

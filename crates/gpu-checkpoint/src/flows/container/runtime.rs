@@ -75,6 +75,9 @@ pub trait ContainerRuntime {
     /// Every container the runtime knows (`list`).
     fn list(&self) -> Result<Vec<ContainerState>, Error>;
     fn pause(&self, id: &str) -> Result<(), Error>;
+    /// The command line that resumes `id` (program first): what the guardian runs should this process
+    /// die while the container is paused.
+    fn resume_command(&self, id: &str) -> Vec<String>;
     fn resume(&self, id: &str) -> Result<(), Error>;
     /// Dumps the container into `req.images`; without `leave_running` the runtime kills it afterwards.
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error>;

@@ -24,6 +24,7 @@ fn flow<'a>(rt: &'a FakeRuntime, gpu: &'a mut NoGpu, store: &'a Store) -> Contai
         store,
         progress: &NoProgress,
         criu: None,
+        watch: &crate::flows::guardian::NoWatch,
     }
 }
 
