@@ -18,6 +18,8 @@ pub struct FakeRuntime {
     pub fail: Option<&'static str>,
     /// The PID a restored container's init gets.
     pub restored_pid: i32,
+    /// Its containers' GPU processes cannot be frozen from the host (as under gVisor).
+    pub sandboxed: bool,
 }
 
 impl FakeRuntime {
@@ -80,6 +82,10 @@ impl ContainerRuntime for FakeRuntime {
 
     fn can_hold_paused(&self) -> bool {
         true
+    }
+
+    fn gpu_from_host(&self) -> bool {
+        !self.sandboxed
     }
 
     fn state(&self, id: &str) -> Result<ContainerState, Error> {

@@ -116,3 +116,53 @@ fn leave_running_resumes_right_after_the_dump_and_keeps_the_container() {
     init.kill().unwrap();
     let _ = init.wait();
 }
+
+/// A stand-in for a sandbox whose host side holds (SIMULATED) GPU state: a process with a shared mapping
+/// of a simulated device file. The GPU state is refused before anything is touched (exit 9).
+#[test]
+fn gpu_state_a_host_freeze_cannot_reach_is_refused_before_anything_is_touched() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
+    let script = "import mmap, os, sys, time\n\
+        d = '/dev/shm/gpu-checkpoint-sim'\n\
+        os.makedirs(d, exist_ok=True)\n\
+        p = f'{d}/{os.getpid()}-dev0'\n\
+        f = open(p, 'w+b'); f.truncate(4096)\n\
+        m = mmap.mmap(f.fileno(), 4096, mmap.MAP_SHARED)\n\
+        os.unlink(p); print('ready', flush=True); time.sleep(60)\n";
+    let Ok(mut child) = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+    else {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "python3 is missing in CI (scripts/setup.sh installs it)"
+        );
+        eprintln!("SKIPPED: python3 is missing (scripts/setup.sh installs it)");
+        return;
+    };
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let mut rt = FakeRuntime::with_container("sb", child.id() as i32);
+    rt.sandboxed = true;
+    let mut gpu = NoGpu;
+    let mut opts = ContainerCheckpointOptions::new("sb");
+    opts.detect.simulator = true;
+    let err = flow(&rt, &mut gpu, &store).checkpoint(&opts).unwrap_err();
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(err.to_string().contains("inside the sandbox"), "{err}");
+    assert_eq!(
+        crate::Classify::exit_status(&err),
+        crate::ExitStatus::Unsupported
+    );
+    assert!(calls(&rt).is_empty(), "nothing touched: {:?}", calls(&rt));
+    assert!(store.list().unwrap().is_empty());
+}
