@@ -16,44 +16,13 @@ if [ -z "${GPU_CHECKPOINT_CRIU:-}" ]; then
     fi
 fi
 # The programs tests/real_programs.rs checkpoints (redis, nginx; python3 for it and criu_options.rs),
-# from the distribution's packages, installed only when missing: a no-op when they are there. Packages
-# apt installs here never start as services: a policy-rc.d forbids it for the install (one already
-# there is left alone), and where systemd runs the units are disabled as well.
+# from the distribution's packages, installed only when missing: a no-op when they are there (never
+# started as services: scripts/lib/apt-missing.sh).
+# shellcheck source=scripts/lib/apt-missing.sh
+. scripts/lib/apt-missing.sh
 test_programs() {
-    local want=() pkg bin
-    for pair in redis-server:redis-server redis-cli:redis-tools nginx:nginx python3:python3; do
-        bin=${pair%%:*} pkg=${pair#*:}
-        if ! command -v "$bin" >/dev/null && [ ! -x "/usr/sbin/$bin" ]; then
-            want+=("$pkg")
-        fi
-    done
-    [ ${#want[@]} -eq 0 ] && return 0
-    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-        echo "setup: cannot install ${want[*]} (needs root and apt-get)" >&2
-        return 1
-    fi
-    local policy=/usr/sbin/policy-rc.d ours=
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' >"$policy"
-        chmod 755 "$policy"
-        ours=1
-    fi
-    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends)
-    local ok=1
-    # The package lists are fetched only when the install cannot do without them.
-    if ! "${apt[@]}" "${want[@]}" >/dev/null; then
-        apt-get update -q >/dev/null && "${apt[@]}" "${want[@]}" >/dev/null || ok=
-    fi
-    if [ -n "$ours" ]; then
-        rm -f "$policy"
-    fi
-    if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
-        local p
-        for p in "${want[@]}"; do
-            case $p in redis-server | nginx) systemctl disable --now "$p" >/dev/null 2>&1 || true ;; esac
-        done
-    fi
-    [ -n "$ok" ] || { echo "setup: installing ${want[*]} failed" >&2; return 1; }
+    APT_MISSING_SERVICES="redis-server nginx" apt_install_missing \
+        redis-server:redis-server redis-cli:redis-tools nginx:nginx python3:python3
 }
 if ! test_programs; then
     if [ "${CI:-}" = true ]; then
@@ -69,5 +38,13 @@ if ! bash scripts/install-zdtm.sh >/dev/null; then
         exit 1
     fi
     echo "setup: building CRIU's zdtm tests failed; the zdtm suite will be skipped" >&2
+fi
+# The container runtimes tests/containers.rs drives (runc, runsc, iptables, busybox-static), the same way.
+if ! bash scripts/install-containers.sh; then
+    if [ "${CI:-}" = true ]; then
+        echo "setup: installing the container runtimes failed" >&2
+        exit 1
+    fi
+    echo "setup: the container tests will be skipped" >&2
 fi
 cargo build --workspace --all-targets

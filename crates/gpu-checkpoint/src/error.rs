@@ -28,6 +28,8 @@ pub enum Error {
     Restore(#[from] crate::restore::Error),
     #[error(transparent)]
     Guardian(#[from] crate::flows::guardian::Error),
+    #[error(transparent)]
+    Container(#[from] crate::flows::container::Error),
 }
 
 impl Classify for Error {
@@ -40,6 +42,7 @@ impl Classify for Error {
             Error::Checkpoint(e) => e.exit_status(),
             Error::Restore(e) => e.exit_status(),
             Error::Guardian(e) => e.exit_status(),
+            Error::Container(e) => e.exit_status(),
         }
     }
 }
@@ -71,6 +74,7 @@ classified!(
     crate::checkpoint::Error,
     crate::restore::Error,
     crate::flows::guardian::Error,
+    crate::flows::container::Error,
 );
 
 #[cfg(test)]

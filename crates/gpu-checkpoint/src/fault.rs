@@ -23,6 +23,11 @@ pub const POINTS: &[&str] = &[
     "store.write",
     "restore.before-criu",
     "restore.after-criu",
+    // The container flow (`flows/container/`): its runtime's commands fail as the runtime's own would
+    // (`eio`); its other steps share the points above (`checkpoint.after-dump` is after the runtime's
+    // checkpoint, `restore.before-criu` and `restore.after-criu` around its restore).
+    "container.runtime-checkpoint",
+    "container.runtime-restore",
 ];
 
 fn armed() -> &'static [(String, String)] {

@@ -19,8 +19,14 @@ use crate::progress::{bytes, Bar};
 #[derive(clap::Args)]
 pub struct Args {
     /// Root of the process tree to checkpoint.
-    #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..))]
-    pub pid: i32,
+    #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..), required_unless_present = "container", conflicts_with = "container")]
+    pub pid: Option<i32>,
+    /// Checkpoint a container instead: its id in the runtime (`--runtime`). Its GPU processes are frozen
+    /// from the host, and the runtime dumps the container (docs/containers.md).
+    #[arg(long, value_name = "ID")]
+    pub container: Option<String>,
+    #[command(flatten)]
+    pub runtime: super::container::RuntimeArgs,
     #[command(flatten)]
     pub store: StoreArgs,
     /// Keep the tree running after the checkpoint (default: stop it once the checkpoint is durable).
@@ -95,7 +101,7 @@ fn parse_compression(s: &str) -> Result<Compression, String> {
 }
 
 impl Compression {
-    fn store_options(self) -> StoreOptions {
+    pub(super) fn store_options(self) -> StoreOptions {
         let defaults = StoreOptions::default();
         StoreOptions {
             compress: self.0.is_some(),
@@ -106,13 +112,18 @@ impl Compression {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let pid = match (args.pid, args.container.clone()) {
+        (Some(pid), None) => pid,
+        (None, Some(id)) => return super::container::checkpoint(args, &id),
+        _ => return Err(super::usage("give --pid PID or --container ID")),
+    };
     let criu_options = args.criu_opts.options()?;
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     // What refuses without touching anything refuses before the store folder is created, too.
     gpu_checkpoint::dump::Criu::check_permitted(&criu)?;
-    if !gpu_checkpoint::proc::is_alive(args.pid) {
-        return Err(gpu_checkpoint::checkpoint::Error::NoSuchProcess { pid: args.pid }.into());
+    if !gpu_checkpoint::proc::is_alive(pid) {
+        return Err(gpu_checkpoint::checkpoint::Error::NoSuchProcess { pid }.into());
     }
     let store = Store::open(&args.store.storage, args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
@@ -135,7 +146,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         images: ImageTransfer::staged_if(args.staged),
         watch: &guardian,
     };
-    let mut opts = CheckpointOptions::new(args.pid);
+    let mut opts = CheckpointOptions::new(pid);
     opts.name = args.name;
     opts.leave_running = args.leave_running;
     opts.criu = criu_options;
@@ -154,7 +165,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let v = json!({
                 "id": out.info.id,
                 "name": out.info.name,
-                "pid": args.pid,
+                "pid": pid,
                 "processes": out.manifest.process_tree.len(),
                 "strategy": out.manifest.strategy,
                 "stopped": out.stopped,
@@ -179,7 +190,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .as_deref()
                     .map(|n| format!(" ({n})"))
                     .unwrap_or_default(),
-                args.pid,
+                pid,
                 out.manifest.process_tree.len(),
                 if out.manifest.process_tree.len() == 1 { "" } else { "es" },
                 out.manifest.strategy,
@@ -260,7 +271,7 @@ fn parse_strategy(s: &str) -> Result<StrategyChoice, String> {
 
 /// The GPU backend a forced strategy means: `--strategy cuda-cli` is the cuda-checkpoint binary, whatever
 /// `--gpu-backend auto` would pick; a `--gpu-backend` that contradicts the strategy is a usage error.
-fn backend_for(strategy: StrategyChoice, chosen: Backend) -> anyhow::Result<Backend> {
+pub(super) fn backend_for(strategy: StrategyChoice, chosen: Backend) -> anyhow::Result<Backend> {
     let wanted = match strategy {
         StrategyChoice::CudaDriver => Backend::CudaDriver,
         StrategyChoice::CudaCli => Backend::CudaCli,

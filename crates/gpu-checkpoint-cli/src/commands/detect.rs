@@ -11,7 +11,7 @@ use gpu_checkpoint::fmt::human_bytes;
 use super::Format;
 
 #[derive(clap::Args)]
-#[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "all"])))]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["pid", "all", "container"])))]
 pub struct Args {
     /// The process to inspect.
     #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..))]
@@ -24,6 +24,13 @@ pub struct Args {
     /// Every process on this node that holds GPU state (NVML when present, and a /proc scan).
     #[arg(long, conflicts_with_all = ["pid", "tree"])]
     pub all: bool,
+
+    /// Every process of a container (its id in `--runtime`): those sharing its cgroups, GPU processes
+    /// by NVML when present and /proc otherwise. JSON: `{"container": {...}, "report": REPORT}`.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["pid", "all", "tree"])]
+    pub container: Option<String>,
+    #[command(flatten)]
+    pub runtime: super::container::RuntimeArgs,
 
     /// Output format. JSON is stable (schema_version 1) and documented in docs/detect.md.
     #[arg(long, value_enum, default_value_t = Format::Text)]
@@ -51,6 +58,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         nvml: args.all,
         simulator: args.simulator,
     };
+    if let Some(id) = &args.container {
+        let (about, report) = super::container::detect(&args.runtime, id, args.simulator)?;
+        match args.format {
+            Format::Json => println!(
+                "{}",
+                serde_json::to_string_pretty(
+                    &serde_json::json!({"container": about, "report": report})
+                )?
+            ),
+            Format::Text => {
+                println!(
+                    "container {id} ({}, {}): {} process(es)",
+                    about["runtime"].as_str().unwrap_or_default(),
+                    about["status"].as_str().unwrap_or_default(),
+                    about["processes"].as_array().map_or(0, Vec::len)
+                );
+                print!("{}", render_text(&report, args.verbose));
+            }
+        }
+        return Ok(());
+    }
     let report = match args.pid {
         Some(pid) => detect::detect_pid(pid, &opts),
         None => detect::detect_all(&opts),

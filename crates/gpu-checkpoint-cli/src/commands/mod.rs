@@ -1,6 +1,7 @@
 //! One file per subcommand. Each has an `Args` (clap) and a `run` that calls the library and prints.
 
 pub mod checkpoint;
+pub mod container;
 pub mod criu_opts;
 pub mod cuda;
 pub mod delete;

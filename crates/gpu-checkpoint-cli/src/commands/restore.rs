@@ -49,6 +49,15 @@ pub struct Args {
     /// --manage-cgroups and --tcp-close.
     #[command(flatten)]
     pub criu_opts: CriuArgs,
+    /// Restore a container checkpoint as container ID (the checkpointed one's id or a new one), managed
+    /// by its runtime afterwards. The runtime's flags default to the checkpoint's.
+    #[arg(long, value_name = "ID")]
+    pub container: Option<String>,
+    #[command(flatten)]
+    pub runtime: super::container::RuntimeArgs,
+    /// The bundle to restore the container into (default: the checkpointed container's).
+    #[arg(long, value_name = "DIR", requires = "container")]
+    pub bundle: Option<PathBuf>,
 }
 
 /// One line on stderr for the CRIU flags given again that the checkpoint decides anyway (and the notes of
@@ -77,6 +86,9 @@ fn say_what_the_checkpoint_decides(
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(id) = args.container.clone() {
+        return super::container::restore(args, &id);
+    }
     let target = match (args.checkpoint, args.metadata) {
         (Some(c), None) => Target::Checkpoint(c),
         (None, Some(m)) => Target::Manifest(m),

@@ -72,6 +72,10 @@ pub enum Event {
     },
     /// GPU state of the tree may be locked or checkpointed from now on, through this backend.
     Gpu { backend: Backend },
+    /// The tree's container is held paused (frozen) by its runtime for the checkpoint: this command
+    /// (program and arguments) resumes it, before the tree is continued or killed (a frozen process
+    /// neither runs nor dies).
+    Paused { resume: Vec<String> },
     /// The checkpoint is durable: from now on the tree is to be stopped, not put back.
     Durable,
     /// A restore is about to create processes with these PIDs.
@@ -197,6 +201,8 @@ struct Watched {
     gpu: Option<Backend>,
     durable: bool,
     restore: Option<Vec<i32>>,
+    /// The command that resumes the tree's paused container.
+    resume: Option<Vec<String>>,
 }
 
 /// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
@@ -286,6 +292,7 @@ impl Watched {
                 });
             }
             Event::Gpu { backend } => self.gpu = Some(backend),
+            Event::Paused { resume } => self.resume = Some(resume),
             Event::Durable => self.durable = true,
             Event::Restore { pids } => self.restore = Some(pids),
             Event::Done => {}
@@ -306,6 +313,9 @@ impl Watched {
         let Some(tree) = &self.tree else {
             return;
         };
+        if let Some(resume) = &self.resume {
+            resume_container(resume);
+        }
         if self.durable {
             if !tree.leave_running {
                 let left = tree.all.kill(Duration::from_secs(10));
@@ -331,6 +341,25 @@ impl Watched {
             "the checkpoint was not durable: resumed the tree ({} processes) and put back the GPU state of {thawed}",
             tree.running.pids().len()
         ));
+    }
+}
+
+/// Runs the command that resumes a paused container (its runtime's `resume`); a container that runs
+/// already makes it fail, which changes nothing.
+fn resume_container(argv: &[String]) {
+    let Some((program, args)) = argv.split_first() else {
+        return;
+    };
+    match Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(st) if st.success() => eprintln!("gpu-checkpoint guardian: resumed the container"),
+        Ok(st) => eprintln!("gpu-checkpoint guardian: `{}` {st}", argv.join(" ")),
+        Err(e) => eprintln!("gpu-checkpoint guardian: cannot run {program}: {e}"),
     }
 }
 
@@ -442,6 +471,9 @@ mod tests {
             },
             Event::Gpu {
                 backend: Backend::Sim,
+            },
+            Event::Paused {
+                resume: vec!["runc".into(), "resume".into(), "c1".into()],
             },
             Event::Durable,
             Event::Restore { pids: vec![7] },

@@ -59,6 +59,39 @@ pub struct CheckpointManifest {
     /// nodes named with `--reopen-device`), reopened on restore; absent when there were none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<ReopenedDevice>,
+    /// The container this checkpoint is of (`checkpoint --container`); absent for a process tree. Its
+    /// images are the runtime's (runc's CRIU images and `descriptors.json`): only the container restore
+    /// reads them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ContainerRecord>,
+}
+
+/// What a container checkpoint records about its container, for the restore.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ContainerRecord {
+    /// `runc` or `runsc`: a restore must use the same.
+    pub runtime: String,
+    /// The runtime's global flags at checkpoint time (`--root`, `--runtime-arg`s), used again on restore.
+    pub global_args: Vec<String>,
+    /// The container's id.
+    pub id: String,
+    /// Its bundle folder (config.json, rootfs): the restore's default bundle.
+    pub bundle: std::path::PathBuf,
+    /// Its processes, init first: host PIDs (those of `process_tree`) and PIDs inside the container,
+    /// through which the restore finds each GPU process again under its new host PID.
+    pub processes: Vec<ContainerProcess>,
+    /// CRIU's `--tcp-established` was given (the restore gives it again).
+    #[serde(default)]
+    pub tcp_established: bool,
+}
+
+/// One process of a container: its PID on the host and inside the container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerProcess {
+    /// Its PID on the host (this PID namespace).
+    pub pid: i32,
+    /// Its PID inside the container (the last of `NSpid`): what a restore gives it back.
+    pub ns_pid: i32,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

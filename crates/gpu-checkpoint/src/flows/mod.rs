@@ -8,10 +8,12 @@
 //! (`Flow::checkpoint` in [`checkpoint`], `Flow::restore` in [`restore`]).
 
 pub mod checkpoint;
+pub mod container;
 pub mod guardian;
 mod logs;
 pub mod manifest;
 pub mod restore;
+pub(crate) mod thaw;
 
 use std::time::Instant;
 
@@ -21,7 +23,10 @@ use crate::store::{Progress, Store};
 pub use guardian::{Event, Watch};
 
 pub use logs::{fallback_logs_dir, logs_dir, save_log};
-pub use manifest::{CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes};
+pub use manifest::{
+    CheckpointManifest, ContainerProcess, ContainerRecord, CriuInfo, HostInfo, OptionsRecord,
+    PhaseTimings, Sizes,
+};
 
 /// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU
 /// or [`crate::dump::FakeCriu`], the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).

@@ -77,9 +77,7 @@ pub fn sim_gpus() -> Vec<GpuInfo> {
 /// Sends one request to the simulated process `pid` and returns the payload of its `OK` answer.
 pub fn request(pid: i32, op: Op, line: &str, timeout: Duration) -> Result<String> {
     let unreachable = |reason: String| Error::SimUnreachable { pid, reason };
-    let addr = SocketAddr::from_abstract_name(socket_name(pid).as_bytes())
-        .map_err(|e| unreachable(e.to_string()))?;
-    let mut stream = UnixStream::connect_addr(&addr).map_err(|e| unreachable(e.to_string()))?;
+    let mut stream = connect(pid).map_err(|e| unreachable(e.to_string()))?;
     let protocol = |reason: String| Error::SimProtocol { pid, reason };
     stream
         .set_read_timeout(Some(timeout))
@@ -92,6 +90,43 @@ pub fn request(pid: i32, op: Op, line: &str, timeout: Duration) -> Result<String
         .read_line(&mut answer)
         .map_err(|e| protocol(format!("waiting for the answer to `{line}`: {e}")))?;
     parse_answer(pid, op, answer.trim_end())
+}
+
+/// Connects to the control socket of the simulated process `pid` (a PID of this PID namespace).
+///
+/// A process in a container names its socket with the PID it sees itself under (the last of `NSpid`),
+/// and abstract sockets belong to a network namespace: a container's is reached by a short-lived thread
+/// that enters the process's network namespace, connects, and ends (`setns` of a network namespace acts
+/// on the calling thread only; the connected socket works from any thread afterwards).
+fn connect(pid: i32) -> std::io::Result<UnixStream> {
+    let status = std::fs::read(format!("/proc/{pid}/status"))?;
+    let own = crate::detect::parse::parse_nspid(&status)
+        .last()
+        .copied()
+        .unwrap_or(pid);
+    let addr = SocketAddr::from_abstract_name(socket_name(own).as_bytes())?;
+    let theirs = std::fs::metadata(format!("/proc/{pid}/ns/net"));
+    let ours = std::fs::metadata("/proc/thread-self/ns/net");
+    let same_net = match (&theirs, &ours) {
+        (Ok(a), Ok(b)) => {
+            use std::os::unix::fs::MetadataExt;
+            (a.dev(), a.ino()) == (b.dev(), b.ino())
+        }
+        // Without the namespace links (a restricted /proc), try our own namespace.
+        _ => true,
+    };
+    if same_net {
+        return UnixStream::connect_addr(&addr);
+    }
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            UnixStream::connect_addr(&addr)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the connecting thread panicked")))
+    })
 }
 
 fn parse_answer(pid: i32, op: Op, answer: &str) -> Result<String> {

@@ -91,6 +91,20 @@ impl GpuRecord {
         self.processes.iter().map(|p| p.pid).collect()
     }
 
+    /// The record with each process's PID replaced by `new_pid`'s answer: a container comes back from
+    /// its runtime under new host PIDs (its processes keep only their PIDs inside its namespace), and
+    /// the GPU restore acts on the PIDs of the record. PIDs it has no answer for stay.
+    pub fn with_pids(&self, new_pid: impl Fn(i32) -> Option<i32>) -> GpuRecord {
+        let mut r = self.clone();
+        for p in &mut r.processes {
+            p.pid = new_pid(p.pid).unwrap_or(p.pid);
+        }
+        for s in &mut r.skipped {
+            s.pid = new_pid(s.pid).unwrap_or(s.pid);
+        }
+        r
+    }
+
     /// The GPUs the checkpointed processes used: those reported per process, or every GPU of the node
     /// when the backend could not tell.
     pub fn used_gpus(&self) -> Vec<&GpuInfo> {

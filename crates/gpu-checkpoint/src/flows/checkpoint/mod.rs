@@ -357,6 +357,7 @@ impl Flow<'_> {
             timings_ms: timings.phases(),
             sizes,
             devices: reopened,
+            container: None,
         };
         let metadata = encode(&manifest)?;
 

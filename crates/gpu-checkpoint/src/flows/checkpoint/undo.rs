@@ -8,59 +8,10 @@
 //! thread, the simulator's own answer), which a stopped process cannot do. The staging folder goes last,
 //! with the store's [`crate::store::Ingest`], which removes it when dropped uncommitted.
 
-use crate::freeze::{GpuHook, ThawRecord};
 use crate::proc as tree;
 
-/// Puts the GPU state [`GpuHook::freeze`] took back when dropped (GPU restore + unlock), unless
-/// [`GpuThawGuard::thaw`] already did (`--leave-running`) or the checkpoint was
-/// [`GpuThawGuard::committed`].
-pub(super) struct GpuThawGuard<'g> {
-    gpu: &'g mut dyn GpuHook,
-    /// The hook still holds frozen state: no thaw or commit yet.
-    armed: bool,
-}
-
-impl<'g> GpuThawGuard<'g> {
-    /// Guards the state a successful [`GpuHook::freeze`] of `gpu` took.
-    pub(super) fn new(gpu: &'g mut dyn GpuHook) -> Self {
-        GpuThawGuard { gpu, armed: true }
-    }
-
-    /// The hook's name, for the manifest (known once `freeze` has chosen a backend).
-    pub(super) fn name(&self) -> &str {
-        self.gpu.name()
-    }
-
-    /// `--leave-running`: GPU restore + unlock right after the dump, so that GPU work resumes while the
-    /// images are stored. The hook is thawed at most once: after this, failed or not, nothing is left
-    /// for the drop to put back, and an error is the checkpoint's own.
-    pub(super) fn thaw(&mut self) -> Result<Option<ThawRecord>, crate::freeze::Error> {
-        self.armed = false;
-        self.gpu.thaw()
-    }
-
-    /// The checkpoint is durable and the tree is about to be killed (migration): its GPU state stays
-    /// checkpointed, in the checkpoint.
-    pub(super) fn committed(mut self) {
-        if std::mem::take(&mut self.armed) {
-            self.gpu.committed();
-        }
-    }
-}
-
-impl Drop for GpuThawGuard<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        // The checkpoint's own error is what the user must see; a failure here is logged next to it.
-        if let Err(e) = self.gpu.thaw() {
-            tracing::error!(
-                "after the failed checkpoint, putting the GPU state back failed too: {e}"
-            );
-        }
-    }
-}
+/// Shared with the container flow: `flows/thaw.rs`.
+pub(super) use crate::flows::thaw::GpuThawGuard;
 
 /// Continues (SIGCONT) the tree CRIU left stopped when dropped, unless [`ContinueGuard::disarm`]ed
 /// because the checkpoint is durable. The tree is held through pidfds: a continue or a kill never reaches

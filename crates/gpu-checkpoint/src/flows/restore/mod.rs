@@ -185,6 +185,17 @@ impl Flow<'_> {
         let interrupt = InterruptGuard::new();
         self.criu.check_permitted()?;
         let (info, manifest) = self.find(target)?;
+        if let Some(c) = &manifest.container {
+            // Its images are the runtime's: only the runtime can put the container back together.
+            return Err(Error::Options {
+                id: info.id.clone(),
+                reason: format!(
+                    "it is a checkpoint of {} container {}: restore it with --container ID",
+                    c.runtime, c.id
+                ),
+            }
+            .into());
+        }
         let criu_options = manifest
             .options
             .criu

@@ -1,0 +1,264 @@
+//! `--container ID` of `checkpoint`, `restore` and `detect`: the container flow
+//! (`gpu_checkpoint::flows::container`) with the runtime's command line as its runtime.
+
+use std::path::PathBuf;
+
+use gpu_checkpoint::detect::DetectOptions;
+use gpu_checkpoint::dump::{discover, Criu, CriuRpc};
+use gpu_checkpoint::flows::container::{
+    self, ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
+};
+use gpu_checkpoint::flows::{CheckpointManifest, CriuInfo};
+use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::store::Store;
+use serde_json::json;
+
+use super::Format;
+use crate::progress::{bytes, Bar};
+
+/// The container runtime's options, shared by the three commands.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RuntimeArgs {
+    /// The container runtime: `runc` (CRIU does the CPU side, with our CRIU) or `runsc` (gVisor's own
+    /// checkpoint; see docs/containers.md).
+    #[arg(
+        long,
+        value_name = "runc|runsc",
+        default_value = "runc",
+        requires = "container"
+    )]
+    pub runtime: RuntimeKind,
+    /// The runtime's state folder (its global `--root`), where it is not the default.
+    #[arg(long, value_name = "DIR", requires = "container")]
+    pub runtime_root: Option<PathBuf>,
+    /// A global flag for the runtime, e.g. `--runtime-arg=--platform=ptrace` for runsc; repeatable.
+    /// Recorded in the checkpoint and given again on restore.
+    #[arg(
+        long,
+        value_name = "ARG",
+        allow_hyphen_values = true,
+        requires = "container"
+    )]
+    pub runtime_arg: Vec<String>,
+}
+
+impl RuntimeArgs {
+    /// The runtime's command line, told our CRIU (runc only).
+    fn open(&self, criu: Option<PathBuf>) -> anyhow::Result<OciCli> {
+        Ok(OciCli::find(
+            self.runtime,
+            criu,
+            self.runtime_root.clone(),
+            self.runtime_arg.clone(),
+        )?)
+    }
+}
+
+/// Our CRIU, for runc's `--criu` and the manifest (runsc checkpoints by itself).
+fn our_criu(
+    kind: RuntimeKind,
+    given: Option<&std::path::Path>,
+) -> anyhow::Result<Option<(PathBuf, CriuInfo)>> {
+    if kind != RuntimeKind::Runc {
+        return Ok(None);
+    }
+    let found = discover(given)?;
+    let criu = CriuRpc::from_found(&found);
+    criu.check_permitted()?;
+    let info = CriuInfo {
+        version: criu.version()?,
+        path: criu.describe(),
+    };
+    Ok(Some((found.path.clone(), info)))
+}
+
+fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bool) -> FreezeHook {
+    FreezeHook::new(HookOptions {
+        backend,
+        group: GroupOptions {
+            lock_timeout,
+            ordered,
+        },
+        device_map: None,
+    })
+}
+
+/// `checkpoint --container ID`.
+pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()> {
+    let criu = our_criu(args.runtime.runtime, args.criu.as_deref())?;
+    let runtime = args.runtime.open(criu.as_ref().map(|c| c.0.clone()))?;
+    let store = Store::open(&args.store.storage, args.compression.store_options())?;
+    let progress = Bar::new(args.store.format == Format::Text);
+    let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend.into())?;
+    let mut gpu = hook(backend, args.lock_timeout.0, args.ordered);
+    // Started before the container is touched, dropped (told it is done) after the flow's own undo.
+    let guardian = super::start_guardian()?;
+    let mut flow = ContainerFlow {
+        runtime: &runtime,
+        gpu: &mut gpu,
+        store: &store,
+        progress: &progress,
+        criu: criu.map(|c| c.1),
+        watch: &guardian,
+    };
+    let mut opts = ContainerCheckpointOptions::new(id);
+    opts.name = args.name;
+    opts.leave_running = args.leave_running;
+    opts.tcp_established = args.criu_opts.options()?.tcp_established;
+    // The simulator is recognised only when asked for, never silently.
+    opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
+    let result = flow.checkpoint(&opts);
+    super::say_if_interrupted();
+    let out = result?;
+    let manifest_path = store.manifest_path(&out.info.id);
+    match args.store.format {
+        Format::Json => {
+            let v = json!({
+                "id": out.info.id,
+                "name": out.info.name,
+                "container": out.manifest.container,
+                "pid": out.manifest.root_pid,
+                "processes": out.manifest.process_tree.len(),
+                "strategy": out.manifest.strategy,
+                "stopped": out.stopped,
+                "manifest": manifest_path,
+                "timings_ms": out.timings,
+                "gpu": out.manifest.gpu,
+                "sizes": out.manifest.sizes,
+                "stats": out.info.stats,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Format::Text => {
+            let t = &out.timings;
+            let s = &out.info.stats;
+            println!("{}", out.info.id);
+            eprintln!(
+                "checkpoint {} of {} container {id} ({} process(es), strategy {}): {} of images, {} stored ({} new)",
+                out.info.id,
+                runtime.kind().name(),
+                out.manifest.process_tree.len(),
+                out.manifest.strategy,
+                bytes(out.manifest.sizes.image_bytes),
+                bytes(s.stored_bytes),
+                bytes(s.new_bytes),
+            );
+            eprintln!(
+                "  detect {:.0} ms, freeze {:.0} ms, pause {:.0} ms, {} checkpoint {:.0} ms, write {:.0} ms, stop {:.0} ms; total {:.0} ms",
+                t.detect, t.freeze, t.pause, runtime.kind().name(), t.runtime_checkpoint, t.write, t.stop, t.total
+            );
+            eprintln!(
+                "  the container {}; manifest {}",
+                if out.stopped {
+                    "was deleted"
+                } else {
+                    "keeps running"
+                },
+                manifest_path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `restore CHECKPOINT --container ID`.
+pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
+    let Some(checkpoint) = args.checkpoint.clone() else {
+        return Err(super::usage(
+            "--container needs a CHECKPOINT (id or name), not --metadata",
+        ));
+    };
+    let store = args.store.open()?;
+    // The runtime's flags: those given, else the checkpoint's.
+    let info = store.get(&checkpoint)?;
+    let recorded = CheckpointManifest::from_metadata(&info.metadata)
+        .ok()
+        .and_then(|m| m.container)
+        .map(|c| c.global_args)
+        .unwrap_or_default();
+    let mut rt = args.runtime.clone();
+    if rt.runtime_root.is_none() && rt.runtime_arg.is_empty() {
+        let mut it = recorded.into_iter();
+        while let Some(a) = it.next() {
+            match (a.as_str(), rt.runtime_root.is_none()) {
+                ("--root", true) => rt.runtime_root = it.next().map(PathBuf::from),
+                _ => rt.runtime_arg.push(a),
+            }
+        }
+    }
+    let criu = our_criu(rt.runtime, args.criu.as_deref())?;
+    let runtime = rt.open(criu.as_ref().map(|c| c.0.clone()))?;
+    let progress = Bar::new(args.store.format == Format::Text);
+    let mut gpu = FreezeHook::new(HookOptions {
+        backend: args.gpu.gpu_backend.into(),
+        device_map: match args.device_map.as_deref() {
+            None => None,
+            Some(m) => Some(m.parse()?),
+        },
+        ..HookOptions::default()
+    });
+    let mut flow = ContainerFlow {
+        runtime: &runtime,
+        gpu: &mut gpu,
+        store: &store,
+        progress: &progress,
+        criu: criu.map(|c| c.1),
+        watch: &gpu_checkpoint::flows::guardian::NoWatch,
+    };
+    let result = flow.restore(&ContainerRestoreOptions {
+        checkpoint,
+        id: id.to_string(),
+        bundle: args.bundle.clone(),
+    });
+    super::say_if_interrupted();
+    let out = result?;
+    match args.store.format {
+        Format::Json => {
+            let v = json!({
+                "id": out.checkpoint,
+                "container": out.id,
+                "runtime": runtime.kind().name(),
+                "pid": out.pid,
+                "timings_ms": out.timings,
+                "gpu": out.gpu,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Format::Text => {
+            println!("{}", out.pid);
+            let t = &out.timings;
+            eprintln!(
+                "restored checkpoint {} as {} container {} (init pid {}): fetch {:.0} ms, {} restore {:.0} ms, gpu {:.0} ms; total {:.0} ms",
+                out.checkpoint, runtime.kind().name(), out.id, out.pid, t.fetch, runtime.kind().name(), t.runtime_restore, t.gpu, t.total
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `detect --container ID`: the report of the container's processes, and which they are.
+pub fn detect(
+    rt: &RuntimeArgs,
+    id: &str,
+    simulator: bool,
+) -> anyhow::Result<(serde_json::Value, gpu_checkpoint::detect::Report)> {
+    let runtime = rt.open(None)?;
+    let found = container::discover(
+        &runtime,
+        id,
+        &DetectOptions {
+            tree: true,
+            nvml: true,
+            simulator,
+            ..DetectOptions::default()
+        },
+    )?;
+    let about = json!({
+        "runtime": runtime.kind().name(),
+        "id": id,
+        "status": found.state.status,
+        "bundle": found.state.bundle,
+        "processes": found.processes,
+    });
+    Ok((about, found.report))
+}

@@ -1,0 +1,281 @@
+//! Real runc containers for the container tests: a minimal bundle built by the test (static busybox, the
+//! test workloads and the shared libraries they load), a private runtime root per test, and containers
+//! deleted on drop (after unmounting what a failed restore left: `runc delete -f` would otherwise empty
+//! the bundle's rootfs).
+
+#![allow(dead_code)] // each test file uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use gpu_checkpoint::flows::container::unmount_under;
+
+#[path = "../sim_support/mod.rs"]
+pub mod sim_support;
+pub use sim_support::*;
+
+/// Whether real runc containers can run here: root, our CRIU, runc and a static busybox. In CI their
+/// absence fails the test; locally it is skipped with the reason.
+pub fn containers_ready() -> bool {
+    static READY: OnceLock<Result<(), String>> = OnceLock::new();
+    if !criu_ready() {
+        return false;
+    }
+    let ready = READY.get_or_init(|| {
+        let runc = Command::new("runc").arg("--version").output();
+        if !runc.is_ok_and(|o| o.status.success()) {
+            return Err("runc is not installed".into());
+        }
+        if !Path::new(BUSYBOX).is_file() {
+            return Err(format!("{BUSYBOX} (busybox-static) is missing"));
+        }
+        Ok(())
+    });
+    match ready {
+        Ok(()) => true,
+        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("container tests cannot run in CI: {why} (scripts/install-containers.sh installs them)")
+        }
+        Err(why) => {
+            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the container tests");
+            false
+        }
+    }
+}
+
+/// Whether real runsc sandboxes can run here (besides [`containers_ready`]): runsc installed. In CI its
+/// absence fails the test; locally it is skipped with the reason.
+pub fn runsc_ready() -> bool {
+    if !containers_ready() {
+        return false;
+    }
+    let ok = Command::new("runsc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| !o.stdout.is_empty());
+    if !ok && std::env::var("CI").as_deref() == Ok("true") {
+        panic!("runsc tests cannot run in CI: runsc is not installed (scripts/install-containers.sh installs it)");
+    }
+    if !ok {
+        eprintln!(
+            "SKIPPED: runsc is not installed; run scripts/setup.sh as root to run the runsc tests"
+        );
+    }
+    ok
+}
+
+/// busybox-static's binary.
+const BUSYBOX: &str = "/bin/busybox";
+
+/// A bundle: `config.json` and `rootfs/` with busybox, `workload` and `gpu-sim-workload`.
+pub struct Bundle {
+    pub dir: PathBuf,
+}
+
+impl Bundle {
+    /// A bundle in `dir` whose container runs the shell command `args` (joined), with `env` added.
+    pub fn new(dir: &Path, args: &[&str], env: &[&str]) -> Bundle {
+        let rootfs = dir.join("rootfs");
+        for d in ["bin", "proc", "sys", "dev", "tmp", "state"] {
+            std::fs::create_dir_all(rootfs.join(d)).unwrap();
+        }
+        std::fs::copy(BUSYBOX, rootfs.join("bin/busybox")).unwrap();
+        for applet in ["sh", "ip", "nc", "sleep", "cat"] {
+            std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+        }
+        for bin in [common::workload_bin(), sim_workload()] {
+            std::fs::copy(&bin, rootfs.join("bin").join(bin.file_name().unwrap())).unwrap();
+            copy_libraries(&bin, &rootfs);
+        }
+        let out = Command::new("runc")
+            .args(["spec", "--bundle"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "runc spec: {out:?}");
+        let path = dir.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let script = args.join(" ");
+        let process = &mut config["process"];
+        process["terminal"] = false.into();
+        process["args"] = serde_json::json!(["sh", "-c", script]);
+        for e in env {
+            process["env"].as_array_mut().unwrap().push((*e).into());
+        }
+        // Bringing the container's own loopback up (`ip link set lo up`) needs CAP_NET_ADMIN (in its
+        // network namespace).
+        for set in process["capabilities"]
+            .as_object_mut()
+            .unwrap()
+            .values_mut()
+        {
+            set.as_array_mut().unwrap().push("CAP_NET_ADMIN".into());
+        }
+        config["root"]["readonly"] = false.into();
+        std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+        Bundle {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+}
+
+/// Copies the shared libraries `bin` loads (as `ldd` lists them) into `rootfs` at the same paths.
+fn copy_libraries(bin: &Path, rootfs: &Path) {
+    let out = Command::new("ldd").arg(bin).output().unwrap();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let path = match line.split_once("=>") {
+            Some((_, right)) => right.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        let Some(path) = path.filter(|p| p.starts_with('/')) else {
+            continue;
+        };
+        let dest = rootfs.join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        if !dest.exists() {
+            std::fs::copy(path, &dest).unwrap();
+        }
+    }
+}
+
+/// runc (or runsc) with a private state folder (`--root`), whose containers are deleted on drop.
+pub struct Runc {
+    pub root: PathBuf,
+    /// `runc` or `runsc`.
+    pub binary: &'static str,
+    /// More global flags (runsc: `--platform=ptrace --network=none`, all that works here).
+    pub global: Vec<&'static str>,
+}
+
+impl Runc {
+    pub fn new(dir: &Path) -> Runc {
+        let root = dir.join("runc-root");
+        std::fs::create_dir_all(&root).unwrap();
+        Runc {
+            root,
+            binary: "runc",
+            global: Vec::new(),
+        }
+    }
+
+    /// runsc, on the platform that works here (kvm hangs) and without a network (its only mode here).
+    pub fn runsc(dir: &Path) -> Runc {
+        let root = dir.join("runsc-root");
+        std::fs::create_dir_all(&root).unwrap();
+        Runc {
+            root,
+            binary: "runsc",
+            global: vec!["--platform=ptrace", "--network=none"],
+        }
+    }
+
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new(self.binary);
+        c.arg("--root").arg(&self.root).args(&self.global);
+        c.stdin(Stdio::null());
+        c
+    }
+
+    /// The gpu-checkpoint arguments that name this runtime, its root and its flags.
+    pub fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--runtime".to_string(),
+            self.binary.to_string(),
+            "--runtime-root".to_string(),
+            self.root.display().to_string(),
+        ];
+        a.extend(self.global.iter().map(|g| format!("--runtime-arg={g}")));
+        a
+    }
+
+    /// `runc run -d`: the container's stdio is /dev/null (CRIU cannot restore host files or our pipes).
+    pub fn run(&self, id: &str, bundle: &Bundle) {
+        let st = self
+            .cmd()
+            .args(["run", "--detach", "--bundle"])
+            .arg(&bundle.dir)
+            .arg(id)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(st.success(), "{} run {id}", self.binary);
+    }
+
+    /// `runc state`: `(status, init pid)`, `None` when runc does not know the container.
+    pub fn state(&self, id: &str) -> Option<(String, i32)> {
+        let out = self.cmd().args(["state", id]).output().unwrap();
+        if !out.status.success() {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        Some((v["status"].as_str()?.to_string(), v["pid"].as_i64()? as i32))
+    }
+
+    /// The ids and statuses `runc list` shows.
+    pub fn list(&self) -> Vec<(String, String)> {
+        let out = self
+            .cmd()
+            .args(["list", "--format", "json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|c| {
+                        (
+                            c["id"].as_str().unwrap_or_default().to_string(),
+                            c["status"].as_str().unwrap_or_default().to_string(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// `runc exec ID ARGS...` -> stdout.
+    pub fn exec(&self, id: &str, args: &[&str]) -> String {
+        let out = self.cmd().args(["exec", id]).args(args).output().unwrap();
+        assert!(out.status.success(), "runc exec {id} {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The host PIDs of container `id`'s processes, init first.
+    pub fn pids(&self, id: &str) -> Vec<i32> {
+        let (_, init) = self.state(id).expect("container exists");
+        gpu_checkpoint::flows::container::members::members(init)
+            .iter()
+            .map(|m| m.pid)
+            .collect()
+    }
+}
+
+impl Drop for Runc {
+    fn drop(&mut self) {
+        let ids: Vec<String> = std::fs::read_dir(&self.root)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for id in ids {
+            unmount_under(&self.root.join(&id));
+            let _ = self.cmd().args(["delete", "--force", &id]).output();
+        }
+    }
+}
+
+/// The gpu-checkpoint arguments that name the store and the runtime.
+pub fn store_args(store: &Path, runc: &Runc) -> Vec<String> {
+    let mut a = vec!["--storage".to_string(), store.display().to_string()];
+    a.extend(runc.args());
+    a
+}

@@ -1,0 +1,363 @@
+//! Real runc containers checkpointed from the host (`checkpoint --container`, `restore --container`):
+//! a CPU container (memory, threads, a TCP listener) and a SIMULATED multi-process GPU container
+//! (`gpu-sim-workload`, its device memory checked after restore); `--leave-running`; a second checkpoint
+//! deduplicated against the first; and a failure at every step (GPU lock, GPU checkpoint, runtime
+//! checkpoint, store write, runtime restore, GPU restore) leaving the container running or the checkpoint
+//! intact. Needs root, CRIU, runc and busybox-static: fails in CI without them, skips locally.
+
+mod container_support;
+
+use container_support::*;
+use gpu_checkpoint::freeze::sim;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// A unique container id: tests run in parallel, and runc names each container's cgroup after it.
+fn cid(name: &str) -> String {
+    format!("gc-{}-{name}", std::process::id())
+}
+
+const GPU_ARGS: &[&str] = &[
+    "exec",
+    "gpu-sim-workload",
+    "--mib",
+    "8",
+    "--children",
+    "2",
+    "--workers",
+    "2",
+];
+
+/// A GPU container running, and what the tests need around it.
+struct Setup {
+    dir: tempfile::TempDir,
+    store: std::path::PathBuf,
+    runc: Runc,
+    bundle: Bundle,
+}
+
+fn setup(args: &[&str], env: &[&str]) -> Option<Setup> {
+    if !containers_ready() {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let runc = Runc::new(dir.path());
+    let bundle = Bundle::new(&dir.path().join("bundle"), args, env);
+    Some(Setup {
+        dir,
+        store,
+        runc,
+        bundle,
+    })
+}
+
+impl Setup {
+    fn gc(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+        std::process::Command::new(gpu_checkpoint())
+            .args(args)
+            .args(store_args(&self.store, &self.runc))
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    }
+
+    fn checkpoint(&self, id: &str, extra: &[&str]) -> serde_json::Value {
+        let mut args = vec![
+            "checkpoint",
+            "--container",
+            id,
+            "--gpu-backend",
+            "sim",
+            "--format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        let o = self.gc(&args, &[]);
+        assert!(o.status.success(), "checkpoint: {}", text(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    fn restore(&self, ckpt: &str, id: &str) -> serde_json::Value {
+        let args = [
+            "restore",
+            ckpt,
+            "--container",
+            id,
+            "--gpu-backend",
+            "sim",
+            "--format",
+            "json",
+        ];
+        let o = self.gc(&args, &[]);
+        assert!(o.status.success(), "restore: {}", text(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    /// Waits until the container's processes all answer the simulator's control channel.
+    fn gpu_pids(&self, id: &str, n: usize) -> Vec<i32> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let pids = self.runc.pids(id);
+            if pids.len() >= n && pids.iter().all(|&p| sim::status(p).is_ok()) {
+                return pids;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "container {id}: {pids:?} not all up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs the bundle as container `name` (made unique) and waits for its 3 GPU processes.
+    fn start_gpu(&self, name: &str) -> (String, Vec<i32>) {
+        let id = cid(name);
+        self.runc.run(&id, &self.bundle);
+        let pids = self.gpu_pids(&id, 3);
+        (id, pids)
+    }
+
+    fn running(&self, id: &str) -> bool {
+        self.runc.state(id).is_some_and(|(s, _)| s == "running")
+    }
+}
+
+#[test]
+fn a_gpu_container_survives_checkpoint_stop_restore_and_is_runcs_afterwards() {
+    let Some(s) = setup(GPU_ARGS, &[]) else {
+        return;
+    };
+    // sh execs the workload: its init and its 2 children, each with SIMULATED device memory.
+    let (id, pids) = s.start_gpu("gpu");
+    let before: Vec<u64> = pids.iter().map(|&p| steps(p)).collect();
+    let ck = s.checkpoint(&id, &[]);
+    assert_eq!(ck["stopped"], true);
+    assert_eq!(ck["container"]["runtime"], "runc");
+    assert_eq!(ck["container"]["id"].as_str(), Some(id.as_str()));
+    assert_eq!(ck["processes"], 3);
+    assert_eq!(ck["gpu"]["processes"].as_array().unwrap().len(), 3);
+    assert_eq!(
+        s.runc.state(&id),
+        None,
+        "the checkpointed container is deleted"
+    );
+    wait_gone(&pids);
+
+    let new_id = cid("gpu-2");
+    let r = s.restore(ck["id"].as_str().unwrap(), &new_id);
+    assert_eq!(r["container"].as_str(), Some(new_id.as_str()));
+    assert_eq!(r["gpu"]["processes"].as_array().unwrap().len(), 3);
+    assert!(s.running(&new_id), "{:?}", s.runc.list());
+    let now = s.gpu_pids(&new_id, 3);
+    assert_eq!(now[0], r["pid"].as_i64().unwrap() as i32);
+    assert_healthy(&now);
+    // Each process went on from where it was checkpointed (its PID inside the container is the same).
+    let after: Vec<u64> = now.iter().map(|&p| steps(p)).collect();
+    assert!(
+        after.iter().sum::<u64>() >= before.iter().sum::<u64>(),
+        "{before:?} -> {after:?}"
+    );
+    // runc manages it: list shows it, kill stops it.
+    assert!(s.runc.list().contains(&(new_id.clone(), "running".into())));
+    let killed = s
+        .runc
+        .cmd()
+        .args(["kill", &new_id, "KILL"])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    wait_gone(&now);
+    assert!(!s.running(&new_id));
+}
+
+#[test]
+fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original() {
+    let Some(s) = setup(GPU_ARGS, &[]) else {
+        return;
+    };
+    let (id, pids) = s.start_gpu("lr");
+    let ck = s.checkpoint(&id, &["--leave-running"]);
+    assert_eq!(ck["stopped"], false);
+    assert!(s.running(&id));
+    assert_eq!(s.runc.pids(&id), pids, "the same processes run on");
+    assert_healthy(&pids);
+    // It restores next to the running original, under another id.
+    let copy = cid("lr-copy");
+    s.restore(ck["id"].as_str().unwrap(), &copy);
+    assert_healthy(&s.gpu_pids(&copy, 3));
+    assert_healthy(&pids);
+}
+
+#[test]
+fn a_cpu_container_with_memory_threads_and_a_tcp_listener_restores() {
+    let args = [
+        "ip link set lo up &&",
+        "workload memory --mib 32 --state /state/mem &",
+        "exec workload sockets --state /state/sock --unix /tmp/u",
+    ];
+    let Some(s) = setup(&args, &[]) else { return };
+    let id = cid("cpu");
+    s.runc.run(&id, &s.bundle);
+    let sock = s.bundle.rootfs().join("state/sock");
+    let mem = s.bundle.rootfs().join("state/mem");
+    let field = |path: &Path, key: &str| -> Option<u64> {
+        let recs = gpu_checkpoint_workloads::read_state(path).ok()?;
+        gpu_checkpoint_workloads::field_u64(recs.first()?, key)
+    };
+    let wait = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ok() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait("the workloads", &|| {
+        field(&mem, "verified").is_some_and(|v| v > 0) && field(&sock, "seq").is_some()
+    });
+    let port = field(&sock, "port").unwrap();
+    let answer = s.runc.exec(&id, &["nc", "127.0.0.1", &port.to_string()]);
+    assert!(answer.starts_with("seq="), "{answer}");
+    // A first checkpoint leaves it running; the second, which stops it, stores little new: the 32 MiB
+    // did not change.
+    let first = s.checkpoint(&id, &["--leave-running"]);
+    assert!(s.running(&id));
+    let ck = s.checkpoint(&id, &[]);
+    let seq_at = field(&sock, "seq").unwrap();
+    assert_eq!(s.runc.state(&id), None);
+    let (new1, new2) = (
+        first["stats"]["new_bytes"].as_u64().unwrap(),
+        ck["stats"]["new_bytes"].as_u64().unwrap(),
+    );
+    assert!(new1 > 32 << 20, "the first stored the memory: {new1}");
+    assert!(
+        new2 * 4 < new1,
+        "second checkpoint wrote {new2} new bytes, the first {new1}"
+    );
+
+    s.restore(ck["id"].as_str().unwrap(), &id);
+    assert!(s.running(&id));
+    // runc dumps and restores the container's network namespace empty (`empty_ns`): its network is the
+    // runtime's (a CNI plugin, a hook) to set up again, here its loopback.
+    s.runc.exec(&id, &["ip", "link", "set", "lo", "up"]);
+    wait("the restored workloads", &|| {
+        field(&sock, "seq").is_some_and(|q| q > seq_at + 5)
+    });
+    let verified = field(&mem, "verified").unwrap();
+    wait("the memory verified again", &|| {
+        field(&mem, "verified").is_some_and(|v| v > verified)
+    });
+    assert_eq!(field(&mem, "bad"), Some(0), "memory intact");
+    assert_eq!(field(&sock, "errors"), Some(0));
+    // The listener came back with its port, inside the container's own network namespace.
+    let answer = s.runc.exec(&id, &["nc", "127.0.0.1", &port.to_string()]);
+    assert!(answer.starts_with("seq="), "{answer}");
+}
+
+/// A failed checkpoint: the container runs as before, healthy, and nothing is stored.
+fn assert_untouched(s: &Setup, id: &str, pids: &[i32]) {
+    assert!(s.running(id), "{:?}", s.runc.list());
+    assert_eq!(&s.runc.pids(id), pids, "the same processes");
+    assert_healthy(pids);
+    assert!(listed(&s.store).is_empty(), "a failed checkpoint is listed");
+}
+
+#[test]
+fn every_failed_checkpoint_step_leaves_the_container_running() {
+    let Some(s) = setup(GPU_ARGS, &[]) else {
+        return;
+    };
+    let (id, pids) = s.start_gpu("fail-ck");
+    let ck = ["checkpoint", "--container", &id, "--gpu-backend", "sim"];
+    // GPU lock (one process's lock times out), GPU checkpoint (one process's fails).
+    for (pid, fault, extra, needle) in [
+        (
+            pids[2],
+            "lock-timeout",
+            &["--lock-timeout", "300ms"][..],
+            "CUDA_ERROR_NOT_READY",
+        ),
+        (pids[1], "checkpoint", &[][..], "CUDA_ERROR_NOT_SUPPORTED"),
+    ] {
+        sim::inject_fault(pid, fault).unwrap();
+        let mut args = ck.to_vec();
+        args.extend(extra);
+        let o = s.gc(&args, &[]);
+        assert!(
+            !o.status.success() && text(&o).contains(needle),
+            "{fault}: {}",
+            text(&o)
+        );
+        sim::inject_fault(pid, "none").unwrap();
+        assert_untouched(&s, &id, &pids);
+    }
+    // The runtime's checkpoint, the store's write, and a SIGTERM after the dump.
+    for (fault, needle) in [
+        ("container.runtime-checkpoint=eio", "injected fault"),
+        ("store.write=eio", "rror"),
+        ("checkpoint.after-dump=term", "interrupted"),
+    ] {
+        let o = s.gc(&ck, &[("GPU_CHECKPOINT_FAULT", fault)]);
+        assert!(!o.status.success(), "{fault}: {}", text(&o));
+        assert!(text(&o).contains(needle), "{fault}: {}", text(&o));
+        assert_untouched(&s, &id, &pids);
+    }
+    // SIGKILL of the tool while the container is paused and its GPU state checkpointed: the guardian
+    // resumes the container and puts the GPU state back.
+    for fault in ["checkpoint.after-freeze=kill", "checkpoint.after-dump=kill"] {
+        let o = s.gc(&ck, &[("GPU_CHECKPOINT_FAULT", fault)]);
+        assert!(!o.status.success(), "{fault}: {}", text(&o));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !(s.running(&id) && pids.iter().all(|&p| status(p)["state"] == "running")) {
+            assert!(Instant::now() < deadline, "{fault}: {:?}", s.runc.list());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_untouched(&s, &id, &pids);
+    }
+}
+
+#[test]
+fn a_failed_restore_keeps_the_checkpoint_and_the_bundle() {
+    // The fault file lives in the rootfs, so the restored copy reads it too.
+    let env = ["GPU_SIM_FAULT_FILE=/state/faults"];
+    let Some(s) = setup(GPU_ARGS, &env) else {
+        return;
+    };
+    let faults = s.bundle.rootfs().join("state/faults");
+    std::fs::write(&faults, "").unwrap();
+    let (id, pids) = s.start_gpu("fail-rs");
+    let ck = s.checkpoint(&id, &[]);
+    let ckpt = ck["id"].as_str().unwrap();
+    wait_gone(&pids);
+    let restore = ["restore", ckpt, "--container", &id, "--gpu-backend", "sim"];
+    // The runtime's restore fails.
+    let o = s.gc(
+        &restore,
+        &[("GPU_CHECKPOINT_FAULT", "container.runtime-restore=eio")],
+    );
+    assert!(
+        !o.status.success() && text(&o).contains("injected fault"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(s.runc.state(&id), None);
+    // The GPU restore fails: the restored container is killed and deleted, its rootfs kept.
+    std::fs::write(&faults, "restore-oom").unwrap();
+    let o = s.gc(&restore, &[]);
+    assert!(
+        !o.status.success() && text(&o).contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(s.runc.state(&id), None, "{:?}", s.runc.list());
+    assert!(
+        s.bundle.rootfs().join("bin/busybox").is_file(),
+        "the bundle's rootfs is intact"
+    );
+    assert_eq!(listed(&s.store).len(), 1, "the checkpoint is intact");
+    // And it restores once the fault is gone.
+    std::fs::write(&faults, "").unwrap();
+    s.restore(ckpt, &id);
+    assert_healthy(&s.gpu_pids(&id, 3));
+    let _ = &s.dir;
+}

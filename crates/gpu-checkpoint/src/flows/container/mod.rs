@@ -1,0 +1,589 @@
+//! The container flow: a container of an OCI runtime (runc, runsc) checkpointed from the host, its GPU
+//! processes frozen by us and its CPU side dumped by the runtime itself, which knows the container's
+//! mounts, namespaces, cgroups and descriptors (see `docs/containers.md`).
+//!
+//! Checkpoint, in order, and why:
+//! 1. Refuse before touching anything: the runtime knows the container and it runs; the store is writable.
+//! 2. Find the container's processes from the host (`members.rs`: same cgroups and PID namespace as its
+//!    init), and detect's report of its tree (GPU processes by NVML or /proc, as for a process).
+//! 3. GPU freeze (lock + checkpoint) of its CUDA processes: undone on any later failure (a guard).
+//! 4. Where the runtime can (runc), pause the container, then `checkpoint --leave-running` into the
+//!    store's private staging folder: the container stays stopped (frozen) until the checkpoint is
+//!    durable, and a failure before that resumes it (a guard, dropped before the GPU one: the GPU restore
+//!    runs in the processes). Without `--leave-running`, only once the checkpoint is durable is the
+//!    container killed and deleted, as `runc checkpoint` would have done.
+//! 5. The store ingests the images (dedup across checkpoints and containers) and commits the manifest,
+//!    which records the container (runtime, its flags, id, bundle, its processes' PIDs inside it).
+//!
+//! Restore (`restore.rs`): the images are materialized into a private folder, the runtime restores the
+//! container detached under the id asked for (it manages it afterwards: `runc list`, `runc kill`), then
+//! the GPU state is restored + unlocked in its processes, found again under their new host PIDs through
+//! their PIDs inside the container. A failure kills and deletes the restored container (after unmounting
+//! what the runtime left mounted: `oci.rs`); the checkpoint is never changed.
+
+mod error;
+mod fake;
+pub mod members;
+mod oci;
+mod restore;
+mod runtime;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub use error::Error;
+pub use fake::FakeRuntime;
+pub use oci::{unmount_under, OciCli, RuntimeKind};
+pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
+pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
+
+use super::guardian::Event;
+use super::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
+use super::manifest::{OptionsRecord, PhaseTimings, Sizes};
+use super::ms;
+use super::thaw::GpuThawGuard;
+use crate::detect::{self, DetectOptions, Report, StrategyName};
+use crate::fault;
+use crate::freeze::{FreezeContext, GpuHook};
+use crate::interrupt::InterruptGuard;
+use crate::store::{CheckpointInfo, Progress, Store};
+
+/// The outside world of the container flow, chosen by the caller.
+pub struct ContainerFlow<'a> {
+    pub runtime: &'a dyn ContainerRuntime,
+    pub gpu: &'a mut dyn GpuHook,
+    pub store: &'a Store,
+    pub progress: &'a dyn Progress,
+    /// The CRIU the runtime runs (runc's `--criu`), for the manifest; `None` for runsc (its own).
+    pub criu: Option<CriuInfo>,
+    /// Who is told each step of a checkpoint, to undo or finish it should this process die
+    /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
+    /// container once the checkpoint is durable.
+    pub watch: &'a dyn super::Watch,
+}
+
+/// What to checkpoint and how.
+#[derive(Debug, Clone)]
+pub struct ContainerCheckpointOptions {
+    /// The container's id in its runtime.
+    pub id: String,
+    pub name: Option<String>,
+    /// Keep the container running (default: kill and delete it once the checkpoint is durable).
+    pub leave_running: bool,
+    /// How detect looks at the container's processes (`tree` is forced on).
+    pub detect: DetectOptions,
+    /// CRIU's `--tcp-established` (runc only).
+    pub tcp_established: bool,
+}
+
+impl ContainerCheckpointOptions {
+    pub fn new(id: &str) -> Self {
+        ContainerCheckpointOptions {
+            id: id.to_string(),
+            name: None,
+            leave_running: false,
+            detect: DetectOptions {
+                tree: true,
+                ..DetectOptions::default()
+            },
+            tcp_established: false,
+        }
+    }
+}
+
+/// Timings of one container checkpoint, in milliseconds.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CheckpointTimings {
+    pub detect: f64,
+    /// The GPU step's lock + checkpoint (0 without GPU state).
+    pub freeze: f64,
+    /// The runtime's pause (0 where it cannot hold the container paused).
+    pub pause: f64,
+    /// The runtime's checkpoint into the staging folder.
+    pub runtime_checkpoint: f64,
+    /// Storing the images and committing the manifest.
+    pub write: f64,
+    /// Killing and deleting the container (0 with `--leave-running`).
+    pub stop: f64,
+    pub total: f64,
+}
+
+/// A finished container checkpoint.
+#[derive(Debug, Clone)]
+pub struct ContainerCheckpointOutcome {
+    pub info: CheckpointInfo,
+    pub manifest: CheckpointManifest,
+    pub timings: CheckpointTimings,
+    /// The container was killed and deleted (false with `--leave-running`).
+    pub stopped: bool,
+}
+
+/// How long a killed container's init may take to go.
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The container's processes and detect's report of them, for `detect --container` and the checkpoint.
+#[derive(Debug, Clone)]
+pub struct Discovered {
+    pub state: ContainerState,
+    pub processes: Vec<members::Member>,
+    pub report: Report,
+}
+
+/// Finds container `id`'s processes and detect's report of its tree (GPU processes by NVML where
+/// present, /proc otherwise), keeping only what shares the container's cgroups.
+pub fn discover(
+    runtime: &dyn ContainerRuntime,
+    id: &str,
+    opts: &DetectOptions,
+) -> crate::Result<Discovered> {
+    let state = runtime.state(id)?;
+    if state.status != "running" || state.pid <= 0 {
+        return Err(Error::NotRunning {
+            id: id.into(),
+            status: state.status,
+        }
+        .into());
+    }
+    let processes = members::members(state.pid);
+    if processes.is_empty() {
+        return Err(Error::Processes {
+            id: id.into(),
+            reason: format!("its init (pid {}) is gone", state.pid),
+        }
+        .into());
+    }
+    let mut report = detect::detect_pid(
+        state.pid,
+        &DetectOptions {
+            tree: true,
+            ..opts.clone()
+        },
+    )?;
+    // The tree of init could hold a process moved to another cgroup: not the container's.
+    report
+        .processes
+        .retain(|p| processes.iter().any(|m| m.pid == p.pid));
+    Ok(Discovered {
+        state,
+        processes,
+        report,
+    })
+}
+
+/// Resumes a container paused for its checkpoint when dropped, unless disarmed.
+struct ResumeGuard<'r> {
+    runtime: &'r dyn ContainerRuntime,
+    id: String,
+    armed: bool,
+}
+
+impl ResumeGuard<'_> {
+    fn resume_now(mut self) -> Result<(), Error> {
+        self.armed = false;
+        self.runtime.resume(&self.id)
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ResumeGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Err(e) = self.runtime.resume(&self.id) {
+                tracing::error!(
+                    "after the failed checkpoint, resuming the container failed too: {e}"
+                );
+            }
+        }
+    }
+}
+
+/// Brings a container its runtime stopped at checkpoint time back from the images when dropped, unless
+/// disarmed: the undo (and `--leave-running`) where the runtime cannot hold it paused (runsc).
+struct Revive<'r> {
+    runtime: &'r dyn ContainerRuntime,
+    id: String,
+    images: PathBuf,
+    bundle: PathBuf,
+    tcp_established: bool,
+    armed: bool,
+}
+
+impl Revive<'_> {
+    fn now(mut self) -> Result<(), Error> {
+        self.armed = false;
+        self.revive()
+    }
+
+    fn revive(&self) -> Result<(), Error> {
+        // The stopped container still holds its id.
+        self.runtime.delete(&self.id, true)?;
+        self.runtime.restore(&RestoreRequest {
+            id: &self.id,
+            images: &self.images,
+            bundle: &self.bundle,
+            tcp_established: self.tcp_established,
+        })
+    }
+}
+
+impl Drop for Revive<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Err(e) = self.revive() {
+                tracing::error!("after the failed checkpoint, restoring the container from its images failed too: {e}");
+            }
+        }
+    }
+}
+
+/// A signal came since `interrupt` was made: the caller's guards undo as it returns the error.
+fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
+    if !interrupt.interrupted() {
+        return Ok(());
+    }
+    Err(Error::Interrupted {
+        signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
+        undone: "the checkpoint was undone, the container runs as before and nothing was stored"
+            .into(),
+    })
+}
+
+/// An injected runtime failure (`GPU_CHECKPOINT_FAULT=container.runtime-checkpoint=eio`), as the
+/// runtime's own would come.
+fn injected(point: &str, runtime: &dyn ContainerRuntime) -> Result<(), Error> {
+    match fault::io_error(point) {
+        None => Ok(()),
+        Some(e) => Err(Error::Runtime {
+            command: format!("{} ({point})", runtime.name()),
+            status: "injected fault".into(),
+            stderr: e.to_string(),
+            log: None,
+        }),
+    }
+}
+
+impl ContainerFlow<'_> {
+    /// Checkpoints a container; see the module documentation for the order and the undo.
+    pub fn checkpoint(
+        &mut self,
+        opts: &ContainerCheckpointOptions,
+    ) -> crate::Result<ContainerCheckpointOutcome> {
+        let started = Instant::now();
+        let started_unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let interrupt = InterruptGuard::new();
+        let id = opts.id.as_str();
+        // 1-2. Refuse before touching anything.
+        let t = Instant::now();
+        let found = discover(self.runtime, id, &opts.detect)?;
+        self.store.check_writable()?;
+        if found.report.strategy.name == StrategyName::Unsupported {
+            let blockers = found
+                .report
+                .strategy
+                .blockers
+                .iter()
+                .map(|b| format!("\n  - pid {} {}: {}", b.pid, b.kind, b.message))
+                .collect::<String>();
+            return Err(Error::Unsupported {
+                id: id.into(),
+                reason: format!("its GPU state cannot be checkpointed:{blockers}"),
+            }
+            .into());
+        }
+        if !self.runtime.gpu_from_host() && found.report.strategy.name != StrategyName::None {
+            return Err(Error::Unsupported {
+                id: id.into(),
+                reason: format!(
+                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host (docs/containers.md)",
+                    found.report.strategy.name,
+                    self.runtime.name()
+                ),
+            }
+            .into());
+        }
+        let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
+        let process_tree: Vec<crate::proc::TreeProcess> = pids
+            .iter()
+            .filter_map(|&p| {
+                let s = crate::proc::stat(p)?;
+                Some(crate::proc::TreeProcess {
+                    pid: p,
+                    ppid: s.ppid,
+                    comm: s.comm.clone(),
+                    cmdline: String::new(),
+                    threads: s.threads,
+                })
+            })
+            .collect();
+        let mut timings = CheckpointTimings {
+            detect: ms(t),
+            ..CheckpointTimings::default()
+        };
+        let ingest = self.store.begin(opts.name.as_deref())?;
+        // The guardian learns what it would have to put back before anything is touched.
+        self.watch.tell(&Event::Checkpoint {
+            pids: pids.clone(),
+            leave_running: opts.leave_running,
+            stopped: Vec::new(),
+        })?;
+        if found.report.strategy.name != StrategyName::None {
+            if let Some(backend) = self.gpu.backend() {
+                self.watch.tell(&Event::Gpu { backend })?;
+            }
+        }
+        fault::at("checkpoint.before-freeze");
+        check_interrupt(&interrupt)?;
+
+        // 3. GPU freeze; the guard puts it back on any way out before the commit.
+        let t = Instant::now();
+        let mut gpu_record = self.gpu.freeze(&FreezeContext {
+            root_pid: found.state.pid,
+            pids: &pids,
+            report: &found.report,
+            leave_running: opts.leave_running,
+        })?;
+        let mut gpu = GpuThawGuard::new(&mut *self.gpu);
+        timings.freeze = ms(t);
+        fault::at("checkpoint.after-freeze");
+        check_interrupt(&interrupt)?;
+
+        // 4. The runtime's checkpoint, with the container held paused where the runtime can.
+        let hold = self.runtime.can_hold_paused();
+        let t = Instant::now();
+        let paused = if hold {
+            self.watch.tell(&Event::Paused {
+                resume: self.runtime.resume_command(id),
+            })?;
+            self.runtime.pause(id)?;
+            Some(ResumeGuard {
+                runtime: self.runtime,
+                id: id.to_string(),
+                armed: true,
+            })
+        } else {
+            None
+        };
+        timings.pause = ms(t);
+        let t = Instant::now();
+        // A runtime that cannot hold the container paused stops it at its checkpoint, and the undo
+        // restores it from the images: those must outlive a failed commit, which removes the staging
+        // folder. They go to a work folder of ours, linked into the staging folder afterwards.
+        let own_images = (!hold)
+            .then(|| WorkDir::create(self.store, ingest.id()))
+            .transpose()?;
+        let images = own_images
+            .as_ref()
+            .map_or(ingest.staging_dir(), WorkDir::path);
+        injected("container.runtime-checkpoint", self.runtime)?;
+        self.runtime.checkpoint(&CheckpointRequest {
+            id,
+            images,
+            leave_running: hold,
+            tcp_established: opts.tcp_established,
+        })?;
+        let revive = own_images.as_ref().map(|w| Revive {
+            runtime: self.runtime,
+            id: id.to_string(),
+            images: w.path().to_path_buf(),
+            bundle: found.state.bundle.clone(),
+            tcp_established: opts.tcp_established,
+            armed: true,
+        });
+        if let Some(w) = &own_images {
+            link_files(w.path(), ingest.staging_dir())?;
+        }
+        timings.runtime_checkpoint = ms(t);
+        fault::at("checkpoint.after-dump");
+        check_interrupt(&interrupt)?;
+        let paused = match paused {
+            Some(p) if opts.leave_running => {
+                // It runs on: GPU work and the container resume while the images are stored.
+                p.resume_now()?;
+                None
+            }
+            other => other,
+        };
+        let revive = match revive {
+            Some(r) if opts.leave_running => {
+                r.now()?;
+                None
+            }
+            other => other,
+        };
+        if opts.leave_running {
+            let thaw = gpu.thaw()?;
+            if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
+                record.thaw = Some(thaw);
+            }
+        }
+
+        // 5. Commit.
+        let sizes = Sizes::of_dir(ingest.staging_dir()).map_err(|source| Error::WorkDir {
+            path: ingest.staging_dir().to_path_buf(),
+            source,
+        })?;
+        let manifest = CheckpointManifest {
+            schema: manifest::SCHEMA.into(),
+            schema_version: manifest::SCHEMA_VERSION,
+            id: ingest.id().to_string(),
+            name: opts.name.clone(),
+            started_unix_ms,
+            host: HostInfo::current(),
+            criu: self.criu.clone().unwrap_or_else(|| CriuInfo {
+                version: crate::dump::CriuVersion {
+                    major: 0,
+                    minor: 0,
+                    sublevel: 0,
+                },
+                path: format!("{}'s own", self.runtime.name()),
+            }),
+            tool_version: env!("CARGO_PKG_VERSION").to_string(),
+            root_pid: found.state.pid,
+            process_tree,
+            strategy: found.report.strategy.name,
+            detect: found.report.clone(),
+            gpu_step: gpu.name().to_string(),
+            gpu: serde_json::to_value(&gpu_record)
+                .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?,
+            options: OptionsRecord {
+                leave_running: opts.leave_running,
+                criu: crate::dump::CriuOptions::default(),
+            },
+            timings_ms: PhaseTimings {
+                detect: timings.detect,
+                freeze: timings.freeze,
+                dump: timings.runtime_checkpoint,
+                streamed: false,
+            },
+            sizes,
+            devices: Vec::new(),
+            container: Some(ContainerRecord {
+                runtime: self.runtime.name().to_string(),
+                global_args: self.runtime.global_args(),
+                id: id.to_string(),
+                bundle: found.state.bundle.clone(),
+                processes: found.processes.clone(),
+                tcp_established: opts.tcp_established,
+            }),
+        };
+        let metadata = serde_json::to_value(&manifest)
+            .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?;
+        let t = Instant::now();
+        check_interrupt(&interrupt)?;
+        let info = ingest.commit(metadata, self.progress)?;
+        timings.write = ms(t);
+        if let Err(e) = self.watch.tell(&Event::Durable) {
+            tracing::warn!("{e}");
+        }
+        fault::at("checkpoint.after-commit");
+
+        // Durable: nothing is undone any more.
+        let t = Instant::now();
+        let stopped = !opts.leave_running;
+        if stopped {
+            gpu.committed();
+            if let Some(p) = paused {
+                p.disarm();
+            }
+            if let Some(mut r) = revive {
+                r.armed = false;
+            }
+            self.stop(id, found.state.pid)?;
+        }
+        timings.stop = ms(t);
+        timings.total = ms(started);
+        Ok(ContainerCheckpointOutcome {
+            info,
+            manifest,
+            timings,
+            stopped,
+        })
+    }
+
+    /// Kills and deletes the checkpointed container (as `runc checkpoint` does), waiting for its init.
+    fn stop(&self, id: &str, init: i32) -> Result<(), Error> {
+        // A paused container gets SIGKILL only once thawed by the kernel; runc's `delete --force`
+        // kills, thaws and removes it in one go.
+        self.runtime.delete(id, true)?;
+        let left = crate::proc::wait_until(KILL_TIMEOUT, || {
+            crate::proc::stat(init)
+                .filter(|s| !s.is_dying())
+                .map(|_| init)
+                .into_iter()
+                .collect()
+        });
+        if !left.is_empty() {
+            return Err(Error::Processes {
+                id: id.into(),
+                reason: format!("checkpoint stored, but its init (pid {init}) still runs"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image
+/// folders keep flat.
+fn link_files(from: &std::path::Path, to: &std::path::Path) -> Result<(), Error> {
+    let failed = |source| Error::WorkDir {
+        path: from.to_path_buf(),
+        source,
+    };
+    for e in std::fs::read_dir(from).map_err(failed)? {
+        let e = e.map_err(failed)?;
+        if !e.file_type().map_err(failed)?.is_file() {
+            continue;
+        }
+        let dest = to.join(e.file_name());
+        if std::fs::hard_link(e.path(), &dest).is_err() {
+            std::fs::copy(e.path(), &dest).map_err(failed)?;
+        }
+    }
+    Ok(())
+}
+
+/// Where [`ContainerFlow`] puts the runtime's images on restore (and runsc's on checkpoint): a private
+/// folder in the store's folder (same disk as the chunks, so that links work), removed when dropped.
+pub(crate) struct WorkDir(PathBuf);
+
+impl WorkDir {
+    fn create(store: &Store, id: &str) -> Result<WorkDir, Error> {
+        let parent = store
+            .local_dir()
+            .map(|d| d.join("container-work"))
+            .unwrap_or_else(std::env::temp_dir);
+        let work = |source| Error::WorkDir {
+            path: parent.clone(),
+            source,
+        };
+        if store.local_dir().is_some() {
+            crate::util::ensure_private_dir(&parent).map_err(work)?;
+        }
+        crate::util::create_unique_private_dir(&parent, &format!("{id}."))
+            .map(WorkDir)
+            .map_err(work)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        // Never through what a failed restore left mounted in it.
+        unmount_under(&self.0);
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            tracing::warn!("could not remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

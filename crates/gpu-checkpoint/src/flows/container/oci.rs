@@ -1,0 +1,382 @@
+//! The real [`ContainerRuntime`]: an OCI runtime's command line (runc, runsc), run as a child process.
+//!
+//! runc is told our CRIU with its global `--criu PATH` flag (runc 1.1.5 takes it only before the
+//! command). Every command gets the same global flags (`--root`, the user's `--runtime-arg`s), which the
+//! manifest records so that the restore uses them again.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use super::runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
+use super::Error;
+
+/// Which runtime a command line belongs to: their flags differ a little.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RuntimeKind {
+    Runc,
+    Runsc,
+}
+
+impl RuntimeKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RuntimeKind::Runc => "runc",
+            RuntimeKind::Runsc => "runsc",
+        }
+    }
+
+    /// The runtime's state folder when `--root` is not given (each keeps one folder per container).
+    fn default_root(self) -> &'static str {
+        match self {
+            RuntimeKind::Runc => "/run/runc",
+            RuntimeKind::Runsc => "/var/run/runsc",
+        }
+    }
+}
+
+impl std::str::FromStr for RuntimeKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "runc" => Ok(RuntimeKind::Runc),
+            "runsc" => Ok(RuntimeKind::Runsc),
+            _ => Err(format!("unknown runtime {s:?} (runc, runsc)")),
+        }
+    }
+}
+
+/// An OCI runtime's command line.
+#[derive(Debug, Clone)]
+pub struct OciCli {
+    kind: RuntimeKind,
+    binary: PathBuf,
+    /// runc's `--criu`: our CRIU (runsc has its own checkpointing and takes none).
+    criu: Option<PathBuf>,
+    /// `--root`: the runtime's state folder (`None`: its default).
+    root: Option<PathBuf>,
+    /// More global flags (`--runtime-arg`), before the command.
+    extra: Vec<String>,
+}
+
+impl OciCli {
+    /// The runtime `kind`, found on PATH (or `/usr/sbin`), with its global flags.
+    pub fn find(
+        kind: RuntimeKind,
+        criu: Option<PathBuf>,
+        root: Option<PathBuf>,
+        extra: Vec<String>,
+    ) -> Result<OciCli, Error> {
+        let binary = crate::path_search::which(kind.name())
+            .or_else(|| {
+                let p = Path::new("/usr/sbin").join(kind.name());
+                p.is_file().then_some(p)
+            })
+            .ok_or_else(|| Error::RuntimeMissing {
+                runtime: kind.name().into(),
+                what: "not on PATH".into(),
+            })?;
+        Ok(OciCli {
+            kind,
+            binary,
+            criu: criu.filter(|_| kind == RuntimeKind::Runc),
+            root,
+            extra,
+        })
+    }
+
+    pub fn kind(&self) -> RuntimeKind {
+        self.kind
+    }
+
+    /// The runtime's state folder for container `id`.
+    fn state_dir(&self, id: &str) -> PathBuf {
+        self.root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(self.kind.default_root()))
+            .join(id)
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.binary);
+        if let Some(criu) = &self.criu {
+            c.arg("--criu").arg(criu);
+        }
+        c.args(self.global_args());
+        c.stdin(Stdio::null());
+        c
+    }
+
+    /// Runs the runtime with `args` and returns its stdout; a failure carries what it printed.
+    fn run(&self, args: &[&str]) -> Result<String, Error> {
+        let mut c = self.command();
+        c.args(args);
+        let out = c.output().map_err(|source| Error::Spawn {
+            runtime: self.kind.name().into(),
+            source,
+        })?;
+        if out.status.success() {
+            return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+        }
+        Err(self.failed(args, &out.status, &String::from_utf8_lossy(&out.stderr)))
+    }
+
+    fn failed(&self, args: &[&str], status: &std::process::ExitStatus, stderr: &str) -> Error {
+        Error::Runtime {
+            command: format!("{} {}", self.kind.name(), args.join(" ")),
+            status: status.to_string(),
+            stderr: stderr.trim().to_string(),
+            log: None,
+        }
+    }
+
+    fn no_such(&self, id: &str) -> Error {
+        Error::NoSuchContainer {
+            runtime: self.kind.name().into(),
+            id: id.into(),
+            root: self.state_dir("").display().to_string(),
+        }
+    }
+}
+
+impl ContainerRuntime for OciCli {
+    fn name(&self) -> &str {
+        self.kind.name()
+    }
+
+    fn global_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(root) = &self.root {
+            args.push("--root".into());
+            args.push(root.display().to_string());
+        }
+        args.extend(self.extra.iter().cloned());
+        args
+    }
+
+    fn can_hold_paused(&self) -> bool {
+        self.kind == RuntimeKind::Runc
+    }
+
+    fn state(&self, id: &str) -> Result<ContainerState, Error> {
+        match self.run(&["state", id]) {
+            Ok(out) => serde_json::from_str(&out).map_err(|e| Error::Protocol {
+                runtime: self.kind.name().into(),
+                reason: format!("`state {id}`: {e}"),
+            }),
+            // runc ("container does not exist") and runsc ("loading container: file does not exist")
+            // say so only in words, with exit status 1.
+            Err(Error::Runtime { stderr, .. }) if stderr.contains("does not exist") => {
+                tracing::debug!("{stderr}");
+                Err(self.no_such(id))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn list(&self) -> Result<Vec<ContainerState>, Error> {
+        let out = self.run(&["list", "--format", "json"])?;
+        // runc prints `null` when it knows no container.
+        let list: Option<Vec<ContainerState>> =
+            serde_json::from_str(&out).map_err(|e| Error::Protocol {
+                runtime: self.kind.name().into(),
+                reason: format!("`list --format json`: {e}"),
+            })?;
+        Ok(list.unwrap_or_default())
+    }
+
+    fn pause(&self, id: &str) -> Result<(), Error> {
+        self.run(&["pause", id]).map(drop)
+    }
+
+    fn resume(&self, id: &str) -> Result<(), Error> {
+        self.run(&["resume", id]).map(drop)
+    }
+
+    fn resume_command(&self, id: &str) -> Vec<String> {
+        let c = self.command();
+        let mut argv = vec![c.get_program().to_string_lossy().into_owned()];
+        argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
+        argv.extend(["resume".to_string(), id.to_string()]);
+        argv
+    }
+
+    fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {
+        let images = req.images.display().to_string();
+        let mut args = vec!["checkpoint", "--image-path", &images];
+        if self.kind == RuntimeKind::Runsc && req.leave_running {
+            // runsc's own --leave-running restores the sandbox and then waits for it to exit.
+            return Err(Error::Protocol {
+                runtime: self.kind.name().into(),
+                reason: "checkpoint --leave-running is not used with runsc (it waits for the container to exit)".into(),
+            });
+        }
+        if self.kind == RuntimeKind::Runc {
+            // CRIU's log and runc's descriptors.json go with the images, into the store.
+            args.extend(["--work-path", &images]);
+            if req.tcp_established {
+                args.push("--tcp-established");
+            }
+        }
+        if req.leave_running {
+            args.push("--leave-running");
+        }
+        args.push(req.id);
+        self.run(&args).map(drop)
+    }
+
+    fn restore(&self, req: &RestoreRequest<'_>) -> Result<(), Error> {
+        let images = req.images.display().to_string();
+        let bundle = req.bundle.display().to_string();
+        // The restored container inherits the runtime's stdio: never a pipe of ours (we would wait for
+        // its end for ever) nor a host file. runc's errors go to its `--log` in the work folder; runsc's
+        // sandbox would keep a `--log` open for ever (and the images folder may be ingested), so its
+        // stderr goes to a private file of its own.
+        let private = crate::util::create_unique_private_dir(
+            &std::env::temp_dir(),
+            "gpu-checkpoint-restore.",
+        )
+        .map_err(|source| Error::WorkDir {
+            path: std::env::temp_dir(),
+            source,
+        })?;
+        let _remove = RemoveDir(private.clone());
+        let log = match self.kind {
+            RuntimeKind::Runc => req.images.join("runc-restore.log"),
+            RuntimeKind::Runsc => private.join("runsc-restore.err"),
+        };
+        let log_s = log.display().to_string();
+        let mut args = vec!["restore", "--detach"];
+        if self.kind == RuntimeKind::Runc {
+            args.splice(0..0, ["--log", log_s.as_str()]);
+        }
+        args.extend(["--image-path", &images, "--bundle", &bundle]);
+        if self.kind == RuntimeKind::Runc {
+            args.extend(["--work-path", &images]);
+            if req.tcp_established {
+                args.push("--tcp-established");
+            }
+        }
+        args.push(req.id);
+        let mut c = self.command();
+        let stderr = match self.kind {
+            RuntimeKind::Runc => Stdio::null(),
+            RuntimeKind::Runsc => crate::util::create_new_private_file(&log)
+                .map(Stdio::from)
+                .unwrap_or_else(|_| Stdio::null()),
+        };
+        c.args(&args)
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .current_dir(req.bundle);
+        let status = c.status().map_err(|source| Error::Spawn {
+            runtime: self.kind.name().into(),
+            source,
+        })?;
+        if status.success() {
+            return Ok(());
+        }
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        let last = said.lines().rev().take(5).collect::<Vec<_>>();
+        let text: Vec<&str> = last.into_iter().rev().collect();
+        Err(self.failed(&args, &status, &text.join("\n")))
+    }
+
+    fn kill(&self, id: &str, signal: &str) -> Result<(), Error> {
+        self.run(&["kill", id, signal]).map(drop)
+    }
+
+    fn delete(&self, id: &str, force: bool) -> Result<(), Error> {
+        unmount_under(&self.state_dir(id));
+        let mut args = vec!["delete"];
+        if force {
+            args.push("--force");
+        }
+        args.push(id);
+        self.run(&args).map(drop)
+    }
+}
+
+/// Removes a folder when dropped.
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Unmounts (lazily, deepest first) every mount point at or under `dir`: what a failed or killed
+/// `runc restore` leaves in the container's state folder (`criu-root`, a bind mount of the bundle's
+/// rootfs, and CRIU's `.criu.cgyard.*`), which `runc delete -f` would otherwise empty, rootfs included.
+pub fn unmount_under(dir: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape_mount_path(p)))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    points.dedup();
+    for p in points {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
+            continue;
+        };
+        // SAFETY: a valid NUL-terminated path; umount2 has no other preconditions.
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+            tracing::info!("unmounted {} left by the runtime", p.display());
+        } else {
+            let e = std::io::Error::last_os_error();
+            tracing::warn!("could not unmount {}: {e}", p.display());
+        }
+    }
+}
+
+/// mountinfo writes space, tab, newline and backslash in paths as `\ooo` octal escapes.
+fn unescape_mount_path(p: &str) -> String {
+    let b = p.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_paths_are_unescaped() {
+        assert_eq!(
+            unescape_mount_path(r"/run/runc/a\040b/criu-root"),
+            "/run/runc/a b/criu-root"
+        );
+        assert_eq!(unescape_mount_path(r"/x\134y"), r"/x\y");
+        assert_eq!(unescape_mount_path(r"/plain\04"), r"/plain\04");
+    }
+
+    #[test]
+    fn runtime_names_parse_and_others_are_refused() {
+        assert_eq!("runc".parse::<RuntimeKind>().unwrap(), RuntimeKind::Runc);
+        assert_eq!("runsc".parse::<RuntimeKind>().unwrap().name(), "runsc");
+        assert!("crun".parse::<RuntimeKind>().is_err());
+    }
+}

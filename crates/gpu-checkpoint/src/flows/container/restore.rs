@@ -1,0 +1,185 @@
+//! The container restore: materialize the runtime's images, `restore --detach` under the id asked for,
+//! then GPU restore + unlock of its GPU processes under their new host PIDs. See `mod.rs` for why.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::members::{self, pid_map};
+use super::{injected, ContainerFlow, Error, WorkDir};
+use crate::fault;
+use crate::flows::{ms, CheckpointManifest, ContainerRecord};
+use crate::freeze::{RestoreRecord, RestoredTree};
+use crate::interrupt::InterruptGuard;
+
+/// Which checkpoint to restore, and as what.
+#[derive(Debug, Clone)]
+pub struct ContainerRestoreOptions {
+    /// The checkpoint's id or name.
+    pub checkpoint: String,
+    /// The restored container's id (the checkpointed one's, or a new one).
+    pub id: String,
+    /// Another bundle than the checkpointed container's (its rootfs must hold the same files).
+    pub bundle: Option<PathBuf>,
+}
+
+/// Timings of one container restore, in milliseconds.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RestoreTimings {
+    /// Reading and verifying the images out of the store into the work folder.
+    pub fetch: f64,
+    /// The runtime's restore.
+    pub runtime_restore: f64,
+    /// The GPU step (restore + unlock); 0 without GPU state.
+    pub gpu: f64,
+    pub total: f64,
+}
+
+/// A finished container restore.
+#[derive(Debug, Clone)]
+pub struct ContainerRestoreOutcome {
+    /// The checkpoint's id.
+    pub checkpoint: String,
+    /// The restored container's id and its init's host PID.
+    pub id: String,
+    pub pid: i32,
+    pub timings: RestoreTimings,
+    pub gpu: Option<RestoreRecord>,
+}
+
+/// Kills and deletes a restored container that must not run on (its GPU state did not come back, or
+/// the restore failed half-way), unmounting what the runtime left first (`oci.rs`).
+struct Discard<'r> {
+    runtime: &'r dyn super::ContainerRuntime,
+    id: String,
+    armed: bool,
+}
+
+impl Drop for Discard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if self.runtime.state(&self.id).is_err() {
+            return;
+        }
+        if let Err(e) = self.runtime.delete(&self.id, true) {
+            tracing::error!("removing the half-restored container {}: {e}", self.id);
+        }
+    }
+}
+
+impl ContainerFlow<'_> {
+    /// A container checkpoint's manifest and container record; refuses a process checkpoint, and one
+    /// taken with another runtime.
+    pub fn find_container(
+        &self,
+        checkpoint: &str,
+    ) -> crate::Result<(
+        crate::store::CheckpointInfo,
+        CheckpointManifest,
+        ContainerRecord,
+    )> {
+        let info = self.store.get(checkpoint)?;
+        let manifest = CheckpointManifest::from_metadata(&info.metadata).map_err(|reason| {
+            crate::restore::Error::BadManifest {
+                id: info.id.clone(),
+                reason,
+            }
+        })?;
+        let Some(record) = manifest.container.clone() else {
+            return Err(Error::NotAContainerCheckpoint { id: info.id }.into());
+        };
+        if record.runtime != self.runtime.name() {
+            return Err(Error::WrongRuntime {
+                id: info.id,
+                taken: record.runtime,
+                given: self.runtime.name().into(),
+            }
+            .into());
+        }
+        Ok((info, manifest, record))
+    }
+
+    /// Restores a container checkpoint; see the module documentation.
+    pub fn restore(
+        &mut self,
+        opts: &ContainerRestoreOptions,
+    ) -> crate::Result<ContainerRestoreOutcome> {
+        let started = Instant::now();
+        let interrupt = InterruptGuard::new();
+        let (info, manifest, record) = self.find_container(&opts.checkpoint)?;
+        let id = opts.id.as_str();
+        match self.runtime.state(id) {
+            Err(Error::NoSuchContainer { .. }) => {}
+            Err(e) => return Err(e.into()),
+            Ok(_) => {
+                return Err(Error::Exists {
+                    runtime: self.runtime.name().into(),
+                    id: id.into(),
+                }
+                .into())
+            }
+        }
+        let gpu_record = manifest.gpu_record()?;
+        self.gpu.prepare_restore(gpu_record.as_ref())?;
+        let work = WorkDir::create(self.store, &info.id)?;
+        let t = Instant::now();
+        self.store
+            .materialize(&info.id, work.path(), self.progress)?;
+        let fetch = ms(t);
+        fault::at("restore.before-criu");
+        if interrupt.interrupted() {
+            return Err(Error::Interrupted {
+                signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
+                undone: "nothing was restored; the checkpoint is intact".into(),
+            }
+            .into());
+        }
+
+        let t = Instant::now();
+        let mut discard = Discard {
+            runtime: self.runtime,
+            id: id.to_string(),
+            armed: true,
+        };
+        injected("container.runtime-restore", self.runtime)?;
+        let bundle = opts.bundle.clone().unwrap_or_else(|| record.bundle.clone());
+        self.runtime.restore(&super::RestoreRequest {
+            id,
+            images: work.path(),
+            bundle: &bundle,
+            tcp_established: record.tcp_established,
+        })?;
+        let runtime_restore = ms(t);
+        let state = self.runtime.state(id)?;
+        fault::at("restore.after-criu");
+
+        // The GPU processes come back under new host PIDs: find each through its PID inside the container.
+        let t = Instant::now();
+        let now = members::members(state.pid);
+        let map = pid_map(&record.processes, &now);
+        let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
+        let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
+        let gpu = self.gpu.finish_restore(
+            gpu_record.as_ref(),
+            &RestoredTree {
+                root_pid: state.pid,
+                pids: &pids,
+            },
+        )?;
+        let gpu_ms = ms(t);
+        discard.armed = false;
+        Ok(ContainerRestoreOutcome {
+            checkpoint: info.id,
+            id: id.to_string(),
+            pid: state.pid,
+            timings: RestoreTimings {
+                fetch,
+                runtime_restore,
+                gpu: gpu_ms,
+                total: ms(started),
+            },
+            gpu,
+        })
+    }
+}

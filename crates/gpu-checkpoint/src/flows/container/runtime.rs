@@ -1,0 +1,92 @@
+//! The container runtime, the container flow's boundary with the outside world: one trait, with the real
+//! OCI runtimes' command lines ([`super::OciCli`]: runc, runsc) and a test fake ([`super::FakeRuntime`]).
+//!
+//! The flow only needs what every OCI runtime's command line offers: `state`, `pause`/`resume`,
+//! `checkpoint`/`restore` into and from a folder of images, `kill`, `delete`, `list`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::Error;
+
+/// A container as the runtime's `state` reports it (the OCI runtime spec's state, the fields we use).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerState {
+    pub id: String,
+    /// `created`, `running`, `paused`, `stopped`.
+    pub status: String,
+    /// The container's init process, in this (the host's) PID namespace; 0 when it has none.
+    #[serde(default)]
+    pub pid: i32,
+    /// The bundle folder (its `config.json` and, usually, `rootfs/`).
+    #[serde(default)]
+    pub bundle: PathBuf,
+}
+
+/// What a checkpoint asks of the runtime.
+#[derive(Debug, Clone)]
+pub struct CheckpointRequest<'a> {
+    pub id: &'a str,
+    /// A private folder the runtime writes CRIU's images into (and its logs: the work path).
+    pub images: &'a Path,
+    /// The container keeps running after the dump. The flow always asks for this with runc: it pauses
+    /// the container first, so that it is stopped until the checkpoint is durable and only then killed
+    /// (a failure in between resumes it).
+    pub leave_running: bool,
+    /// CRIU's `--tcp-established`.
+    pub tcp_established: bool,
+}
+
+/// What a restore asks of the runtime.
+#[derive(Debug, Clone)]
+pub struct RestoreRequest<'a> {
+    /// The id the restored container gets (the checkpointed one's, or a new one).
+    pub id: &'a str,
+    /// The folder of images (materialized from the store).
+    pub images: &'a Path,
+    /// The bundle to restore into (the checkpointed container's unless told otherwise).
+    pub bundle: &'a Path,
+    pub tcp_established: bool,
+}
+
+/// An OCI container runtime, as the container flow drives it. Every call blocks until the runtime's
+/// command has finished; errors carry the command and what it printed.
+pub trait ContainerRuntime {
+    /// `runc`, `runsc`: recorded in the manifest, and a restore must use the same.
+    fn name(&self) -> &str;
+    /// The global flags every command gets (`--root`, `--runtime-arg`s), as recorded in the manifest and
+    /// used again on restore.
+    fn global_args(&self) -> Vec<String>;
+    /// Whether `pause` followed by `checkpoint --leave-running` works (runc: yes): the flow then holds
+    /// the container stopped from the dump until the checkpoint is durable. Where not (runsc, whose
+    /// `--leave-running` restores the sandbox and then waits for it to exit: the "hang" seen here), the
+    /// runtime's checkpoint stops the container, and the flow restores it from the images to leave it
+    /// running or to undo.
+    fn can_hold_paused(&self) -> bool;
+    /// Whether the container's GPU processes are host processes the GPU step can freeze from the host
+    /// (runc: yes). In a gVisor sandbox the application runs inside the sentry, and the host driver sees
+    /// only the sandbox (nvproxy): its CUDA state must be checkpointed inside (docs/containers.md).
+    fn gpu_from_host(&self) -> bool {
+        self.can_hold_paused()
+    }
+    /// The container's state; [`Error::NoSuchContainer`] when the runtime does not know it.
+    fn state(&self, id: &str) -> Result<ContainerState, Error>;
+    /// Every container the runtime knows (`list`).
+    fn list(&self) -> Result<Vec<ContainerState>, Error>;
+    fn pause(&self, id: &str) -> Result<(), Error>;
+    /// The command line that resumes `id` (program first): what the guardian runs should this process
+    /// die while the container is paused.
+    fn resume_command(&self, id: &str) -> Vec<String>;
+    fn resume(&self, id: &str) -> Result<(), Error>;
+    /// Dumps the container into `req.images`; without `leave_running` the runtime kills it afterwards.
+    fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error>;
+    /// Creates and starts `req.id` from the images, detached; the runtime manages it afterwards.
+    fn restore(&self, req: &RestoreRequest<'_>) -> Result<(), Error>;
+    /// Sends `signal` (`KILL`, `TERM`) to the container's processes.
+    fn kill(&self, id: &str, signal: &str) -> Result<(), Error>;
+    /// Removes the container (`force`: kills it first). Before it, whatever a failed restore left mounted
+    /// inside the runtime's state folder is unmounted: runc's `criu-root` is a bind mount of the bundle's
+    /// rootfs, and a `delete -f` with it still mounted wipes the rootfs.
+    fn delete(&self, id: &str, force: bool) -> Result<(), Error>;
+}

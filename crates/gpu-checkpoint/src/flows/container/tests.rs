@@ -1,0 +1,168 @@
+use super::*;
+use crate::freeze::NoGpu;
+use crate::store::{NoProgress, StoreOptions};
+
+/// A child process standing in for a container's init, a store, and a fake runtime knowing it as `c1`.
+fn setup(
+    fail: Option<&'static str>,
+) -> (tempfile::TempDir, Store, std::process::Child, FakeRuntime) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
+    let init = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let mut rt = FakeRuntime::with_container("c1", init.id() as i32);
+    rt.fail = fail;
+    (dir, store, init, rt)
+}
+
+fn flow<'a>(rt: &'a FakeRuntime, gpu: &'a mut NoGpu, store: &'a Store) -> ContainerFlow<'a> {
+    ContainerFlow {
+        runtime: rt,
+        gpu,
+        store,
+        progress: &NoProgress,
+        criu: None,
+        watch: &crate::flows::guardian::NoWatch,
+    }
+}
+
+fn calls(rt: &FakeRuntime) -> Vec<String> {
+    rt.calls.borrow().clone()
+}
+
+#[test]
+fn a_checkpoint_holds_the_container_paused_until_durable_then_deletes_it_and_restores_under_a_new_id(
+) {
+    let (_dir, store, mut init, rt) = setup(None);
+    let mut gpu = NoGpu;
+    let out = flow(&rt, &mut gpu, &store)
+        .checkpoint(&ContainerCheckpointOptions::new("c1"))
+        .unwrap();
+    assert!(out.stopped);
+    assert_eq!(calls(&rt), ["pause c1", "checkpoint c1", "delete c1"]);
+    assert_eq!(rt.status("c1"), None, "deleted once durable");
+    let _ = init.wait();
+    let rec = out.manifest.container.as_ref().expect("container recorded");
+    assert_eq!(rec.runtime, "runc");
+    assert_eq!(rec.id, "c1");
+    assert_eq!(rec.global_args, ["--root", "/fake"]);
+    assert_eq!(rec.processes[0].pid, out.manifest.root_pid);
+    // The manifest read back from the store says the same.
+    let back =
+        CheckpointManifest::from_metadata(&store.get(&out.info.id).unwrap().metadata).unwrap();
+    assert_eq!(back.container.as_ref(), Some(rec));
+
+    let restored = flow(&rt, &mut gpu, &store)
+        .restore(&ContainerRestoreOptions {
+            checkpoint: out.info.id.clone(),
+            id: "c2".into(),
+            bundle: None,
+        })
+        .unwrap();
+    assert_eq!(restored.id, "c2");
+    assert_eq!(rt.status("c2").as_deref(), Some("running"));
+    // The same id again is refused: the runtime has it.
+    let again = flow(&rt, &mut gpu, &store).restore(&ContainerRestoreOptions {
+        checkpoint: out.info.id.clone(),
+        id: "c2".into(),
+        bundle: None,
+    });
+    assert!(
+        matches!(again, Err(crate::Error::Container(Error::Exists { .. }))),
+        "{again:?}"
+    );
+}
+
+#[test]
+fn a_failed_runtime_checkpoint_resumes_the_container_and_stores_nothing() {
+    let (_dir, store, mut init, rt) = setup(Some("checkpoint"));
+    let mut gpu = NoGpu;
+    let err = flow(&rt, &mut gpu, &store)
+        .checkpoint(&ContainerCheckpointOptions::new("c1"))
+        .unwrap_err();
+    assert!(err.to_string().contains("made to fail"), "{err}");
+    assert_eq!(calls(&rt), ["pause c1", "checkpoint c1", "resume c1"]);
+    assert_eq!(rt.status("c1").as_deref(), Some("running"));
+    assert!(store.list().unwrap().is_empty(), "nothing stored");
+    init.kill().unwrap();
+    let _ = init.wait();
+}
+
+#[test]
+fn leave_running_resumes_right_after_the_dump_and_keeps_the_container() {
+    let (_dir, store, mut init, rt) = setup(None);
+    let mut gpu = NoGpu;
+    let mut opts = ContainerCheckpointOptions::new("c1");
+    opts.leave_running = true;
+    let out = flow(&rt, &mut gpu, &store).checkpoint(&opts).unwrap();
+    assert!(!out.stopped);
+    assert_eq!(calls(&rt), ["pause c1", "checkpoint c1", "resume c1"]);
+    assert_eq!(rt.status("c1").as_deref(), Some("running"));
+    // A failed restore (the runtime fails) deletes nothing of the checkpoint and leaves no container.
+    let mut failing = FakeRuntime::default();
+    failing.fail = Some("restore");
+    let err = flow(&failing, &mut gpu, &store)
+        .restore(&ContainerRestoreOptions {
+            checkpoint: out.info.id.clone(),
+            id: "c9".into(),
+            bundle: None,
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("made to fail"), "{err}");
+    assert_eq!(failing.status("c9"), None);
+    store.get(&out.info.id).expect("the checkpoint is intact");
+    init.kill().unwrap();
+    let _ = init.wait();
+}
+
+/// A stand-in for a sandbox whose host side holds (SIMULATED) GPU state: a process with a shared mapping
+/// of a simulated device file. The GPU state is refused before anything is touched (exit 9).
+#[test]
+fn gpu_state_a_host_freeze_cannot_reach_is_refused_before_anything_is_touched() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
+    let script = "import mmap, os, sys, time\n\
+        d = '/dev/shm/gpu-checkpoint-sim'\n\
+        os.makedirs(d, exist_ok=True)\n\
+        p = f'{d}/{os.getpid()}-dev0'\n\
+        f = open(p, 'w+b'); f.truncate(4096)\n\
+        m = mmap.mmap(f.fileno(), 4096, mmap.MAP_SHARED)\n\
+        os.unlink(p); print('ready', flush=True); time.sleep(60)\n";
+    let Ok(mut child) = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+    else {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "python3 is missing in CI (scripts/setup.sh installs it)"
+        );
+        eprintln!("SKIPPED: python3 is missing (scripts/setup.sh installs it)");
+        return;
+    };
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let mut rt = FakeRuntime::with_container("sb", child.id() as i32);
+    rt.sandboxed = true;
+    let mut gpu = NoGpu;
+    let mut opts = ContainerCheckpointOptions::new("sb");
+    opts.detect.simulator = true;
+    let err = flow(&rt, &mut gpu, &store).checkpoint(&opts).unwrap_err();
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(err.to_string().contains("inside the sandbox"), "{err}");
+    assert_eq!(
+        crate::Classify::exit_status(&err),
+        crate::ExitStatus::Unsupported
+    );
+    assert!(calls(&rt).is_empty(), "nothing touched: {:?}", calls(&rt));
+    assert!(store.list().unwrap().is_empty());
+}
