@@ -16,44 +16,13 @@ if [ -z "${GPU_CHECKPOINT_CRIU:-}" ]; then
     fi
 fi
 # The programs tests/real_programs.rs checkpoints (redis, nginx; python3 for it and criu_options.rs),
-# from the distribution's packages, installed only when missing: a no-op when they are there. Packages
-# apt installs here never start as services: a policy-rc.d forbids it for the install (one already
-# there is left alone), and where systemd runs the units are disabled as well.
+# from the distribution's packages, installed only when missing, never started as services
+# (scripts/lib/apt-missing.sh).
+# shellcheck source=scripts/lib/apt-missing.sh
+. scripts/lib/apt-missing.sh
 test_programs() {
-    local want=() pkg bin
-    for pair in redis-server:redis-server redis-cli:redis-tools nginx:nginx python3:python3; do
-        bin=${pair%%:*} pkg=${pair#*:}
-        if ! command -v "$bin" >/dev/null && [ ! -x "/usr/sbin/$bin" ]; then
-            want+=("$pkg")
-        fi
-    done
-    [ ${#want[@]} -eq 0 ] && return 0
-    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-        echo "setup: cannot install ${want[*]} (needs root and apt-get)" >&2
-        return 1
-    fi
-    local policy=/usr/sbin/policy-rc.d ours=
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' >"$policy"
-        chmod 755 "$policy"
-        ours=1
-    fi
-    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends)
-    local ok=1
-    # The package lists are fetched only when the install cannot do without them.
-    if ! "${apt[@]}" "${want[@]}" >/dev/null; then
-        apt-get update -q >/dev/null && "${apt[@]}" "${want[@]}" >/dev/null || ok=
-    fi
-    if [ -n "$ours" ]; then
-        rm -f "$policy"
-    fi
-    if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
-        local p
-        for p in "${want[@]}"; do
-            case $p in redis-server | nginx) systemctl disable --now "$p" >/dev/null 2>&1 || true ;; esac
-        done
-    fi
-    [ -n "$ok" ] || { echo "setup: installing ${want[*]} failed" >&2; return 1; }
+    APT_NO_SERVICE="redis-server nginx" apt_install_missing \
+        redis-server:redis-server redis-cli:redis-tools nginx:nginx python3:python3
 }
 if ! test_programs; then
     if [ "${CI:-}" = true ]; then
@@ -61,6 +30,9 @@ if ! test_programs; then
     fi
     echo "setup: the tests of real programs will be skipped" >&2
 fi
+# etcd and protoc for the cluster flow (the etcd-client crate's build needs protoc; the cluster tests start
+# etcd on loopback). Needed to build the default features, so a failure stops the setup everywhere.
+bash scripts/install-etcd.sh >/dev/null
 # CRIU's zdtm test programs (.deps/zdtm), which crates/gpu-checkpoint-cli/tests/zdtm.rs runs through plain
 # CRIU and gpu-checkpoint; the same rule: a failure fails CI, elsewhere that test says why it is skipped.
 if ! bash scripts/install-zdtm.sh >/dev/null; then
