@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod guardian;
 mod logs;
 pub mod manifest;
+mod phases;
 pub mod restore;
 
 use std::time::Instant;
@@ -19,6 +20,7 @@ use crate::dump::Criu;
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
 pub use guardian::{Event, Watch};
+pub use phases::{Alone, Phases};
 
 pub use logs::{fallback_logs_dir, logs_dir, save_log};
 pub use manifest::{CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes};
