@@ -71,6 +71,7 @@ classified!(
     crate::checkpoint::Error,
     crate::restore::Error,
     crate::flows::guardian::Error,
+    crate::flows::cluster::ClusterError,
 );
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! (`Flow::checkpoint` in [`checkpoint`], `Flow::restore` in [`restore`]).
 
 pub mod checkpoint;
+pub mod cluster;
 pub mod guardian;
 mod logs;
 pub mod manifest;
