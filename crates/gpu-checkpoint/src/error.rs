@@ -72,6 +72,7 @@ classified!(
     crate::restore::Error,
     crate::flows::guardian::Error,
     crate::flows::cluster::ClusterError,
+    crate::flows::cluster::CoordError,
 );
 
 #[cfg(test)]

@@ -23,6 +23,12 @@ pub const POINTS: &[&str] = &[
     "store.write",
     "restore.before-criu",
     "restore.after-criu",
+    // The cluster flow (docs/cluster.md): an agent once its member is locked / durable, and the
+    // coordinator before and after the commit's transaction.
+    "cluster.member-locked",
+    "cluster.member-durable",
+    "cluster.before-commit",
+    "cluster.after-commit",
 ];
 
 fn armed() -> &'static [(String, String)] {

@@ -51,6 +51,8 @@ struct LocalWork {
     store: Store,
     backend: Backend,
     criu_options: gpu_checkpoint::dump::CriuOptions,
+    /// Members of one job on this node keep the same manifest: one writes it, the others find it.
+    manifests: std::sync::Mutex<()>,
 }
 
 impl LocalWork {
@@ -138,9 +140,13 @@ impl MemberWork for LocalWork {
     fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
         let dir = self.store.location().join("jobs");
         gpu_checkpoint::util::create_private_dir_all(&dir).map_err(|e| e.to_string())?;
+        let path = dir.join(format!("{}.json", m.id));
+        let _one = self.manifests.lock().unwrap_or_else(|p| p.into_inner());
+        if path.exists() {
+            return Ok(());
+        }
         let json = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
-        gpu_checkpoint::util::write_atomic(&dir.join(format!("{}.json", m.id)), &json)
-            .map_err(|e| e.to_string())
+        gpu_checkpoint::util::write_atomic(&path, &json).map_err(|e| e.to_string())
     }
 }
 
@@ -155,6 +161,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         store,
         backend: args.gpu.gpu_backend.into(),
         criu_options: args.criu_opts.options()?,
+        manifests: Default::default(),
     };
     let mut opts = AgentOptions::new(&args.node, &args.storage.to_string_lossy());
     opts.lease_ttl = args.lease_ttl;

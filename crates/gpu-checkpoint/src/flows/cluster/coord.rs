@@ -83,6 +83,16 @@ pub enum CoordError {
 
 pub type CoordResult<T> = Result<T, CoordError>;
 
+impl crate::exit::Classify for CoordError {
+    fn exit_status(&self) -> crate::exit::ExitStatus {
+        match self {
+            // etcd is a component the command needs, like CRIU.
+            CoordError::Unreachable { .. } => crate::exit::ExitStatus::ToolMissing,
+            CoordError::Request(_) | CoordError::LeaseLost(_) => crate::exit::ExitStatus::Failure,
+        }
+    }
+}
+
 /// The coordination service, as the cluster flow uses it. Keys are UTF-8 strings; values are bytes
 /// (JSON records, see `records.rs`).
 pub trait Coordinator: Send + Sync {

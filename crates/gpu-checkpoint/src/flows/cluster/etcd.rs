@@ -138,7 +138,7 @@ impl Coordinator for EtcdCoordinator {
                 .map_err(|_| etcd_client::Error::InvalidArgs("keep-alive timed out".into()))??;
             Ok::<_, etcd_client::Error>(answer.map_or(0, |a| a.ttl()))
         });
-        match ttl.map_err(request)? {
+        match ttl.map_err(|e| lease_or_request(e, Some(lease)))? {
             // etcd answers a keep-alive of an expired lease with a TTL of 0.
             t if t <= 0 => Err(CoordError::LeaseLost(lease)),
             _ => Ok(()),

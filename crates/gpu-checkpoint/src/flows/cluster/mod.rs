@@ -62,8 +62,7 @@ pub enum ClusterError {
 impl Classify for ClusterError {
     fn exit_status(&self) -> ExitStatus {
         match self {
-            ClusterError::Coord(CoordError::Unreachable { .. }) => ExitStatus::ToolMissing,
-            ClusterError::Coord(_) => ExitStatus::Failure,
+            ClusterError::Coord(e) => e.exit_status(),
             ClusterError::Usage(_) => ExitStatus::Usage,
             ClusterError::NoAgent { .. } | ClusterError::Busy { .. } => ExitStatus::Conflict,
             ClusterError::NotFound { .. } => ExitStatus::CheckpointInvalid,
