@@ -69,7 +69,7 @@ fn the_etcd_coordinator_keeps_the_promises_the_protocol_relies_on() {
         .unwrap();
     let nobody = format!("http://127.0.0.1:{}", port.wrapping_add(7));
     assert!(matches!(
-        EtcdCoordinator::connect(&[nobody.clone()]),
+        EtcdCoordinator::connect(std::slice::from_ref(&nobody)),
         Err(CoordError::Unreachable { .. })
     ));
     let out = gc(&["job", "list", "--etcd", &nobody]);
