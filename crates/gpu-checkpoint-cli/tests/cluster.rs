@@ -201,8 +201,31 @@ fn text(o: &std::process::Output) -> String {
 #[test]
 fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_nodes() {
     let Some(s) = Scene::start(&[]) else { return };
-    let out = s.job(&["checkpoint", "--job", "train", "--format", "json"], &[]);
+    // The quiesce hook runs for every member, before its lock, with its rank and PID.
+    let hook = s.store.with_file_name("quiesced");
+    let quiesce = format!(
+        "echo $GPU_CHECKPOINT_JOB $GPU_CHECKPOINT_RANK $GPU_CHECKPOINT_PID >> {}",
+        hook.display()
+    );
+    let out = s.job(
+        &[
+            "checkpoint",
+            "--job",
+            "train",
+            "--format",
+            "json",
+            "--quiesce",
+            &quiesce,
+        ],
+        &[],
+    );
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let mut quiesced: Vec<String> = read(&hook).lines().map(String::from).collect();
+    quiesced.sort();
+    let expected: Vec<String> = (0..4)
+        .map(|r| format!("train {r} {}", s.pids()[r]))
+        .collect();
+    assert_eq!(quiesced, expected);
     let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let id = m["id"].as_str().unwrap().to_string();
     let members = m["members"].as_array().unwrap();

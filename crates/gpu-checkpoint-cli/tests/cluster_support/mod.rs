@@ -150,12 +150,24 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(etcd: &Etcd, node: &str, store: &Path, dir: &Path, env: &[(&str, &str)]) -> Agent {
+        Self::start_with(etcd, node, store, dir, env, "2s")
+    }
+
+    /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one).
+    pub fn start_with(
+        etcd: &Etcd,
+        node: &str,
+        store: &Path,
+        dir: &Path,
+        env: &[(&str, &str)],
+        ttl: &str,
+    ) -> Agent {
         let log = dir.join(format!("agent-{node}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
             .args(["agent", "--etcd", &etcd.url_list(), "--node", node])
             .arg("--storage")
             .arg(store)
-            .args(["--gpu-backend", "sim", "--lease-ttl", "2s", "-v"])
+            .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

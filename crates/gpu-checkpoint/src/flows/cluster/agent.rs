@@ -118,6 +118,7 @@ pub fn run_agent(
                     lease: lease.id(),
                     timeout: opts.decision_timeout,
                     aborted: AtomicBool::new(false),
+                    waited_us: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
             }
@@ -155,6 +156,8 @@ struct Member<'c> {
     timeout: Duration,
     /// The job aborted (rather than this member failing on its own).
     aborted: AtomicBool,
+    /// Time spent waiting at the barriers, in microseconds.
+    waited_us: std::sync::atomic::AtomicU64,
 }
 
 impl Member<'_> {
@@ -173,6 +176,14 @@ impl Member<'_> {
 
     /// Waits until the decision is `want` (or a later one), or the job aborted.
     fn wait(&self, want: &str) -> Decision {
+        let t = Instant::now();
+        let d = self.wait_untimed(want);
+        self.waited_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
+        d
+    }
+
+    fn wait_untimed(&self, want: &str) -> Decision {
         let deadline = Instant::now() + self.timeout;
         let abort = |why: String| {
             self.aborted.store(true, Ordering::SeqCst);
@@ -237,6 +248,7 @@ impl Member<'_> {
             }
         }
         let phases = AgentPhases { member: self, work };
+        let started = Instant::now();
         match work.checkpoint(&self.task, &phases) {
             Ok(()) => {
                 let kept = match self.coord.get(&rec::checkpoint(&self.task.op)) {
@@ -249,7 +261,7 @@ impl Member<'_> {
                 if let Err(e) = kept {
                     tracing::warn!("keeping job checkpoint {}'s manifest: {e}", self.task.op);
                 }
-                self.say(MemberState::Done);
+                self.say(self.done(started));
             }
             Err(_) if self.aborted.load(Ordering::SeqCst) => self.say(MemberState::Aborted),
             Err(error) => {
@@ -259,7 +271,15 @@ impl Member<'_> {
         }
     }
 
+    fn done(&self, started: Instant) -> MemberState {
+        MemberState::Done {
+            work_ms: started.elapsed().as_secs_f64() * 1000.0,
+            waited_ms: self.waited_us.load(Ordering::SeqCst) as f64 / 1000.0,
+        }
+    }
+
     fn restore(&self, work: &dyn MemberWork) {
+        let started = Instant::now();
         let pid = match work.restore(&self.task) {
             Ok(pid) => pid,
             Err(error) => {
@@ -269,7 +289,7 @@ impl Member<'_> {
         };
         self.say(MemberState::Restored { pid });
         match self.wait("commit") {
-            Decision::Commit | Decision::Go => self.say(MemberState::Done),
+            Decision::Commit | Decision::Go => self.say(self.done(started)),
             Decision::Abort(why) => {
                 tracing::warn!("job restore aborted ({why}): killing restored pid {pid}");
                 work.kill(pid);

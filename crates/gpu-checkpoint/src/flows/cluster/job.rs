@@ -161,7 +161,8 @@ struct Op<'a> {
     id: String,
     members: Vec<MemberRecord>,
     lease: LeaseGuard,
-    /// Time spent in etcd calls, in milliseconds: the protocol's own overhead.
+    /// Time spent in etcd requests (not in watches, which wait for the members), in milliseconds: the
+    /// protocol's own round trips.
     etcd_ms: std::cell::Cell<f64>,
 }
 
@@ -256,7 +257,9 @@ impl<'a> Op<'a> {
                 ));
             }
             let wait = (deadline - now).min(Duration::from_secs(1));
-            self.etcd(|| self.coord.watch(rec::ROOT, rev, wait))
+            // Not counted as etcd time: waiting here is waiting for the members.
+            self.coord
+                .watch(rec::ROOT, rev, wait)
                 .map_err(|e| e.to_string())?;
         }
     }
@@ -485,12 +488,20 @@ pub fn checkpoint_job(
 
     // 4. Committed: the members stop their trees (or leave them running) and keep the manifest.
     let phase = Instant::now();
-    if let Err(e) = op.wait_all("finish", t.release, |s, alive| match s {
-        Some(MemberState::Done | MemberState::Failed { .. }) => Verdict::Done,
+    match op.wait_all("finish", t.release, |s, alive| match s {
+        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
         _ if !alive => Verdict::Done,
         _ => Verdict::Pending,
     }) {
-        tracing::warn!("job checkpoint {id} is committed, but: {e}");
+        Ok(states) => {
+            for s in states.values() {
+                if let MemberState::Done { work_ms, waited_ms } = s {
+                    timings.member_work_max = timings.member_work_max.max(*work_ms - *waited_ms);
+                    timings.member_waited_max = timings.member_waited_max.max(*waited_ms);
+                }
+            }
+        }
+        Err(e) => tracing::warn!("job checkpoint {id} is committed, but: {e}"),
     }
     timings.release = ms(phase);
     timings.total = ms(started);
@@ -597,7 +608,7 @@ pub fn restore_job(
     timings.commit = ms(phase);
     let phase = Instant::now();
     if let Err(e) = op.wait_all("finish", timeouts.release, |s, alive| match s {
-        Some(MemberState::Done | MemberState::Failed { .. }) => Verdict::Done,
+        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
         _ if !alive => Verdict::Done,
         _ => Verdict::Pending,
     }) {

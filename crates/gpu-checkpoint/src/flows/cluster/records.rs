@@ -198,8 +198,9 @@ pub enum MemberState {
     },
     /// Restore: the member's tree is restored, GPU state included; waiting for `commit`.
     Restored { pid: i32 },
-    /// The member finished its part after the commit.
-    Done,
+    /// The member finished its part after the commit: its whole part took `work_ms`, of which it waited
+    /// `waited_ms` at the barriers for the others and the coordinator.
+    Done { work_ms: f64, waited_ms: f64 },
     /// The member undid its part after an abort (unlocked and running, or its restored copy killed).
     Aborted,
     /// The member failed; it undid its part.
@@ -237,8 +238,10 @@ pub struct Cut {
 }
 
 /// Where the coordinator's time went (milliseconds): `prepare` (tasks out until every member locked),
-/// `checkpoint` (go until every member durable), `commit` (the transaction); the protocol's own share
-/// is in `etcd` (the coordinator's etcd calls).
+/// `checkpoint` (go until every member durable), `commit` (the transaction), `release` (until every
+/// member finished). The protocol's own round trips are in `etcd` (the coordinator's etcd requests, not
+/// its waits); the members' own work in `member_work_max` (the slowest member's part less its waits at
+/// the barriers, `member_waited_max` the longest such wait).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct JobTimings {
     pub prepare: f64,
@@ -247,6 +250,10 @@ pub struct JobTimings {
     pub release: f64,
     pub total: f64,
     pub etcd: f64,
+    #[serde(default)]
+    pub member_work_max: f64,
+    #[serde(default)]
+    pub member_waited_max: f64,
 }
 
 /// A committed job checkpoint: in etcd (`checkpoints/ID`) and in every member's store.
