@@ -47,4 +47,7 @@ if ! bash scripts/install-containers.sh; then
     fi
     echo "setup: the container tests will be skipped" >&2
 fi
+# etcd and protoc for the cluster flow (the etcd-client crate's build needs protoc; the cluster tests start
+# etcd on loopback). Needed to build the default features, so a failure stops the setup everywhere.
+bash scripts/install-etcd.sh >/dev/null
 cargo build --workspace --all-targets

@@ -12,7 +12,7 @@ apt_install_missing() {
     local want=() pair bin pkg
     for pair in "$@"; do
         bin=${pair%%:*} pkg=${pair#*:}
-        if ! command -v "$bin" >/dev/null && [ ! -x "/usr/sbin/$bin" ]; then
+        if ! command -v "$bin" >/dev/null && [ ! -x "/usr/sbin/$bin" ] && [ ! -x "/usr/bin/$bin" ]; then
             want+=("$pkg")
         fi
     done

@@ -47,6 +47,13 @@ enum Command {
     Cuda(commands::cuda::Command),
     /// Report what this machine has: CRIU, its version and `criu check`, GPU driver, NVML.
     Doctor(commands::doctor::Args),
+    /// Run this node's agent for multi-node job checkpoints (foreground; etcd; stops on SIGTERM).
+    #[cfg(feature = "cluster")]
+    Agent(commands::agent::Args),
+    /// Checkpoint and restore multi-node jobs through etcd (the coordinator's side).
+    #[cfg(feature = "cluster")]
+    #[command(subcommand)]
+    Job(commands::job::Command),
     /// (internal) The process checkpoint and restore start to finish or undo their work if they die.
     #[command(hide = true)]
     Guardian(commands::guardian::Args),
@@ -85,6 +92,10 @@ fn main() {
         Command::Cuda(c) => commands::cuda::run(c),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Guardian(a) => commands::guardian::run(a),
+        #[cfg(feature = "cluster")]
+        Command::Agent(a) => commands::agent::run(a),
+        #[cfg(feature = "cluster")]
+        Command::Job(c) => commands::job::run(c),
     };
     if let Err(err) = result {
         std::process::exit(report(&err) as i32);

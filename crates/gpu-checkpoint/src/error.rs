@@ -75,6 +75,8 @@ classified!(
     crate::restore::Error,
     crate::flows::guardian::Error,
     crate::flows::container::Error,
+    crate::flows::cluster::ClusterError,
+    crate::flows::cluster::CoordError,
 );
 
 #[cfg(test)]

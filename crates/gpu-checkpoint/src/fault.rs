@@ -28,6 +28,12 @@ pub const POINTS: &[&str] = &[
     // checkpoint, `restore.before-criu` and `restore.after-criu` around its restore).
     "container.runtime-checkpoint",
     "container.runtime-restore",
+    // The cluster flow (docs/cluster.md): an agent once its member is locked / durable, and the
+    // coordinator before and after the commit's transaction.
+    "cluster.member-locked",
+    "cluster.member-durable",
+    "cluster.before-commit",
+    "cluster.after-commit",
 ];
 
 fn armed() -> &'static [(String, String)] {

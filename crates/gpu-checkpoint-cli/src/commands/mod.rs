@@ -1,5 +1,7 @@
 //! One file per subcommand. Each has an `Args` (clap) and a `run` that calls the library and prints.
 
+#[cfg(feature = "cluster")]
+pub mod agent;
 pub mod checkpoint;
 pub mod container;
 pub mod criu_opts;
@@ -10,6 +12,8 @@ pub mod doctor;
 pub mod gc;
 pub mod guardian;
 pub mod inspect;
+#[cfg(feature = "cluster")]
+pub mod job;
 pub mod list;
 pub mod restore;
 pub mod verify;

@@ -8,10 +8,12 @@
 //! (`Flow::checkpoint` in [`checkpoint`], `Flow::restore` in [`restore`]).
 
 pub mod checkpoint;
+pub mod cluster;
 pub mod container;
 pub mod guardian;
 mod logs;
 pub mod manifest;
+mod phases;
 pub mod restore;
 pub(crate) mod thaw;
 
@@ -21,6 +23,7 @@ use crate::dump::Criu;
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
 pub use guardian::{Event, Watch};
+pub use phases::{Alone, Phases};
 
 pub use logs::{fallback_logs_dir, logs_dir, save_log};
 pub use manifest::{

@@ -142,6 +142,8 @@ impl GpuHook for FreezeHook {
             }
         }
         if candidates.is_empty() {
+            // Nothing to lock: the tree is as locked as it gets.
+            ctx.locked()?;
             if skipped.is_empty() {
                 return Ok(None);
             }
@@ -193,7 +195,7 @@ impl GpuHook for FreezeHook {
                 }
             )));
         }
-        let mut rec = step.freeze(&candidates)?;
+        let mut rec = step.freeze_with(&candidates, ctx.after_lock)?;
         self.guard = Some(guard);
         rec.skipped.splice(0..0, skipped);
         Ok(Some(rec))
@@ -301,6 +303,7 @@ mod tests {
             pids: &pids,
             report: r,
             leave_running: false,
+            after_lock: None,
         })
     }
 

@@ -196,6 +196,18 @@ pub fn freeze_all(
     pids: &[i32],
     opts: &GroupOptions,
 ) -> Result<Frozen> {
+    freeze_all_with(driver, pids, opts, None)
+}
+
+/// [`freeze_all`], calling `after_lock` once every process is locked and before any is checkpointed (a
+/// job checkpoint's barrier: [`super::AfterLock`]); when it says no, every process is unlocked and the
+/// error is [`Error::Aborted`].
+pub fn freeze_all_with(
+    driver: &Arc<dyn GpuDriver>,
+    pids: &[i32],
+    opts: &GroupOptions,
+    after_lock: Option<&super::AfterLock<'_>>,
+) -> Result<Frozen> {
     let timeout = opts.lock_timeout;
     let locks = each(pids.to_vec(), opts.ordered, |pid| {
         let mut rec = ProcessRecord::new(pid);
@@ -220,6 +232,15 @@ pub fn freeze_all(
     }
     if !errors.is_empty() {
         errors.extend(undo_locked(locked, &mut records));
+        return Err(Error::Many(errors));
+    }
+    if let Some(Err(reason)) = after_lock.map(|barrier| barrier()) {
+        let undo = undo_locked(locked, &mut records);
+        if undo.is_empty() {
+            return Err(Error::Aborted(reason));
+        }
+        let mut errors = vec![Error::Aborted(reason)];
+        errors.extend(undo);
         return Err(Error::Many(errors));
     }
 
@@ -474,6 +495,32 @@ mod tests {
         assert!(e.to_string().contains("CUDA_ERROR_NOT_READY"), "{e}");
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
         assert!(!d.calls().contains(&(1, Op::Checkpoint)));
+    }
+
+    /// A job checkpoint's barrier: it runs with every process locked and none checkpointed; a no there
+    /// unlocks them all.
+    #[test]
+    fn an_abort_at_the_lock_barrier_unlocks_every_process_and_checkpoints_none() {
+        let pids = [1, 2, 3];
+        let (d, dd) = driver(&pids);
+        let seen = std::sync::Mutex::new(Vec::new());
+        let barrier = || {
+            seen.lock().unwrap().push(states(&d, &pids));
+            Err("member 2 failed".to_string())
+        };
+        let e = freeze_all_with(&dd, &pids, &GroupOptions::default(), Some(&barrier)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Aborted(r) if r == "member 2 failed"),
+            "{e}"
+        );
+        assert_eq!(*seen.lock().unwrap(), vec![vec![ProcessState::Locked; 3]]);
+        assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
+        assert!(!d.calls().iter().any(|(_, op)| *op == Op::Checkpoint));
+        // A yes goes on to the checkpoint.
+        let go = || Ok(());
+        let f = freeze_all_with(&dd, &pids, &GroupOptions::default(), Some(&go)).unwrap();
+        assert_eq!(states(&d, &pids), vec![ProcessState::Checkpointed; 3]);
+        drop(f);
     }
 
     #[test]

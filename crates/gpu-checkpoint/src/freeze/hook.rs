@@ -57,8 +57,15 @@ pub struct RestoreRecord {
     pub processes: Vec<ProcessRecord>,
 }
 
+/// A barrier [`GpuHook::freeze`] calls once every GPU process of the tree is locked (GPU work drained) and
+/// before any is checkpointed: a job checkpoint waits there until every member of the job is locked, so
+/// that its cut is consistent. `Err(reason)`: abort; the hook unlocks what it locked and fails with
+/// [`super::Error::Aborted`]. Called exactly once by a `freeze` that gets that far, also when the tree has
+/// no GPU process to lock.
+pub type AfterLock<'a> = dyn Fn() -> Result<(), String> + Sync + 'a;
+
 /// What [`GpuHook::freeze`] is given.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct FreezeContext<'a> {
     /// The root of the tree being checkpointed.
     pub root_pid: i32,
@@ -68,6 +75,29 @@ pub struct FreezeContext<'a> {
     pub report: &'a Report,
     /// The tree keeps running after the checkpoint (`--leave-running`).
     pub leave_running: bool,
+    /// Where to wait once the tree's GPU processes are locked ([`AfterLock`]); `None`: go straight on.
+    pub after_lock: Option<&'a AfterLock<'a>>,
+}
+
+impl std::fmt::Debug for FreezeContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FreezeContext")
+            .field("root_pid", &self.root_pid)
+            .field("pids", &self.pids)
+            .field("leave_running", &self.leave_running)
+            .field("after_lock", &self.after_lock.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl FreezeContext<'_> {
+    /// Passes the [`AfterLock`] barrier, if any.
+    pub fn locked(&self) -> Result<(), Error> {
+        match self.after_lock {
+            Some(barrier) => barrier().map_err(Error::Aborted),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What [`GpuHook::finish_restore`] is given.
@@ -134,7 +164,7 @@ impl GpuHook for NoGpu {
 
     fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error> {
         match ctx.report.strategy.name {
-            StrategyName::None => Ok(None),
+            StrategyName::None => ctx.locked().map(|()| None),
             strategy => Err(Error::NoGpuStep { strategy }),
         }
     }

@@ -155,6 +155,16 @@ impl GpuStep {
     /// processes left alone, then locks and checkpoints the CUDA ones. On error every process runs as
     /// before (see [`group::freeze_all`]).
     pub fn freeze(&mut self, candidates: &[i32]) -> Result<GpuRecord> {
+        self.freeze_with(candidates, None)
+    }
+
+    /// [`GpuStep::freeze`], waiting at `after_lock` once every CUDA process is locked (see
+    /// [`group::freeze_all_with`]).
+    pub fn freeze_with(
+        &mut self,
+        candidates: &[i32],
+        after_lock: Option<&super::AfterLock<'_>>,
+    ) -> Result<GpuRecord> {
         let t = Instant::now();
         let plan: Plan = group::plan(self.driver.as_ref(), candidates)?;
         for s in &plan.skipped {
@@ -177,7 +187,7 @@ impl GpuStep {
             })
             .collect();
         let t = Instant::now();
-        let frozen = group::freeze_all(&self.driver, &plan.cuda, &self.opts)?;
+        let frozen = group::freeze_all_with(&self.driver, &plan.cuda, &self.opts, after_lock)?;
         let freeze_ms = t.elapsed().as_secs_f64() * 1000.0;
         let records = frozen.records().to_vec();
         self.frozen = Some(frozen);

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
-use super::{ms, save_log, Flow, ImageTransfer};
+use super::{ms, save_log, Alone, Flow, ImageTransfer, Phases};
 use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
 use crate::dump::devices::PluginDir;
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
@@ -84,6 +84,8 @@ pub enum Error {
         process: i32,
         path: String,
     },
+    #[error("the job checkpoint aborted: {reason}; this member's checkpoint was undone, the tree runs as before and nothing was kept")]
+    Aborted { reason: String },
     #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
     Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
@@ -108,6 +110,7 @@ impl Classify for Error {
             | Error::StrategyRefused { .. }
             | Error::DeviceMapped { .. } => ExitStatus::Unsupported,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
+            Error::Aborted { .. } => ExitStatus::Failure,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
         }
@@ -203,6 +206,17 @@ pub struct CheckpointOutcome {
 impl Flow<'_> {
     /// Checkpoints the tree rooted at `opts.pid`; see the module documentation for the order and the undo.
     pub fn checkpoint(&mut self, opts: &CheckpointOptions) -> crate::Result<CheckpointOutcome> {
+        self.checkpoint_phased(opts, &Alone)
+    }
+
+    /// [`Flow::checkpoint`] as one member of a job checkpoint: waits at `phases`' barriers (once the GPU
+    /// processes are locked, once the checkpoint is durable) and undoes everything, the stored checkpoint
+    /// included, when one of them says no.
+    pub fn checkpoint_phased(
+        &mut self,
+        opts: &CheckpointOptions,
+        phases: &dyn Phases,
+    ) -> crate::Result<CheckpointOutcome> {
         let started = Instant::now();
         let started_unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -278,13 +292,29 @@ impl Flow<'_> {
         // was: the guards undo when dropped (see `undo.rs` for their order) and `ingest` removes the
         // staging folder.
         let t = Instant::now();
-        let mut gpu_record = self.gpu.freeze(&FreezeContext {
-            root_pid: pid,
-            pids: &tree_pids,
-            report: &report,
-            leave_running: opts.leave_running,
-        })?;
+        // The hook calls the barrier between its lock and its checkpoint; a hook that does not (a test
+        // hook) gets it called right after its freeze, still before the CPU side is touched.
+        let passed = std::sync::atomic::AtomicBool::new(false);
+        let after_lock = || {
+            passed.store(true, std::sync::atomic::Ordering::SeqCst);
+            phases.locked()
+        };
+        let mut gpu_record = self
+            .gpu
+            .freeze(&FreezeContext {
+                root_pid: pid,
+                pids: &tree_pids,
+                report: &report,
+                leave_running: opts.leave_running,
+                after_lock: Some(&after_lock),
+            })
+            .map_err(aborted)?;
         let mut gpu = GpuThawGuard::new(&mut *self.gpu);
+        if !passed.load(std::sync::atomic::Ordering::SeqCst) {
+            phases
+                .locked()
+                .map_err(|reason| Error::Aborted { reason })?;
+        }
         timings.freeze = ms(t);
         fault::at("checkpoint.after-freeze");
         check_interrupt(&interrupt)?;
@@ -367,6 +397,18 @@ impl Flow<'_> {
         // On error the store removes the staging folder and keeps nothing: no partial checkpoint.
         let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
         timings.write = ms(t);
+        // A job checkpoint: hold everything as it is until the job commits (the guardian still undoes
+        // should this process die meanwhile); an abort deletes this member's checkpoint, and the guards
+        // put the tree back as for any failure before a commit.
+        if let Err(reason) = phases.durable(&info.id) {
+            if let Err(e) = self.store.delete(&info.id) {
+                tracing::error!(
+                    "the job aborted, and deleting its member checkpoint {} failed: {e}",
+                    info.id
+                );
+            }
+            return Err(Error::Aborted { reason }.into());
+        }
         // Durable: from here on a signal is deferred until the tree is stopped, as promised, and a dead
         // tool's guardian stops it.
         if let Err(e) = self.watch.tell(&Event::Durable) {
@@ -397,6 +439,14 @@ impl Flow<'_> {
             timings,
             stopped,
         })
+    }
+}
+
+/// The freeze stage's abort at the lock barrier, as the flow's own error (the barrier's reason).
+fn aborted(e: crate::freeze::Error) -> crate::Error {
+    match e {
+        crate::freeze::Error::Aborted(reason) => Error::Aborted { reason }.into(),
+        e => e.into(),
     }
 }
 
@@ -584,5 +634,7 @@ fn keep_failed_log(store: &Store, ingest: &Ingest, e: crate::dump::Error) -> cra
     }
 }
 
+#[cfg(test)]
+mod phase_tests;
 #[cfg(test)]
 mod tests;

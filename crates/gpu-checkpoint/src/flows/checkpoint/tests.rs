@@ -16,7 +16,7 @@ use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 
 /// A GPU hook that records its calls (and how many CRIU calls had happened at each), and fails on demand.
-struct RecordingGpu {
+pub(super) struct RecordingGpu {
     criu: Arc<FakeCriu>,
     events: Arc<Mutex<Vec<(String, usize)>>>,
     fail_freeze: bool,
@@ -30,7 +30,7 @@ struct RecordingGpu {
 }
 
 impl RecordingGpu {
-    fn new(criu: &Arc<FakeCriu>) -> Self {
+    pub(super) fn new(criu: &Arc<FakeCriu>) -> Self {
         RecordingGpu {
             criu: Arc::clone(criu),
             events: Arc::default(),
@@ -48,7 +48,7 @@ impl RecordingGpu {
         self.events.lock().unwrap().push((what.to_string(), n));
     }
 
-    fn events(&self) -> Vec<(String, usize)> {
+    pub(super) fn events(&self) -> Vec<(String, usize)> {
         self.events.lock().unwrap().clone()
     }
 }
@@ -135,16 +135,16 @@ impl GpuHook for RecordingGpu {
 }
 
 /// A child that sleeps; reaped on drop so its PID is freed.
-struct Sleeper(Child);
+pub(super) struct Sleeper(Child);
 
 impl Sleeper {
-    fn start() -> Sleeper {
+    pub(super) fn start() -> Sleeper {
         Sleeper(Command::new("sleep").arg("60").spawn().unwrap())
     }
-    fn pid(&self) -> i32 {
+    pub(super) fn pid(&self) -> i32 {
         self.0.id() as i32
     }
-    fn running(&self) -> bool {
+    pub(super) fn running(&self) -> bool {
         tree::stat(self.pid()).is_some_and(|s| !s.is_dying() && s.state != 'T')
     }
     fn reap(&mut self) {
@@ -176,16 +176,16 @@ impl crate::flows::Watch for Told {
     }
 }
 
-struct Scene {
+pub(super) struct Scene {
     _dir: tempfile::TempDir,
-    store: Store,
-    criu: Arc<FakeCriu>,
+    pub(super) store: Store,
+    pub(super) criu: Arc<FakeCriu>,
     images: ImageTransfer,
     told: Told,
 }
 
 impl Scene {
-    fn new() -> Scene {
+    pub(super) fn new() -> Scene {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap();
         Scene {
@@ -206,6 +206,15 @@ impl Scene {
         gpu: &mut RecordingGpu,
         opts: &CheckpointOptions,
     ) -> crate::Result<CheckpointOutcome> {
+        self.checkpoint_phased(gpu, opts, &Alone)
+    }
+
+    pub(super) fn checkpoint_phased(
+        &self,
+        gpu: &mut RecordingGpu,
+        opts: &CheckpointOptions,
+        phases: &dyn Phases,
+    ) -> crate::Result<CheckpointOutcome> {
         Flow {
             criu: &*self.criu,
             gpu,
@@ -214,7 +223,7 @@ impl Scene {
             images: self.images,
             watch: &self.told,
         }
-        .checkpoint(opts)
+        .checkpoint_phased(opts, phases)
     }
 
     fn restore(
@@ -248,13 +257,13 @@ impl Scene {
         (id, copy)
     }
 
-    fn staging_empty(&self) -> bool {
+    pub(super) fn staging_empty(&self) -> bool {
         let staging = self.store.location().join("staging");
         !staging.exists() || std::fs::read_dir(staging).unwrap().next().is_none()
     }
 }
 
-fn names(events: &[(String, usize)]) -> Vec<&str> {
+pub(super) fn names(events: &[(String, usize)]) -> Vec<&str> {
     events.iter().map(|e| e.0.as_str()).collect()
 }
 

@@ -347,6 +347,8 @@ impl ContainerFlow<'_> {
             pids: &pids,
             report: &found.report,
             leave_running: opts.leave_running,
+            // A container is checkpointed alone, never as a member of a job.
+            after_lock: None,
         })?;
         let mut gpu = GpuThawGuard::new(&mut *self.gpu);
         timings.freeze = ms(t);

@@ -1,0 +1,197 @@
+//! `gpu-checkpoint agent`: one per node, in the foreground; registers in etcd and carries out the job
+//! operations' local parts with the single-node flows (detect, GPU lock + checkpoint, CRIU, store;
+//! restore), until SIGTERM or SIGINT.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_checkpoint::checkpoint::CheckpointOptions;
+use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::flows::cluster::{
+    run_agent, AgentOptions, Coordinator, JobManifest, MemberWork, Task,
+};
+use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
+use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::interrupt::InterruptGuard;
+use gpu_checkpoint::restore::Target;
+use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
+
+use super::criu_opts::CriuArgs;
+use super::cuda::GpuArgs;
+use super::job::EtcdArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// This node's name, as `job add --node` names it.
+    #[arg(long)]
+    pub node: String,
+    /// The store the members' checkpoints go to (a folder; shared by the nodes, or each its own).
+    #[arg(long, env = "GPU_CHECKPOINT_STORAGE")]
+    pub storage: PathBuf,
+    /// The CRIU binary to use (as `checkpoint --criu`).
+    #[arg(long, value_name = "PATH")]
+    pub criu: Option<PathBuf>,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+    /// The agent's etcd lease: how long after this agent dies coordinators abort what it was part of.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub lease_ttl: Duration,
+    #[command(flatten)]
+    pub criu_opts: CriuArgs,
+}
+
+/// The members' local work: the checkpoint and restore flows, each call with its own GPU hook and
+/// guardian, on this node's store.
+struct LocalWork {
+    criu: CriuRpc,
+    store: Store,
+    backend: Backend,
+    criu_options: gpu_checkpoint::dump::CriuOptions,
+    /// Members of one job on this node keep the same manifest: one writes it, the others find it.
+    manifests: std::sync::Mutex<()>,
+}
+
+impl LocalWork {
+    fn hook(&self, lock_timeout: Option<Duration>) -> FreezeHook {
+        FreezeHook::new(HookOptions {
+            backend: self.backend,
+            group: GroupOptions {
+                lock_timeout,
+                ..GroupOptions::default()
+            },
+            device_map: None,
+        })
+    }
+}
+
+impl MemberWork for LocalWork {
+    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String> {
+        let pid = task
+            .member
+            .pid
+            .ok_or("members given by container are not supported yet: register them by --pid")?;
+        let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis));
+        let guardian = super::start_guardian().map_err(|e| e.to_string())?;
+        let mut flow = Flow {
+            criu: &self.criu,
+            gpu: &mut gpu,
+            store: &self.store,
+            progress: &NoProgress,
+            images: ImageTransfer::Stream,
+            watch: &guardian,
+        };
+        let mut opts = CheckpointOptions::new(pid);
+        opts.name = Some(format!("{}.rank{}", task.job, task.member.rank));
+        opts.leave_running = task.leave_running;
+        opts.criu = self.criu_options.clone();
+        // The simulator is recognised only when asked for, never silently.
+        opts.detect.simulator = self.backend == Backend::Sim;
+        flow.checkpoint_phased(&opts, phases)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    fn gpus(&self, id: &str) -> Vec<String> {
+        let Ok(info) = self.store.get(id) else {
+            return Vec::new();
+        };
+        CheckpointManifest::from_metadata(&info.metadata)
+            .ok()
+            .and_then(|m| m.gpu_record().ok().flatten())
+            .map(|r| r.used_gpus().iter().map(|g| g.uuid.to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    fn restore(&self, task: &Task) -> Result<i32, String> {
+        let id = task
+            .checkpoint
+            .as_deref()
+            .ok_or("a restore task without a checkpoint")?;
+        let mut gpu = self.hook(None);
+        let guardian = super::start_guardian().map_err(|e| e.to_string())?;
+        let mut flow = Flow {
+            criu: &self.criu,
+            gpu: &mut gpu,
+            store: &self.store,
+            progress: &NoProgress,
+            images: ImageTransfer::default_restore(),
+            watch: &guardian,
+        };
+        flow.restore(&Target::Checkpoint(id.to_string()))
+            .map(|o| o.pid)
+            .map_err(|e| e.to_string())
+    }
+
+    fn kill(&self, pid: i32) {
+        let tree: Vec<i32> = gpu_checkpoint::proc::process_tree(pid)
+            .iter()
+            .map(|p| p.pid)
+            .collect();
+        let left = gpu_checkpoint::proc::kill_tree(&tree, Duration::from_secs(10));
+        if !left.is_empty() {
+            tracing::error!("restored copy {pid}: PIDs {left:?} survived SIGKILL");
+        }
+    }
+
+    fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
+        let dir = self.store.location().join("jobs");
+        gpu_checkpoint::util::create_private_dir_all(&dir).map_err(|e| e.to_string())?;
+        let path = dir.join(format!("{}.json", m.id));
+        let _one = self.manifests.lock().unwrap_or_else(|p| p.into_inner());
+        if path.exists() {
+            return Ok(());
+        }
+        let json = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
+        gpu_checkpoint::util::write_atomic(&path, &json).map_err(|e| e.to_string())
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let coord = args.etcd.connect()?;
+    let found = discover(args.criu.as_deref())?;
+    let criu = CriuRpc::from_found(&found);
+    gpu_checkpoint::dump::Criu::check_permitted(&criu)?;
+    let store = Store::open(&args.storage, StoreOptions::default())?;
+    let work = LocalWork {
+        criu,
+        store,
+        backend: args.gpu.gpu_backend.into(),
+        criu_options: args.criu_opts.options()?,
+        manifests: Default::default(),
+    };
+    let mut opts = AgentOptions::new(&args.node, &args.storage.to_string_lossy());
+    opts.lease_ttl = args.lease_ttl;
+    // SIGTERM and SIGINT end the agent cleanly: recorded here, then the loop stops taking tasks, finishes
+    // or undoes those under way, and revokes its registration.
+    let _signals = InterruptGuard::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                if gpu_checkpoint::interrupt::interrupted() {
+                    stop.store(true, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    eprintln!(
+        "gpu-checkpoint agent: node {} registered in etcd {}; store {}",
+        args.node,
+        args.etcd.endpoints(),
+        args.storage.display()
+    );
+    let result = run_agent(coord as Arc<dyn Coordinator>, &opts, &work, &stop);
+    stop.store(true, Ordering::SeqCst);
+    let _ = watcher.join();
+    result?;
+    if let Some(sig) = gpu_checkpoint::interrupt::last_signal() {
+        eprintln!("gpu-checkpoint agent: {sig}: stopped, registration removed");
+    }
+    Ok(())
+}

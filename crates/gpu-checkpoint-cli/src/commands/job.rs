@@ -1,0 +1,273 @@
+//! `gpu-checkpoint job`: the coordinator's side of a multi-node job: register members, checkpoint and
+//! restore the job consistently through etcd, list jobs and their checkpoints, show one's status.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_checkpoint::flows::cluster::{
+    self, job, Coordinator, EtcdCoordinator, JobCheckpointOptions, MemberRecord, Timeouts,
+};
+use serde_json::json;
+
+use super::cuda::{parse_timeout, Timeout};
+use super::Format;
+
+/// Where etcd is (every cluster command).
+#[derive(clap::Args, Debug, Clone)]
+pub struct EtcdArgs {
+    /// etcd's client URLs, comma-separated (http://10.0.0.1:2379,...).
+    #[arg(
+        long,
+        env = "GPU_CHECKPOINT_ETCD",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub etcd: Vec<String>,
+}
+
+impl EtcdArgs {
+    pub fn connect(&self) -> anyhow::Result<Arc<EtcdCoordinator>> {
+        Ok(Arc::new(EtcdCoordinator::connect(&self.etcd)?))
+    }
+
+    pub fn endpoints(&self) -> String {
+        self.etcd.join(",")
+    }
+}
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Register a member of a job: a process tree on a node, with its rank.
+    Add(AddArgs),
+    /// Checkpoint every member of a job with a consistent cut; prints the job checkpoint's id.
+    Checkpoint(CheckpointArgs),
+    /// Restore every member of a job checkpoint, on the same nodes or others (--node-map).
+    Restore(RestoreArgs),
+    /// The jobs, their members, the registered agents and the job checkpoints.
+    List(ListArgs),
+    /// One job checkpoint's manifest (members, cut, timings), or a job's operations under way.
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args)]
+pub struct AddArgs {
+    #[arg(long)]
+    pub job: String,
+    #[arg(long)]
+    pub rank: u32,
+    #[arg(long)]
+    pub node: String,
+    /// The member's process tree (its root) on its node.
+    #[arg(long, required_unless_present = "container", conflicts_with = "container", value_parser = clap::value_parser!(i32).range(1..))]
+    pub pid: Option<i32>,
+    /// Or its container (recorded; agents do not resolve containers yet).
+    #[arg(long)]
+    pub container: Option<String>,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+}
+
+#[derive(clap::Args)]
+pub struct CheckpointArgs {
+    #[arg(long)]
+    pub job: String,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// Keep every member running after the checkpoint (default: stop them once the job is committed).
+    #[arg(long)]
+    pub leave_running: bool,
+    /// How long locking a member's CUDA processes may wait for their GPU work (0: no limit); any
+    /// member's timeout aborts the job.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
+    pub lock_timeout: Timeout,
+    /// A command each agent runs (sh -c) before locking its member, with GPU_CHECKPOINT_PID,
+    /// GPU_CHECKPOINT_RANK and GPU_CHECKPOINT_JOB set: how the application reaches a collective boundary.
+    #[arg(long, value_name = "COMMAND")]
+    pub quiesce: Option<String>,
+    /// How long the whole prepare phase (every member locked) may take.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub prepare_timeout: Duration,
+    /// The coordinator's etcd lease: how long after this command dies the members undo their part.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub lease_ttl: Duration,
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(clap::Args)]
+pub struct RestoreArgs {
+    /// The job checkpoint's id (as `job checkpoint` printed it).
+    pub id: String,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// Restore members on other nodes: OLD=NEW,... (nodes not named keep theirs).
+    #[arg(long, value_name = "OLD=NEW,...")]
+    pub node_map: Option<String>,
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub lease_ttl: Duration,
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(clap::Args)]
+pub struct ListArgs {
+    /// Only this job's checkpoints.
+    #[arg(long)]
+    pub job: Option<String>,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    /// A job checkpoint's id, or a job's name (its operations under way and its newest checkpoint).
+    pub target: String,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+pub fn run(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Add(a) => add(a),
+        Command::Checkpoint(a) => checkpoint(a),
+        Command::Restore(a) => restore(a),
+        Command::List(a) => list(a),
+        Command::Status(a) => status(a),
+    }
+}
+
+fn add(a: AddArgs) -> anyhow::Result<()> {
+    let coord = a.etcd.connect()?;
+    let m = MemberRecord {
+        rank: a.rank,
+        node: a.node,
+        pid: a.pid,
+        container: a.container,
+    };
+    job::add_member(coord.as_ref(), &a.job, &m)?;
+    eprintln!(
+        "job {}: rank {} on node {} registered",
+        a.job, m.rank, m.node
+    );
+    Ok(())
+}
+
+fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
+    let coord = a.etcd.connect()?;
+    let opts = JobCheckpointOptions {
+        job: a.job,
+        leave_running: a.leave_running,
+        lock_timeout: a.lock_timeout.0,
+        quiesce: a.quiesce,
+        timeouts: Timeouts {
+            lease_ttl: a.lease_ttl,
+            prepare: a.prepare_timeout,
+            ..Timeouts::default()
+        },
+    };
+    let m = cluster::checkpoint_job(coord as Arc<dyn Coordinator>, &opts)?;
+    match a.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&m)?),
+        Format::Text => {
+            println!("{}", m.id);
+            let t = &m.timings_ms;
+            eprintln!(
+                "job {}: {} members checkpointed with one cut: prepare {:.0} ms, checkpoint {:.0} ms, commit {:.0} ms, release {:.0} ms; total {:.0} ms (etcd {:.0} ms)",
+                m.job, m.members.len(), t.prepare, t.checkpoint, t.commit, t.release, t.total, t.etcd
+            );
+        }
+    }
+    Ok(())
+}
+
+fn restore(a: RestoreArgs) -> anyhow::Result<()> {
+    let coord = a.etcd.connect()?;
+    let map = job::parse_node_map(a.node_map.as_deref().unwrap_or(""))?;
+    let timeouts = Timeouts {
+        lease_ttl: a.lease_ttl,
+        ..Timeouts::default()
+    };
+    let out = cluster::restore_job(coord as Arc<dyn Coordinator>, &a.id, &map, &timeouts)?;
+    match a.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Text => {
+            for m in &out.members {
+                println!("{} {} {}", m.rank, m.node, m.pid);
+            }
+            eprintln!(
+                "job {} restored from {}: {} members in {:.0} ms (etcd {:.0} ms)",
+                out.job,
+                out.id,
+                out.members.len(),
+                out.timings_ms.total,
+                out.timings_ms.etcd
+            );
+        }
+    }
+    Ok(())
+}
+
+fn list(a: ListArgs) -> anyhow::Result<()> {
+    let coord = a.etcd.connect()?;
+    let c = coord.as_ref();
+    let jobs = job::jobs(c)?;
+    let agents = job::agents(c)?;
+    let checkpoints = job::checkpoints(c, a.job.as_deref())?;
+    match a.format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "jobs": jobs, "agents": agents, "checkpoints": checkpoints,
+            }))?
+        ),
+        Format::Text => {
+            for a in &agents {
+                println!("agent {} (pid {}, store {})", a.node, a.pid, a.storage);
+            }
+            for (name, members) in &jobs {
+                let m: Vec<String> = members
+                    .iter()
+                    .map(|m| format!("{}@{}", m.rank, m.node))
+                    .collect();
+                println!("job {name}: {}", m.join(" "));
+            }
+            for m in &checkpoints {
+                println!(
+                    "checkpoint {} of job {}: {} members",
+                    m.id,
+                    m.job,
+                    m.members.len()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn status(a: StatusArgs) -> anyhow::Result<()> {
+    let coord = a.etcd.connect()?;
+    let c = coord.as_ref();
+    let value = match job::checkpoint(c, &a.target) {
+        Ok(m) => json!({ "checkpoint": m }),
+        Err(cluster::ClusterError::NotFound { .. }) => {
+            let running: Vec<_> = job::running(c)?
+                .into_iter()
+                .filter(|o| o.job == a.target)
+                .collect();
+            let newest = job::checkpoints(c, Some(&a.target))?.pop();
+            if running.is_empty() && newest.is_none() && job::members(c, &a.target)?.is_empty() {
+                return Err(cluster::ClusterError::NotFound { id: a.target }.into());
+            }
+            json!({ "job": a.target, "running": running, "newest_checkpoint": newest })
+        }
+        Err(e) => return Err(e.into()),
+    };
+    // The text form is the same document: a person reads JSON as well as a table here.
+    let _ = a.format;
+    println!("{}", serde_json::to_string_pretty(&value)?);
+    Ok(())
+}

@@ -1,0 +1,349 @@
+//! The cluster flow with its real components: etcd (started here on loopback), `gpu-checkpoint agent`
+//! processes, `gpu-checkpoint job` as the coordinator, real CRIU, and jobs whose members are SIMULATED
+//! GPU processes (gpu-sim-workload). A job checkpoint either commits (every member stopped, restorable
+//! on the same or swapped nodes) or aborts with every rank running, unlocked and correct and nothing kept,
+//! whichever member fails and whoever dies. Needs etcd (and root + CRIU for the job tests): fails in CI
+//! without them, skips locally with the reason.
+#![cfg(feature = "cluster")]
+
+mod cluster_support;
+mod sim_support;
+
+use std::time::Duration;
+
+use cluster_support::*;
+use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdCoordinator, Event};
+use sim_support::{assert_healthy, criu_ready, status, wait_gone, SimProcess};
+
+#[test]
+fn the_etcd_coordinator_keeps_the_promises_the_protocol_relies_on() {
+    let Some(bin) = etcd_bin() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&bin, dir.path(), 1);
+    let c = etcd.client();
+    let rev = c.put("/t/a", b"1", None).unwrap();
+    let lease = c.grant(Duration::from_secs(1)).unwrap();
+    c.put("/t/b", b"2", Some(lease)).unwrap();
+    let (kvs, _) = c.range("/t/").unwrap();
+    assert_eq!(
+        kvs.iter().map(|k| k.key.as_str()).collect::<Vec<_>>(),
+        ["/t/a", "/t/b"]
+    );
+    // A transaction applies only when its conditions hold.
+    use gpu_checkpoint::flows::cluster::coord::{Compare, TxnOp};
+    let put_c = [TxnOp::Put {
+        key: "/t/c".into(),
+        value: b"3".to_vec(),
+        lease: None,
+    }];
+    assert!(!c.txn(&[Compare::Missing("/t/a".into())], &put_c).unwrap());
+    assert!(c.get("/t/c").unwrap().is_none());
+    assert!(c.txn(&[Compare::Exists("/t/a".into())], &put_c).unwrap());
+    assert_eq!(c.get("/t/c").unwrap().unwrap().value, b"3");
+    // A watch sees what happened after a revision.
+    let events = c.watch("/t/", rev, Duration::from_secs(5)).unwrap();
+    assert!(
+        matches!(&events[0], Event::Put(kv) if kv.key == "/t/b"),
+        "{events:?}"
+    );
+    // A lease not refreshed expires, and its keys go with it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.get("/t/b").unwrap().is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease never expired"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let refresh = c.keep_alive(lease);
+    assert!(
+        matches!(refresh, Err(CoordError::LeaseLost(_))),
+        "{refresh:?}"
+    );
+    // Nobody at the address: said up front, and the binary exits 5 (a missing component).
+    let port = etcd.urls[0]
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse::<u16>()
+        .unwrap();
+    let nobody = format!("http://127.0.0.1:{}", port.wrapping_add(7));
+    assert!(matches!(
+        EtcdCoordinator::connect(std::slice::from_ref(&nobody)),
+        Err(CoordError::Unreachable { .. })
+    ));
+    let out = gc(&["job", "list", "--etcd", &nobody]);
+    assert_eq!(out.status.code(), Some(5), "{out:?}");
+}
+
+/// A job on two agents ("a" and "b", two ranks each), one store shared by both.
+// Dropped in this order: the ranks, the agents (deregistering), etcd, the folder.
+struct Scene {
+    ranks: Vec<SimProcess>,
+    agents: Vec<Agent>,
+    etcd: Etcd,
+    store: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Scene {
+    /// `None` (skipped locally, a failure in CI) without etcd, root or CRIU.
+    fn start(agent_env: &[(&str, &[(&str, &str)])]) -> Option<Scene> {
+        let bin = etcd_bin()?;
+        if !criu_ready() {
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        let etcd = Etcd::start(&bin, dir.path(), 1);
+        let agents = ["a", "b"]
+            .iter()
+            .map(|node| {
+                let env = agent_env
+                    .iter()
+                    .find(|(n, _)| n == node)
+                    .map_or(&[][..], |(_, e)| e);
+                Agent::start(&etcd, node, &store, dir.path(), env)
+            })
+            .collect();
+        let ranks = Vec::new();
+        let mut s = Scene {
+            ranks,
+            agents,
+            etcd,
+            store,
+            _dir: dir,
+        };
+        for rank in 0..4 {
+            s.add_rank(rank, &[]);
+        }
+        Some(s)
+    }
+
+    fn add_rank(&mut self, rank: usize, extra: &[&str]) {
+        let mut args = vec!["--mib", "4"];
+        args.extend_from_slice(extra);
+        let p = SimProcess::start(&args);
+        let node = if rank < 2 { "a" } else { "b" };
+        let out = gc(&[
+            "job",
+            "add",
+            "--job",
+            "train",
+            "--rank",
+            &rank.to_string(),
+            "--node",
+            node,
+            "--pid",
+            &p.pid.to_string(),
+            "--etcd",
+            &self.etcd.url_list(),
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        if rank < self.ranks.len() {
+            self.ranks[rank] = p;
+        } else {
+            self.ranks.push(p);
+        }
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        self.ranks.iter().map(|r| r.pid).collect()
+    }
+
+    fn job(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+            .arg("job")
+            .args(args)
+            .args(["--etcd", &self.etcd.url_list()])
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    }
+
+    fn logs(&self) -> String {
+        self.agents
+            .iter()
+            .map(|a| format!("--- agent {}:\n{}", a.node, read(&a.log)))
+            .collect()
+    }
+
+    /// Every rank runs, unlocked, its device memory intact, and computes on.
+    fn assert_all_running(&self) {
+        for p in self.pids() {
+            assert_eq!(
+                status(p)["state"],
+                "running",
+                "rank pid {p}; {}",
+                self.logs()
+            );
+        }
+        assert_healthy(&self.pids());
+    }
+
+    fn job_checkpoints(&self) -> Vec<serde_json::Value> {
+        let out = self.job(&["list", "--format", "json"], &[]);
+        assert!(out.status.success(), "{out:?}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["checkpoints"].as_array().unwrap().clone()
+    }
+
+    /// The member checkpoints in the shared store.
+    fn stored(&self) -> usize {
+        sim_support::listed(&self.store).len()
+    }
+}
+
+fn text(o: &std::process::Output) -> String {
+    sim_support::text(o)
+}
+
+#[test]
+fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_nodes() {
+    let Some(s) = Scene::start(&[]) else { return };
+    // The quiesce hook runs for every member, before its lock, with its rank and PID.
+    let hook = s.store.with_file_name("quiesced");
+    let quiesce = format!(
+        "echo $GPU_CHECKPOINT_JOB $GPU_CHECKPOINT_RANK $GPU_CHECKPOINT_PID >> {}",
+        hook.display()
+    );
+    let out = s.job(
+        &[
+            "checkpoint",
+            "--job",
+            "train",
+            "--format",
+            "json",
+            "--quiesce",
+            &quiesce,
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let mut quiesced: Vec<String> = read(&hook).lines().map(String::from).collect();
+    quiesced.sort();
+    let expected: Vec<String> = (0..4)
+        .map(|r| format!("train {r} {}", s.pids()[r]))
+        .collect();
+    assert_eq!(quiesced, expected);
+    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let id = m["id"].as_str().unwrap().to_string();
+    let members = m["members"].as_array().unwrap();
+    assert_eq!(members.len(), 4);
+    assert_eq!(members[2]["node"], "b");
+    assert!(
+        members
+            .iter()
+            .all(|x| !x["gpus"].as_array().unwrap().is_empty()),
+        "{m}"
+    );
+    assert!(m["cut"]["locked_unix_ms"].as_u64() <= m["cut"]["committed_unix_ms"].as_u64());
+    // Committed: every member stopped, the manifest in etcd and in the store.
+    wait_gone(&s.pids());
+    assert_eq!(s.job_checkpoints().len(), 1);
+    assert_eq!(s.stored(), 4);
+    let kept = std::fs::read(s.store.join("jobs").join(format!("{id}.json"))).unwrap();
+    let kept: serde_json::Value = serde_json::from_slice(&kept).unwrap();
+    assert_eq!(kept["members"], m["members"]);
+    assert!(!s.logs().contains("keeping job checkpoint"), "{}", s.logs());
+    // Restored with the members of a on b and of b on a: every rank runs on with its device memory.
+    let out = s.job(
+        &["restore", &id, "--node-map", "a=b,b=a", "--format", "json"],
+        &[],
+    );
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let restored: Vec<i32> = r["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["pid"].as_i64().unwrap() as i32)
+        .collect();
+    assert_eq!(
+        restored,
+        s.pids(),
+        "CRIU restores each member under its PID"
+    );
+    assert_eq!(r["members"][0]["node"], "b");
+    s.assert_all_running();
+}
+
+#[test]
+fn a_member_whose_gpu_checkpoint_fails_aborts_the_job_and_every_rank_runs_unlocked() {
+    let Some(mut s) = Scene::start(&[]) else {
+        return;
+    };
+    // Rank 3's simulated GPU fails its checkpoint, after every member locked.
+    s.add_rank(3, &["--fault", "checkpoint"]);
+    let out = s.job(&["checkpoint", "--job", "train"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
+    assert!(text(&out).contains("aborted"), "{}", text(&out));
+    assert!(text(&out).contains("rank 3"), "{}", text(&out));
+    s.assert_all_running();
+    assert!(s.job_checkpoints().is_empty());
+    assert_eq!(s.stored(), 0, "nothing kept of any member");
+}
+
+#[test]
+fn an_agent_killed_while_its_member_is_locked_aborts_the_job() {
+    let kill = [("GPU_CHECKPOINT_FAULT", "cluster.member-locked=kill")];
+    let Some(s) = Scene::start(&[("b", &kill)]) else {
+        return;
+    };
+    let out = s.job(&["checkpoint", "--job", "train"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
+    assert!(text(&out).contains("agent is gone"), "{}", text(&out));
+    // b's guardian unlocked b's members; the coordinator's abort unlocked a's.
+    s.assert_all_running();
+    assert!(s.job_checkpoints().is_empty());
+    assert_eq!(s.stored(), 0);
+}
+
+fn coordinator_killed(point: &str) -> Option<(Scene, std::process::Output)> {
+    let s = Scene::start(&[])?;
+    let fault = format!("{point}=kill");
+    let out = s.job(
+        &["checkpoint", "--job", "train", "--lease-ttl", "2s"],
+        &[("GPU_CHECKPOINT_FAULT", &fault)],
+    );
+    assert_eq!(out.status.code(), None, "killed: {}", text(&out));
+    Some((s, out))
+}
+
+#[test]
+fn a_coordinator_killed_before_the_commit_leaves_every_rank_running_and_nothing_kept() {
+    let Some((s, _)) = coordinator_killed("cluster.before-commit") else {
+        return;
+    };
+    // The agents see the operation's lease expire without a commit, and undo.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while s.stored() > 0 || s.pids().iter().any(|&p| status(p)["state"] != "running") {
+        assert!(std::time::Instant::now() < deadline, "{}", s.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    s.assert_all_running();
+    assert!(s.job_checkpoints().is_empty());
+}
+
+#[test]
+fn a_coordinator_killed_after_the_commit_leaves_a_job_checkpoint_that_restores() {
+    let Some((s, _)) = coordinator_killed("cluster.after-commit") else {
+        return;
+    };
+    // Committed: the agents finish (stop the members) although the coordinator is gone.
+    wait_gone(&s.pids());
+    let cps = s.job_checkpoints();
+    assert_eq!(cps.len(), 1, "{}", s.logs());
+    let id = cps[0]["id"].as_str().unwrap();
+    // The dead coordinator's operation holds the job until its lease runs out.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let out = loop {
+        let out = s.job(&["restore", id], &[]);
+        if out.status.code() != Some(8) || std::time::Instant::now() > deadline {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    s.assert_all_running();
+}

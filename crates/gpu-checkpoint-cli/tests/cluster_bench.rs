@@ -1,0 +1,130 @@
+//! Benchmark (not a timed test: run it explicitly; it prints figures and ratios measured in the same run):
+//!
+//!   cargo test -p gpu-checkpoint-cli --test cluster_bench -- --ignored --nocapture
+//!
+//! A job checkpoint (`--leave-running`, so that it can be repeated) of 1, 2, 4 and 8 agents on this
+//! machine, one SIMULATED GPU rank each, against a plain `gpu-checkpoint checkpoint --leave-running` of one
+//! such rank. Printed per size: the job's total (the command's wall time), the slowest member's own work
+//! (its part less its waits at the barriers), the coordinator's etcd requests, the protocol's share
+//! (total less the slowest member's work: etcd round trips, barrier waits, process start and connect), and
+//! the job's time above the plain checkpoint (the others' per-node work shares this machine's 2 cores).
+#![cfg(feature = "cluster")]
+
+mod cluster_support;
+mod sim_support;
+
+use cluster_support::*;
+use sim_support::{criu_ready, SimProcess};
+use std::time::Instant;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+const MIB: &str = "64";
+const RUNS: usize = 3;
+
+#[test]
+#[ignore = "benchmark: run with --ignored --nocapture"]
+fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
+    let Some(bin) = etcd_bin() else { return };
+    if !criu_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    // The baseline: one rank, checkpointed alone.
+    let one = SimProcess::start(&["--mib", MIB]);
+    let plain: Vec<f64> = (0..RUNS)
+        .map(|_| {
+            let t = Instant::now();
+            let out = gc(&[
+                "checkpoint",
+                "--pid",
+                &one.pid.to_string(),
+                "--storage",
+                store.to_str().unwrap(),
+                "--gpu-backend",
+                "sim",
+                "--leave-running",
+            ]);
+            assert!(out.status.success(), "{out:?}");
+            t.elapsed().as_secs_f64() * 1000.0
+        })
+        .collect();
+    drop(one);
+    let plain = median(plain);
+    println!("plain checkpoint of one {MIB} MiB rank: {plain:.0} ms (median of {RUNS}, process start included)");
+    println!("agents | job total ms | slowest member's work | etcd ms (share) | protocol (share) | job - plain ms");
+    for n in [1usize, 2, 4, 8] {
+        let etcd = Etcd::start(&bin, dir.path(), 1);
+        let nodes: Vec<String> = (0..n).map(|i| format!("n{i}")).collect();
+        let _agents: Vec<Agent> = nodes
+            .iter()
+            // Long leases: 8 agents dumping on a machine of 2 shared cores starve the lease refreshes of
+            // a short one (the job then aborts, correctly, and there is nothing to measure).
+            .map(|node| Agent::start_with(&etcd, node, &store, dir.path(), &[], "30s"))
+            .collect();
+        let ranks: Vec<SimProcess> = (0..n).map(|_| SimProcess::start(&["--mib", MIB])).collect();
+        for (i, r) in ranks.iter().enumerate() {
+            let out = gc(&[
+                "job",
+                "add",
+                "--job",
+                "bench",
+                "--rank",
+                &i.to_string(),
+                "--node",
+                &nodes[i],
+                "--pid",
+                &r.pid.to_string(),
+                "--etcd",
+                &etcd.url_list(),
+            ]);
+            assert!(out.status.success(), "{out:?}");
+        }
+        let (mut total, mut etcd_ms, mut work, mut phases) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..RUNS {
+            let t = Instant::now();
+            let out = gc(&[
+                "job",
+                "checkpoint",
+                "--job",
+                "bench",
+                "--leave-running",
+                "--format",
+                "json",
+                "--lease-ttl",
+                "30s",
+                "--etcd",
+                &etcd.url_list(),
+            ]);
+            let wall = t.elapsed().as_secs_f64() * 1000.0;
+            assert!(out.status.success(), "{out:?}");
+            let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let tm = &m["timings_ms"];
+            total.push(wall);
+            etcd_ms.push(tm["etcd"].as_f64().unwrap());
+            work.push(tm["member_work_max"].as_f64().unwrap());
+            let f = |k: &str| tm[k].as_f64().unwrap();
+            phases.push(format!(
+                "prepare {:.0} checkpoint {:.0} commit {:.0} release {:.0}",
+                f("prepare"),
+                f("checkpoint"),
+                f("commit"),
+                f("release")
+            ));
+        }
+        let (t, e, w) = (median(total), median(etcd_ms), median(work));
+        println!(
+            "{n:>6} | {t:>12.0} | {w:>19.0} | {e:>7.1} ({:>4.1}%) | {:>10.0} ({:>4.1}%) | {:>14.0}   [{}]",
+            100.0 * e / t,
+            t - w,
+            100.0 * (t - w) / t,
+            t - plain,
+            phases.last().unwrap()
+        );
+    }
+}

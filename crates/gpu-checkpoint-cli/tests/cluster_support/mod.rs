@@ -1,0 +1,234 @@
+//! The cluster tests' real components: etcd started on free loopback ports with a private data folder
+//! (killed on drop), and `gpu-checkpoint agent` processes (stopped on drop).
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use gpu_checkpoint::flows::cluster::{Coordinator, EtcdCoordinator};
+
+/// The etcd binary (the distribution's package, scripts/install-etcd.sh), when there is one. In CI its
+/// absence fails the test; locally the test is skipped with the reason printed.
+pub fn etcd_bin() -> Option<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let found = BIN.get_or_init(|| {
+        gpu_checkpoint::path_search::which("etcd")
+            .or_else(|| Some(PathBuf::from("/usr/bin/etcd")).filter(|p| p.exists()))
+            .ok_or_else(|| "etcd is not installed".to_string())
+    });
+    match found {
+        Ok(p) => Some(p.clone()),
+        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("the cluster tests cannot run in CI: {why} (scripts/setup.sh installs it)")
+        }
+        Err(why) => {
+            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the cluster tests");
+            None
+        }
+    }
+}
+
+/// A port nobody listens on now (the kernel's choice; etcd binds it right after).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One etcd member on loopback.
+struct Member {
+    child: Child,
+}
+
+/// An etcd cluster on 127.0.0.1 (1 or 3 members), its data in private folders of `dir`; killed on drop.
+pub struct Etcd {
+    members: Vec<Option<Member>>,
+    pub urls: Vec<String>,
+}
+
+impl Etcd {
+    pub fn start(bin: &Path, dir: &Path, size: usize) -> Etcd {
+        let clients: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let peers: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let initial: Vec<String> = peers
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("e{i}=http://127.0.0.1:{p}"))
+            .collect();
+        let mut members = Vec::new();
+        for i in 0..size {
+            let data = dir.join(format!("etcd-{i}"));
+            gpu_checkpoint::util::create_private_dir_all(&data).unwrap();
+            let log = std::fs::File::create(dir.join(format!("etcd-{i}.log"))).unwrap();
+            let client = format!("http://127.0.0.1:{}", clients[i]);
+            let peer = format!("http://127.0.0.1:{}", peers[i]);
+            let child = Command::new(bin)
+                .args(["--name", &format!("e{i}")])
+                .arg("--data-dir")
+                .arg(&data)
+                .args(["--listen-client-urls", &client])
+                .args(["--advertise-client-urls", &client])
+                .args(["--listen-peer-urls", &peer])
+                .args(["--initial-advertise-peer-urls", &peer])
+                .args(["--initial-cluster", &initial.join(",")])
+                .args([
+                    "--initial-cluster-token",
+                    &format!("t{}", std::process::id()),
+                ])
+                // Small timings: the fault tests wait for elections.
+                .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start etcd");
+            members.push(Some(Member { child }));
+        }
+        let etcd = Etcd {
+            members,
+            urls: clients
+                .iter()
+                .map(|p| format!("http://127.0.0.1:{p}"))
+                .collect(),
+        };
+        etcd.wait_ready(dir);
+        etcd
+    }
+
+    fn wait_ready(&self, dir: &Path) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(c) = EtcdCoordinator::connect(&self.urls) {
+                if c.put("/ready", b"1", None).is_ok() {
+                    return;
+                }
+            }
+            if Instant::now() > deadline {
+                let log = std::fs::read_to_string(dir.join("etcd-0.log")).unwrap_or_default();
+                panic!("etcd did not start: {log}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn url_list(&self) -> String {
+        self.urls.join(",")
+    }
+
+    pub fn client(&self) -> EtcdCoordinator {
+        EtcdCoordinator::connect(&self.urls).unwrap()
+    }
+
+    /// Stops member `i` (SIGKILL), as a failed machine.
+    pub fn kill_member(&mut self, i: usize) {
+        if let Some(mut m) = self.members[i].take() {
+            let _ = m.child.kill();
+            let _ = m.child.wait();
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill_member(i);
+        }
+    }
+}
+
+/// A `gpu-checkpoint agent` process; SIGTERM on drop (SIGKILL if it does not stop).
+pub struct Agent {
+    pub node: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    pub fn start(etcd: &Etcd, node: &str, store: &Path, dir: &Path, env: &[(&str, &str)]) -> Agent {
+        Self::start_with(etcd, node, store, dir, env, "2s")
+    }
+
+    /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one).
+    pub fn start_with(
+        etcd: &Etcd,
+        node: &str,
+        store: &Path,
+        dir: &Path,
+        env: &[(&str, &str)],
+        ttl: &str,
+    ) -> Agent {
+        let log = dir.join(format!("agent-{node}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+            .args(["agent", "--etcd", &etcd.url_list(), "--node", node])
+            .arg("--storage")
+            .arg(store)
+            .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start the agent");
+        let c = etcd.client();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let key = format!("/gpu-checkpoint/v1/agents/{node}");
+        while c.get(&key).unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "agent {node} did not register: {}",
+                read(&log)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Agent {
+            node: node.into(),
+            child: Some(child),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().map_or(0, |c| c.id() as i32)
+    }
+
+    /// Sends `sig` and waits for the agent to exit; returns how it did.
+    pub fn stop(&mut self, sig: i32) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        // SAFETY: signalling a process this test started.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                return Some(st);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                return child.wait().ok();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop(libc::SIGTERM);
+    }
+}
+
+pub fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+/// Runs `gpu-checkpoint` with `args`.
+pub fn gc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+        .args(args)
+        .output()
+        .expect("run gpu-checkpoint")
+}

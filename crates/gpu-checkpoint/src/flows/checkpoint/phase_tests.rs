@@ -1,0 +1,107 @@
+//! A checkpoint driven as one member of a job ([`Phases`]): where it waits, and what an abort at each
+//! barrier leaves (the tree running, its GPU state put back, nothing stored).
+
+use std::sync::Mutex;
+
+use super::tests::{names, RecordingGpu, Scene, Sleeper};
+use super::*;
+
+/// Says yes or no at each barrier, and records what it saw there.
+struct Barriers {
+    at_lock: Result<(), String>,
+    at_durable: Result<(), String>,
+    seen: Mutex<Vec<String>>,
+    watch: i32,
+}
+
+impl Barriers {
+    fn new(watch: i32, at_lock: Result<(), String>, at_durable: Result<(), String>) -> Self {
+        Barriers {
+            at_lock,
+            at_durable,
+            seen: Mutex::default(),
+            watch,
+        }
+    }
+}
+
+impl Phases for Barriers {
+    fn locked(&self) -> Result<(), String> {
+        self.seen.lock().unwrap().push("locked".into());
+        self.at_lock.clone()
+    }
+    fn durable(&self, id: &str) -> Result<(), String> {
+        let stopped = tree::stat(self.watch).is_some_and(|s| s.state == 'T');
+        self.seen
+            .lock()
+            .unwrap()
+            .push(format!("durable {id} stopped={stopped}"));
+        self.at_durable.clone()
+    }
+}
+
+#[test]
+fn an_abort_while_locked_thaws_before_any_dump_and_stores_nothing() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let b = Barriers::new(p.pid(), Err("rank 3 timed out".into()), Ok(()));
+    let err = s
+        .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
+        .unwrap_err();
+    assert!(
+        matches!(&err, crate::Error::Checkpoint(Error::Aborted { reason }) if reason == "rank 3 timed out"),
+        "{err}"
+    );
+    assert_eq!(*b.seen.lock().unwrap(), ["locked"]);
+    assert!(
+        s.criu.calls().is_empty(),
+        "no dump after an abort at the lock"
+    );
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    assert!(p.running());
+    assert!(s.store.list().unwrap().is_empty());
+    assert!(s.staging_empty());
+}
+
+#[test]
+fn an_abort_once_durable_deletes_the_member_checkpoint_and_resumes_the_held_tree() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let b = Barriers::new(p.pid(), Ok(()), Err("rank 1's dump failed".into()));
+    let err = s
+        .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
+        .unwrap_err();
+    assert!(err.to_string().contains("rank 1's dump failed"), "{err}");
+    let seen = b.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    // The tree is held stopped while the job decides, then continued and thawed.
+    assert!(seen[1].ends_with("stopped=true"), "{seen:?}");
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    assert!(p.running());
+    assert!(
+        s.store.list().unwrap().is_empty(),
+        "the member's checkpoint is gone"
+    );
+}
+
+#[test]
+fn a_committed_job_stops_the_tree_as_a_plain_checkpoint_does() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let b = Barriers::new(p.pid(), Ok(()), Ok(()));
+    let out = s
+        .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
+        .unwrap();
+    assert_eq!(
+        *b.seen.lock().unwrap(),
+        [
+            "locked".to_string(),
+            format!("durable {} stopped=true", out.info.id)
+        ]
+    );
+    assert!(out.stopped && !p.running());
+    assert_eq!(s.store.list().unwrap().len(), 1);
+}

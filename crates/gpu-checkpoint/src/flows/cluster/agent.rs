@@ -1,0 +1,347 @@
+//! The agent's side of the cluster flow: one per node, registered in etcd under a lease, carrying out
+//! the tasks coordinators give its node (a member's checkpoint or restore), each in a thread of its own
+//! so that the members of one node lock together.
+//!
+//! What a member does on its node is the [`MemberWork`] the caller gives (the binary: the checkpoint and
+//! restore flows with CRIU, the GPU hook and the store); this module only speaks the protocol: it writes
+//! the member's state, and waits at the barriers for the coordinator's decision (`AgentPhases`).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::coord::{Compare, Coordinator, TxnOp};
+use super::lease::LeaseGuard;
+use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
+use super::{AgentRecord, ClusterError, JobManifest};
+use crate::flows::Phases;
+
+/// What a member's part of an operation does on this node.
+pub trait MemberWork: Sync {
+    /// Checkpoints the member's tree, waiting at `phases`' barriers; returns once the job committed and
+    /// the tree is stopped (or left running). On error everything is undone.
+    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String>;
+    /// The GPUs (UUIDs) the member checkpoint `id` holds state of, for the job manifest.
+    fn gpus(&self, id: &str) -> Vec<String>;
+    /// Restores the member checkpoint `task.checkpoint`, GPU state included; returns its root PID.
+    fn restore(&self, task: &Task) -> Result<i32, String>;
+    /// Kills a restored copy (the job's restore aborted).
+    fn kill(&self, pid: i32);
+    /// Keeps the committed job manifest in this node's store.
+    fn keep_manifest(&self, manifest: &JobManifest) -> Result<(), String>;
+}
+
+/// The agent's options.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    pub node: String,
+    pub storage: String,
+    /// The agent's lease: how long after its death coordinators learn of it.
+    pub lease_ttl: Duration,
+    /// How long a member waits at a barrier for the coordinator's decision (its death is seen sooner,
+    /// through its lease).
+    pub decision_timeout: Duration,
+}
+
+impl AgentOptions {
+    pub fn new(node: &str, storage: &str) -> Self {
+        AgentOptions {
+            node: node.into(),
+            storage: storage.into(),
+            lease_ttl: Duration::from_secs(5),
+            decision_timeout: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// Registers the agent and serves its node's tasks until `stop` is set or its lease is lost (an error:
+/// coordinators have aborted what it was doing). Tasks under way when `stop` comes are finished (or
+/// undone) first.
+pub fn run_agent(
+    coord: Arc<dyn Coordinator>,
+    opts: &AgentOptions,
+    work: &dyn MemberWork,
+    stop: &AtomicBool,
+) -> Result<(), ClusterError> {
+    rec::check_name("node", &opts.node).map_err(ClusterError::Usage)?;
+    let c = coord.as_ref();
+    let lease = LeaseGuard::grant(Arc::clone(&coord), opts.lease_ttl)?;
+    let record = AgentRecord {
+        node: opts.node.clone(),
+        pid: std::process::id(),
+        storage: opts.storage.clone(),
+        tool_version: env!("CARGO_PKG_VERSION").into(),
+        started_unix_ms: rec::now_ms(),
+    };
+    let key = rec::agent(&opts.node);
+    let registered = c.txn(
+        &[Compare::Missing(key.clone())],
+        &[TxnOp::Put {
+            key: key.clone(),
+            value: encode(&record),
+            lease: Some(lease.id()),
+        }],
+    )?;
+    if !registered {
+        return Err(ClusterError::Busy {
+            what: format!("an agent for node {} is registered already", opts.node),
+        });
+    }
+    tracing::info!(
+        "agent for node {} registered (lease {:x})",
+        opts.node,
+        lease.id()
+    );
+    let prefix = rec::tasks(&opts.node);
+    let mut seen = HashSet::new();
+    std::thread::scope(|scope| {
+        let (tasks, mut rev) = c.range(&prefix)?;
+        let mut fresh: Vec<(String, Vec<u8>)> =
+            tasks.into_iter().map(|kv| (kv.key, kv.value)).collect();
+        loop {
+            for (key, value) in fresh.drain(..) {
+                if !seen.insert(key.clone()) {
+                    continue;
+                }
+                let task: Task = match decode(&key, &value) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::error!("{e}");
+                        continue;
+                    }
+                };
+                let member = Member {
+                    coord: c,
+                    task,
+                    node: opts.node.clone(),
+                    lease: lease.id(),
+                    timeout: opts.decision_timeout,
+                    aborted: AtomicBool::new(false),
+                    waited_us: Default::default(),
+                };
+                scope.spawn(move || member.run(work));
+            }
+            if stop.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            if lease.lost() {
+                return Err(ClusterError::Coord(super::CoordError::LeaseLost(
+                    lease.id(),
+                )));
+            }
+            for e in c.watch(&prefix, rev, Duration::from_millis(500))? {
+                rev = rev.max(e.revision());
+                if let super::Event::Put(kv) = e {
+                    fresh.push((kv.key, kv.value));
+                }
+            }
+        }
+    })
+}
+
+/// The coordinator's decision, as a member sees it.
+enum Decision {
+    Go,
+    Commit,
+    Abort(String),
+}
+
+/// One member's task on this node.
+struct Member<'c> {
+    coord: &'c dyn Coordinator,
+    task: Task,
+    node: String,
+    lease: super::LeaseId,
+    timeout: Duration,
+    /// The job aborted (rather than this member failing on its own).
+    aborted: AtomicBool,
+    /// Time spent waiting at the barriers, in microseconds.
+    waited_us: std::sync::atomic::AtomicU64,
+}
+
+impl Member<'_> {
+    fn say(&self, state: MemberState) {
+        let r = StateRecord {
+            rank: self.task.member.rank,
+            node: self.node.clone(),
+            state,
+            at_unix_ms: rec::now_ms(),
+        };
+        let key = rec::state(&self.task.op, self.task.member.rank);
+        if let Err(e) = self.coord.put(&key, &encode(&r), Some(self.lease)) {
+            tracing::error!("writing {key}: {e}");
+        }
+    }
+
+    /// Waits until the decision is `want` (or a later one), or the job aborted.
+    fn wait(&self, want: &str) -> Decision {
+        let t = Instant::now();
+        let d = self.wait_untimed(want);
+        self.waited_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
+        d
+    }
+
+    fn wait_untimed(&self, want: &str) -> Decision {
+        let deadline = Instant::now() + self.timeout;
+        let abort = |why: String| {
+            self.aborted.store(true, Ordering::SeqCst);
+            Decision::Abort(why)
+        };
+        loop {
+            let read = self.coord.range(&rec::op_prefix(&self.task.op));
+            let (kvs, rev) = match read {
+                Ok(r) => r,
+                Err(e) => return abort(format!("etcd: {e}")),
+            };
+            let get = |k: String| kvs.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
+            match get(rec::decision(&self.task.op)).as_deref() {
+                Some(b"abort") => {
+                    return abort("the coordinator aborted the job's operation".into())
+                }
+                Some(b"commit") => return Decision::Commit,
+                Some(b"go") if want == "go" => return Decision::Go,
+                _ => {}
+            }
+            if get(rec::op(&self.task.op)).is_none() {
+                // The operation is gone: its coordinator ended it, or died. A commit survives both.
+                return match self.coord.get(&rec::checkpoint(&self.task.op)) {
+                    Ok(Some(_)) if self.task.kind == OpKind::Checkpoint => Decision::Commit,
+                    Ok(_) => abort("the coordinator is gone (its lease expired)".into()),
+                    Err(e) => abort(format!("etcd: {e}")),
+                };
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return abort(format!(
+                    "no decision from the coordinator in {:?}",
+                    self.timeout
+                ));
+            }
+            let wait = (deadline - now).min(Duration::from_secs(1));
+            if let Err(e) = self.coord.watch(&rec::op_prefix(&self.task.op), rev, wait) {
+                return abort(format!("etcd: {e}"));
+            }
+        }
+    }
+
+    fn run(&self, work: &dyn MemberWork) {
+        let rank = self.task.member.rank;
+        tracing::info!(
+            "{:?} of job {} (operation {}), rank {rank}",
+            self.task.kind,
+            self.task.job,
+            self.task.op
+        );
+        match self.task.kind {
+            OpKind::Checkpoint => self.checkpoint(work),
+            OpKind::Restore => self.restore(work),
+        }
+    }
+
+    fn checkpoint(&self, work: &dyn MemberWork) {
+        if let Some(cmd) = &self.task.quiesce {
+            if let Err(e) = quiesce(cmd, &self.task) {
+                self.say(MemberState::Failed { error: e });
+                return;
+            }
+        }
+        let phases = AgentPhases { member: self, work };
+        let started = Instant::now();
+        match work.checkpoint(&self.task, &phases) {
+            Ok(()) => {
+                let kept = match self.coord.get(&rec::checkpoint(&self.task.op)) {
+                    Ok(Some(kv)) => decode::<JobManifest>(&kv.key, &kv.value)
+                        .map_err(|e| e.to_string())
+                        .and_then(|m| work.keep_manifest(&m)),
+                    Ok(None) => Err("the job manifest is not in etcd".into()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = kept {
+                    tracing::warn!("keeping job checkpoint {}'s manifest: {e}", self.task.op);
+                }
+                self.say(self.done(started));
+            }
+            Err(_) if self.aborted.load(Ordering::SeqCst) => self.say(MemberState::Aborted),
+            Err(error) => {
+                tracing::error!("rank {}: {error}", self.task.member.rank);
+                self.say(MemberState::Failed { error });
+            }
+        }
+    }
+
+    fn done(&self, started: Instant) -> MemberState {
+        MemberState::Done {
+            work_ms: started.elapsed().as_secs_f64() * 1000.0,
+            waited_ms: self.waited_us.load(Ordering::SeqCst) as f64 / 1000.0,
+        }
+    }
+
+    fn restore(&self, work: &dyn MemberWork) {
+        let started = Instant::now();
+        let pid = match work.restore(&self.task) {
+            Ok(pid) => pid,
+            Err(error) => {
+                tracing::error!("rank {}: {error}", self.task.member.rank);
+                return self.say(MemberState::Failed { error });
+            }
+        };
+        self.say(MemberState::Restored { pid });
+        match self.wait("commit") {
+            Decision::Commit | Decision::Go => self.say(self.done(started)),
+            Decision::Abort(why) => {
+                tracing::warn!("job restore aborted ({why}): killing restored pid {pid}");
+                work.kill(pid);
+                self.say(MemberState::Aborted);
+            }
+        }
+    }
+}
+
+/// The checkpoint flow's barriers, answered by the coordinator's decisions.
+struct AgentPhases<'a, 'c> {
+    member: &'a Member<'c>,
+    work: &'a dyn MemberWork,
+}
+
+impl Phases for AgentPhases<'_, '_> {
+    fn locked(&self) -> Result<(), String> {
+        crate::fault::at("cluster.member-locked");
+        self.member.say(MemberState::Locked);
+        match self.member.wait("go") {
+            Decision::Go | Decision::Commit => Ok(()),
+            Decision::Abort(why) => Err(why),
+        }
+    }
+
+    fn durable(&self, id: &str) -> Result<(), String> {
+        crate::fault::at("cluster.member-durable");
+        self.member.say(MemberState::Durable {
+            checkpoint: id.to_string(),
+            gpus: self.work.gpus(id),
+        });
+        match self.member.wait("commit") {
+            Decision::Commit => Ok(()),
+            Decision::Go => unreachable!("wait(\"commit\") returns no go"),
+            Decision::Abort(why) => Err(why),
+        }
+    }
+}
+
+/// Runs the job's quiesce command (`sh -c`), with the member's PID and rank in its environment.
+fn quiesce(cmd: &str, task: &Task) -> Result<(), String> {
+    let mut c = std::process::Command::new("sh");
+    c.arg("-c")
+        .arg(cmd)
+        .env("GPU_CHECKPOINT_JOB", &task.job)
+        .env("GPU_CHECKPOINT_RANK", task.member.rank.to_string());
+    if let Some(pid) = task.member.pid {
+        c.env("GPU_CHECKPOINT_PID", pid.to_string());
+    }
+    match c.status() {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(format!("the quiesce command {cmd:?} failed ({s})")),
+        Err(e) => Err(format!("cannot run the quiesce command {cmd:?}: {e}")),
+    }
+}

@@ -1,0 +1,637 @@
+//! The coordinator's side of the cluster flow: `job checkpoint` and `job restore` as two-phase
+//! operations over etcd (see `docs/cluster.md` for the protocol), and the reads behind `job list` and
+//! `job status`.
+//!
+//! An operation lives under a lease of the coordinator's ([`LeaseGuard`]): should the coordinator die,
+//! its operation, decision and tasks vanish and every agent undoes its part. It ends, whichever way, by
+//! deleting what it wrote (the guard revokes the lease; `Op`'s drop deletes the members' states).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::coord::{Compare, Coordinator, TxnOp};
+use super::lease::LeaseGuard;
+use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord};
+use super::ClusterError;
+use super::{AgentRecord, JobManifest, JobMember, JobTimings, MemberRecord, Task};
+use crate::flows::ms;
+
+/// The coordinator's timings and timeouts.
+#[derive(Debug, Clone)]
+pub struct Timeouts {
+    /// The coordinator's lease: how long after its death the agents learn of it.
+    pub lease_ttl: Duration,
+    /// From the tasks going out until every member is locked (their GPU locks included).
+    pub prepare: Duration,
+    /// From `go` until every member's checkpoint is durable (or every member restored).
+    pub work: Duration,
+    /// After the decision, how long the members may take to say they finished or undid their part.
+    pub release: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            lease_ttl: Duration::from_secs(5),
+            prepare: Duration::from_secs(60),
+            work: Duration::from_secs(3600),
+            release: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A job checkpoint's options.
+#[derive(Debug, Clone, Default)]
+pub struct JobCheckpointOptions {
+    pub job: String,
+    pub leave_running: bool,
+    pub lock_timeout: Option<Duration>,
+    pub quiesce: Option<String>,
+    pub timeouts: Timeouts,
+}
+
+/// A finished job restore: each member's restored root PID on its node.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct JobRestoreOutcome {
+    pub id: String,
+    pub job: String,
+    pub members: Vec<RestoredMember>,
+    pub timings_ms: JobTimings,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RestoredMember {
+    pub rank: u32,
+    pub node: String,
+    pub pid: i32,
+}
+
+/// Registers (or replaces) a member of a job.
+pub fn add_member(
+    coord: &dyn Coordinator,
+    job: &str,
+    m: &MemberRecord,
+) -> Result<(), ClusterError> {
+    rec::check_name("job", job).map_err(ClusterError::Usage)?;
+    rec::check_name("node", &m.node).map_err(ClusterError::Usage)?;
+    if m.pid.is_none() == m.container.is_none() {
+        return Err(ClusterError::Usage(
+            "a member is a PID or a container, one of the two".into(),
+        ));
+    }
+    coord.put(&rec::member(job, m.rank), &encode(m), None)?;
+    Ok(())
+}
+
+/// The members of `job`, by rank.
+pub fn members(coord: &dyn Coordinator, job: &str) -> Result<Vec<MemberRecord>, ClusterError> {
+    let (kvs, _) = coord.range(&rec::members(job))?;
+    kvs.iter()
+        .map(|kv| decode(&kv.key, &kv.value).map_err(Into::into))
+        .collect()
+}
+
+/// Every job with members, and its members.
+pub fn jobs(coord: &dyn Coordinator) -> Result<BTreeMap<String, Vec<MemberRecord>>, ClusterError> {
+    let (kvs, _) = coord.range(&rec::jobs())?;
+    let mut out: BTreeMap<String, Vec<MemberRecord>> = BTreeMap::new();
+    for kv in kvs {
+        let rest = &kv.key[rec::jobs().len()..];
+        if let Some((job, _)) = rest.split_once("/members/") {
+            out.entry(job.to_string())
+                .or_default()
+                .push(decode(&kv.key, &kv.value)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The agents registered now (their leases alive).
+pub fn agents(coord: &dyn Coordinator) -> Result<Vec<AgentRecord>, ClusterError> {
+    let (kvs, _) = coord.range(&rec::agents())?;
+    kvs.iter()
+        .map(|kv| decode(&kv.key, &kv.value).map_err(Into::into))
+        .collect()
+}
+
+/// The committed job checkpoints (of `job`, or all), oldest first.
+pub fn checkpoints(
+    coord: &dyn Coordinator,
+    job: Option<&str>,
+) -> Result<Vec<JobManifest>, ClusterError> {
+    let (kvs, _) = coord.range(&rec::checkpoints())?;
+    let mut all: Vec<JobManifest> = kvs
+        .iter()
+        .map(|kv| decode::<JobManifest>(&kv.key, &kv.value))
+        .collect::<Result<_, _>>()?;
+    all.retain(|m| job.is_none_or(|j| m.job == j));
+    all.sort_by_key(|m| m.cut.committed_unix_ms);
+    Ok(all)
+}
+
+/// One committed job checkpoint.
+pub fn checkpoint(coord: &dyn Coordinator, id: &str) -> Result<JobManifest, ClusterError> {
+    rec::check_name("job checkpoint", id).map_err(ClusterError::Usage)?;
+    let kv = coord
+        .get(&rec::checkpoint(id))?
+        .ok_or_else(|| ClusterError::NotFound { id: id.into() })?;
+    Ok(decode(&kv.key, &kv.value)?)
+}
+
+/// The operations running now (their coordinators alive).
+pub fn running(coord: &dyn Coordinator) -> Result<Vec<rec::OpRecord>, ClusterError> {
+    let (kvs, _) = coord.range(&format!("{}ops/", rec::ROOT))?;
+    kvs.iter()
+        .filter(|kv| kv.key.ends_with("/op"))
+        .map(|kv| decode(&kv.key, &kv.value).map_err(Into::into))
+        .collect()
+}
+
+/// What a member's state means at one step of an operation.
+enum Verdict {
+    Done,
+    Pending,
+    Fail(String),
+}
+
+/// One operation of the coordinator's: its id, its members (on the nodes that run them), its lease.
+struct Op<'a> {
+    coord: &'a dyn Coordinator,
+    id: String,
+    members: Vec<MemberRecord>,
+    lease: LeaseGuard,
+    /// Time spent in etcd requests (not in watches, which wait for the members), in milliseconds: the
+    /// protocol's own round trips.
+    etcd_ms: std::cell::Cell<f64>,
+}
+
+impl<'a> Op<'a> {
+    fn etcd<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.etcd_ms.set(self.etcd_ms.get() + ms(t));
+        r
+    }
+
+    /// Starts the operation: its record and every member's task, in one transaction, under the lease.
+    fn start(
+        coord: &'a dyn Coordinator,
+        shared: Arc<dyn Coordinator>,
+        record: rec::OpRecord,
+        tasks: Vec<Task>,
+        ttl: Duration,
+    ) -> Result<Op<'a>, ClusterError> {
+        let lease = LeaseGuard::grant(shared, ttl)?;
+        let mut then = vec![TxnOp::Put {
+            key: rec::op(&record.id),
+            value: encode(&record),
+            lease: Some(lease.id()),
+        }];
+        for t in &tasks {
+            then.push(TxnOp::Put {
+                key: rec::task(&t.member.node, &t.op, t.member.rank),
+                value: encode(t),
+                lease: Some(lease.id()),
+            });
+        }
+        let fresh = [
+            Compare::Missing(rec::op(&record.id)),
+            Compare::Missing(rec::checkpoint(&record.id)),
+        ];
+        if !coord.txn(&fresh, &then)? {
+            return Err(ClusterError::Busy {
+                what: format!("operation {} exists already", record.id),
+            });
+        }
+        Ok(Op {
+            coord,
+            id: record.id,
+            members: record.members,
+            lease,
+            etcd_ms: Default::default(),
+        })
+    }
+
+    /// Waits until `judge` says every member is done, one fails, or `limit` passes.
+    fn wait_all(
+        &self,
+        phase: &str,
+        limit: Duration,
+        judge: impl Fn(Option<&MemberState>, bool) -> Verdict,
+    ) -> Result<BTreeMap<u32, MemberState>, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.lease.lost() {
+                return Err("the coordinator's etcd lease expired".into());
+            }
+            let (states, rev) = self
+                .etcd(|| self.coord.range(&rec::states(&self.id)))
+                .map_err(|e| e.to_string())?;
+            let (agents, _) = self
+                .etcd(|| self.coord.range(&rec::agents()))
+                .map_err(|e| e.to_string())?;
+            let mut by_rank = BTreeMap::new();
+            for kv in &states {
+                let s: StateRecord = decode(&kv.key, &kv.value).map_err(|e| e.to_string())?;
+                by_rank.insert(s.rank, s.state);
+            }
+            let mut pending = Vec::new();
+            for m in &self.members {
+                let alive = agents.iter().any(|a| a.key == rec::agent(&m.node));
+                match judge(by_rank.get(&m.rank), alive) {
+                    Verdict::Done => {}
+                    Verdict::Pending => pending.push(m.rank),
+                    Verdict::Fail(why) => {
+                        return Err(format!("rank {} on node {}: {why}", m.rank, m.node))
+                    }
+                }
+            }
+            if pending.is_empty() {
+                return Ok(by_rank);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "timed out after {limit:?} waiting for ranks {pending:?} to {phase}"
+                ));
+            }
+            let wait = (deadline - now).min(Duration::from_secs(1));
+            // Not counted as etcd time: waiting here is waiting for the members.
+            self.coord
+                .watch(rec::ROOT, rev, wait)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+
+    fn decide(&self, decision: &str) -> Result<(), ClusterError> {
+        self.etcd(|| {
+            self.coord.put(
+                &rec::decision(&self.id),
+                decision.as_bytes(),
+                Some(self.lease.id()),
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Tells every member to undo its part, waits (up to `limit`) until each did or is gone, and
+    /// returns the error naming the reason and each member's outcome.
+    fn abort(&self, reason: String, limit: Duration) -> ClusterError {
+        tracing::warn!("job operation {} aborts: {reason}", self.id);
+        if let Err(e) = self.decide("abort") {
+            // The agents see the operation vanish with the lease instead.
+            tracing::warn!("writing the abort: {e}");
+        }
+        let outcome = self.wait_all("undo their part", limit, |s, alive| match s {
+            Some(MemberState::Aborted | MemberState::Failed { .. }) => Verdict::Done,
+            // A dead agent's guardian undoes its member's checkpoint.
+            _ if !alive => Verdict::Done,
+            None if self.lease.lost() => Verdict::Done,
+            _ => Verdict::Pending,
+        });
+        let undone = match outcome {
+            Ok(states) => self
+                .members
+                .iter()
+                .map(|m| {
+                    let s = match states.get(&m.rank) {
+                        Some(MemberState::Failed { error }) => format!("failed: {error}"),
+                        Some(MemberState::Aborted) => "undone".into(),
+                        _ => "agent gone (its guardian undoes)".into(),
+                    };
+                    format!("rank {} on {}: {s}", m.rank, m.node)
+                })
+                .collect(),
+            Err(e) => vec![format!("not every member confirmed its undo: {e}")],
+        };
+        ClusterError::Aborted {
+            id: self.id.clone(),
+            reason,
+            members: undone,
+        }
+    }
+}
+
+impl Drop for Op<'_> {
+    fn drop(&mut self) {
+        // The members' states (under their agents' leases) go with the operation; the rest of its keys
+        // go with the lease, when the guard drops after this.
+        if let Err(e) = self.coord.delete_prefix(&rec::op_prefix(&self.id)) {
+            tracing::warn!("removing operation {}'s keys: {e}", self.id);
+        }
+    }
+}
+
+/// Checks that every member has an agent, and that no operation on the job runs.
+fn preflight(
+    coord: &dyn Coordinator,
+    job: &str,
+    targets: &[MemberRecord],
+) -> Result<(), ClusterError> {
+    let alive = agents(coord)?;
+    for m in targets {
+        if !alive.iter().any(|a| a.node == m.node) {
+            return Err(ClusterError::NoAgent {
+                node: m.node.clone(),
+            });
+        }
+    }
+    if let Some(op) = running(coord)?.into_iter().find(|o| o.job == job) {
+        return Err(ClusterError::Busy {
+            what: format!("job {job} is in operation {} already", op.id),
+        });
+    }
+    Ok(())
+}
+
+/// A consistent checkpoint of every member of `opts.job`; see the module documentation.
+pub fn checkpoint_job(
+    coord: Arc<dyn Coordinator>,
+    opts: &JobCheckpointOptions,
+) -> Result<JobManifest, ClusterError> {
+    let started = Instant::now();
+    let started_unix_ms = rec::now_ms();
+    let c = coord.as_ref();
+    let job = &opts.job;
+    rec::check_name("job", job).map_err(ClusterError::Usage)?;
+    let members = members(c, job)?;
+    if members.is_empty() {
+        return Err(ClusterError::Usage(format!(
+            "job {job} has no members: register them with `gpu-checkpoint job add`"
+        )));
+    }
+    preflight(c, job, &members)?;
+    let id = format!("{job}-{started_unix_ms}");
+    let tasks = members
+        .iter()
+        .map(|m| Task {
+            op: id.clone(),
+            job: job.clone(),
+            kind: OpKind::Checkpoint,
+            member: m.clone(),
+            leave_running: opts.leave_running,
+            lock_timeout_ms: opts.lock_timeout.map(|d| d.as_millis() as u64),
+            quiesce: opts.quiesce.clone(),
+            checkpoint: None,
+        })
+        .collect();
+    let record = rec::OpRecord {
+        id: id.clone(),
+        job: job.clone(),
+        kind: OpKind::Checkpoint,
+        members: members.clone(),
+        started_unix_ms,
+    };
+    let t = &opts.timeouts;
+    let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
+    let mut timings = JobTimings::default();
+
+    // 1. Prepare: every member locked.
+    let phase = Instant::now();
+    let gone = |alive: bool| (!alive).then(|| "its agent is gone (lease expired)".to_string());
+    op.wait_all("lock", t.prepare, |s, alive| match (s, gone(alive)) {
+        (Some(MemberState::Failed { error }), _) => Verdict::Fail(error.clone()),
+        (Some(MemberState::Aborted), _) => Verdict::Fail("aborted".into()),
+        (_, Some(why)) => Verdict::Fail(why),
+        (Some(MemberState::Locked), _) => Verdict::Done,
+        _ => Verdict::Pending,
+    })
+    .map_err(|why| op.abort(why, t.release))?;
+    timings.prepare = ms(phase);
+    let locked_unix_ms = rec::now_ms();
+
+    // 2. Every member locked: go.
+    let phase = Instant::now();
+    op.decide("go")
+        .map_err(|e| op.abort(e.to_string(), t.release))?;
+    let states = op
+        .wait_all("store their checkpoint", t.work, |s, alive| {
+            match (s, gone(alive)) {
+                (Some(MemberState::Failed { error }), _) => Verdict::Fail(error.clone()),
+                (Some(MemberState::Aborted), _) => Verdict::Fail("aborted".into()),
+                (_, Some(why)) => Verdict::Fail(why),
+                (Some(MemberState::Durable { .. }), _) => Verdict::Done,
+                _ => Verdict::Pending,
+            }
+        })
+        .map_err(|why| op.abort(why, t.release))?;
+    timings.checkpoint = ms(phase);
+
+    // 3. Commit: the manifest and the decision in one transaction, only while the operation (the
+    // coordinator's lease) is alive; a coordinator that lost its lease cannot commit what the agents
+    // are undoing.
+    let phase = Instant::now();
+    let mut manifest = JobManifest {
+        id: id.clone(),
+        job: job.clone(),
+        leave_running: opts.leave_running,
+        members: members
+            .iter()
+            .map(|m| {
+                let (checkpoint, gpus) = match states.get(&m.rank) {
+                    Some(MemberState::Durable { checkpoint, gpus }) => {
+                        (checkpoint.clone(), gpus.clone())
+                    }
+                    _ => unreachable!("wait_all returned every member durable"),
+                };
+                JobMember {
+                    rank: m.rank,
+                    node: m.node.clone(),
+                    pid: m.pid,
+                    checkpoint,
+                    gpus,
+                }
+            })
+            .collect(),
+        cut: rec::Cut {
+            started_unix_ms,
+            locked_unix_ms,
+            committed_unix_ms: rec::now_ms(),
+        },
+        timings_ms: timings.clone(),
+    };
+    crate::fault::at("cluster.before-commit");
+    let committed = op.etcd(|| {
+        c.txn(
+            &[
+                Compare::Exists(rec::op(&id)),
+                Compare::Missing(rec::checkpoint(&id)),
+            ],
+            &[
+                TxnOp::Put {
+                    key: rec::checkpoint(&id),
+                    value: encode(&manifest),
+                    lease: None,
+                },
+                TxnOp::Put {
+                    key: rec::decision(&id),
+                    value: b"commit".to_vec(),
+                    lease: Some(op.lease.id()),
+                },
+            ],
+        )
+    });
+    match committed {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(op.abort(
+                "the coordinator's lease expired before the commit".into(),
+                t.release,
+            ))
+        }
+        // Unknown: the transaction may have applied. The agents decide from the manifest's key.
+        Err(e) => return Err(op.abort(format!("the commit failed: {e}"), t.release)),
+    }
+    timings.commit = ms(phase);
+    crate::fault::at("cluster.after-commit");
+
+    // 4. Committed: the members stop their trees (or leave them running) and keep the manifest.
+    let phase = Instant::now();
+    match op.wait_all("finish", t.release, |s, alive| match s {
+        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
+        _ if !alive => Verdict::Done,
+        _ => Verdict::Pending,
+    }) {
+        Ok(states) => {
+            for s in states.values() {
+                if let MemberState::Done { work_ms, waited_ms } = s {
+                    timings.member_work_max = timings.member_work_max.max(*work_ms - *waited_ms);
+                    timings.member_waited_max = timings.member_waited_max.max(*waited_ms);
+                }
+            }
+        }
+        Err(e) => tracing::warn!("job checkpoint {id} is committed, but: {e}"),
+    }
+    timings.release = ms(phase);
+    timings.total = ms(started);
+    timings.etcd = op.etcd_ms.get();
+    manifest.timings_ms = timings;
+    // The final timings, for `job status` (the committed record had them up to the commit).
+    if let Err(e) = c.put(&rec::checkpoint(&id), &encode(&manifest), None) {
+        tracing::warn!("recording job checkpoint {id}'s timings: {e}");
+    }
+    Ok(manifest)
+}
+
+/// Parses `OLD=NEW,...` (a member-to-node map for a restore).
+pub fn parse_node_map(s: &str) -> Result<BTreeMap<String, String>, ClusterError> {
+    let mut map = BTreeMap::new();
+    for pair in s.split(',').filter(|p| !p.is_empty()) {
+        let (old, new) = pair
+            .split_once('=')
+            .ok_or_else(|| ClusterError::Usage(format!("--node-map: {pair:?} is not OLD=NEW")))?;
+        rec::check_name("node", old).map_err(ClusterError::Usage)?;
+        rec::check_name("node", new).map_err(ClusterError::Usage)?;
+        if map.insert(old.to_string(), new.to_string()).is_some() {
+            return Err(ClusterError::Usage(format!("--node-map names {old} twice")));
+        }
+    }
+    Ok(map)
+}
+
+/// Restores every member of job checkpoint `id`, each on its node or the one `node_map` names: all
+/// restored (GPU state included) before the coordinator commits; any failure kills every restored
+/// copy and keeps the checkpoint.
+pub fn restore_job(
+    coord: Arc<dyn Coordinator>,
+    id: &str,
+    node_map: &BTreeMap<String, String>,
+    timeouts: &Timeouts,
+) -> Result<JobRestoreOutcome, ClusterError> {
+    let started = Instant::now();
+    let c = coord.as_ref();
+    let manifest = checkpoint(c, id)?;
+    if let Some(old) = node_map
+        .keys()
+        .find(|old| !manifest.members.iter().any(|m| &&m.node == old))
+    {
+        return Err(ClusterError::Usage(format!(
+            "--node-map: no member of {id} ran on node {old}"
+        )));
+    }
+    let targets: Vec<(MemberRecord, &JobMember)> = manifest
+        .members
+        .iter()
+        .map(|m| {
+            let node = node_map.get(&m.node).unwrap_or(&m.node).clone();
+            (
+                MemberRecord {
+                    rank: m.rank,
+                    node,
+                    pid: m.pid,
+                    container: None,
+                },
+                m,
+            )
+        })
+        .collect();
+    let members: Vec<MemberRecord> = targets.iter().map(|(t, _)| t.clone()).collect();
+    preflight(c, &manifest.job, &members)?;
+    let op_id = format!("{id}.restore-{}", rec::now_ms());
+    let tasks = targets
+        .iter()
+        .map(|(target, m)| Task {
+            op: op_id.clone(),
+            job: manifest.job.clone(),
+            kind: OpKind::Restore,
+            member: target.clone(),
+            leave_running: false,
+            lock_timeout_ms: None,
+            quiesce: None,
+            checkpoint: Some(m.checkpoint.clone()),
+        })
+        .collect();
+    let record = rec::OpRecord {
+        id: op_id,
+        job: manifest.job.clone(),
+        kind: OpKind::Restore,
+        members: members.clone(),
+        started_unix_ms: rec::now_ms(),
+    };
+    let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
+    let mut timings = JobTimings::default();
+    let phase = Instant::now();
+    let states = op
+        .wait_all("restore", timeouts.work, |s, alive| match s {
+            Some(MemberState::Failed { error }) => Verdict::Fail(error.clone()),
+            Some(MemberState::Aborted) => Verdict::Fail("aborted".into()),
+            _ if !alive => Verdict::Fail("its agent is gone (lease expired)".into()),
+            Some(MemberState::Restored { .. }) => Verdict::Done,
+            _ => Verdict::Pending,
+        })
+        .map_err(|why| op.abort(why, timeouts.release))?;
+    timings.checkpoint = ms(phase);
+    let phase = Instant::now();
+    op.decide("commit")
+        .map_err(|e| op.abort(e.to_string(), timeouts.release))?;
+    timings.commit = ms(phase);
+    let phase = Instant::now();
+    if let Err(e) = op.wait_all("finish", timeouts.release, |s, alive| match s {
+        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
+        _ if !alive => Verdict::Done,
+        _ => Verdict::Pending,
+    }) {
+        tracing::warn!("job {} is restored, but: {e}", manifest.job);
+    }
+    timings.release = ms(phase);
+    timings.total = ms(started);
+    timings.etcd = op.etcd_ms.get();
+    let restored = members
+        .iter()
+        .map(|m| RestoredMember {
+            rank: m.rank,
+            node: m.node.clone(),
+            pid: match states.get(&m.rank) {
+                Some(MemberState::Restored { pid }) => *pid,
+                _ => 0,
+            },
+        })
+        .collect();
+    Ok(JobRestoreOutcome {
+        id: id.to_string(),
+        job: manifest.job,
+        members: restored,
+        timings_ms: timings,
+    })
+}

@@ -1,0 +1,72 @@
+//! The cluster flow: a consistent checkpoint (and restore) of a job made of process trees on many
+//! nodes, coordinated through etcd. `docs/cluster.md` has the protocol and the commands.
+//!
+//! - [`coord`]: the boundary with etcd ([`Coordinator`]), [`EtcdCoordinator`] (feature `cluster`)
+//!   and [`MemoryCoordinator`] (tests);
+//! - [`records`]: the key layout and the versioned records;
+//! - [`job`]: the coordinator's side (`job checkpoint`, `job restore`, the reads of `list`/`status`);
+//! - [`agent`]: the agent's side, which drives the checkpoint flow through [`crate::flows::Phases`].
+//!
+//! Every member's local work is the single-node flows' (through [`agent::MemberWork`]), so a job's
+//! abort is undone by the same guards as a failed checkpoint.
+
+pub mod agent;
+pub mod coord;
+#[cfg(feature = "cluster")]
+mod etcd;
+pub mod job;
+mod lease;
+mod memory;
+pub mod records;
+#[cfg(test)]
+mod tests;
+
+use crate::exit::{Classify, ExitStatus};
+
+pub use agent::{run_agent, AgentOptions, MemberWork};
+pub use coord::{CoordError, Coordinator, Event, Kv, LeaseId, Revision};
+#[cfg(feature = "cluster")]
+pub use etcd::EtcdCoordinator;
+pub use job::{
+    checkpoint_job, restore_job, JobCheckpointOptions, JobRestoreOutcome, RestoredMember, Timeouts,
+};
+pub use lease::LeaseGuard;
+pub use memory::MemoryCoordinator;
+pub use records::{
+    AgentRecord, Cut, JobManifest, JobMember, JobTimings, MemberRecord, MemberState, Task,
+};
+
+/// Errors of the cluster flow.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error(transparent)]
+    Coord(#[from] CoordError),
+    #[error("{0}")]
+    Usage(String),
+    #[error(
+        "no agent is registered for node {node} (start `gpu-checkpoint agent --node {node}` there)"
+    )]
+    NoAgent { node: String },
+    #[error("no job checkpoint {id} in etcd")]
+    NotFound { id: String },
+    #[error("{what}")]
+    Busy { what: String },
+    #[error("job operation {id} aborted: {reason}; nothing was committed, and every member undid its part:{}", members.iter().map(|m| format!("\n  - {m}")).collect::<String>())]
+    Aborted {
+        id: String,
+        reason: String,
+        members: Vec<String>,
+    },
+}
+
+impl Classify for ClusterError {
+    fn exit_status(&self) -> ExitStatus {
+        match self {
+            ClusterError::Coord(e) => e.exit_status(),
+            ClusterError::Usage(_) => ExitStatus::Usage,
+            ClusterError::NoAgent { .. } | ClusterError::Busy { .. } => ExitStatus::Conflict,
+            ClusterError::NotFound { .. } => ExitStatus::CheckpointInvalid,
+            ClusterError::Aborted { .. } => ExitStatus::Failure,
+        }
+    }
+}

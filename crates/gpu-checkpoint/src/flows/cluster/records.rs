@@ -1,0 +1,316 @@
+//! What the cluster flow keeps in etcd, and where: the key layout and the JSON records, each versioned
+//! and self-describing (`schema`, `schema_version`) like the checkpoint manifest, so that a newer
+//! gpu-checkpoint's records are refused rather than misread.
+//!
+//! ```text
+//! /gpu-checkpoint/v1/agents/NODE                 AgentRecord     (the agent's lease)
+//! /gpu-checkpoint/v1/jobs/JOB/members/RANK       MemberRecord    (job add)
+//! /gpu-checkpoint/v1/checkpoints/ID              JobManifest     (the commit's transaction)
+//! /gpu-checkpoint/v1/ops/ID/op                   OpRecord        (the coordinator's lease)
+//! /gpu-checkpoint/v1/ops/ID/decision             "go" | "commit" | "abort" (the coordinator's lease)
+//! /gpu-checkpoint/v1/ops/ID/members/RANK         StateRecord     (the member's agent's lease)
+//! /gpu-checkpoint/v1/tasks/NODE/ID/RANK          Task            (the coordinator's lease)
+//! ```
+//!
+//! Leases carry the failure detection: a dead coordinator's operation, decision and tasks vanish (its
+//! agents abort), a dead agent's registration and states vanish (its coordinator aborts).
+
+use serde::{Deserialize, Serialize};
+
+use super::coord::CoordError;
+
+/// Every key of the cluster flow starts with this.
+pub const ROOT: &str = "/gpu-checkpoint/v1/";
+/// The `schema` of the records.
+pub const SCHEMA: &str = "gpu-checkpoint/cluster";
+/// The version of the records this build writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+pub fn agents() -> String {
+    format!("{ROOT}agents/")
+}
+pub fn agent(node: &str) -> String {
+    format!("{ROOT}agents/{node}")
+}
+pub fn members(job: &str) -> String {
+    format!("{ROOT}jobs/{job}/members/")
+}
+pub fn member(job: &str, rank: u32) -> String {
+    // Zero-padded: etcd lists keys in byte order, and ranks should come out in numeric order.
+    format!("{ROOT}jobs/{job}/members/{rank:08}")
+}
+pub fn jobs() -> String {
+    format!("{ROOT}jobs/")
+}
+pub fn checkpoints() -> String {
+    format!("{ROOT}checkpoints/")
+}
+pub fn checkpoint(id: &str) -> String {
+    format!("{ROOT}checkpoints/{id}")
+}
+pub fn op_prefix(id: &str) -> String {
+    format!("{ROOT}ops/{id}/")
+}
+pub fn op(id: &str) -> String {
+    format!("{ROOT}ops/{id}/op")
+}
+pub fn decision(id: &str) -> String {
+    format!("{ROOT}ops/{id}/decision")
+}
+pub fn states(id: &str) -> String {
+    format!("{ROOT}ops/{id}/members/")
+}
+pub fn state(id: &str, rank: u32) -> String {
+    format!("{ROOT}ops/{id}/members/{rank:08}")
+}
+pub fn tasks(node: &str) -> String {
+    format!("{ROOT}tasks/{node}/")
+}
+pub fn task(node: &str, id: &str, rank: u32) -> String {
+    format!("{ROOT}tasks/{node}/{id}/{rank:08}")
+}
+
+/// A name that goes into a key (node, job, checkpoint id): no `/` (it would change the layout), no
+/// blanks or control characters, not empty, at most 128 bytes.
+pub fn check_name(what: &str, name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:@".contains(&b))
+        && name != "."
+        && name != "..";
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} {name:?}: use 1-128 of A-Z a-z 0-9 - _ . : @"
+        ))
+    }
+}
+
+/// The envelope of every record: which schema, which version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Envelope<T> {
+    schema: String,
+    schema_version: u32,
+    #[serde(flatten)]
+    body: T,
+}
+
+/// A record as the bytes etcd keeps.
+pub fn encode<T: Serialize>(body: &T) -> Vec<u8> {
+    serde_json::to_vec(&Envelope {
+        schema: SCHEMA.into(),
+        schema_version: SCHEMA_VERSION,
+        body,
+    })
+    .expect("records are plain data")
+}
+
+/// A record from etcd's bytes; refuses another schema or a newer version.
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T, CoordError> {
+    let bad = |why: String| CoordError::Request(format!("record {key}: {why}"));
+    let env: Envelope<serde_json::Value> =
+        serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+    if env.schema != SCHEMA {
+        return Err(bad(format!("schema {:?}, not {SCHEMA:?}", env.schema)));
+    }
+    if env.schema_version > SCHEMA_VERSION {
+        return Err(bad(format!(
+            "written by a newer gpu-checkpoint (schema version {}, this one reads up to {SCHEMA_VERSION})",
+            env.schema_version
+        )));
+    }
+    serde_json::from_value(env.body).map_err(|e| bad(e.to_string()))
+}
+
+/// An agent's registration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentRecord {
+    pub node: String,
+    /// The agent's PID on its node.
+    pub pid: u32,
+    /// Its store (a folder, shared or not).
+    pub storage: String,
+    pub tool_version: String,
+    pub started_unix_ms: u64,
+}
+
+/// A member of a job: one process tree on one node, with its rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    pub rank: u32,
+    pub node: String,
+    /// The root of the member's process tree on its node.
+    pub pid: Option<i32>,
+    /// Or its container (recorded; the agent does not resolve containers yet).
+    pub container: Option<String>,
+}
+
+/// What an operation does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OpKind {
+    Checkpoint,
+    Restore,
+}
+
+/// The operation a coordinator runs, kept while it runs (its lease).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpRecord {
+    pub id: String,
+    pub job: String,
+    pub kind: OpKind,
+    pub members: Vec<MemberRecord>,
+    pub started_unix_ms: u64,
+}
+
+/// One member's part of an operation, for the agent of its node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    /// The operation (and, for a checkpoint, the job checkpoint's id).
+    pub op: String,
+    pub job: String,
+    pub kind: OpKind,
+    /// The member, on the node that runs this task (a restore's target node).
+    pub member: MemberRecord,
+    /// Checkpoint: keep the tree running afterwards.
+    pub leave_running: bool,
+    /// Checkpoint: how long locking a CUDA process may wait for its GPU work (None: no limit).
+    pub lock_timeout_ms: Option<u64>,
+    /// Checkpoint: a command run before the lock (the application reaches a collective boundary).
+    pub quiesce: Option<String>,
+    /// Restore: the member checkpoint to restore.
+    pub checkpoint: Option<String>,
+}
+
+/// Where a member is in an operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "kebab-case")]
+pub enum MemberState {
+    /// Checkpoint: every GPU process of the member is locked; waiting for `go`.
+    Locked,
+    /// Checkpoint: the member's checkpoint is durable in its store; waiting for `commit`.
+    Durable {
+        checkpoint: String,
+        gpus: Vec<String>,
+    },
+    /// Restore: the member's tree is restored, GPU state included; waiting for `commit`.
+    Restored { pid: i32 },
+    /// The member finished its part after the commit: its whole part took `work_ms`, of which it waited
+    /// `waited_ms` at the barriers for the others and the coordinator.
+    Done { work_ms: f64, waited_ms: f64 },
+    /// The member undid its part after an abort (unlocked and running, or its restored copy killed).
+    Aborted,
+    /// The member failed; it undid its part.
+    Failed { error: String },
+}
+
+/// A member's state, as its agent writes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateRecord {
+    pub rank: u32,
+    pub node: String,
+    #[serde(flatten)]
+    pub state: MemberState,
+    pub at_unix_ms: u64,
+}
+
+/// One member of a committed job checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobMember {
+    pub rank: u32,
+    pub node: String,
+    pub pid: Option<i32>,
+    /// The member's own checkpoint, in its node's store.
+    pub checkpoint: String,
+    /// The GPUs its processes used, by UUID.
+    pub gpus: Vec<String>,
+}
+
+/// The cut: when every member was locked (`go`), and when the job checkpoint was committed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cut {
+    pub started_unix_ms: u64,
+    pub locked_unix_ms: u64,
+    pub committed_unix_ms: u64,
+}
+
+/// Where the coordinator's time went (milliseconds): `prepare` (tasks out until every member locked),
+/// `checkpoint` (go until every member durable), `commit` (the transaction), `release` (until every
+/// member finished). The protocol's own round trips are in `etcd` (the coordinator's etcd requests, not
+/// its waits); the members' own work in `member_work_max` (the slowest member's part less its waits at
+/// the barriers, `member_waited_max` the longest such wait).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobTimings {
+    pub prepare: f64,
+    pub checkpoint: f64,
+    pub commit: f64,
+    pub release: f64,
+    pub total: f64,
+    pub etcd: f64,
+    #[serde(default)]
+    pub member_work_max: f64,
+    #[serde(default)]
+    pub member_waited_max: f64,
+}
+
+/// A committed job checkpoint: in etcd (`checkpoints/ID`) and in every member's store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobManifest {
+    pub id: String,
+    pub job: String,
+    pub leave_running: bool,
+    pub members: Vec<JobMember>,
+    pub cut: Cut,
+    pub timings_ms: JobTimings,
+}
+
+/// Milliseconds since the epoch, for the records.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_carry_their_schema_and_newer_ones_are_refused() {
+        let m = MemberRecord {
+            rank: 3,
+            node: "n1".into(),
+            pid: Some(42),
+            container: None,
+        };
+        let bytes = encode(&m);
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["schema"], SCHEMA);
+        assert_eq!(v["schema_version"], SCHEMA_VERSION);
+        assert_eq!(decode::<MemberRecord>("k", &bytes).unwrap(), m);
+        let mut newer = v.clone();
+        newer["schema_version"] = (SCHEMA_VERSION + 1).into();
+        let e = decode::<MemberRecord>("k", &serde_json::to_vec(&newer).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("newer gpu-checkpoint"), "{e}");
+        let s = StateRecord {
+            rank: 1,
+            node: "a".into(),
+            state: MemberState::Failed { error: "x".into() },
+            at_unix_ms: 5,
+        };
+        assert_eq!(decode::<StateRecord>("k", &encode(&s)).unwrap(), s);
+    }
+
+    #[test]
+    fn names_that_would_change_the_key_layout_are_refused() {
+        for bad in ["", "a/b", "..", "a b", "x\n"] {
+            assert!(check_name("node", bad).is_err(), "{bad:?}");
+        }
+        assert!(check_name("node", "node-1.rack:2").is_ok());
+        // Ranks sort numerically as keys.
+        assert!(member("j", 10) > member("j", 9));
+    }
+}
