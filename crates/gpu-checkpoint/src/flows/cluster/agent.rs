@@ -4,7 +4,7 @@
 //!
 //! What a member does on its node is the [`MemberWork`] the caller gives (the binary: the checkpoint and
 //! restore flows with CRIU, the GPU hook and the store); this module only speaks the protocol: it writes
-//! the member's state, and waits at the barriers for the coordinator's decision ([`AgentPhases`]).
+//! the member's state, and waits at the barriers for the coordinator's decision (`AgentPhases`).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};

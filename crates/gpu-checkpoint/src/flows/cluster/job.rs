@@ -4,7 +4,7 @@
 //!
 //! An operation lives under a lease of the coordinator's ([`LeaseGuard`]): should the coordinator die,
 //! its operation, decision and tasks vanish and every agent undoes its part. It ends, whichever way, by
-//! deleting what it wrote (the guard revokes the lease; [`Cleanup`] deletes the members' states).
+//! deleting what it wrote (the guard revokes the lease; `Op`'s drop deletes the members' states).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
