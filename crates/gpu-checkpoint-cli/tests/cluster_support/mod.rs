@@ -80,8 +80,6 @@ impl Etcd {
                     "--initial-cluster-token",
                     &format!("t{}", std::process::id()),
                 ])
-                // Small timings: the fault tests wait for elections.
-                .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -150,7 +148,7 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(etcd: &Etcd, node: &str, store: &Path, dir: &Path, env: &[(&str, &str)]) -> Agent {
-        Self::start_with(etcd, node, store, dir, env, "2s")
+        Self::start_with(etcd, node, store, dir, env, "10s")
     }
 
     /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one).

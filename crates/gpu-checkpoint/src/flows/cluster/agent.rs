@@ -96,10 +96,25 @@ pub fn run_agent(
     let prefix = rec::tasks(&opts.node);
     let mut seen = HashSet::new();
     std::thread::scope(|scope| {
-        let (tasks, mut rev) = c.range(&prefix)?;
-        let mut fresh: Vec<(String, Vec<u8>)> =
-            tasks.into_iter().map(|kv| (kv.key, kv.value)).collect();
+        // etcd may fail a request now and then (a member restarting, a loaded machine): the agent logs
+        // it and reads its tasks again rather than dying, as long as its lease lives.
+        let mut rev = 0;
+        let mut resync = true;
+        let mut fresh: Vec<(String, Vec<u8>)> = Vec::new();
         loop {
+            if resync {
+                match c.range(&prefix) {
+                    Ok((tasks, r)) => {
+                        rev = r;
+                        fresh.extend(tasks.into_iter().map(|kv| (kv.key, kv.value)));
+                        resync = false;
+                    }
+                    Err(e) => {
+                        tracing::warn!("reading this node's tasks: {e}");
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                }
+            }
             for (key, value) in fresh.drain(..) {
                 if !seen.insert(key.clone()) {
                     continue;
@@ -130,10 +145,22 @@ pub fn run_agent(
                     lease.id(),
                 )));
             }
-            for e in c.watch(&prefix, rev, Duration::from_millis(500))? {
-                rev = rev.max(e.revision());
-                if let super::Event::Put(kv) = e {
-                    fresh.push((kv.key, kv.value));
+            if resync {
+                continue;
+            }
+            match c.watch(&prefix, rev, Duration::from_millis(500)) {
+                Ok(events) => {
+                    for e in events {
+                        rev = rev.max(e.revision());
+                        if let super::Event::Put(kv) = e {
+                            fresh.push((kv.key, kv.value));
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("watching this node's tasks: {e}");
+                    resync = true;
+                    std::thread::sleep(Duration::from_millis(200));
                 }
             }
         }

@@ -68,6 +68,28 @@ impl EtcdCoordinator {
         &self.endpoints
     }
 
+    /// Runs one request, again (up to [`TRIES`] times) when it was never sent: the client spreads
+    /// requests over the endpoints, and one whose member is down refuses the connection; the next try goes
+    /// to another. A request that may have reached etcd is never repeated (a transaction's second try
+    /// would see its own first one).
+    fn call<T, F, Fut>(&self, f: F) -> Result<T, etcd_client::Error>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let mut tries = 1;
+        loop {
+            match self.rt.block_on(f(self.client.clone())) {
+                Err(e) if tries < TRIES && never_sent(&e) => {
+                    tracing::debug!("etcd request not sent ({e}); trying again");
+                    std::thread::sleep(Duration::from_millis(50 * tries as u64));
+                    tries += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn kv(kv: &etcd_client::KeyValue) -> Kv {
         Kv {
             key: String::from_utf8_lossy(kv.key()).into_owned(),
@@ -81,28 +103,24 @@ impl Coordinator for EtcdCoordinator {
     fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> CoordResult<Revision> {
         let opts = lease.map(|l| PutOptions::new().with_lease(l));
         let r = self
-            .rt
-            .block_on(self.client.clone().put(key, value, opts))
+            .call(|mut c| {
+                let opts = opts.clone();
+                async move { c.put(key, value, opts).await }
+            })
             .map_err(|e| lease_or_request(e, lease))?;
         Ok(r.header().map_or(0, |h| h.revision()))
     }
 
     fn get(&self, key: &str) -> CoordResult<Option<Kv>> {
         let r = self
-            .rt
-            .block_on(self.client.clone().get(key, None))
+            .call(|mut c| async move { c.get(key, None).await })
             .map_err(request)?;
         Ok(r.kvs().first().map(Self::kv))
     }
 
     fn range(&self, prefix: &str) -> CoordResult<(Vec<Kv>, Revision)> {
         let r = self
-            .rt
-            .block_on(
-                self.client
-                    .clone()
-                    .get(prefix, Some(GetOptions::new().with_prefix())),
-            )
+            .call(|mut c| async move { c.get(prefix, Some(GetOptions::new().with_prefix())).await })
             .map_err(request)?;
         let rev = r.header().map_or(0, |h| h.revision());
         Ok((r.kvs().iter().map(Self::kv).collect(), rev))
@@ -110,12 +128,10 @@ impl Coordinator for EtcdCoordinator {
 
     fn delete_prefix(&self, prefix: &str) -> CoordResult<u64> {
         let r = self
-            .rt
-            .block_on(
-                self.client
-                    .clone()
-                    .delete(prefix, Some(DeleteOptions::new().with_prefix())),
-            )
+            .call(|mut c| async move {
+                c.delete(prefix, Some(DeleteOptions::new().with_prefix()))
+                    .await
+            })
             .map_err(request)?;
         Ok(r.deleted().max(0) as u64)
     }
@@ -123,15 +139,14 @@ impl Coordinator for EtcdCoordinator {
     fn grant(&self, ttl: Duration) -> CoordResult<LeaseId> {
         let secs = ttl.as_secs_f64().ceil().max(1.0) as i64;
         let r = self
-            .rt
-            .block_on(self.client.clone().lease_grant(secs, None))
+            .call(|mut c| async move { c.lease_grant(secs, None).await })
             .map_err(request)?;
         Ok(r.id())
     }
 
     fn keep_alive(&self, lease: LeaseId) -> CoordResult<()> {
-        let ttl = self.rt.block_on(async {
-            let (mut keeper, mut stream) = self.client.clone().lease_keep_alive(lease).await?;
+        let ttl = self.call(|mut c| async move {
+            let (mut keeper, mut stream) = c.lease_keep_alive(lease).await?;
             keeper.keep_alive().await?;
             let answer = tokio::time::timeout(CALL_TIMEOUT, stream.message())
                 .await
@@ -146,8 +161,7 @@ impl Coordinator for EtcdCoordinator {
     }
 
     fn revoke(&self, lease: LeaseId) -> CoordResult<()> {
-        self.rt
-            .block_on(self.client.clone().lease_revoke(lease))
+        self.call(|mut c| async move { c.lease_revoke(lease).await })
             .map(drop)
             .map_err(|e| lease_or_request(e, Some(lease)))
     }
@@ -174,8 +188,10 @@ impl Coordinator for EtcdCoordinator {
             .collect();
         let txn = Txn::new().when(compares).and_then(ops);
         let r = self
-            .rt
-            .block_on(self.client.clone().txn(txn))
+            .call(|mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
             .map_err(request)?;
         Ok(r.succeeded())
     }
@@ -184,13 +200,13 @@ impl Coordinator for EtcdCoordinator {
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(after + 1);
+        let mut stream = self
+            .call(|mut c| {
+                let opts = opts.clone();
+                async move { c.watch(prefix, Some(opts)).await }
+            })
+            .map_err(request)?;
         self.rt.block_on(async {
-            let mut stream = self
-                .client
-                .clone()
-                .watch(prefix, Some(opts))
-                .await
-                .map_err(request)?;
             let deadline = tokio::time::Instant::now() + timeout;
             loop {
                 let msg = match tokio::time::timeout_at(deadline, stream.message()).await {
@@ -224,6 +240,15 @@ impl Coordinator for EtcdCoordinator {
             }
         })
     }
+}
+
+/// How often a request that could not be sent is tried.
+const TRIES: u32 = 5;
+
+/// The request failed before reaching etcd: the connection to the endpoint chosen was refused.
+fn never_sent(e: &etcd_client::Error) -> bool {
+    let text = e.to_string();
+    text.contains("tcp connect error") || text.contains("Connection refused")
 }
 
 /// etcd says "requested lease not found" for a lease that expired: the caller must know it lost it.
