@@ -17,10 +17,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::backend::LockGuard;
+use super::backend::Objects;
 use super::chunk::{is_zero, ChunkId, Decoder, Encoder};
 use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
+use super::lease::WriterGuard;
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::read::{check_reused, Reused};
 use super::stream::{Streamed, Streams};
@@ -102,7 +103,8 @@ pub struct Ingest {
     created: String,
     staging: PathBuf,
     done: bool,
-    _lock: LockGuard,
+    /// Keeps gc off this ingest's chunks until its manifest is put.
+    guard: WriterGuard,
 }
 
 struct FileToIngest {
@@ -218,7 +220,7 @@ impl Ingest {
         name: Option<String>,
         created: String,
         staging: PathBuf,
-        lock: LockGuard,
+        guard: WriterGuard,
     ) -> Ingest {
         Ingest {
             inner,
@@ -227,7 +229,7 @@ impl Ingest {
             created,
             staging,
             done: false,
-            _lock: lock,
+            guard,
         }
     }
 
@@ -393,6 +395,17 @@ impl Ingest {
         stats.manifest_bytes = manifest::encode(&info).len() as u64;
         info.stats = stats;
         let bytes = manifest::encode(&info);
+        if let WriterGuard::Lease(lease) = &self.guard {
+            // No lock kept gc away (an object store): make sure it took none of the chunks reused.
+            let new: HashSet<&ChunkId> = collected.new.iter().collect();
+            let reused: Vec<ChunkId> = collected
+                .stored
+                .keys()
+                .filter(|id| !new.contains(id))
+                .copied()
+                .collect();
+            lease.before_commit(&reused)?;
+        }
         // Every chunk named by the manifest is durable (sync above): now the checkpoint may exist.
         self.inner.backend.put_manifest(&self.id, &bytes)?;
         self.done = true;

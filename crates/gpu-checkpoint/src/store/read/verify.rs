@@ -4,7 +4,7 @@
 
 use std::fs;
 
-use crate::store::backend::Backend;
+use crate::store::backend::{Backend, Objects};
 use crate::store::chunk::{ChunkId, Decoder, HEADER_LEN, TRAILER_LEN};
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;
