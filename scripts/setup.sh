@@ -70,4 +70,14 @@ if ! bash scripts/install-zdtm.sh >/dev/null; then
     fi
     echo "setup: building CRIU's zdtm tests failed; the zdtm suite will be skipped" >&2
 fi
+# s3s-fs, the S3-compatible server the store's object-storage tests run against, built once into a cache
+# outside the clone (scripts/install-s3s.sh); the same rule: a failure fails CI, elsewhere the S3 tests say
+# why they are skipped.
+if ! bash scripts/install-s3s.sh >/dev/null; then
+    if [ "${CI:-}" = true ]; then
+        echo "setup: building s3s-fs failed" >&2
+        exit 1
+    fi
+    echo "setup: building s3s-fs failed; the S3 tests will be skipped" >&2
+fi
 cargo build --workspace --all-targets

@@ -21,6 +21,7 @@ use super::backend::Objects;
 use super::chunk::{is_zero, ChunkId, Decoder, Encoder};
 use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
+use super::index::ChunkIndex;
 use super::lease::WriterGuard;
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::read::{check_reused, Reused};
@@ -477,6 +478,8 @@ impl Ingest {
         let params = self.inner.opts.chunking;
         let level = self.inner.opts.compression_level();
         let backend = &*self.inner.backend;
+        let index = self.inner.index.get(backend);
+        let index = index.as_deref();
         let pool = SegmentPool::new(plan.segments, plan.segment_size);
         let collected = Mutex::new(Collected {
             chunks: files.iter().map(|_| Vec::new()).collect(),
@@ -554,7 +557,7 @@ impl Ingest {
                             continue;
                         };
                         let file_hints = hints.get(&files[file].rel);
-                        match store_piece(backend, enc, dec, seen, &piece, file_hints) {
+                        match store_piece(backend, index, enc, dec, seen, &piece, file_hints) {
                             Ok((cref, outcome)) => {
                                 let len = piece.data().len() as u64;
                                 let index = piece.index;
@@ -607,6 +610,7 @@ pub(super) enum Outcome {
 
 pub(super) fn store_piece(
     backend: &dyn super::backend::Backend,
+    index: Option<&ChunkIndex>,
     enc: &mut Encoder,
     dec: &mut Decoder,
     seen: &Mutex<HashSet<ChunkId>>,
@@ -635,7 +639,12 @@ pub(super) fn store_piece(
     if !first {
         return Ok((cref, Outcome::Duplicate));
     }
-    match check_reused(backend, &id, data, enc.object_buffer(), dec) {
+    // Not in the index of stored chunks (object stores): certainly new, no request to find that out.
+    let reused = match index {
+        Some(i) if !i.may_hold(&id) => Reused::Missing,
+        _ => check_reused(backend, &id, data, enc.object_buffer(), dec),
+    };
+    match reused {
         Reused::Good(stored) => return Ok((cref, Outcome::Present(stored))),
         Reused::Missing => {}
         // Written again below, under a temporary name renamed over the damaged one, and made durable with
@@ -653,6 +662,9 @@ pub(super) fn store_piece(
         backend.put_chunk(&id, &header.encode(), payload)?;
         header
     };
+    if let Some(i) = index {
+        i.add(id);
+    }
     Ok((cref, Outcome::New(header.stored_len())))
 }
 

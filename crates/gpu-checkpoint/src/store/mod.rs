@@ -21,6 +21,7 @@ pub mod chunk;
 pub mod chunker;
 mod error;
 mod gc;
+mod index;
 mod ingest;
 mod lease;
 pub mod manifest;
@@ -113,6 +114,8 @@ impl Progress for NoProgress {
 pub(crate) struct Inner {
     backend: Arc<dyn Backend>,
     opts: StoreOptions,
+    /// Stored chunks, for backends where asking is a request.
+    index: index::IndexCache,
 }
 
 impl Inner {
@@ -187,10 +190,10 @@ impl Store {
             what: "any checkpoint (no store here)".into(),
             storage: storage.into(),
         };
-        if storage.starts_with("s3://") {
+        if let Some(_url) = storage.strip_prefix("s3://") {
             #[cfg(feature = "s3")]
             {
-                let config = backend::S3Config::from_env(&storage["s3://".len()..])?;
+                let config = backend::S3Config::from_env(_url)?;
                 let backend = backend::S3Backend::new(config)?;
                 if backend.head(backend::STORE_FILE)?.is_none() {
                     return Err(none());
@@ -214,7 +217,11 @@ impl Store {
         opts.chunking.validate().map_err(Error::Invalid)?;
         backend.init()?;
         Ok(Store {
-            inner: Arc::new(Inner { backend, opts }),
+            inner: Arc::new(Inner {
+                backend,
+                opts,
+                index: Default::default(),
+            }),
         })
     }
 

@@ -280,6 +280,7 @@ impl<'a> Streams<'a> {
     /// Runs one worker until the session is closed and every queued chunk is stored.
     pub fn work(&self, progress: &dyn Progress) {
         let backend = &*self.ingest.inner().backend;
+        let index = self.ingest.inner().index.get(backend);
         let mut coder = match coder(self.level, self.params.max_size as usize) {
             Ok(c) => Some(c),
             Err(e) => {
@@ -300,7 +301,15 @@ impl<'a> Streams<'a> {
             let name = self.files.lock().unwrap_or_else(|p| p.into_inner())[file]
                 .name
                 .clone();
-            match store_piece(backend, enc, dec, &self.seen, &piece, self.hints.get(&name)) {
+            match store_piece(
+                backend,
+                index.as_deref(),
+                enc,
+                dec,
+                &self.seen,
+                &piece,
+                self.hints.get(&name),
+            ) {
                 Ok((cref, outcome)) => {
                     let len = piece.data().len() as u64;
                     let index = piece.index;

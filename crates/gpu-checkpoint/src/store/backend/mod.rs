@@ -17,10 +17,14 @@ mod files;
 mod local;
 mod memory;
 mod objects;
+#[cfg(feature = "s3")]
+mod s3;
 
 pub use local::{LocalBackend, DIRECT_IO_ENV};
 pub use memory::MemoryBackend;
 pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
+#[cfg(feature = "s3")]
+pub use s3::{S3Backend, S3Config, S3_RETRY_TIMEOUT_ENV};
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
