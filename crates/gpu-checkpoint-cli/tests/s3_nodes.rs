@@ -30,15 +30,21 @@ impl Node {
         }
     }
 
-    fn run(&self, args: &[&str]) -> Output {
-        Command::new(gc_bin())
-            .args(args)
+    /// The tool with this node's environment, its output captured.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(gc_bin());
+        cmd.args(args)
             .env("TMPDIR", &self.tmp)
             // Failures in tests are quick: a stopped server is not waited for.
             .env("GPU_CHECKPOINT_S3_RETRY_TIMEOUT", "3")
             .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
-            .output()
-            .expect("run gpu-checkpoint")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run gpu-checkpoint")
     }
 
     fn json(&self, args: &[&str]) -> serde_json::Value {
@@ -153,13 +159,8 @@ fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed(
     let (w, checksum) = memory_workload(dir.path(), "256");
     let pid = w.pid.to_string();
     // Started, then the server goes away once the first chunks are in: mid-checkpoint.
-    let mut child = Command::new(gc_bin())
-        .args(["checkpoint", "--pid", &pid, "--storage", &url])
-        .env("TMPDIR", &a.tmp)
-        .env("GPU_CHECKPOINT_S3_RETRY_TIMEOUT", "2")
-        .envs(a.env.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
+    let mut child = a
+        .command(&["checkpoint", "--pid", &pid, "--storage", &url])
         .spawn()
         .unwrap();
     let chunks = server.object_file("job/chunks");
@@ -232,6 +233,55 @@ fn a_damaged_object_stops_a_restore_and_the_checkpoint_stays_restorable_after_re
         "verified",
     );
     let out = ok(&a.run(&["restore", &id, "--storage", &url]));
+    assert_eq!(out.trim(), pid);
+    verifies(&w, &checksum, verified0);
+}
+
+#[test]
+fn the_server_gone_mid_restore_leaves_the_checkpoint_intact_and_a_retry_restores() {
+    let Some((dir, mut server)) = scene() else {
+        return;
+    };
+    let url = server.url("job");
+    let b = Node::new(dir.path(), "node-b", &server);
+    let (w, checksum) = memory_workload(dir.path(), "256");
+    let pid = w.pid.to_string();
+    let ck = b.json(&["checkpoint", "--pid", &pid, "--storage", &url]);
+    let id = ck["id"].as_str().unwrap().to_owned();
+    let verified0 = num(
+        &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+        "verified",
+    );
+    wait_pid_free(w.pid);
+    // The server goes away once the restore has made its work folder (it is fetching chunks then).
+    let mut child = b
+        .command(&["restore", &id, "--storage", &url])
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_dir(&b.tmp).unwrap().flatten().any(|e| {
+        e.file_name()
+            .to_string_lossy()
+            .starts_with("gpu-checkpoint-restore")
+    }) {
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "the restore made no work folder"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the restore ended first"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    server.stop();
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    wait_pid_free(w.pid);
+    // The checkpoint is intact: back up, the server serves it, and the same restore works.
+    server.restart();
+    ok(&b.run(&["verify", &id, "--storage", &url]));
+    let out = ok(&b.run(&["restore", &id, "--storage", &url]));
     assert_eq!(out.trim(), pid);
     verifies(&w, &checksum, verified0);
 }

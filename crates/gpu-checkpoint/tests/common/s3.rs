@@ -49,6 +49,8 @@ pub fn s3s_fs_binary() -> Result<PathBuf, String> {
 /// A running s3s-fs with one bucket.
 pub struct S3Server {
     child: Child,
+    bin: PathBuf,
+    port: u16,
     pub endpoint: String,
     pub bucket: String,
     /// The server's data folder (`data/BUCKET/KEY` is an object): tests damage objects there.
@@ -84,34 +86,24 @@ impl S3Server {
                 .and_then(|l| l.local_addr())
                 .expect("a free port")
                 .port();
-            let mut child = Command::new(bin)
-                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-                .arg(data.path())
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("s3s-fs starts");
-            let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(10) {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break; // the port was taken meanwhile: another one
-                }
-                if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    return S3Server {
-                        child,
-                        endpoint: format!("http://127.0.0.1:{port}"),
-                        bucket,
-                        data,
-                    };
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            if let Some(child) = spawn(bin, port, data.path()) {
+                return S3Server {
+                    child,
+                    bin: bin.to_path_buf(),
+                    port,
+                    endpoint: format!("http://127.0.0.1:{port}"),
+                    bucket,
+                    data,
+                };
             }
-            let _ = child.kill();
-            let _ = child.wait();
         }
         panic!("s3s-fs did not start");
+    }
+
+    /// Starts the server again after [`S3Server::stop`], on the same port with the same data.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = spawn(&self.bin, self.port, self.data.path()).expect("s3s-fs restarts");
     }
 
     /// `s3://BUCKET/PREFIX`
@@ -139,6 +131,32 @@ impl S3Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts s3s-fs on `port` and waits until it answers; `None` when it exits first (the port was taken).
+fn spawn(bin: &Path, port: u16, data: &Path) -> Option<Child> {
+    let mut child = Command::new(bin)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+        .arg(data)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("s3s-fs starts");
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(10) {
+        if let Ok(Some(_)) = child.try_wait() {
+            return None;
+        }
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Some(child);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
 }
 
 impl Drop for S3Server {
