@@ -136,6 +136,8 @@ fn checkpoint_on_node_a_restores_on_node_b_through_s3() {
     let gc = a.json(&["gc", "--storage", &url]);
     assert_eq!(gc["checkpoints"], 0);
     assert!(gc["chunks_too_young"].as_u64().unwrap() > 0, "{gc}");
+    let said = ok(&a.run(&["gc", "--storage", &url]));
+    assert!(said.contains("younger than the grace period"), "{said}");
     // No staging or restore work folder is left in either node's temporary folder (CRIU's logs are kept
     // there on purpose: the store has no folder for them).
     for node in [&a, &b] {
