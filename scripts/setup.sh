@@ -50,4 +50,14 @@ fi
 # etcd and protoc for the cluster flow (the etcd-client crate's build needs protoc; the cluster tests start
 # etcd on loopback). Needed to build the default features, so a failure stops the setup everywhere.
 bash scripts/install-etcd.sh >/dev/null
+# s3s-fs, the S3-compatible server the store's object-storage tests run against, built once into a cache
+# outside the clone (scripts/install-s3s.sh); the same rule: a failure fails CI, elsewhere the S3 tests say
+# why they are skipped.
+if ! bash scripts/install-s3s.sh >/dev/null; then
+    if [ "${CI:-}" = true ]; then
+        echo "setup: building s3s-fs failed" >&2
+        exit 1
+    fi
+    echo "setup: building s3s-fs failed; the S3 tests will be skipped" >&2
+fi
 cargo build --workspace --all-targets

@@ -320,19 +320,6 @@ fn file_mappings_and_open_files_continue() {
     );
 }
 
-/// A `memory` workload of `mib` MiB, once it has filled its memory and verified it: the workload and the
-/// memory's checksum.
-fn memory_workload(dir: &Path, mib: &str) -> (Workload, String) {
-    let w = Workload::start("memory", dir, &["--mib", mib]);
-    let r = w.wait_state("memory filled and verified", |r| {
-        r.len() == 1
-            && r[0].get("phase").map(String::as_str) == Some("verifying")
-            && num(&r[0], "verified") >= 1
-    });
-    let checksum = r[0]["checksum"].clone();
-    (w, checksum)
-}
-
 #[test]
 fn one_gib_of_memory_survives_with_its_checksum() {
     let Some((dir, store)) = scene() else { return };

@@ -11,14 +11,40 @@ use sim_support::*;
 use std::path::Path;
 use std::process::Command;
 
+/// The simulated GPUs are the node's: every live simulated process of every test holds memory on them. The
+/// test of the restore's free-memory check needs exact figures, so it runs alone (write), the others
+/// together (read).
+static GPUS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// A test's temporary folder, and its hold on the simulated GPUs.
+struct Scratch {
+    dir: tempfile::TempDir,
+    _gpus: Box<dyn std::any::Any>,
+}
+
+impl Scratch {
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
 /// A temporary folder and a store path in it, when CRIU flows can run here.
-fn setup() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+fn setup() -> Option<(Scratch, std::path::PathBuf)> {
+    scratch(Box::new(GPUS.read().unwrap_or_else(|p| p.into_inner())))
+}
+
+/// [`setup`] for a test that must have the simulated GPUs to itself.
+fn setup_alone() -> Option<(Scratch, std::path::PathBuf)> {
+    scratch(Box::new(GPUS.write().unwrap_or_else(|p| p.into_inner())))
+}
+
+fn scratch(gpus: Box<dyn std::any::Any>) -> Option<(Scratch, std::path::PathBuf)> {
     if !criu_ready() {
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    Some((dir, store))
+    Some((Scratch { dir, _gpus: gpus }, store))
 }
 
 fn checkpoint_args(pid: i32, store: &Path, extra: &[&str]) -> Vec<String> {
@@ -412,7 +438,9 @@ fn strategies_are_forced_or_refused_with_a_reason() {
 /// restored; onto the free GPU 1 it restores.
 #[test]
 fn a_restore_that_would_run_a_gpu_out_of_memory_is_refused_before_anything_is_restored() {
-    let Some((_dir, store)) = setup() else { return };
+    let Some((_dir, store)) = setup_alone() else {
+        return;
+    };
     let tree = SimProcess::start(&["--mib", "48"]);
     let args = checkpoint_args(tree.pid, &store, &["--format", "json"]);
     let o = Command::new(gpu_checkpoint())

@@ -263,7 +263,7 @@ fn gc_refuses_while_a_manifest_is_damaged_and_deletes_nothing() {
     let stale = dir.join("staging").join("20261124T000000Z-dead0000");
     fs::create_dir_all(&stale).unwrap();
     fs::write(stale.join("pages-1.img"), b"left by a killed writer").unwrap();
-    let manifest = store.manifest_path(&b);
+    let manifest = store.manifest_path(&b).unwrap();
     let mut bytes = fs::read(&manifest).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 1;
@@ -304,7 +304,7 @@ fn verify_calls_a_manifest_with_an_escaping_path_damaged() {
         let mut info = good.clone();
         info.files[0].path = bad.into();
         fs::write(
-            store.manifest_path(&id),
+            store.manifest_path(&id).unwrap(),
             gpu_checkpoint::store::manifest::encode(&info),
         )
         .unwrap();
@@ -366,7 +366,7 @@ fn loosened_permissions_are_reported_and_put_back() {
         .unwrap()
         .to_hex();
     let chunk = dir.join("chunks").join(&chunk[..2]).join(&chunk);
-    let manifest = store.manifest_path(&id);
+    let manifest = store.manifest_path(&id).unwrap();
     let loosen = || {
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
         fs::set_permissions(dir.join("chunks"), fs::Permissions::from_mode(0o777)).unwrap();

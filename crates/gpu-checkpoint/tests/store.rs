@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_checkpoint::store::{
-    ChunkParams, Error, MemoryBackend, NoProgress, Progress, Store, StoreOptions,
+    ChunkParams, Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
 };
 use gpu_checkpoint::testdata::XorShift64;
 use gpu_checkpoint::Classify;
@@ -145,15 +145,16 @@ fn round_trip_of_a_criu_like_folder() {
     // By name too, and through the manifest path.
     assert_eq!(store.get("job").unwrap().id, info.id);
     let by_path = store
-        .get_by_manifest_path(&store.manifest_path(&info.id))
+        .get_by_manifest_path(&store.manifest_path(&info.id).unwrap())
         .unwrap();
     assert_eq!(by_path, info);
     let (reopened, again) =
-        Store::open_by_manifest_path(&store.manifest_path(&info.id), small_opts()).unwrap();
+        Store::open_by_manifest_path(&store.manifest_path(&info.id).unwrap(), small_opts())
+            .unwrap();
     assert_eq!(again, info);
     assert_eq!(reopened.location(), store.location());
     let elsewhere = t.path().join("copy.json");
-    fs::copy(store.manifest_path(&info.id), &elsewhere).unwrap();
+    fs::copy(store.manifest_path(&info.id).unwrap(), &elsewhere).unwrap();
     assert!(matches!(
         Store::open_by_manifest_path(&elsewhere, small_opts()),
         Err(Error::NotFound { .. })
@@ -174,7 +175,7 @@ fn compression_off_stores_chunks_raw_and_round_trips() {
     criu_like(&src, 600, 3);
     let info = ingest(&store, None, |d| copy_tree(&src, d));
     let manifest: serde_json::Value =
-        serde_json::from_slice(&fs::read(store.manifest_path(&info.id)).unwrap()).unwrap();
+        serde_json::from_slice(&fs::read(store.manifest_path(&info.id).unwrap()).unwrap()).unwrap();
     assert_eq!(manifest["chunking"]["compression"], "none", "{manifest}");
     // Every distinct chunk is stored whole: its raw bytes plus a 16-byte header each, nothing saved.
     assert_eq!(
@@ -558,7 +559,7 @@ fn damaged_manifest_is_detected_and_can_be_deleted() {
     let good = ingest(&store, Some("good"), |d| {
         fs::write(d.join("x.img"), b"fine").unwrap()
     });
-    let path = store.manifest_path(&info.id);
+    let path = store.manifest_path(&info.id).unwrap();
     let mut b = fs::read(&path).unwrap();
     let i = b.len() / 2;
     b[i] = if b[i] == b'7' { b'8' } else { b'7' };
@@ -595,7 +596,7 @@ fn damaged_manifest_is_detected_and_can_be_deleted() {
 fn truncated_manifest_is_detected() {
     let t = tempfile::tempdir().unwrap();
     let (store, info, _) = one_checkpoint(t.path());
-    let path = store.manifest_path(&info.id);
+    let path = store.manifest_path(&info.id).unwrap();
     let b = fs::read(&path).unwrap();
     fs::write(&path, &b[..b.len() - 30]).unwrap();
     assert!(matches!(
@@ -629,7 +630,7 @@ fn permissions_are_private() {
         assert_eq!(mode(&f), 0o600, "{}", f.display());
         assert_eq!(mode(f.parent().unwrap()), 0o700);
     }
-    assert_eq!(mode(&store.manifest_path(&info.id)), 0o600);
+    assert_eq!(mode(&store.manifest_path(&info.id).unwrap()), 0o600);
     assert_eq!(mode(&root.join("store.json")), 0o600);
     let out = t.path().join("out");
     store.materialize(&info.id, &out, &NoProgress).unwrap();
@@ -727,13 +728,21 @@ fn a_store_is_marked_with_a_version_older_builds_refuse() {
 #[test]
 fn unwritable_storage_is_exit_status_6() {
     let t = tempfile::tempdir().unwrap();
-    let mem = MemoryBackend::new(&t.path().join("staging"));
+    let mem = Arc::new(MemoryBackend::new(&t.path().join("staging")));
     mem.fail_writes.store(true, Ordering::Relaxed);
-    let store = Store::with_backend(Arc::new(mem), small_opts()).unwrap();
+    let store = Store::with_backend(mem.clone(), small_opts()).unwrap();
     let err = store.check_writable().unwrap_err();
     assert_eq!(err.exit_status(), ExitStatus::Storage);
+    // Nor can a checkpoint begin (its writer's lease cannot be put): the same status.
+    let err = store
+        .begin(None)
+        .err()
+        .expect("begin fails on a full store");
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
     // A full disk during commit: an error with status 6, nothing listed, staging removed.
+    mem.fail_writes.store(false, Ordering::Relaxed);
     let ing = store.begin(None).unwrap();
+    mem.fail_writes.store(true, Ordering::Relaxed);
     let staging = ing.staging_dir().to_path_buf();
     fs::write(staging.join("pages-1.img"), pseudo_random(300_000, 2)).unwrap();
     let err = ing
@@ -1274,7 +1283,7 @@ fn a_name_whose_newest_checkpoint_is_damaged_is_refused() {
     assert_eq!(store.get("job").unwrap().id, newer.id);
 
     // A flipped byte in the newest's chunk list: its JSON still reads, and says it is "job".
-    let path = store.manifest_path(&newer.id);
+    let path = store.manifest_path(&newer.id).unwrap();
     let intact = fs::read(&path).unwrap();
     let text = String::from_utf8(intact.clone()).unwrap();
     fs::write(&path, text.replacen("\"x.img\"", "\"y.img\"", 1)).unwrap();

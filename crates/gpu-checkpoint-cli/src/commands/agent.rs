@@ -138,7 +138,13 @@ impl MemberWork for LocalWork {
     }
 
     fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
-        let dir = self.store.location().join("jobs");
+        // The agent's store is a local folder (`--storage` is a path; an agent on object storage is not
+        // built yet).
+        let root = self
+            .store
+            .local_dir()
+            .ok_or("the agent's store is not a local folder")?;
+        let dir = root.join("jobs");
         gpu_checkpoint::util::create_private_dir_all(&dir).map_err(|e| e.to_string())?;
         let path = dir.join(format!("{}.json", m.id));
         let _one = self.manifests.lock().unwrap_or_else(|p| p.into_inner());

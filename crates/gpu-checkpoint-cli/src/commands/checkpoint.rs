@@ -7,7 +7,7 @@ use gpu_checkpoint::detect::StrategyChoice;
 use gpu_checkpoint::dump::{discover, CriuRpc};
 use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer};
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
-use gpu_checkpoint::store::{Store, StoreOptions};
+use gpu_checkpoint::store::StoreOptions;
 use serde_json::json;
 
 use super::criu_opts::CriuArgs;
@@ -125,7 +125,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !gpu_checkpoint::proc::is_alive(pid) {
         return Err(gpu_checkpoint::checkpoint::Error::NoSuchProcess { pid }.into());
     }
-    let store = Store::open(&args.store.storage, args.compression.store_options())?;
+    let store = args
+        .store
+        .open_or_create(args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = backend_for(args.strategy, args.gpu.gpu_backend.into())?;
     let mut gpu = FreezeHook::new(HookOptions {
@@ -159,7 +161,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     super::say_if_interrupted();
     let out = result?;
 
-    let manifest_path = store.manifest_path(&out.info.id);
+    let manifest_path = store.manifest_location(&out.info.id);
     match args.store.format {
         Format::Json => {
             let v = json!({
@@ -220,7 +222,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 } else {
                     "keeps running"
                 },
-                manifest_path.display()
+                manifest_path
             );
         }
     }

@@ -10,7 +10,6 @@ use gpu_checkpoint::flows::container::{
 };
 use gpu_checkpoint::flows::{CheckpointManifest, CriuInfo};
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
-use gpu_checkpoint::store::Store;
 use serde_json::json;
 
 use super::Format;
@@ -87,7 +86,9 @@ fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bo
 pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()> {
     let criu = our_criu(args.runtime.runtime, args.criu.as_deref())?;
     let runtime = args.runtime.open(criu.as_ref().map(|c| c.0.clone()))?;
-    let store = Store::open(&args.store.storage, args.compression.store_options())?;
+    let store = args
+        .store
+        .open_or_create(args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend.into())?;
     let mut gpu = hook(backend, args.lock_timeout.0, args.ordered);
@@ -110,7 +111,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
     let result = flow.checkpoint(&opts);
     super::say_if_interrupted();
     let out = result?;
-    let manifest_path = store.manifest_path(&out.info.id);
+    let manifest_path = store.manifest_location(&out.info.id);
     match args.store.format {
         Format::Json => {
             let v = json!({
@@ -154,7 +155,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
                 } else {
                     "keeps running"
                 },
-                manifest_path.display()
+                manifest_path
             );
         }
     }

@@ -32,6 +32,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("deleted {id}");
-    eprintln!("its chunks are freed by `gpu-checkpoint gc --storage {}` unless other checkpoints share them", args.store.storage.display());
+    eprintln!("its chunks are freed by `gpu-checkpoint gc --storage {}` unless other checkpoints share them", args.store.storage);
     Ok(())
 }

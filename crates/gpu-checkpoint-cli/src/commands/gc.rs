@@ -48,6 +48,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     bytes(r.stale_bytes_removed)
                 );
             }
+            if r.chunks_too_young > 0 {
+                println!(
+                    "kept {} unreferenced chunk(s) younger than the grace period ({} min; a writer on \
+                     another node may be about to use them): the next gc after it removes them",
+                    r.chunks_too_young,
+                    gpu_checkpoint::store::GRACE.as_secs() / 60
+                );
+            }
+            if r.stale_leases_removed > 0 {
+                println!(
+                    "removed {} expired lease(s) of writers that died",
+                    r.stale_leases_removed
+                );
+            }
             if stale_work > 0 {
                 println!("removed {stale_work} work folder(s) of interrupted restores");
             }

@@ -15,11 +15,11 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let store = args.store.open()?;
     let info = store.get(&args.checkpoint)?;
-    let manifest = store.manifest_path(&info.id);
+    let manifest = store.manifest_location(&info.id);
     match args.store.format {
         Format::Json => {
             let mut v = serde_json::to_value(&info)?;
-            v["manifest"] = serde_json::Value::String(manifest.display().to_string());
+            v["manifest"] = serde_json::Value::String(manifest.clone());
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Format::Text => {
@@ -27,7 +27,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             println!("checkpoint   {}", info.id);
             println!("name         {}", info.name.as_deref().unwrap_or("-"));
             println!("created      {}", info.created);
-            println!("manifest     {}", manifest.display());
+            println!("manifest     {manifest}");
             println!(
                 "logical      {} in {} files, {} chunks ({} zero)",
                 bytes(s.logical_bytes),

@@ -1,8 +1,5 @@
 //! `gpu-checkpoint list`
 
-use std::path::PathBuf;
-
-use anyhow::Context;
 use gpu_checkpoint::store::{CheckpointInfo, ListEntry, Store, StoreOptions};
 use serde::Serialize;
 
@@ -21,7 +18,7 @@ struct Summary<'a> {
     id: &'a str,
     name: Option<&'a str>,
     created: &'a str,
-    manifest: PathBuf,
+    manifest: String,
     stats: &'a gpu_checkpoint::store::IngestStats,
     metadata: &'a serde_json::Value,
 }
@@ -35,9 +32,14 @@ struct Damaged<'a> {
 /// The options every store command shares.
 #[derive(clap::Args)]
 pub struct StoreArgs {
-    /// The checkpoint store (a folder).
+    /// The checkpoint store: a folder, or `s3://BUCKET/PREFIX` on an S3-compatible object store (endpoint
+    /// from --s3-endpoint or AWS_ENDPOINT_URL, credentials from the AWS environment variables or profile).
     #[arg(long, env = "GPU_CHECKPOINT_STORAGE")]
-    pub storage: PathBuf,
+    pub storage: String,
+    /// The S3 endpoint for another server than AWS (MinIO, Ceph, garage...): `http://HOST:PORT`. The same as
+    /// AWS_ENDPOINT_URL; requests are path-style.
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
     /// `json` prints results as JSON on stdout and nothing else.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
@@ -47,28 +49,27 @@ impl StoreArgs {
     /// Opens an existing store for the read-side commands (list, inspect, delete, verify, gc): a missing
     /// folder is "no such checkpoint" rather than a new empty store.
     pub fn open(&self) -> anyhow::Result<Store> {
-        open_store(&self.storage)
+        self.endpoint_to_env();
+        Store::open_existing(&self.storage, StoreOptions::default()).map_err(|e| match e {
+            gpu_checkpoint::store::Error::Invalid(m) => super::usage(m),
+            e => anyhow::Error::new(e).context(format!("cannot open store {}", self.storage)),
+        })
     }
-}
 
-/// Opens an existing store for the commands that only read or tidy one: a missing folder, or a folder that is
-/// not a store (an empty one included), is "no checkpoint here" (exit 7), and is not turned into a store.
-fn open_store(storage: &std::path::Path) -> anyhow::Result<Store> {
-    if storage.exists() && !storage.is_dir() {
-        return Err(super::usage(format!(
-            "storage {} is not a folder",
-            storage.display()
-        )));
+    /// Opens the store, creating it where there is none (checkpoint).
+    pub fn open_or_create(&self, opts: StoreOptions) -> anyhow::Result<Store> {
+        self.endpoint_to_env();
+        Ok(Store::open_storage(&self.storage, opts)?)
     }
-    if !gpu_checkpoint::store::LocalBackend::holds_store(storage)? {
-        return Err(gpu_checkpoint::store::Error::NotFound {
-            what: "any checkpoint (no store here)".into(),
-            storage: storage.to_path_buf(),
+
+    /// `--s3-endpoint` is read by the store as AWS_ENDPOINT_URL, the variable every AWS client knows, so
+    /// that one way of giving it serves the library, the CLI and the tools beside it.
+    fn endpoint_to_env(&self) {
+        if let Some(url) = &self.s3_endpoint {
+            // Set before the tool starts any thread (the store's start with the open after this).
+            std::env::set_var("AWS_ENDPOINT_URL", url);
         }
-        .into());
     }
-    Store::open(storage, StoreOptions::default())
-        .with_context(|| format!("cannot open store {}", storage.display()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -90,7 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         Format::Text => {
             if entries.is_empty() {
-                println!("no checkpoints in {}", store.location().display());
+                println!("no checkpoints in {}", store.location());
                 return Ok(());
             }
             // Columns sized to their content: ids and names of any length stay aligned.
@@ -139,7 +140,7 @@ fn summary<'a>(store: &Store, i: &'a CheckpointInfo) -> Summary<'a> {
         id: &i.id,
         name: i.name.as_deref(),
         created: &i.created,
-        manifest: store.manifest_path(&i.id),
+        manifest: store.manifest_location(&i.id),
         stats: &i.stats,
         metadata: &i.metadata,
     }

@@ -145,6 +145,19 @@ impl Drop for Workload {
     }
 }
 
+/// A `memory` workload of `mib` MiB, once it has filled its memory and verified it: the workload and the
+/// memory's checksum.
+pub fn memory_workload(dir: &Path, mib: &str) -> (Workload, String) {
+    let w = Workload::start("memory", dir, &["--mib", mib]);
+    let r = w.wait_state("memory filled and verified", |r| {
+        r.len() == 1
+            && r[0].get("phase").map(String::as_str) == Some("verifying")
+            && num(&r[0], "verified") >= 1
+    });
+    let checksum = r[0]["checksum"].clone();
+    (w, checksum)
+}
+
 /// Waits until no process (not even a zombie) holds `pid`.
 pub fn wait_pid_free(pid: i32) {
     let left = tree::wait_until(Duration::from_secs(30), || {

@@ -1,53 +1,107 @@
 //! The store's error type and how each failure maps to the binary's exit status.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::exit::{Classify, ExitStatus};
+
+/// Where something is in a store, for messages: a file path for the local backend, a URL for an object
+/// store (`s3://bucket/prefix/chunks/ab/...`). Errors carry this, not a `PathBuf`, so that a backend which
+/// is not a file system can say where it failed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Location(String);
+
+impl Location {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&Path> for Location {
+    fn from(p: &Path) -> Location {
+        Location(p.display().to_string())
+    }
+}
+
+impl From<PathBuf> for Location {
+    fn from(p: PathBuf) -> Location {
+        Location::from(p.as_path())
+    }
+}
+
+impl From<&PathBuf> for Location {
+    fn from(p: &PathBuf) -> Location {
+        Location::from(p.as_path())
+    }
+}
+
+impl From<String> for Location {
+    fn from(s: String) -> Location {
+        Location(s)
+    }
+}
+
+impl From<&str> for Location {
+    fn from(s: &str) -> Location {
+        Location(s.to_owned())
+    }
+}
+
+impl From<&Location> for Location {
+    fn from(l: &Location) -> Location {
+        l.clone()
+    }
+}
 
 /// Everything that can go wrong in the store. Messages name the storage path, the checkpoint, the file and
 /// the chunk wherever they are known, because "a chunk is damaged" alone is not actionable.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An I/O operation on the store failed (`op` says which, `path` where).
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {path}: {source}")]
     Io {
         op: &'static str,
-        path: PathBuf,
+        path: Location,
         #[source]
         source: io::Error,
     },
 
     /// The storage cannot be written (read-only, no permission, full): checked before a process is touched.
-    #[error("storage {} is not writable: {source}", path.display())]
+    #[error("storage {path} is not writable: {source}")]
     Unwritable {
-        path: PathBuf,
+        path: Location,
         #[source]
         source: io::Error,
     },
 
     /// The storage cannot be read by this user (a root-owned 0700 store read by another user): permission
     /// denied (exit status 4), not a full or read-only storage.
-    #[error("storage {} cannot be read: {source}", path.display())]
+    #[error("storage {path} cannot be read: {source}")]
     Unreadable {
-        path: PathBuf,
+        path: Location,
         #[source]
         source: io::Error,
     },
 
     /// The storage path exists but is not a gpu-checkpoint store, or one of a format this build cannot read.
-    #[error("{}: {reason}", path.display())]
-    BadStore { path: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    BadStore { path: Location, reason: String },
 
     /// No checkpoint with this id or name.
-    #[error("no checkpoint {what:?} in storage {}", storage.display())]
-    NotFound { what: String, storage: PathBuf },
+    #[error("no checkpoint {what:?} in storage {storage}")]
+    NotFound { what: String, storage: Location },
 
     /// A manifest is unreadable, fails its own checksum, or has an unsupported version.
-    #[error("checkpoint {checkpoint}: manifest {} is damaged: {reason}", path.display())]
+    #[error("checkpoint {checkpoint}: manifest {path} is damaged: {reason}")]
     DamagedManifest {
         checkpoint: String,
-        path: PathBuf,
+        path: Location,
         reason: String,
     },
 
@@ -167,7 +221,7 @@ impl Error {
     /// Shorthand used all over the store: wraps an `io::Error` with the operation and the path.
     pub(crate) fn io(
         op: &'static str,
-        path: impl Into<PathBuf>,
+        path: impl Into<Location>,
     ) -> impl FnOnce(io::Error) -> Error {
         let path = path.into();
         move |source| Error::Io { op, path, source }

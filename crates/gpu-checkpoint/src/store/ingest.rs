@@ -17,10 +17,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::backend::LockGuard;
+use super::backend::Objects;
 use super::chunk::{is_zero, ChunkId, Decoder, Encoder};
 use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
 use super::error::{Error, Result};
+use super::index::ChunkIndex;
+use super::lease::WriterGuard;
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 use super::read::{ReadAhead, Reused};
 use super::stream::{Streamed, Streams};
@@ -102,7 +104,8 @@ pub struct Ingest {
     created: String,
     staging: PathBuf,
     done: bool,
-    _lock: LockGuard,
+    /// Keeps gc off this ingest's chunks until its manifest is put.
+    guard: WriterGuard,
 }
 
 struct FileToIngest {
@@ -218,7 +221,7 @@ impl Ingest {
         name: Option<String>,
         created: String,
         staging: PathBuf,
-        lock: LockGuard,
+        guard: WriterGuard,
     ) -> Ingest {
         Ingest {
             inner,
@@ -227,7 +230,7 @@ impl Ingest {
             created,
             staging,
             done: false,
-            _lock: lock,
+            guard,
         }
     }
 
@@ -393,6 +396,17 @@ impl Ingest {
         stats.manifest_bytes = manifest::encode(&info).len() as u64;
         info.stats = stats;
         let bytes = manifest::encode(&info);
+        if let WriterGuard::Lease(lease) = &self.guard {
+            // No lock kept gc away (an object store): make sure it took none of the chunks reused.
+            let new: HashSet<&ChunkId> = collected.new.iter().collect();
+            let reused: Vec<ChunkId> = collected
+                .stored
+                .keys()
+                .filter(|id| !new.contains(id))
+                .copied()
+                .collect();
+            lease.before_commit(&reused)?;
+        }
         // Every chunk named by the manifest is durable (sync above): now the checkpoint may exist.
         self.inner.backend.put_manifest(&self.id, &bytes)?;
         self.done = true;
@@ -464,6 +478,8 @@ impl Ingest {
         let params = self.inner.opts.chunking;
         let level = self.inner.opts.compression_level();
         let backend = &*self.inner.backend;
+        let index = self.inner.index.get(backend);
+        let index = index.as_deref();
         let pool = SegmentPool::new(plan.segments, plan.segment_size);
         let collected = Mutex::new(Collected {
             chunks: files.iter().map(|_| Vec::new()).collect(),
@@ -543,7 +559,7 @@ impl Ingest {
                         };
                         let file_hints = hints.get(&files[file].rel);
                         let coder = (enc, dec, &mut ahead);
-                        match store_piece(backend, coder, seen, &piece, file_hints) {
+                        match store_piece(backend, index, coder, seen, &piece, file_hints) {
                             Ok((cref, outcome)) => {
                                 let len = piece.data().len() as u64;
                                 let index = piece.index;
@@ -596,6 +612,7 @@ pub(super) enum Outcome {
 
 pub(super) fn store_piece(
     backend: &dyn super::backend::Backend,
+    index: Option<&ChunkIndex>,
     (enc, dec, ahead): (&mut Encoder, &mut Decoder, &mut ReadAhead),
     seen: &Mutex<HashSet<ChunkId>>,
     piece: &Piece,
@@ -634,7 +651,15 @@ pub(super) fn store_piece(
         ahead.settle(enc);
         return Ok((cref, Outcome::Duplicate));
     }
-    match ahead.check(backend, &id, data, enc, dec) {
+    // Not in the index of stored chunks (object stores): certainly new, no request to find that out.
+    let reused = match index {
+        Some(i) if !i.may_hold(&id) => {
+            ahead.settle(enc);
+            Reused::Missing
+        }
+        _ => ahead.check(backend, &id, data, enc, dec),
+    };
+    match reused {
         Reused::Good(stored) => return Ok((cref, Outcome::Present(stored))),
         Reused::Missing => {}
         // Written again below, under a temporary name renamed over the damaged one, and made durable with
@@ -652,6 +677,9 @@ pub(super) fn store_piece(
         backend.put_chunk(&id, &header.encode(), payload)?;
         header
     };
+    if let Some(i) = index {
+        i.add(id);
+    }
     Ok((cref, Outcome::New(header.stored_len())))
 }
 

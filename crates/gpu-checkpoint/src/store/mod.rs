@@ -21,20 +21,24 @@ pub mod chunk;
 pub mod chunker;
 mod error;
 mod gc;
+mod index;
 mod ingest;
+mod lease;
 pub mod manifest;
 mod read;
 mod stream;
+mod time;
 mod verify;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use backend::{Backend, LocalBackend, LockMode, MemoryBackend};
+pub use backend::{Backend, LocalBackend, LocalFs, LockMode, MemoryBackend, ObjectMeta, Objects};
 pub use chunker::ChunkParams;
-pub use error::{Error, Result};
+pub use error::{Error, Location, Result};
 pub use gc::GcReport;
 pub use ingest::{memory_budget, Ingest, Plan};
+pub use lease::{GRACE, LEASE_TTL};
 pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 
 /// What [`Store::visit_chunks`] calls for each chunk: offset in the file, length, and the verified bytes
@@ -111,6 +115,8 @@ impl Progress for NoProgress {
 pub(crate) struct Inner {
     backend: Arc<dyn Backend>,
     opts: StoreOptions,
+    /// Stored chunks, for backends where asking is a request.
+    index: index::IndexCache,
 }
 
 impl Inner {
@@ -157,12 +163,66 @@ impl Store {
         Store::with_backend(Arc::new(LocalBackend::new(path)), opts)
     }
 
-    /// Opens a store on any backend (the in-memory one in tests; object stores later).
+    /// Opens the store `storage` names: `s3://BUCKET/PREFIX` (an object store, with the `s3` feature; see
+    /// [`backend::S3Config`] for the endpoint and credentials) or a local folder.
+    pub fn open_storage(storage: &str, opts: StoreOptions) -> Result<Store> {
+        if let Some(url) = storage.strip_prefix("s3://") {
+            #[cfg(feature = "s3")]
+            {
+                let config = backend::S3Config::from_env(url)?;
+                return Store::with_backend(Arc::new(backend::S3Backend::new(config)?), opts);
+            }
+            #[cfg(not(feature = "s3"))]
+            {
+                let _ = url;
+                return Err(Error::Invalid(format!(
+                    "storage {storage}: this build has no S3 support (build with the `s3` feature)"
+                )));
+            }
+        }
+        Store::open(Path::new(storage), opts)
+    }
+
+    /// Opens the existing store `storage` names (see [`Store::open_storage`]) for commands that only read
+    /// or tidy one: where there is no store (a missing folder or prefix, or a folder that is not a store,
+    /// an empty one included) it is "no checkpoint here" (exit 7), and no store is made.
+    pub fn open_existing(storage: &str, opts: StoreOptions) -> Result<Store> {
+        let none = || Error::NotFound {
+            what: "any checkpoint (no store here)".into(),
+            storage: storage.into(),
+        };
+        if let Some(_url) = storage.strip_prefix("s3://") {
+            #[cfg(feature = "s3")]
+            {
+                let config = backend::S3Config::from_env(_url)?;
+                let backend = backend::S3Backend::new(config)?;
+                if backend.head(backend::STORE_FILE)?.is_none() {
+                    return Err(none());
+                }
+                return Store::with_backend(Arc::new(backend), opts);
+            }
+        } else {
+            let path = Path::new(storage);
+            if path.exists() && !path.is_dir() {
+                return Err(Error::Invalid(format!("storage {storage} is not a folder")));
+            }
+            if !LocalBackend::holds_store(path)? {
+                return Err(none());
+            }
+        }
+        Store::open_storage(storage, opts)
+    }
+
+    /// Opens a store on any backend (the in-memory one in tests, an object store).
     pub fn with_backend(backend: Arc<dyn Backend>, opts: StoreOptions) -> Result<Store> {
         opts.chunking.validate().map_err(Error::Invalid)?;
         backend.init()?;
         Ok(Store {
-            inner: Arc::new(Inner { backend, opts }),
+            inner: Arc::new(Inner {
+                backend,
+                opts,
+                index: Default::default(),
+            }),
         })
     }
 
@@ -175,14 +235,25 @@ impl Store {
         &self.inner.opts
     }
 
-    /// Where the store lives.
-    pub fn location(&self) -> &Path {
+    /// Where the store lives: a path, or a URL.
+    pub fn location(&self) -> &str {
         self.inner.backend.location()
     }
 
-    /// The store's local folder, if it is one (see [`Backend::local_dir`]).
+    /// The store's local folder, if it is one (see [`LocalFs::root`]): the flows keep CRIU logs and
+    /// restore work folders there; elsewhere they use the temporary folder.
     pub fn local_dir(&self) -> Option<&Path> {
-        self.inner.backend.local_dir()
+        self.inner.backend.local().map(|l| l.root())
+    }
+
+    /// Held while reading checkpoints: the local store's lock, shared (gc waits for it). Object stores have
+    /// none: a checkpoint being read is protected by its manifest, which only `delete` removes.
+    fn read_guard(&self) -> Result<Option<backend::LockGuard>> {
+        self.inner
+            .backend
+            .local()
+            .map(|l| l.lock(LockMode::Shared))
+            .transpose()
     }
 
     /// Fails with exit status 6 if the store cannot be written now. Call it before touching a process.
@@ -199,38 +270,66 @@ impl Store {
         if let Some(n) = name {
             validate_name(n)?;
         }
-        let lock = self.inner.backend.lock(LockMode::Shared)?;
-        let root = self.inner.backend.staging_root();
+        let backend = &self.inner.backend;
+        let lock = backend
+            .local()
+            .map(|l| l.lock(LockMode::Shared))
+            .transpose()?;
+        // Staging folders: on the store's own disk for a local store; elsewhere in the client's work
+        // folder, or a private folder of unpredictable name in the temporary folder.
+        let root = backend
+            .work_root()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(std::env::temp_dir);
         for _ in 0..64 {
             let now = std::time::SystemTime::now();
             let id = format!("{}-{:08x}", time::id_stamp(now), random_u32());
-            if self.inner.backend.get_manifest(&id)?.is_some() {
+            if backend.get_manifest(&id)?.is_some() {
                 continue;
             }
-            let staging = root.join(&id);
-            use std::os::unix::fs::DirBuilderExt;
-            match std::fs::DirBuilder::new()
-                .mode(crate::util::DIR_MODE)
-                .create(&staging)
-            {
-                Ok(()) => {
-                    return Ok(Ingest::new(
-                        self.inner.clone(),
-                        id,
-                        name.map(str::to_owned),
-                        time::rfc3339(now),
-                        staging,
-                        lock,
-                    ))
-                }
+            let created = if backend.work_root().is_some() {
+                use std::os::unix::fs::DirBuilderExt;
+                let staging = root.join(&id);
+                std::fs::DirBuilder::new()
+                    .mode(crate::util::DIR_MODE)
+                    .create(&staging)
+                    .map(|()| staging)
+            } else {
+                use std::os::unix::fs::PermissionsExt;
+                tempfile::Builder::new()
+                    .prefix(&format!("gpu-checkpoint-staging-{id}."))
+                    .permissions(std::fs::Permissions::from_mode(crate::util::DIR_MODE))
+                    .tempdir_in(&root)
+                    .map(|d| d.keep())
+            };
+            let staging = match created {
+                Ok(s) => s,
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => {
                     return Err(Error::Unwritable {
-                        path: staging,
+                        path: root.join(&id).into(),
                         source: e,
                     })
                 }
-            }
+            };
+            let guard = match lock {
+                Some(l) => lease::WriterGuard::Lock(l),
+                None => match lease::Lease::for_ingest(backend.clone(), &id) {
+                    Ok(l) => lease::WriterGuard::Lease(l),
+                    Err(e) => {
+                        let _ = std::fs::remove_dir_all(&staging);
+                        return Err(e);
+                    }
+                },
+            };
+            return Ok(Ingest::new(
+                self.inner.clone(),
+                id,
+                name.map(str::to_owned),
+                time::rfc3339(now),
+                staging,
+                guard,
+            ));
         }
         Err(Error::Conflict(
             "could not allocate a unique checkpoint id (64 collisions)".into(),
@@ -295,7 +394,7 @@ impl Store {
             if self.may_be_newest_named(id, id_or_name, newest.map(|i| &**i)) {
                 return Err(Error::DamagedManifest {
                     checkpoint: id.clone(),
-                    path: self.manifest_path(id),
+                    path: self.manifest_location(id).into(),
                     reason: format!(
                         "{reason}; it may be the newest checkpoint named {id_or_name:?}, so the name \
                          stands for none (restore an older one by its id, or delete this one)"
@@ -307,7 +406,7 @@ impl Store {
             .map(|i| (**i).clone())
             .ok_or_else(|| Error::NotFound {
                 what: id_or_name.to_owned(),
-                storage: self.location().to_path_buf(),
+                storage: self.location().into(),
             })
     }
 
@@ -335,38 +434,46 @@ impl Store {
         named && newer
     }
 
-    /// Where a checkpoint's manifest lives (for `restore --metadata PATH`).
-    pub fn manifest_path(&self, id: &str) -> PathBuf {
-        self.inner.backend.manifest_path(id)
+    /// Where a checkpoint's manifest lives, for messages and `inspect`: a path, or a URL.
+    pub fn manifest_location(&self, id: &str) -> String {
+        self.inner.backend.describe(&backend::manifest_key(id))
     }
 
-    /// Loads the checkpoint whose manifest is at `path` (which must be inside this store).
-    pub fn get_by_manifest_path(&self, path: &Path) -> Result<CheckpointInfo> {
-        let id = self
-            .inner
+    /// The file of a checkpoint's manifest, where the store is a local folder (for
+    /// `restore --metadata PATH`).
+    pub fn manifest_path(&self, id: &str) -> Option<PathBuf> {
+        self.inner
             .backend
-            .manifest_id_from_path(path)
+            .local()
+            .map(|l| l.object_path(&backend::manifest_key(id)))
+    }
+
+    /// Loads the checkpoint whose manifest is at `path` (which must be inside this store, a local one).
+    pub fn get_by_manifest_path(&self, path: &Path) -> Result<CheckpointInfo> {
+        let not_ours = |why: String| Error::NotFound {
+            what: format!("{} ({why})", path.display()),
+            storage: self.location().into(),
+        };
+        let id = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".json"))
             .filter(|id| is_plain_id(id))
-            .ok_or_else(|| Error::NotFound {
-                what: path.display().to_string(),
-                storage: self.location().to_path_buf(),
-            })?;
-        let info = self.load(&id)?;
+            .ok_or_else(|| not_ours("not a manifest's name".into()))?;
+        let ours = self
+            .manifest_path(id)
+            .ok_or_else(|| not_ours("the store is not a local folder".into()))?;
+        let info = self.load(id)?;
         // The file must be the very manifest of this store, not a copy elsewhere with the same name.
-        let ours = self.manifest_path(&id);
         let same = match (std::fs::canonicalize(path), std::fs::canonicalize(&ours)) {
             (Ok(a), Ok(b)) => a == b,
             _ => path == ours,
         };
         if !same {
-            return Err(Error::NotFound {
-                what: format!(
-                    "{} (not a manifest of this store; expected {})",
-                    path.display(),
-                    ours.display()
-                ),
-                storage: self.location().to_path_buf(),
-            });
+            return Err(not_ours(format!(
+                "not a manifest of this store; expected {}",
+                ours.display()
+            )));
         }
         Ok(info)
     }
@@ -387,7 +494,7 @@ impl Store {
                     "{} (not STORE/manifests/ID.json of a store)",
                     path.display()
                 ),
-                storage: path.to_path_buf(),
+                storage: path.into(),
             })?;
         let store = Store::open(root, opts)?;
         let info = store.get_by_manifest_path(path)?;
@@ -403,7 +510,7 @@ impl Store {
         dest: &Path,
         progress: &dyn Progress,
     ) -> Result<MaterializeStats> {
-        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let _lock = self.read_guard()?;
         let info = self.get(id)?;
         read::materialize(&self.inner, &info, dest, progress)
     }
@@ -418,7 +525,7 @@ impl Store {
         keep: &(dyn Fn(&str, u64, u64) -> bool + Sync),
         progress: &dyn Progress,
     ) -> Result<MaterializeStats> {
-        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let _lock = self.read_guard()?;
         read::materialize_selected(&self.inner, info, dest, keep, progress)
     }
 
@@ -438,7 +545,7 @@ impl Store {
         let Some(fi) = info.files.iter().position(|f| f.path == name) else {
             return Ok(None);
         };
-        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let _lock = self.read_guard()?;
         read::visit_chunks(&self.inner, info, fi, want, visit, progress).map(Some)
     }
 
@@ -481,7 +588,7 @@ impl Store {
         let Some(fi) = info.files.iter().position(|f| f.path == name) else {
             return Ok(None);
         };
-        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let _lock = self.read_guard()?;
         read::stream_file(&self.inner, info, fi, out, splice_to, progress).map(Some)
     }
 
@@ -491,7 +598,7 @@ impl Store {
         if !self.inner.backend.delete_manifest(&info.id)? {
             return Err(Error::NotFound {
                 what: id.to_owned(),
-                storage: self.location().to_path_buf(),
+                storage: self.location().into(),
             });
         }
         Ok(())
@@ -509,7 +616,7 @@ impl Store {
     /// report (use [`VerifyReport::into_result`] to turn them into an error); only a missing checkpoint or
     /// an unreadable store is an `Err`.
     pub fn verify(&self, id: Option<&str>, progress: &dyn Progress) -> Result<VerifyReport> {
-        let _lock = self.inner.backend.lock(LockMode::Shared)?;
+        let _lock = self.read_guard()?;
         let checkpoints = match id {
             Some(id) => match self.get(id) {
                 Ok(info) => vec![Ok(info)],
@@ -529,7 +636,12 @@ impl Store {
                 })
                 .collect(),
         };
-        let permissions = self.inner.backend.restore_permissions();
+        let permissions = self
+            .inner
+            .backend
+            .local()
+            .map(|l| l.restore_permissions())
+            .unwrap_or_default();
         let mut report = verify::verify(&self.inner, checkpoints, progress)?;
         report.permissions_restored = permissions;
         Ok(report)
@@ -542,14 +654,14 @@ impl Store {
     }
 
     fn load(&self, id: &str) -> Result<CheckpointInfo> {
-        let path = self.manifest_path(id);
+        let path: Location = self.manifest_location(id).into();
         let bytes = self
             .inner
             .backend
             .get_manifest(id)?
             .ok_or_else(|| Error::NotFound {
                 what: id.to_owned(),
-                storage: self.location().to_path_buf(),
+                storage: self.location().into(),
             })?;
         let info = manifest::decode(&bytes).map_err(|reason| Error::DamagedManifest {
             checkpoint: id.to_owned(),
@@ -600,65 +712,6 @@ fn random_u32() -> u32 {
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
     t ^ std::process::id().rotate_left(16)
-}
-
-/// UTC time formatting without a date-time dependency.
-mod time {
-    use std::time::{SystemTime, UNIX_EPOCH};
-
-    /// (year, month, day, hour, minute, second, millisecond) in UTC.
-    fn civil(t: SystemTime) -> (i64, u32, u32, u32, u32, u32, u32) {
-        let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-        let secs = d.as_secs() as i64;
-        let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
-        // Days since 1970-01-01 to a proleptic Gregorian date (H. Hinnant's civil_from_days).
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z.rem_euclid(146_097);
-        let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-        let mp = (5 * doy + 2) / 153;
-        let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-        let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-        let year = yoe + era * 400 + i64::from(month <= 2);
-        (
-            year,
-            month,
-            day,
-            (rem / 3600) as u32,
-            (rem % 3600 / 60) as u32,
-            (rem % 60) as u32,
-            d.subsec_millis(),
-        )
-    }
-
-    /// `2026-11-20T23:35:01.123Z`
-    pub fn rfc3339(t: SystemTime) -> String {
-        let (y, mo, d, h, mi, s, ms) = civil(t);
-        format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{ms:03}Z")
-    }
-
-    /// `20261120T233501Z`
-    pub fn id_stamp(t: SystemTime) -> String {
-        let (y, mo, d, h, mi, s, _) = civil(t);
-        format!("{y:04}{mo:02}{d:02}T{h:02}{mi:02}{s:02}Z")
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-        use std::time::Duration;
-
-        #[test]
-        fn known_dates() {
-            let t = UNIX_EPOCH + Duration::from_millis(1_795_217_701_123);
-            assert_eq!(rfc3339(t), "2026-11-20T23:35:01.123Z");
-            assert_eq!(id_stamp(t), "20261120T233501Z");
-            assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
-            let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
-            assert_eq!(id_stamp(leap), "20000229T000000Z");
-        }
-    }
 }
 
 #[cfg(test)]

@@ -281,6 +281,7 @@ impl<'a> Streams<'a> {
     /// Runs one worker until the session is closed and every queued chunk is stored.
     pub fn work(&self, progress: &dyn Progress) {
         let backend = &*self.ingest.inner().backend;
+        let index = self.ingest.inner().index.get(backend);
         let mut coder = match coder(self.level, self.params.max_size as usize) {
             Ok(c) => Some(c),
             Err(e) => {
@@ -305,7 +306,14 @@ impl<'a> Streams<'a> {
                     .name
                     .clone();
                 let hints = self.hints.get(&name);
-                match store_piece(backend, (enc, dec, &mut ahead), &self.seen, &piece, hints) {
+                match store_piece(
+                    backend,
+                    index.as_deref(),
+                    (enc, dec, &mut ahead),
+                    &self.seen,
+                    &piece,
+                    hints,
+                ) {
                     Ok((cref, outcome)) => {
                         let len = piece.data().len() as u64;
                         let index = piece.index;

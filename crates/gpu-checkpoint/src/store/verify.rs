@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::backend::Objects;
 use super::chunk::{ChunkId, Decoder};
 use super::error::{Error, Result};
 use super::ingest::Plan;

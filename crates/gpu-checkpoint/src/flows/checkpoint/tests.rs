@@ -258,7 +258,7 @@ impl Scene {
     }
 
     pub(super) fn staging_empty(&self) -> bool {
-        let staging = self.store.location().join("staging");
+        let staging = self.store.local_dir().unwrap().join("staging");
         !staging.exists() || std::fs::read_dir(staging).unwrap().next().is_none()
     }
 }
@@ -284,7 +284,12 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
         s.criu.calls(),
         vec![FakeCriuCall::Dump {
             pid: p.pid(),
-            images_dir: s.store.location().join("staging").join(&out.info.id),
+            images_dir: s
+                .store
+                .local_dir()
+                .unwrap()
+                .join("staging")
+                .join(&out.info.id),
             after: AfterDump::Stop,
             options: CriuOptions::default(),
         }]
@@ -348,7 +353,7 @@ fn failed_dump_case(images: ImageTransfer) {
     };
     let log = f.log.unwrap();
     assert!(
-        log.starts_with(logs_dir(s.store.location())),
+        log.starts_with(logs_dir(s.store.local_dir().unwrap())),
         "{}",
         log.display()
     );
@@ -524,7 +529,7 @@ fn restore_refuses_a_taken_pid_and_a_failed_restore_keeps_the_checkpoint() {
         .unwrap()
         .into_result()
         .is_ok());
-    let work = s.store.location().join("restore-work");
+    let work = s.store.local_dir().unwrap().join("restore-work");
     assert!(!work.exists() || std::fs::read_dir(work).unwrap().next().is_none());
 }
 

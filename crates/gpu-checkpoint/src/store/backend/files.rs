@@ -25,10 +25,6 @@ pub(super) fn open_regular(path: &Path) -> io::Result<Option<File>> {
     Ok(file.metadata()?.is_file().then_some(file))
 }
 
-pub(super) fn is_hex_name(name: &str) -> bool {
-    name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
 /// Takes the store lock on `file` (`nonblocking`: `Ok(None)` when another process holds it). nix's `Flock`
 /// (the one flock implementation the crate uses, as the flows' per-PID locks do) releases it on drop.
 pub(super) fn flock(

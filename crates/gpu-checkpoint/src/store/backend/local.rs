@@ -14,16 +14,16 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::ops::Range;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use serde::{Deserialize, Serialize};
-
 use super::direct::{cached_pages, read_up_to, set_direct, write_direct};
-use super::files::{flock, is_hex_name, open_regular, restore_mode, tree_size, warn_modes};
-use super::{Backend, LockGuard, LockMode, StaleCleanup};
+use super::files::{flock, open_regular, restore_mode, tree_size, warn_modes};
+use super::{Backend, LocalFs, LockGuard, LockMode, ObjectMeta, StaleCleanup};
 use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
 use crate::util::{
@@ -31,26 +31,16 @@ use crate::util::{
     DIRECT_IO_ALIGN, DIR_MODE, FILE_MODE,
 };
 
-/// The store format this build writes and reads. Bump it on incompatible layout changes; older builds then
-/// refuse the store instead of misreading it. 2: compressed chunks are written in chunk format version 2
-/// (with a trailer), which builds of store version 1 read as damaged; this build reads version 1 stores and
-/// marks them version 2 when it opens them (see [`LocalBackend::upgrade_marker`]).
-pub const STORE_FORMAT_VERSION: u32 = 2;
-const STORE_FORMAT_NAME: &str = "gpu-checkpoint-store";
-const STORE_FILE: &str = "store.json";
+use super::objects::{check_marker, marker, STORE_FILE, STORE_FORMAT_VERSION};
 
 /// Above this many new chunks one `syncfs` is cheaper than one fsync per chunk file (each fsync commits the
 /// filesystem journal; syncfs commits it once for everything).
 const SYNCFS_THRESHOLD: usize = 32;
 
-#[derive(Serialize, Deserialize)]
-struct StoreFile {
-    format: String,
-    version: u32,
-}
-
 pub struct LocalBackend {
     root: PathBuf,
+    /// `root` for messages.
+    location: String,
     chunks: PathBuf,
     manifests: PathBuf,
     staging: PathBuf,
@@ -68,8 +58,8 @@ pub struct LocalBackend {
 /// A chunk object as the ingest hands it over.
 #[derive(Clone, Copy)]
 enum Object<'a> {
-    /// Header and payload in separate buffers.
-    Parts(&'a [u8], &'a [u8]),
+    /// Parts to write one after the other (header and payload in separate buffers).
+    Parts(&'a [&'a [u8]]),
     /// Header then payload in one buffer (page-aligned when built for direct I/O).
     Whole(&'a [u8]),
 }
@@ -91,7 +81,7 @@ impl LocalBackend {
                 Ok(false)
             }
             Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::Unreadable {
-                path: root.to_path_buf(),
+                path: root.into(),
                 source: e,
             }),
             Err(e) => Err(Error::io("cannot look for", marker)(e)),
@@ -110,6 +100,7 @@ impl LocalBackend {
         // An absolute path keeps messages and manifest paths meaningful whatever the caller's cwd becomes.
         let root = std::path::absolute(root).unwrap_or_else(|_| root.to_path_buf());
         LocalBackend {
+            location: root.display().to_string(),
             chunks: root.join("chunks"),
             manifests: root.join("manifests"),
             staging: root.join("staging"),
@@ -122,22 +113,24 @@ impl LocalBackend {
     }
 
     fn chunk_path(&self, id: &ChunkId) -> PathBuf {
-        let hex = id.to_hex();
-        self.chunks.join(&hex[..2]).join(hex)
+        self.object_path(&super::chunk_key(id))
     }
 
-    /// Writes a chunk object under a temporary name and renames it into place: readers see no chunk or a
+    /// Writes an object under a temporary name and renames it into place: readers see no object or a
     /// complete one. Whole page-aligned objects are written with direct I/O while the filesystem takes it.
-    fn put(&self, id: &ChunkId, object: Object<'_>) -> Result<()> {
-        let path = self.chunk_path(id);
+    fn put_file(&self, path: &Path, object: Object<'_>) -> Result<()> {
         if let Some(e) = crate::fault::io_error("store.write") {
             return Err(Error::io("cannot write chunk", path)(e));
         }
-        let dir = path.parent().expect("chunk paths have a parent");
+        let dir = path.parent().expect("object paths have a parent");
         let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default();
         let tmp = dir.join(format!(
             ".tmp.{}.{}.{}",
-            &id.to_hex()[..16],
+            &name[..name.len().min(16)],
             std::process::id(),
             n
         ));
@@ -161,20 +154,20 @@ impl LocalBackend {
             }
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                 self.no_direct_io(&e);
-                return self.put(id, object);
+                return self.put_file(path, object);
             }
             Err(e) => return Err(Error::io("cannot create chunk", &tmp)(e)),
         };
         let written = match object {
             Object::Whole(o) if direct => write_direct(&file, o),
             Object::Whole(o) => (&file).write_all(o),
-            Object::Parts(h, p) => (&file).write_all(h).and_then(|_| (&file).write_all(p)),
+            Object::Parts(parts) => parts.iter().try_for_each(|p| (&file).write_all(p)),
         };
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
             if direct && e.raw_os_error() == Some(libc::EINVAL) {
                 self.no_direct_io(&e);
-                return self.put(id, object);
+                return self.put_file(path, object);
             }
             return Err(Error::io("cannot write chunk", &tmp)(e));
         }
@@ -187,9 +180,9 @@ impl LocalBackend {
         drop(file);
         // rename() is atomic. If a concurrent writer stored the same name first, its copy is byte-identical,
         // so replacing it is harmless.
-        fs::rename(&tmp, &path).map_err(|e| {
+        fs::rename(&tmp, path).map_err(|e| {
             let _ = fs::remove_file(&tmp);
-            Error::io("cannot rename chunk into place", &path)(e)
+            Error::io("cannot rename chunk into place", path)(e)
         })
     }
 
@@ -305,12 +298,7 @@ impl LocalBackend {
 
     /// Writes the marker of this build's store version, atomically and durably.
     fn write_marker(&self) -> io::Result<()> {
-        let marker = StoreFile {
-            format: STORE_FORMAT_NAME.into(),
-            version: STORE_FORMAT_VERSION,
-        };
-        let bytes = serde_json::to_vec_pretty(&marker).expect("serialisable");
-        write_atomic(&self.root.join(STORE_FILE), &bytes)
+        write_atomic(&self.root.join(STORE_FILE), &marker())
     }
 
     /// Marks a store of an older version as this build's before anything is written to it: builds of the
@@ -342,18 +330,18 @@ fn set_mode(path: &Path, mode: u32) -> Result<()> {
 
 fn writable_error(path: &Path, source: io::Error) -> Error {
     Error::Unwritable {
-        path: path.to_path_buf(),
+        path: path.into(),
         source,
     }
 }
 
 impl Backend for LocalBackend {
-    fn location(&self) -> &Path {
-        &self.root
+    fn location(&self) -> &str {
+        &self.location
     }
 
-    fn local_dir(&self) -> Option<&Path> {
-        Some(&self.root)
+    fn describe(&self, key: &str) -> String {
+        self.object_path(key).display().to_string()
     }
 
     fn init(&self) -> Result<()> {
@@ -367,28 +355,9 @@ impl Backend for LocalBackend {
         let marker = self.root.join(STORE_FILE);
         match fs::read(&marker) {
             Ok(bytes) => {
-                let parsed: StoreFile =
-                    serde_json::from_slice(&bytes).map_err(|e| Error::BadStore {
-                        path: marker.clone(),
-                        reason: format!("unreadable store marker: {e}"),
-                    })?;
-                if parsed.format != STORE_FORMAT_NAME {
-                    return Err(Error::BadStore {
-                        path: marker,
-                        reason: format!("not a gpu-checkpoint store (format {:?})", parsed.format),
-                    });
-                }
-                if parsed.version > STORE_FORMAT_VERSION {
-                    return Err(Error::BadStore {
-                        path: marker,
-                        reason: format!(
-                            "store format version {} is newer than this build supports ({}); upgrade gpu-checkpoint",
-                            parsed.version, STORE_FORMAT_VERSION
-                        ),
-                    });
-                }
-                if parsed.version < STORE_FORMAT_VERSION {
-                    self.upgrade_marker(parsed.version);
+                let version = check_marker(&bytes, &marker.display().to_string())?;
+                if version < STORE_FORMAT_VERSION {
+                    self.upgrade_marker(version);
                 }
                 // Folders may be missing if someone cleaned up by hand; they hold nothing we need to keep.
                 for dir in [&self.chunks, &self.manifests, &self.staging] {
@@ -406,7 +375,7 @@ impl Backend for LocalBackend {
                 if let Ok(mut entries) = fs::read_dir(&self.root) {
                     if entries.next().is_some() {
                         return Err(Error::BadStore {
-                            path: self.root.clone(),
+                            path: (&self.root).into(),
                             reason: "is not empty and not a gpu-checkpoint store (no store.json); \
                                      use an empty or new folder"
                                 .into(),
@@ -452,71 +421,210 @@ impl Backend for LocalBackend {
         Ok(())
     }
 
-    fn restore_permissions(&self) -> Vec<String> {
-        let found = self.restore_modes(true);
-        warn_modes(&self.root, &found);
-        found
+    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
+        let path = self.object_path(key);
+        if durable {
+            // Temporary name, sync, rename, sync the folder: after this the object exists, and a crash
+            // before it leaves no trace of it.
+            let bytes = parts.concat();
+            return match write_atomic(&path, &bytes) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    let dir = path.parent().expect("object paths have a parent");
+                    create_private_dir_all(dir).map_err(Error::io("cannot create folder", dir))?;
+                    write_atomic(&path, &bytes)
+                }
+                r => r,
+            }
+            .map_err(Error::io("cannot write", &path));
+        }
+        match parts {
+            [whole] => self.put_file(&path, Object::Whole(whole)),
+            parts => self.put_file(&path, Object::Parts(parts)),
+        }
     }
 
-    fn staging_root(&self) -> &Path {
-        &self.staging
-    }
-
-    fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {
-        self.put(id, Object::Parts(header, payload))
-    }
-
-    fn aligned_objects(&self) -> bool {
-        self.direct.load(Ordering::Relaxed)
-    }
-
-    fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
-        self.put(id, Object::Whole(object))
-    }
-
-    fn sync_chunks(&self, written: &[ChunkId]) -> Result<()> {
-        if written.is_empty() {
+    fn sync(&self, keys: &[String]) -> Result<()> {
+        if keys.is_empty() {
             return Ok(());
         }
-        if written.len() >= SYNCFS_THRESHOLD {
+        if keys.len() >= SYNCFS_THRESHOLD {
             let root = File::open(&self.root).map_err(Error::io("cannot open", &self.root))?;
             // SAFETY: syncfs on a valid fd. Since Linux 5.8 it reports writeback errors.
             if unsafe { libc::syncfs(root.as_raw_fd()) } == 0 {
                 return Ok(());
             }
             let e = io::Error::last_os_error();
-            tracing::debug!("syncfs failed ({e}); falling back to fsync per chunk");
+            tracing::debug!("syncfs failed ({e}); falling back to fsync per file");
         }
         let mut dirs = std::collections::BTreeSet::new();
-        for id in written {
-            let path = self.chunk_path(id);
+        for key in keys {
+            let path = self.object_path(key);
             File::open(&path)
                 .and_then(|f| f.sync_all())
-                .map_err(Error::io("cannot sync chunk", &path))?;
-            dirs.insert(path.parent().expect("parent").to_path_buf());
+                .map_err(Error::io("cannot sync", &path))?;
+            // The object's folder (a chunk's fan-out folder) and the folder that holds it, which a new
+            // fan-out folder was added to.
+            let dir = path.parent().expect("parent").to_path_buf();
+            if let Some(up) = dir.parent().filter(|up| up.starts_with(&self.root)) {
+                dirs.insert(up.to_path_buf());
+            }
+            dirs.insert(dir);
         }
-        dirs.insert(self.chunks.clone());
         for dir in dirs {
             fsync_dir(&dir).map_err(Error::io("cannot sync folder", &dir))?;
         }
         Ok(())
     }
 
-    fn local_chunk_file(&self, id: &ChunkId) -> Option<PathBuf> {
-        Some(self.chunk_path(id))
-    }
-
-    fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool> {
-        let path = self.chunk_path(id);
+    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
+        let path = self.object_path(key);
         let mut file = match open_regular(&path) {
             Ok(Some(f)) => f,
             Ok(None) => return Ok(false),
-            Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
+            Err(e) => return Err(Error::io("cannot open", path)(e)),
         };
         buf.clear();
         file.read_to_end(buf)
-            .map_err(Error::io("cannot read chunk", &path))?;
+            .map_err(Error::io("cannot read", &path))?;
         Ok(true)
+    }
+
+    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
+        let path = self.object_path(key);
+        let file = match open_regular(&path) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(false),
+            Err(e) => return Err(Error::io("cannot open", path)(e)),
+        };
+        let want = range.end.saturating_sub(range.start) as usize;
+        buf.clear();
+        buf.resize(want, 0);
+        let mut n = 0;
+        while n < want {
+            match file.read_at(&mut buf[n..], range.start + n as u64) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io("cannot read", &path)(e)),
+            }
+        }
+        buf.truncate(n);
+        Ok(true)
+    }
+
+    fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
+        let path = self.object_path(key);
+        match fs::symlink_metadata(&path) {
+            Ok(m) if m.is_file() => Ok(Some(ObjectMeta {
+                key: key.to_owned(),
+                size: m.len(),
+                modified: m.modified().ok(),
+            })),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io("cannot look at", path)(e)),
+        }
+    }
+
+    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
+        // The folder the prefix ends in, walked two levels down at most (chunks/ab/NAME is the deepest
+        // the layout goes): only regular files, never a link followed, nor a temporary file (a dot name).
+        let (dir_key, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
+        let dir = if dir_key.is_empty() {
+            self.root.clone()
+        } else {
+            self.root.join(dir_key)
+        };
+        let mut stack = vec![(dir, dir_key.to_owned(), 0)];
+        while let Some((dir, key, depth)) = stack.pop() {
+            let entries = match fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
+                    continue
+                }
+                Err(e) => return Err(Error::io("cannot list", &dir)(e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(Error::io("cannot list", &dir))?;
+                let name = entry.file_name();
+                let Some(name) = name.to_str() else { continue };
+                if name.starts_with('.') {
+                    continue;
+                }
+                let child = if key.is_empty() {
+                    name.to_owned()
+                } else {
+                    format!("{key}/{name}")
+                };
+                let Ok(kind) = entry.file_type() else {
+                    continue;
+                };
+                if kind.is_dir() && depth < 2 {
+                    if prefix.starts_with(&format!("{child}/")) || child.starts_with(prefix) {
+                        stack.push((entry.path(), child, depth + 1));
+                    }
+                } else if kind.is_file() && child.starts_with(prefix) {
+                    let meta = entry.metadata().ok();
+                    f(ObjectMeta {
+                        key: child,
+                        size: meta.as_ref().map_or(0, |m| m.len()),
+                        modified: meta.and_then(|m| m.modified().ok()),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        let path = self.object_path(key);
+        match fs::remove_file(&path) {
+            Ok(()) => {
+                // A deleted manifest must stay deleted after a crash; a chunk's deletion need not be
+                // durable (gc would delete it again).
+                if !key.starts_with(super::CHUNKS) {
+                    let dir = path.parent().expect("parent");
+                    fsync_dir(dir).map_err(Error::io("cannot sync", dir))?;
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(Error::io("cannot delete", path)(e)),
+        }
+    }
+
+    fn prefetch(&self, key: &str) {
+        if let Ok(file) = File::open(self.object_path(key)) {
+            // SAFETY: fadvise on a valid fd; WILLNEED only starts reading the file into the page cache.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+        }
+    }
+
+    fn local(&self) -> Option<&dyn LocalFs> {
+        Some(self)
+    }
+}
+
+impl LocalFs for LocalBackend {
+    fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn staging_root(&self) -> &Path {
+        &self.staging
+    }
+
+    fn object_path(&self, key: &str) -> PathBuf {
+        debug_assert!(
+            !key.split('/')
+                .any(|c| c.is_empty() || c == "." || c == ".."),
+            "bad key {key:?}"
+        );
+        self.root.join(key)
+    }
+
+    fn aligned_objects(&self) -> bool {
+        self.direct.load(Ordering::Relaxed)
     }
 
     fn reads_uncached(&self) -> bool {
@@ -566,106 +674,6 @@ impl Backend for LocalBackend {
             .map_err(Error::io("cannot read chunk", &path))
     }
 
-    fn prefetch_chunk(&self, id: &ChunkId) {
-        if let Ok(file) = File::open(self.chunk_path(id)) {
-            // SAFETY: fadvise on a valid fd; WILLNEED only starts reading the file into the page cache.
-            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
-        }
-    }
-
-    fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
-        let path = self.chunk_path(id);
-        match fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Error::io("cannot delete chunk", path)(e)),
-        }
-    }
-
-    fn list_chunks(&self, f: &mut dyn FnMut(ChunkId, u64)) -> Result<()> {
-        let top = match fs::read_dir(&self.chunks) {
-            Ok(t) => t,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(Error::io("cannot list", &self.chunks)(e)),
-        };
-        for sub in top {
-            let sub = sub.map_err(Error::io("cannot list", &self.chunks))?;
-            if !sub.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                continue;
-            }
-            let dir = sub.path();
-            for entry in fs::read_dir(&dir).map_err(Error::io("cannot list", &dir))? {
-                let entry = entry.map_err(Error::io("cannot list", &dir))?;
-                let name = entry.file_name();
-                let Some(name) = name.to_str() else { continue };
-                if !is_hex_name(name) {
-                    continue;
-                }
-                let Some(id) = ChunkId::from_hex(name) else {
-                    continue;
-                };
-                let len = entry.metadata().map(|m| m.len()).unwrap_or(0);
-                f(id, len);
-            }
-        }
-        Ok(())
-    }
-
-    fn put_manifest(&self, id: &str, bytes: &[u8]) -> Result<()> {
-        let path = self.manifest_path(id);
-        write_atomic(&path, bytes).map_err(Error::io("cannot write manifest", &path))
-    }
-
-    fn get_manifest(&self, id: &str) -> Result<Option<Vec<u8>>> {
-        let path = self.manifest_path(id);
-        let read = open_regular(&path).and_then(|f| {
-            f.map(|mut f| {
-                let mut b = Vec::new();
-                f.read_to_end(&mut b).map(|_| b)
-            })
-            .transpose()
-        });
-        read.map_err(Error::io("cannot read manifest", path))
-    }
-
-    fn delete_manifest(&self, id: &str) -> Result<bool> {
-        let path = self.manifest_path(id);
-        match fs::remove_file(&path) {
-            Ok(()) => {
-                fsync_dir(&self.manifests).map_err(Error::io("cannot sync", &self.manifests))?;
-                Ok(true)
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(Error::io("cannot delete manifest", path)(e)),
-        }
-    }
-
-    fn list_manifests(&self) -> Result<Vec<String>> {
-        let mut ids = Vec::new();
-        let entries = match fs::read_dir(&self.manifests) {
-            Ok(e) => e,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(ids),
-            Err(e) => return Err(Error::io("cannot list", &self.manifests)(e)),
-        };
-        for entry in entries {
-            let entry = entry.map_err(Error::io("cannot list", &self.manifests))?;
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            // Temporary files of in-flight manifest writes start with a dot: they are not checkpoints.
-            if name.starts_with('.') {
-                continue;
-            }
-            if let Some(id) = name.strip_suffix(".json") {
-                ids.push(id.to_owned());
-            }
-        }
-        Ok(ids)
-    }
-
-    fn manifest_path(&self, id: &str) -> PathBuf {
-        self.manifests.join(format!("{id}.json"))
-    }
-
     fn lock(&self, mode: LockMode) -> Result<LockGuard> {
         let file = match (self.lock_file(), mode) {
             (Ok(f), _) => f,
@@ -699,6 +707,12 @@ impl Backend for LocalBackend {
         let lock =
             flock(file, mode, true).map_err(Error::io("cannot lock", self.root.join("lock")))?;
         Ok(lock.map(|l| LockGuard(Box::new(l))))
+    }
+
+    fn restore_permissions(&self) -> Vec<String> {
+        let found = self.restore_modes(true);
+        warn_modes(&self.root, &found);
+        found
     }
 
     fn cleanup_stale(&self) -> Result<StaleCleanup> {
@@ -743,95 +757,5 @@ impl Backend for LocalBackend {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
-    use crate::testdata::random_bytes as random;
-    use std::os::unix::fs::PermissionsExt;
-
-    fn backend(dir: &Path, direct: bool) -> LocalBackend {
-        let b = LocalBackend::with_direct_io(&dir.join("store"), direct);
-        b.init().unwrap();
-        b
-    }
-
-    #[test]
-    fn direct_writes_and_reads_keep_objects_of_every_length_exact() {
-        let t = tempfile::tempdir().unwrap();
-        let b = backend(t.path(), true);
-        assert!(b.aligned_objects() && b.reads_uncached());
-        let mut enc = Encoder::new(None, 1 << 20).unwrap();
-        let mut dec = Decoder::new(1 << 20).unwrap();
-        let mut direct = AlignedBuf::new();
-        // Shorter than a block, exactly blocks (header included), blocks and a tail.
-        for (i, len) in [1usize, 4096 - HEADER_LEN, 3 * 4096 + 100, 1 << 20]
-            .into_iter()
-            .enumerate()
-        {
-            let data = random(len, i as u64 + 1);
-            let id = ChunkId::of(&data);
-            let (_, object) = enc.encode_object(&id, &data);
-            b.put_chunk_object(&id, object).unwrap();
-            let path = b.chunk_path(&id);
-            assert_eq!(fs::read(&path).unwrap(), object, "length {len}");
-            assert_eq!(
-                fs::metadata(&path).unwrap().permissions().mode() & 0o777,
-                0o600
-            );
-            let mut whole = AlignedBuf::new();
-            assert_eq!(
-                b.read_object(&id, object.len(), &mut whole).unwrap(),
-                Some(object.len())
-            );
-            assert_eq!(whole.slice(object.len()), object);
-            // fs::read above cached every page: read the usual way now.
-            assert_eq!(b.read_chunk_uncached(&id, &mut direct).unwrap(), None);
-            let mut buf = Vec::new();
-            assert!(b.read_chunk(&id, &mut buf).unwrap());
-            assert_eq!(dec.decode(&id, &buf).unwrap(), &data[..]);
-        }
-        // A chunk written directly and not read since is not (all) cached: read with direct I/O, exact.
-        let data = random(2 * 4096 + 7, 99);
-        let id = ChunkId::of(&data);
-        let (_, object) = enc.encode_object(&id, &data);
-        b.put_chunk_object(&id, object).unwrap();
-        let n = b
-            .read_chunk_uncached(&id, &mut direct)
-            .unwrap()
-            .expect("a freshly written chunk is read past the cache");
-        assert_eq!(dec.decode(&id, direct.slice(n)).unwrap(), &data[..]);
-        // Missing: left to the usual read, which reports it.
-        let missing = ChunkId::of(b"not stored");
-        assert_eq!(b.read_chunk_uncached(&missing, &mut direct).unwrap(), None);
-    }
-
-    #[test]
-    fn buffered_backends_and_unaligned_objects_go_through_the_page_cache() {
-        let t = tempfile::tempdir().unwrap();
-        let buffered = backend(t.path(), false);
-        assert!(!buffered.aligned_objects() && !buffered.reads_uncached());
-        let data = random(5000, 7);
-        let id = ChunkId::of(&data);
-        let mut enc = Encoder::new(None, 8192).unwrap();
-        let (_, object) = enc.encode_object(&id, &data);
-        buffered.put_chunk_object(&id, object).unwrap();
-        let mut direct = AlignedBuf::new();
-        assert_eq!(
-            buffered.read_chunk_uncached(&id, &mut direct).unwrap(),
-            None
-        );
-        assert_eq!(fs::read(buffered.chunk_path(&id)).unwrap(), object);
-
-        // An object that is not page-aligned in memory cannot go direct: written through the cache.
-        let t2 = tempfile::tempdir().unwrap();
-        let b = backend(t2.path(), true);
-        let mut shifted = vec![0u8; object.len() + 1];
-        shifted[1..].copy_from_slice(object);
-        b.put_chunk_object(&id, &shifted[1..]).unwrap();
-        assert_eq!(fs::read(b.chunk_path(&id)).unwrap(), object);
-        assert!(
-            b.aligned_objects(),
-            "one unaligned object does not turn direct I/O off"
-        );
-    }
-}
+#[path = "local_tests.rs"]
+mod tests;

@@ -1,253 +1,176 @@
-//! An in-memory backend for tests: objects in hash maps, a reader-writer lock in a mutex, and a staging root
-//! the test provides. It also lets tests damage objects on purpose.
+//! An in-memory backend for tests: objects in a map, nothing more. Like an object store it has no lock
+//! and no local fast path, so the store's object-store paths (leases, the gc grace period) run on it; it
+//! also lets tests damage objects, fail writes, and age objects on purpose.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
 
-use super::{Backend, LockGuard, LockMode, StaleCleanup};
+use super::{chunk_key, manifest_key, Backend, ObjectMeta};
 use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
 
-#[derive(Default)]
-struct LockState {
-    readers: usize,
-    writer: bool,
-}
-
-#[derive(Default)]
-struct Objects {
-    chunks: HashMap<ChunkId, Vec<u8>>,
-    manifests: HashMap<String, Vec<u8>>,
-}
-
 /// Test-only storage. Not durable, not shared between processes.
 pub struct MemoryBackend {
-    location: PathBuf,
-    staging: PathBuf,
-    objects: Mutex<Objects>,
-    lock: Arc<(Mutex<LockState>, Condvar)>,
+    work: PathBuf,
+    objects: Mutex<BTreeMap<String, (Vec<u8>, SystemTime)>>,
     /// When set, every write fails with ENOSPC (to test "storage full" paths).
-    pub fail_writes: std::sync::atomic::AtomicBool,
+    pub fail_writes: AtomicBool,
     /// When set, chunk writes fail with ENOSPC while the store still looks writable: a disk that fills
     /// up during a checkpoint.
-    pub fail_chunk_writes: std::sync::atomic::AtomicBool,
-}
-
-struct MemGuard {
-    lock: Arc<(Mutex<LockState>, Condvar)>,
-    mode: LockMode,
-}
-
-impl Drop for MemGuard {
-    fn drop(&mut self) {
-        let (m, cv) = &*self.lock;
-        let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
-        match self.mode {
-            LockMode::Shared => s.readers -= 1,
-            LockMode::Exclusive => s.writer = false,
-        }
-        cv.notify_all();
-    }
+    pub fail_chunk_writes: AtomicBool,
 }
 
 impl MemoryBackend {
-    /// `staging` is a local folder the test owns (ingests create their staging folders in it).
-    pub fn new(staging: &Path) -> MemoryBackend {
+    /// `work` is a local folder the test owns (ingests create their staging folders in it).
+    pub fn new(work: &Path) -> MemoryBackend {
         MemoryBackend {
-            location: PathBuf::from("memory:"),
-            staging: staging.to_path_buf(),
+            work: work.to_path_buf(),
             objects: Mutex::default(),
-            lock: Arc::default(),
-            fail_writes: Default::default(),
-            fail_chunk_writes: Default::default(),
+            fail_writes: AtomicBool::default(),
+            fail_chunk_writes: AtomicBool::default(),
         }
     }
 
-    fn objects(&self) -> std::sync::MutexGuard<'_, Objects> {
+    fn objects(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Vec<u8>, SystemTime)>> {
         self.objects.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn check_fail(&self) -> Result<()> {
-        if self.fail_writes.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(Error::Io {
-                op: "cannot write",
-                path: self.location.clone(),
-                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
-            });
+    fn full(&self, op: &'static str) -> Error {
+        Error::Io {
+            op,
+            path: self.location().into(),
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
         }
-        Ok(())
+    }
+
+    fn with(&self, key: &str, f: impl FnOnce(&mut Vec<u8>)) -> bool {
+        match self.objects().get_mut(key) {
+            Some(o) => {
+                f(&mut o.0);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Lets a test change (damage) a stored chunk.
     pub fn with_chunk(&self, id: &ChunkId, f: impl FnOnce(&mut Vec<u8>)) -> bool {
-        match self.objects().chunks.get_mut(id) {
-            Some(c) => {
-                f(c);
-                true
-            }
-            None => false,
-        }
+        self.with(&chunk_key(id), f)
     }
 
     /// Lets a test change (damage) a stored manifest.
     pub fn with_manifest(&self, id: &str, f: impl FnOnce(&mut Vec<u8>)) -> bool {
-        match self.objects().manifests.get_mut(id) {
-            Some(m) => {
-                f(m);
-                true
-            }
-            None => false,
-        }
+        self.with(&manifest_key(id), f)
     }
 
     /// Removes a chunk behind the store's back.
     pub fn remove_chunk(&self, id: &ChunkId) -> bool {
-        self.objects().chunks.remove(id).is_some()
+        self.objects().remove(&chunk_key(id)).is_some()
     }
 
-    fn acquire(&self, mode: LockMode, wait: bool) -> Option<LockGuard> {
-        let (m, cv) = &*self.lock;
-        let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            let free = match mode {
-                LockMode::Shared => !s.writer,
-                LockMode::Exclusive => !s.writer && s.readers == 0,
-            };
-            if free {
-                match mode {
-                    LockMode::Shared => s.readers += 1,
-                    LockMode::Exclusive => s.writer = true,
-                }
-                return Some(LockGuard(Box::new(MemGuard {
-                    lock: self.lock.clone(),
-                    mode,
-                })));
-            }
-            if !wait {
-                return None;
-            }
-            s = cv.wait(s).unwrap_or_else(|p| p.into_inner());
+    /// Makes every stored object `by` older (time passing, for gc's grace period and leases' expiry).
+    pub fn age(&self, by: Duration) {
+        for o in self.objects().values_mut() {
+            o.1 -= by;
         }
     }
 }
 
 impl Backend for MemoryBackend {
-    fn location(&self) -> &Path {
-        &self.location
+    fn location(&self) -> &str {
+        "memory:"
     }
 
     fn init(&self) -> Result<()> {
-        crate::util::create_private_dir_all(&self.staging)
-            .map_err(Error::io("cannot create", &self.staging))
+        crate::util::create_private_dir_all(&self.work)
+            .map_err(Error::io("cannot create", &self.work))
     }
 
     fn check_writable(&self) -> Result<()> {
-        self.check_fail().map_err(|e| match e {
-            Error::Io { path, source, .. } => Error::Unwritable { path, source },
-            e => e,
-        })
-    }
-
-    fn staging_root(&self) -> &Path {
-        &self.staging
-    }
-
-    fn put_chunk(&self, id: &ChunkId, header: &[u8], payload: &[u8]) -> Result<()> {
-        self.check_fail()?;
-        if self
-            .fail_chunk_writes
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            return Err(Error::Io {
-                op: "cannot write chunk",
-                path: self.location.clone(),
+        if self.fail_writes.load(Ordering::Relaxed) {
+            return Err(Error::Unwritable {
+                path: self.location().into(),
                 source: std::io::Error::from_raw_os_error(libc::ENOSPC),
             });
         }
-        let mut obj = Vec::with_capacity(header.len() + payload.len());
-        obj.extend_from_slice(header);
-        obj.extend_from_slice(payload);
-        self.objects().chunks.insert(*id, obj);
         Ok(())
     }
 
-    fn sync_chunks(&self, _written: &[ChunkId]) -> Result<()> {
-        self.check_fail()
+    fn put(&self, key: &str, parts: &[&[u8]], _durable: bool) -> Result<()> {
+        if self.fail_writes.load(Ordering::Relaxed) {
+            return Err(self.full("cannot write"));
+        }
+        if key.starts_with(super::CHUNKS) && self.fail_chunk_writes.load(Ordering::Relaxed) {
+            return Err(self.full("cannot write chunk"));
+        }
+        self.objects()
+            .insert(key.to_owned(), (parts.concat(), SystemTime::now()));
+        Ok(())
     }
 
-    fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool> {
-        match self.objects().chunks.get(id) {
-            Some(c) => {
+    fn sync(&self, _keys: &[String]) -> Result<()> {
+        if self.fail_writes.load(Ordering::Relaxed) {
+            return Err(self.full("cannot sync"));
+        }
+        Ok(())
+    }
+
+    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
+        match self.objects().get(key) {
+            Some(o) => {
                 buf.clear();
-                buf.extend_from_slice(c);
+                buf.extend_from_slice(&o.0);
                 Ok(true)
             }
             None => Ok(false),
         }
     }
 
-    fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
-        self.objects().chunks.remove(id);
-        Ok(())
-    }
-
-    fn list_chunks(&self, f: &mut dyn FnMut(ChunkId, u64)) -> Result<()> {
-        let all: Vec<(ChunkId, u64)> = self
-            .objects()
-            .chunks
-            .iter()
-            .map(|(id, c)| (*id, c.len() as u64))
-            .collect();
-        for (id, len) in all {
-            f(id, len);
-        }
-        Ok(())
-    }
-
-    fn put_manifest(&self, id: &str, bytes: &[u8]) -> Result<()> {
-        self.check_fail()?;
-        self.objects()
-            .manifests
-            .insert(id.to_owned(), bytes.to_vec());
-        Ok(())
-    }
-
-    fn get_manifest(&self, id: &str) -> Result<Option<Vec<u8>>> {
-        Ok(self.objects().manifests.get(id).cloned())
-    }
-
-    fn delete_manifest(&self, id: &str) -> Result<bool> {
-        Ok(self.objects().manifests.remove(id).is_some())
-    }
-
-    fn list_manifests(&self) -> Result<Vec<String>> {
-        Ok(self.objects().manifests.keys().cloned().collect())
-    }
-
-    fn manifest_path(&self, id: &str) -> PathBuf {
-        self.location.join(format!("{id}.json"))
-    }
-
-    fn lock(&self, mode: LockMode) -> Result<LockGuard> {
-        Ok(self
-            .acquire(mode, true)
-            .expect("waiting acquire always succeeds"))
-    }
-
-    fn try_lock(&self, mode: LockMode) -> Result<Option<LockGuard>> {
-        Ok(self.acquire(mode, false))
-    }
-
-    fn cleanup_stale(&self) -> Result<StaleCleanup> {
-        let mut out = StaleCleanup::default();
-        if let Ok(entries) = std::fs::read_dir(&self.staging) {
-            for entry in entries.flatten() {
-                if std::fs::remove_dir_all(entry.path()).is_ok() {
-                    out.staging_dirs += 1;
-                }
+    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
+        match self.objects().get(key) {
+            Some(o) => {
+                let end = (range.end as usize).min(o.0.len());
+                let start = (range.start as usize).min(end);
+                buf.clear();
+                buf.extend_from_slice(&o.0[start..end]);
+                Ok(true)
             }
+            None => Ok(false),
         }
-        Ok(out)
+    }
+
+    fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
+        Ok(self.objects().get(key).map(|o| ObjectMeta {
+            key: key.to_owned(),
+            size: o.0.len() as u64,
+            modified: Some(o.1),
+        }))
+    }
+
+    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
+        let found: Vec<ObjectMeta> = self
+            .objects()
+            .range(prefix.to_owned()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, o)| ObjectMeta {
+                key: k.clone(),
+                size: o.0.len() as u64,
+                modified: Some(o.1),
+            })
+            .collect();
+        found.into_iter().for_each(f);
+        Ok(())
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        Ok(self.objects().remove(key).is_some())
+    }
+
+    fn work_root(&self) -> Option<&Path> {
+        Some(&self.work)
     }
 }

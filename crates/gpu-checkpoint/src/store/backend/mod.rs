@@ -1,25 +1,40 @@
-//! The storage boundary. Everything above it (ingest, materialize, verify, gc) speaks only this trait, so an
-//! S3-compatible backend is one more implementation of it: chunks and manifests are write-once objects under
-//! keys, listing and deletion are by key, and durability and locking are explicit calls.
+//! The storage boundary, shaped like an object store: write-once objects under keys, read whole or by
+//! range, looked up (`head`), listed by prefix and deleted. Everything above it (ingest, materialize,
+//! verify, gc) speaks only this, so a store on S3 is one more implementation; the store's layout (which key
+//! holds what) is [`Objects`], the same for every backend.
 //!
-//! Implementations: [`LocalBackend`] (the real one: a local or shared POSIX filesystem) and [`MemoryBackend`]
-//! (tests only).
+//! A local file system can do more than an object store: direct I/O, mapping and splicing chunk files, a
+//! staging folder on the store's own disk, flock. Those are an optional capability, [`LocalFs`], that only
+//! the file-system backend offers ([`Backend::local`]): the flows ask for the capability, never which
+//! backend they hold, and every fast path has a plain object-store way beside it.
+//!
+//! Implementations: [`LocalBackend`] (a local or shared POSIX file system), [`MemoryBackend`] (tests: no
+//! local capability, so it takes the object-store paths, leases included) and, with the `s3` feature,
+//! `S3Backend` (any S3-compatible server).
 
 mod direct;
 mod files;
 mod local;
 mod memory;
+mod objects;
+#[cfg(feature = "s3")]
+mod s3;
 
 pub use local::{LocalBackend, DIRECT_IO_ENV};
 pub use memory::MemoryBackend;
+pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
+#[cfg(feature = "s3")]
+pub use s3::{S3Backend, S3Config, S3_RETRY_TIMEOUT_ENV};
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
-use super::chunk::{ChunkId, HEADER_LEN};
+use super::chunk::ChunkId;
 use super::error::Result;
 use crate::util::AlignedBuf;
 
-/// Shared (readers and writers of checkpoints) or exclusive (gc) access to the store.
+/// Shared (readers and writers of checkpoints) or exclusive (gc) access to a local store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LockMode {
     /// Held by every ingest, materialize and verify: they need the chunks they reference to stay.
@@ -29,10 +44,10 @@ pub enum LockMode {
 }
 
 /// Holds a store lock until dropped. Backends put whatever keeps the lock alive inside (an flock'ed file, a
-/// lease, a guard).
+/// guard).
 pub struct LockGuard(#[allow(dead_code)] pub Box<dyn Send + Sync>);
 
-/// What [`Backend::cleanup_stale`] removed.
+/// What [`LocalFs::cleanup_stale`] removed.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StaleCleanup {
     /// Staging folders of ingests that are no longer running (crashed or killed writers).
@@ -43,130 +58,125 @@ pub struct StaleCleanup {
     pub bytes: u64,
 }
 
-/// A store's storage. Implementations must be safe to call from many threads at once.
-pub trait Backend: Send + Sync {
-    /// Where the store lives, for messages (a path, or a URL for object stores).
-    fn location(&self) -> &Path;
+/// What a listing or a `head` says about one stored object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectMeta {
+    /// The object's key (store-relative: `chunks/ab/abcd...`).
+    pub key: String,
+    pub size: u64,
+    /// When it was last written, by the storage's clock (`None` where the storage does not say).
+    pub modified: Option<SystemTime>,
+}
 
-    /// The store's own local folder, when it is one: the flows keep CRIU logs and restore work folders in
-    /// it (same disk, same permissions). `None` for stores that are not a local folder (object stores,
-    /// tests' memory): the flows then use the temporary folder.
-    fn local_dir(&self) -> Option<&Path> {
-        None
+/// A store's storage: objects under keys. Implementations must be safe to call from many threads at once.
+///
+/// Keys are `/`-separated, store-relative, made only by [`Objects`] (never from user input). The
+/// semantics every implementation keeps, and the only ones the store relies on (see `docs/store.md`):
+/// - an object is written whole or not at all: a reader sees no object or a complete one;
+/// - after `put` (durable) or `sync` returns, a `get`, `head` or `list` anywhere sees the object, and after
+///   `delete` returns none sees it (read-after-write consistency, which S3 gives since 2020);
+/// - nothing conditional: two writers of one key may both succeed, and either copy may stay (the store only
+///   writes the same bytes twice under one key, or keys that are unique to one writer).
+pub trait Backend: Send + Sync {
+    /// Where the store lives, for messages: a path, or a URL for object stores.
+    fn location(&self) -> &str;
+
+    /// Where object `key` lives, for messages (a file path, or a URL).
+    fn describe(&self, key: &str) -> String {
+        format!("{}/{key}", self.location().trim_end_matches('/'))
     }
 
     /// Creates the store's layout if it is missing, or validates an existing one (format and version).
     fn init(&self) -> Result<()>;
 
-    /// Fails with a storage error (exit status 6) if chunks and manifests cannot be written right now.
+    /// Fails with a storage error (exit status 6) if objects cannot be written right now.
     fn check_writable(&self) -> Result<()>;
 
-    /// Puts the permissions of every store path (chunks included) back to private where someone changed
-    /// them, says so on stderr, and returns what it found (`verify` reports it). Default: nothing to do.
-    fn restore_permissions(&self) -> Vec<String> {
-        Vec::new()
+    /// Stores `parts`, concatenated, as object `key`. Write-once: if another writer stored the key
+    /// meanwhile, either copy may stay. `durable`: durable when this returns (manifests: after it the
+    /// checkpoint exists); otherwise durable only after [`Backend::sync`] (chunks, synced together).
+    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()>;
+
+    /// Makes objects this process put without `durable` durable, and reports any of their writes that
+    /// failed (a backend may still be sending them when `put` returns).
+    fn sync(&self, keys: &[String]) -> Result<()>;
+
+    /// Reads a whole object into `buf` (replacing its content). `Ok(false)` if there is no such object.
+    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool>;
+
+    /// Reads bytes `range` of an object into `buf` (fewer where the object ends first). `Ok(false)` if
+    /// there is no such object.
+    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool>;
+
+    /// Size and age of an object, `None` if there is none.
+    fn head(&self, key: &str) -> Result<Option<ObjectMeta>>;
+
+    /// Calls `f` for every object whose key starts with `prefix`, in no particular order.
+    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()>;
+
+    /// Deletes an object; `Ok(false)` if there was none (where the backend can tell). A deleted manifest is
+    /// gone for every reader when this returns.
+    fn delete(&self, key: &str) -> Result<bool>;
+
+    /// Hints that object `key` will be read soon: a backend that can start fetching it in the background
+    /// does. Never fails; default: nothing.
+    fn prefetch(&self, _key: &str) {}
+
+    /// How many requests this backend wants in flight to be fast: 0 for a local disk (the workers' own
+    /// reads keep it busy), tens for an object store, whose every request waits a network round trip.
+    fn requests_in_flight(&self) -> usize {
+        0
     }
 
-    /// A local folder, private to this store, in which ingests get their staging folders (CRIU writes its
-    /// images there). For the local backend it is on the store's own filesystem.
-    fn staging_root(&self) -> &Path;
-
-    /// Stores chunk `id` (its header, then the rest of its object: the payload and, in format version 2, the
-    /// trailer) under its name, write-once: if another writer stored the same name meanwhile, either copy
-    /// may stay (they are identical). Not durable until [`Backend::sync_chunks`].
-    fn put_chunk(&self, id: &ChunkId, header: &[u8], rest: &[u8]) -> Result<()>;
-
-    /// Whether [`Backend::put_chunk_object`] is the cheaper way in: it writes a page-aligned object with
-    /// direct I/O. The ingest then builds each object in an aligned buffer ([`Encoder::encode_object`]).
-    ///
-    /// [`Encoder::encode_object`]: crate::store::chunk::Encoder::encode_object
-    fn aligned_objects(&self) -> bool {
-        false
-    }
-
-    /// Stores chunk `id` given as its whole object (header, payload, trailer), like [`Backend::put_chunk`].
-    fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
-        self.put_chunk(id, &object[..HEADER_LEN], &object[HEADER_LEN..])
-    }
-
-    /// Makes the given chunks (written by this process with `put_chunk`) durable.
-    fn sync_chunks(&self, written: &[ChunkId]) -> Result<()>;
-
-    /// Reads a whole stored chunk into `buf` (replacing its content). `Ok(false)` if there is no such chunk.
-    fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool>;
-
-    /// The chunk's object as a local file, when the backend keeps chunks in files. `None`: read it with
-    /// `read_chunk`.
-    fn local_chunk_file(&self, _id: &ChunkId) -> Option<PathBuf> {
+    /// The local file system's fast paths, where the store is a local folder; `None` for every other
+    /// backend (they then take the plain object paths).
+    fn local(&self) -> Option<&dyn LocalFs> {
         None
     }
 
-    /// Whether [`Backend::read_chunk_uncached`] can read chunks past a cache (direct I/O).
-    fn reads_uncached(&self) -> bool {
-        false
+    /// A local folder this client may use for staging folders and restore work (private, on the client's
+    /// disk), when the backend knows one; `None`: the system's temporary folder.
+    fn work_root(&self) -> Option<&Path> {
+        self.local().map(|l| l.staging_root())
     }
+}
+
+/// What only a store in a local folder can do: the fast paths of a local disk, and flock.
+pub trait LocalFs: Send + Sync {
+    /// The store's folder: the flows keep CRIU logs and restore work folders in it (same disk, same
+    /// permissions).
+    fn root(&self) -> &Path;
+
+    /// The folder, on the store's own file system, in which ingests get their staging folders.
+    fn staging_root(&self) -> &Path;
+
+    /// The file holding object `key`.
+    fn object_path(&self, key: &str) -> PathBuf;
+
+    /// Whether a whole page-aligned object given as one part to [`Backend::put`] is written with direct
+    /// I/O: the ingest then builds each object in an aligned buffer
+    /// ([`Encoder::encode_object`](crate::store::chunk::Encoder::encode_object)).
+    fn aligned_objects(&self) -> bool;
+
+    /// Whether [`LocalFs::read_chunk_uncached`] can read chunks past the page cache (direct I/O).
+    fn reads_uncached(&self) -> bool;
 
     /// Reads chunk `id`'s whole object into `buf` with direct I/O when it is not (all) in the page cache,
-    /// and returns its length. `Ok(None)`: read it the usual way ([`Backend::read_chunk`], or mapped): it is
-    /// cached, missing, or the backend cannot. A cold read through the page cache costs the kernel a page
-    /// allocation and insertion per 4 KiB and left this project's VMs at 2.4 GB/s, where direct reads of the
-    /// same files ran at 3.8 GB/s with a tenth of the system CPU.
-    fn read_chunk_uncached(&self, _id: &ChunkId, _buf: &mut AlignedBuf) -> Result<Option<usize>> {
-        Ok(None)
-    }
+    /// and returns its length. `Ok(None)`: read it the usual way: it is cached, missing, or direct reads
+    /// are off. A cold read through the page cache costs the kernel a page allocation and insertion per
+    /// 4 KiB and left this project's VMs at 2.4 GB/s, where direct reads of the same files ran at 3.8 GB/s
+    /// with a tenth of the system CPU.
+    fn read_chunk_uncached(&self, id: &ChunkId, buf: &mut AlignedBuf) -> Result<Option<usize>>;
 
-    /// Reads chunk `id`'s whole object into `buf` and returns its length, or `Ok(None)` if there is no such
-    /// chunk. The ingest reads every chunk it would reuse this way, to check it first (`check_reused`). An
-    /// object longer than `max_len` is not read (its length is returned): the caller knows it
-    /// cannot be the chunk it wants. The local backend reads a cold object with direct I/O, like
-    /// [`Backend::read_chunk_uncached`]; the default goes through [`Backend::read_chunk`].
+    /// Reads chunk `id`'s whole object into `buf` (a cold one with direct I/O) and returns its length, or
+    /// `Ok(None)` if there is no such chunk; an object longer than `max_len` is not read (its length is
+    /// returned).
     fn read_object(
         &self,
         id: &ChunkId,
         max_len: usize,
         buf: &mut AlignedBuf,
-    ) -> Result<Option<usize>> {
-        let mut object = Vec::new();
-        if !self.read_chunk(id, &mut object)? {
-            return Ok(None);
-        }
-        if object.len() <= max_len {
-            buf.slice_mut(object.len()).copy_from_slice(&object);
-        }
-        Ok(Some(object.len()))
-    }
-
-    /// Hints that chunk `id` will be read soon: a backend that can start fetching it in the background
-    /// does (the local one asks the kernel to read the file ahead). Never fails; default: nothing.
-    fn prefetch_chunk(&self, _id: &ChunkId) {}
-
-    /// Deletes a chunk; deleting a missing chunk is not an error.
-    fn delete_chunk(&self, id: &ChunkId) -> Result<()>;
-
-    /// Calls `f(id, stored_len)` for every stored chunk.
-    fn list_chunks(&self, f: &mut dyn FnMut(ChunkId, u64)) -> Result<()>;
-
-    /// Stores a manifest atomically and durably (temporary name, sync, rename, sync the folder): after this
-    /// returns the checkpoint exists, and a crash before it leaves no trace of it.
-    fn put_manifest(&self, id: &str, bytes: &[u8]) -> Result<()>;
-
-    /// Reads a manifest; `Ok(None)` if there is none under that id.
-    fn get_manifest(&self, id: &str) -> Result<Option<Vec<u8>>>;
-
-    /// Deletes a manifest durably; `Ok(false)` if there was none.
-    fn delete_manifest(&self, id: &str) -> Result<bool>;
-
-    /// The ids of every committed manifest, in no particular order.
-    fn list_manifests(&self) -> Result<Vec<String>>;
-
-    /// Where the manifest of `id` lives (a file path for the local backend).
-    fn manifest_path(&self, id: &str) -> PathBuf;
-
-    /// The checkpoint id a manifest path names, if the path points into this store.
-    fn manifest_id_from_path(&self, path: &Path) -> Option<String> {
-        let name = path.file_name()?.to_str()?;
-        name.strip_suffix(".json").map(str::to_owned)
-    }
+    ) -> Result<Option<usize>>;
 
     /// Takes the store lock; blocks until it is available.
     fn lock(&self, mode: LockMode) -> Result<LockGuard>;
@@ -174,7 +184,11 @@ pub trait Backend: Send + Sync {
     /// Takes the store lock only if it is free right now.
     fn try_lock(&self, mode: LockMode) -> Result<Option<LockGuard>>;
 
-    /// Removes what dead writers left behind (staging folders, temporary objects). Only called with the
+    /// Puts the permissions of every store path (chunks included) back to private where someone changed
+    /// them, says so on stderr, and returns what it found (`verify` reports it).
+    fn restore_permissions(&self) -> Vec<String>;
+
+    /// Removes what dead writers left behind (staging folders, temporary files). Only called with the
     /// exclusive lock held, so no writer is running.
     fn cleanup_stale(&self) -> Result<StaleCleanup>;
 }

@@ -10,6 +10,7 @@ use std::time::Instant;
 use super::pool::on_workers;
 use super::verify::{decode_checked, fetch_any, fetch_verified, verify_raw_in_place};
 use super::{MaterializeStats, Task};
+use crate::store::backend::Objects;
 use crate::store::error::{Error, Result};
 use crate::store::manifest::{CheckpointInfo, ChunkRef};
 use crate::store::{Inner, Progress};

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 
 use super::verify::{fetch_verified, verify_raw_in_place, Mapped};
 use super::{Prefetcher, PREFETCH_AHEAD};
+use crate::store::backend::Objects;
 use crate::store::chunk::Decoder;
 use crate::store::error::{Error, Result};
 use crate::store::ingest::Plan;

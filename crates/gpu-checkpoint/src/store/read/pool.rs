@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use super::verify::Scratch;
 use super::{read_workers, Prefetcher, PREFETCH_AHEAD};
+use crate::store::backend::Objects;
 use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;

@@ -7,7 +7,7 @@ use std::thread::Scope;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::store::backend::Backend;
+use crate::store::backend::{Backend, Objects};
 use crate::store::chunk::{ChunkId, Decoder, Encoder, HEADER_LEN, TRAILER_LEN};
 use crate::store::error::Result;
 use crate::util::AlignedBuf;

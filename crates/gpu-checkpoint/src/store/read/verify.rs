@@ -4,6 +4,7 @@
 
 use std::fs;
 
+use crate::store::backend::Objects;
 use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;

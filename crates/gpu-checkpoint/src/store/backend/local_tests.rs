@@ -1,0 +1,98 @@
+//! The local backend's direct I/O: objects of every length written and read back exact.
+
+use super::*;
+use crate::store::backend::Objects;
+use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
+use crate::testdata::random_bytes as random;
+use std::os::unix::fs::PermissionsExt;
+
+fn backend(dir: &Path, direct: bool) -> LocalBackend {
+    let b = LocalBackend::with_direct_io(&dir.join("store"), direct);
+    b.init().unwrap();
+    b
+}
+
+#[test]
+fn direct_writes_and_reads_keep_objects_of_every_length_exact() {
+    let t = tempfile::tempdir().unwrap();
+    let b = backend(t.path(), true);
+    assert!(LocalFs::aligned_objects(&b) && LocalFs::reads_uncached(&b));
+    let mut enc = Encoder::new(None, 1 << 20).unwrap();
+    let mut dec = Decoder::new(1 << 20).unwrap();
+    let mut direct = AlignedBuf::new();
+    // Shorter than a block, exactly blocks (header included), blocks and a tail.
+    for (i, len) in [1usize, 4096 - HEADER_LEN, 3 * 4096 + 100, 1 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let data = random(len, i as u64 + 1);
+        let id = ChunkId::of(&data);
+        let (_, object) = enc.encode_object(&id, &data);
+        b.put_chunk_object(&id, object).unwrap();
+        let path = b.chunk_path(&id);
+        assert_eq!(fs::read(&path).unwrap(), object, "length {len}");
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let mut whole = AlignedBuf::new();
+        assert_eq!(
+            Objects::read_object(&b, &id, object.len(), &mut whole).unwrap(),
+            Some(object.len())
+        );
+        assert_eq!(whole.slice(object.len()), object);
+        // fs::read above cached every page: read the usual way now.
+        assert_eq!(
+            Objects::read_chunk_uncached(&b, &id, &mut direct).unwrap(),
+            None
+        );
+        let mut buf = Vec::new();
+        assert!(b.read_chunk(&id, &mut buf).unwrap());
+        assert_eq!(dec.decode(&id, &buf).unwrap(), &data[..]);
+    }
+    // A chunk written directly and not read since is not (all) cached: read with direct I/O, exact.
+    let data = random(2 * 4096 + 7, 99);
+    let id = ChunkId::of(&data);
+    let (_, object) = enc.encode_object(&id, &data);
+    b.put_chunk_object(&id, object).unwrap();
+    let n = Objects::read_chunk_uncached(&b, &id, &mut direct)
+        .unwrap()
+        .expect("a freshly written chunk is read past the cache");
+    assert_eq!(dec.decode(&id, direct.slice(n)).unwrap(), &data[..]);
+    // Missing: left to the usual read, which reports it.
+    let missing = ChunkId::of(b"not stored");
+    assert_eq!(
+        Objects::read_chunk_uncached(&b, &missing, &mut direct).unwrap(),
+        None
+    );
+}
+
+#[test]
+fn buffered_backends_and_unaligned_objects_go_through_the_page_cache() {
+    let t = tempfile::tempdir().unwrap();
+    let buffered = backend(t.path(), false);
+    assert!(!LocalFs::aligned_objects(&buffered) && !LocalFs::reads_uncached(&buffered));
+    let data = random(5000, 7);
+    let id = ChunkId::of(&data);
+    let mut enc = Encoder::new(None, 8192).unwrap();
+    let (_, object) = enc.encode_object(&id, &data);
+    buffered.put_chunk_object(&id, object).unwrap();
+    let mut direct = AlignedBuf::new();
+    assert_eq!(
+        Objects::read_chunk_uncached(&buffered, &id, &mut direct).unwrap(),
+        None
+    );
+    assert_eq!(fs::read(buffered.chunk_path(&id)).unwrap(), object);
+
+    // An object that is not page-aligned in memory cannot go direct: written through the cache.
+    let t2 = tempfile::tempdir().unwrap();
+    let b = backend(t2.path(), true);
+    let mut shifted = vec![0u8; object.len() + 1];
+    shifted[1..].copy_from_slice(object);
+    b.put_chunk_object(&id, &shifted[1..]).unwrap();
+    assert_eq!(fs::read(b.chunk_path(&id)).unwrap(), object);
+    assert!(
+        LocalFs::aligned_objects(&b),
+        "one unaligned object does not turn direct I/O off"
+    );
+}

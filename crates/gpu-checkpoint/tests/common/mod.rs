@@ -1,0 +1,3 @@
+//! Helpers shared by the library's integration tests.
+
+pub mod s3;
