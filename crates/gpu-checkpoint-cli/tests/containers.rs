@@ -29,11 +29,13 @@ const GPU_ARGS: &[&str] = &[
 ];
 
 /// A GPU container running, and what the tests need around it.
+/// Fields drop in order: the runtime's containers are deleted before the folder that holds the runtime's
+/// state goes (dropped first, the folder took the state with it and left every container running).
 struct Setup {
-    dir: tempfile::TempDir,
     store: std::path::PathBuf,
     runc: Runc,
     bundle: Bundle,
+    dir: tempfile::TempDir,
 }
 
 fn setup(args: &[&str], env: &[&str]) -> Option<Setup> {
@@ -45,10 +47,10 @@ fn setup(args: &[&str], env: &[&str]) -> Option<Setup> {
     let runc = Runc::new(dir.path());
     let bundle = Bundle::new(&dir.path().join("bundle"), args, env);
     Some(Setup {
-        dir,
         store,
         runc,
         bundle,
+        dir,
     })
 }
 
