@@ -328,17 +328,35 @@ fn a_member_whose_gpu_checkpoint_fails_aborts_the_job_and_every_rank_runs_unlock
     wait_all_running_and_nothing_kept(&s);
 }
 
-#[test]
-fn an_agent_killed_while_its_member_is_locked_aborts_the_job() {
-    let kill = [("GPU_CHECKPOINT_FAULT", "cluster.member-locked=kill")];
+/// Agent b is SIGKILLed at `point` of its members' checkpoint: the job aborts; b's guardian undoes b's
+/// members (whatever they reached), the coordinator's abort a's.
+fn agent_killed_at(point: &str) {
+    let fault = format!("{point}=kill");
+    let kill = [("GPU_CHECKPOINT_FAULT", fault.as_str())];
     let Some(s) = Scene::start(&[("b", &kill)]) else {
         return;
     };
     let out = s.job(&["checkpoint", "--job", "train"], &[]);
     assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
     assert!(text(&out).contains("agent is gone"), "{}", text(&out));
-    // b's guardian unlocked b's members; the coordinator's abort unlocked a's.
     wait_all_running_and_nothing_kept(&s);
+}
+
+#[test]
+fn an_agent_killed_while_its_member_is_locked_aborts_the_job() {
+    agent_killed_at("cluster.member-locked");
+}
+
+#[test]
+fn an_agent_killed_before_its_lock_aborts_the_job() {
+    agent_killed_at("checkpoint.before-freeze");
+}
+
+#[test]
+fn an_agent_killed_during_its_dump_aborts_the_job() {
+    // After CRIU's dump, before the store commit: b's members are stopped with their GPU state
+    // checkpointed; b's guardian puts it back and continues them.
+    agent_killed_at("checkpoint.after-dump");
 }
 
 fn coordinator_killed(point: &str) -> Option<(Scene, std::process::Output)> {
@@ -365,6 +383,36 @@ fn a_coordinator_killed_before_the_commit_leaves_every_rank_running_and_nothing_
     }
     s.assert_all_running();
     assert!(s.job_checkpoints().is_empty());
+}
+
+#[test]
+fn a_coordinator_killed_during_the_prepare_phase_leaves_every_rank_running_and_nothing_kept() {
+    let Some((s, _)) = coordinator_killed("cluster.prepare") else {
+        return;
+    };
+    // The tasks went out: members lock (or are on their way) and wait until the operation's lease
+    // expires; then each undoes and says so (its state stays under its agent's lease). Before that the
+    // ranks may not even be locked yet: wait for the four "aborted" first.
+    let c = s.etcd.client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let (kvs, _) = c.range("/gpu-checkpoint/v1/ops/").unwrap();
+        let op_gone = !kvs.iter().any(|kv| kv.key.ends_with("/op"));
+        let aborted = kvs
+            .iter()
+            .filter(|kv| String::from_utf8_lossy(&kv.value).contains("\"state\":\"aborted\""))
+            .count();
+        if op_gone && aborted == 4 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{kvs:?}\n{}",
+            s.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    wait_all_running_and_nothing_kept(&s);
 }
 
 #[test]
@@ -508,6 +556,13 @@ fn periodic_job_checkpoints_keep_the_newest_two_and_the_newest_restores() {
     let mut expected: Vec<String> = listed.iter().map(|id| format!("{id}.json")).collect();
     expected.sort();
     assert_eq!(copies, expected);
+    // `job delete` of the older one: gone from etcd, its member checkpoints from the store; again: 7.
+    let older = &listed[0];
+    let out = s.job(&["delete", older], &[]);
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert_eq!(s.job_checkpoints().len(), 1);
+    assert_eq!(s.stored(), 4, "{}", s.logs());
+    assert_eq!(s.job(&["delete", older], &[]).status.code(), Some(7));
     // The ranks ran on; stopped now, the newest job checkpoint brings every one back.
     s.assert_all_running();
     for p in s.pids() {

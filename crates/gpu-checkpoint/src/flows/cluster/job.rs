@@ -397,6 +397,7 @@ pub fn checkpoint_job(
     let t = &opts.timeouts;
     let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
     let mut timings = JobTimings::default();
+    crate::fault::at("cluster.prepare");
 
     // 1. Prepare: every member locked.
     let phase = Instant::now();
