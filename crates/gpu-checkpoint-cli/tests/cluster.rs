@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use cluster_support::*;
 use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdCoordinator, Event};
+use gpu_checkpoint::freeze::sim;
 use sim_support::{assert_healthy, criu_ready, status, wait_gone, SimProcess};
 
 #[test]
@@ -268,9 +269,24 @@ fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_node
     let kept: serde_json::Value = serde_json::from_slice(&kept).unwrap();
     assert_eq!(kept["members"], m["members"]);
     assert!(!s.logs().contains("keeping job checkpoint"), "{}", s.logs());
-    // Restored with the members of a on b and of b on a: every rank runs on with its device memory.
+    // A device map for a node no member is restored on, or a malformed one: refused up front (2).
+    for bad in ["c:0=1", "b:0=x", "0=1"] {
+        let out = s.job(&["restore", &id, "--device-map", bad], &[]);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {}", text(&out));
+    }
+    // Restored with the members of a on b and of b on a, those now on b onto b's other (SIMULATED)
+    // GPU: every rank runs on with its device memory.
     let out = s.job(
-        &["restore", &id, "--node-map", "a=b,b=a", "--format", "json"],
+        &[
+            "restore",
+            &id,
+            "--node-map",
+            "a=b,b=a",
+            "--device-map",
+            "b:0=1",
+            "--format",
+            "json",
+        ],
         &[],
     );
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
@@ -288,6 +304,13 @@ fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_node
     );
     assert_eq!(r["members"][0]["node"], "b");
     s.assert_all_running();
+    for (rank, gpu) in [(0, 1), (1, 1), (2, 0), (3, 0)] {
+        assert_eq!(
+            status(s.pids()[rank])["uuids"],
+            sim::sim_gpu_uuid(gpu).to_string(),
+            "rank {rank}"
+        );
+    }
 }
 
 #[test]
@@ -305,17 +328,35 @@ fn a_member_whose_gpu_checkpoint_fails_aborts_the_job_and_every_rank_runs_unlock
     wait_all_running_and_nothing_kept(&s);
 }
 
-#[test]
-fn an_agent_killed_while_its_member_is_locked_aborts_the_job() {
-    let kill = [("GPU_CHECKPOINT_FAULT", "cluster.member-locked=kill")];
+/// Agent b is SIGKILLed at `point` of its members' checkpoint: the job aborts; b's guardian undoes b's
+/// members (whatever they reached), the coordinator's abort a's.
+fn agent_killed_at(point: &str) {
+    let fault = format!("{point}=kill");
+    let kill = [("GPU_CHECKPOINT_FAULT", fault.as_str())];
     let Some(s) = Scene::start(&[("b", &kill)]) else {
         return;
     };
     let out = s.job(&["checkpoint", "--job", "train"], &[]);
     assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
     assert!(text(&out).contains("agent is gone"), "{}", text(&out));
-    // b's guardian unlocked b's members; the coordinator's abort unlocked a's.
     wait_all_running_and_nothing_kept(&s);
+}
+
+#[test]
+fn an_agent_killed_while_its_member_is_locked_aborts_the_job() {
+    agent_killed_at("cluster.member-locked");
+}
+
+#[test]
+fn an_agent_killed_before_its_lock_aborts_the_job() {
+    agent_killed_at("checkpoint.before-freeze");
+}
+
+#[test]
+fn an_agent_killed_during_its_dump_aborts_the_job() {
+    // After CRIU's dump, before the store commit: b's members are stopped with their GPU state
+    // checkpointed; b's guardian puts it back and continues them.
+    agent_killed_at("checkpoint.after-dump");
 }
 
 fn coordinator_killed(point: &str) -> Option<(Scene, std::process::Output)> {
@@ -342,6 +383,36 @@ fn a_coordinator_killed_before_the_commit_leaves_every_rank_running_and_nothing_
     }
     s.assert_all_running();
     assert!(s.job_checkpoints().is_empty());
+}
+
+#[test]
+fn a_coordinator_killed_during_the_prepare_phase_leaves_every_rank_running_and_nothing_kept() {
+    let Some((s, _)) = coordinator_killed("cluster.prepare") else {
+        return;
+    };
+    // The tasks went out: members lock (or are on their way) and wait until the operation's lease
+    // expires; then each undoes and says so (its state stays under its agent's lease). Before that the
+    // ranks may not even be locked yet: wait for the four "aborted" first.
+    let c = s.etcd.client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let (kvs, _) = c.range("/gpu-checkpoint/v1/ops/").unwrap();
+        let op_gone = !kvs.iter().any(|kv| kv.key.ends_with("/op"));
+        let aborted = kvs
+            .iter()
+            .filter(|kv| String::from_utf8_lossy(&kv.value).contains("\"state\":\"aborted\""))
+            .count();
+        if op_gone && aborted == 4 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{kvs:?}\n{}",
+            s.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    wait_all_running_and_nothing_kept(&s);
 }
 
 #[test]
@@ -414,4 +485,92 @@ fn an_etcd_member_stopped_during_the_prepare_phase_commits_or_aborts_cleanly() {
         assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
         wait_all_running_and_nothing_kept(&s);
     }
+}
+
+#[test]
+fn periodic_job_checkpoints_keep_the_newest_two_and_the_newest_restores() {
+    use std::io::BufRead;
+    let Some(s) = Scene::start(&[]) else { return };
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+        .args([
+            "job",
+            "checkpoint",
+            "--job",
+            "train",
+            "--every",
+            "2s",
+            "--keep",
+            "2",
+        ])
+        .args(["--lease-ttl", "10s", "--etcd", &s.etcd.url_list()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Each committed round prints its id; after the fourth, SIGTERM (the round under way, if any,
+    // finishes first).
+    let mut ids = Vec::new();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    while ids.len() < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{ids:?}\n{}",
+            s.logs()
+        );
+        match lines.next() {
+            Some(line) => ids.push(line.unwrap()),
+            None => panic!("the periodic command ended: {ids:?}\n{}", s.logs()),
+        }
+        // Between rounds the job runs on (--leave-running is implied).
+        assert!(
+            s.pids().iter().all(|&p| status(p)["state"] == "running"),
+            "{}",
+            s.logs()
+        );
+    }
+    // SAFETY: signalling the command this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{stderr}\n{}", s.logs());
+    assert!(
+        stderr.contains("retention deleted job checkpoint"),
+        "{stderr}"
+    );
+    // A fifth round may have committed before the signal came: the newest two of all are kept.
+    ids.extend(lines.map_while(Result::ok));
+    let listed: Vec<String> = s
+        .job_checkpoints()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(listed, ids[ids.len() - 2..], "{stderr}");
+    // Only their member checkpoints (2 x 4) and manifest copies are left in the store.
+    assert_eq!(s.stored(), 8, "{stderr}\n{}", s.logs());
+    let mut copies: Vec<String> = std::fs::read_dir(s.store.join("jobs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    copies.sort();
+    let mut expected: Vec<String> = listed.iter().map(|id| format!("{id}.json")).collect();
+    expected.sort();
+    assert_eq!(copies, expected);
+    // `job delete` of the older one: gone from etcd, its member checkpoints from the store; again: 7.
+    let older = &listed[0];
+    let out = s.job(&["delete", older], &[]);
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert_eq!(s.job_checkpoints().len(), 1);
+    assert_eq!(s.stored(), 4, "{}", s.logs());
+    assert_eq!(s.job(&["delete", older], &[]).status.code(), Some(7));
+    // The ranks ran on; stopped now, the newest job checkpoint brings every one back.
+    s.assert_all_running();
+    for p in s.pids() {
+        // SAFETY: signalling processes this test started.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    wait_gone(&s.pids());
+    let out = s.job(&["restore", ids.last().unwrap()], &[]);
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    s.assert_all_running();
 }

@@ -13,7 +13,7 @@ use gpu_checkpoint::flows::cluster::{
     run_agent, AgentOptions, Coordinator, JobManifest, MemberWork, Task,
 };
 use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
-use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::freeze::{Backend, DeviceMap, FreezeHook, GroupOptions, HookOptions};
 use gpu_checkpoint::interrupt::InterruptGuard;
 use gpu_checkpoint::restore::Target;
 use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
@@ -56,14 +56,14 @@ struct LocalWork {
 }
 
 impl LocalWork {
-    fn hook(&self, lock_timeout: Option<Duration>) -> FreezeHook {
+    fn hook(&self, lock_timeout: Option<Duration>, device_map: Option<DeviceMap>) -> FreezeHook {
         FreezeHook::new(HookOptions {
             backend: self.backend,
             group: GroupOptions {
                 lock_timeout,
                 ..GroupOptions::default()
             },
-            device_map: None,
+            device_map,
         })
     }
 }
@@ -74,7 +74,7 @@ impl MemberWork for LocalWork {
             .member
             .pid
             .ok_or("members given by container are not supported yet: register them by --pid")?;
-        let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis));
+        let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis), None);
         let guardian = super::start_guardian().map_err(|e| e.to_string())?;
         let mut flow = Flow {
             criu: &self.criu,
@@ -111,7 +111,12 @@ impl MemberWork for LocalWork {
             .checkpoint
             .as_deref()
             .ok_or("a restore task without a checkpoint")?;
-        let mut gpu = self.hook(None);
+        // The coordinator checked the map's syntax; this node checks it against its GPUs.
+        let map = match task.device_map.as_deref() {
+            None => None,
+            Some(m) => Some(m.parse::<DeviceMap>().map_err(|e| e.to_string())?),
+        };
+        let mut gpu = self.hook(None, map);
         let guardian = super::start_guardian().map_err(|e| e.to_string())?;
         let mut flow = Flow {
             criu: &self.criu,
@@ -153,6 +158,30 @@ impl MemberWork for LocalWork {
         }
         let json = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
         gpu_checkpoint::util::write_atomic(&path, &json).map_err(|e| e.to_string())
+    }
+
+    fn delete(&self, task: &Task) -> Result<(), String> {
+        let id = task
+            .checkpoint
+            .as_deref()
+            .ok_or("a delete task without a checkpoint")?;
+        // Retried deletes find some member checkpoints gone already: that is what they wanted.
+        match self.store.delete(id) {
+            Ok(()) | Err(gpu_checkpoint::store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        if let (Some(job), Some(root)) = (task.job_checkpoint.as_deref(), self.store.local_dir()) {
+            gpu_checkpoint::flows::cluster::records::check_name("job checkpoint", job)?;
+            // Members of one job on this node share the copy: the first delete removes it.
+            let path = root.join("jobs").join(format!("{job}.json"));
+            let _one = self.manifests.lock().unwrap_or_else(|p| p.into_inner());
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("{}: {e}", path.display())),
+            }
+        }
+        Ok(())
     }
 }
 

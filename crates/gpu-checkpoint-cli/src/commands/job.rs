@@ -5,9 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_checkpoint::flows::cluster::{
-    self, job, Coordinator, EtcdCoordinator, JobCheckpointOptions, MemberRecord, Timeouts,
+    self, job, Coordinator, EtcdCoordinator, JobCheckpointOptions, MemberRecord, PeriodicOptions,
+    Round, Timeouts,
 };
 use serde_json::json;
+use std::sync::atomic::Ordering;
 
 use super::cuda::{parse_timeout, Timeout};
 use super::Format;
@@ -47,6 +49,8 @@ pub enum Command {
     List(ListArgs),
     /// One job checkpoint's manifest (members, cut, timings), or a job's operations under way.
     Status(StatusArgs),
+    /// Delete a job checkpoint: from etcd, and its member checkpoints from the stores (by the agents).
+    Delete(DeleteArgs),
 }
 
 #[derive(clap::Args)]
@@ -90,8 +94,25 @@ pub struct CheckpointArgs {
     /// The coordinator's etcd lease: how long after this command dies the members undo their part.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
     pub lease_ttl: Duration,
+    /// Checkpoint the job periodically (30m, 2h, ...), each round a job checkpoint with
+    /// --leave-running (implied), until SIGTERM or SIGINT; a failed round is reported, the next runs.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub every: Option<Duration>,
+    /// With --every: after each round delete the job's checkpoints beyond the newest N.
+    #[arg(long, value_name = "N", requires = "every", value_parser = clap::value_parser!(u32).range(1..))]
+    pub keep: Option<u32>,
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
+}
+
+#[derive(clap::Args)]
+pub struct DeleteArgs {
+    /// The job checkpoint's id.
+    pub id: String,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub lease_ttl: Duration,
 }
 
 #[derive(clap::Args)]
@@ -103,6 +124,10 @@ pub struct RestoreArgs {
     /// Restore members on other nodes: OLD=NEW,... (nodes not named keep theirs).
     #[arg(long, value_name = "OLD=NEW,...")]
     pub node_map: Option<String>,
+    /// Restore the GPU state of the members restored on NODE onto other GPUs of it, as `restore
+    /// --device-map` (indices or GPU-... UUIDs); once per node.
+    #[arg(long, value_name = "NODE:OLD=NEW,...")]
+    pub device_map: Vec<String>,
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
     pub lease_ttl: Duration,
     #[arg(long, value_enum, default_value_t)]
@@ -137,6 +162,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         Command::Restore(a) => restore(a),
         Command::List(a) => list(a),
         Command::Status(a) => status(a),
+        Command::Delete(a) => delete(a),
     }
 }
 
@@ -169,6 +195,9 @@ fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
             ..Timeouts::default()
         },
     };
+    if let Some(every) = a.every {
+        return periodic(coord, opts, every, a.keep, a.format);
+    }
     let m = cluster::checkpoint_job(coord as Arc<dyn Coordinator>, &opts)?;
     match a.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&m)?),
@@ -184,14 +213,112 @@ fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn restore(a: RestoreArgs) -> anyhow::Result<()> {
+/// `job checkpoint --every`: rounds until SIGTERM or SIGINT. Each committed round prints its id (or,
+/// with --format json, its manifest on one line); failures and retention go to stderr.
+fn periodic(
+    coord: Arc<EtcdCoordinator>,
+    opts: JobCheckpointOptions,
+    every: Duration,
+    keep: Option<u32>,
+    format: Format,
+) -> anyhow::Result<()> {
+    let _signals = gpu_checkpoint::interrupt::InterruptGuard::new();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let popts = PeriodicOptions {
+        checkpoint: opts,
+        every,
+        keep: keep.map(|k| k as usize),
+    };
+    let mut failed = 0u64;
+    std::thread::scope(|s| {
+        let stop = &stop;
+        let watcher = s.spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                if gpu_checkpoint::interrupt::interrupted() {
+                    stop.store(true, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let mut report = |round: u64, r: Round| {
+            match r {
+            Round::Committed(m) => {
+                match format {
+                    Format::Json => println!("{}", serde_json::to_string(&m).unwrap_or_default()),
+                    Format::Text => println!("{}", m.id),
+                }
+                eprintln!(
+                    "round {round}: job checkpoint {} committed in {:.0} ms",
+                    m.id, m.timings_ms.total
+                );
+            }
+            Round::Failed(e) => {
+                failed += 1;
+                eprintln!("round {round} failed (the next round still runs): {e}");
+            }
+            Round::Retention(Ok(d)) if d.left.is_empty() => {
+                eprintln!("round {round}: retention deleted job checkpoint {}", d.id)
+            }
+            Round::Retention(Ok(d)) => eprintln!(
+                "round {round}: job checkpoint {} deleted, but member checkpoints are left (retried next round):{}",
+                d.id,
+                d.left.iter().map(|l| format!("\n  - {l}")).collect::<String>()
+            ),
+            Round::Retention(Err(e)) => eprintln!("round {round}: retention: {e}"),
+        }
+        };
+        cluster::run_periodic(coord as Arc<dyn Coordinator>, &popts, stop, &mut report);
+        stop.store(true, Ordering::SeqCst);
+        let _ = watcher.join();
+    });
+    if let Some(sig) = gpu_checkpoint::interrupt::last_signal() {
+        eprintln!("job checkpoint --every: {sig}: stopped ({failed} failed rounds)");
+    }
+    Ok(())
+}
+
+fn delete(a: DeleteArgs) -> anyhow::Result<()> {
     let coord = a.etcd.connect()?;
-    let map = job::parse_node_map(a.node_map.as_deref().unwrap_or(""))?;
     let timeouts = Timeouts {
         lease_ttl: a.lease_ttl,
         ..Timeouts::default()
     };
-    let out = cluster::restore_job(coord as Arc<dyn Coordinator>, &a.id, &map, &timeouts)?;
+    let d = cluster::delete_job_checkpoint(coord as Arc<dyn Coordinator>, &a.id, &timeouts)?;
+    if d.left.is_empty() {
+        eprintln!(
+            "job checkpoint {} deleted, with its member checkpoints",
+            d.id
+        );
+    } else {
+        // The job checkpoint is gone; what is left stays in etcd's trash, retried by the next delete
+        // or retention round of the job.
+        eprintln!(
+            "job checkpoint {} deleted; member checkpoints left for a later delete:{}",
+            d.id,
+            d.left
+                .iter()
+                .map(|l| format!("\n  - {l}"))
+                .collect::<String>()
+        );
+    }
+    Ok(())
+}
+
+fn restore(a: RestoreArgs) -> anyhow::Result<()> {
+    let coord = a.etcd.connect()?;
+    let map = job::parse_node_map(a.node_map.as_deref().unwrap_or(""))?;
+    let device_maps = job::parse_device_maps(&a.device_map)?;
+    let timeouts = Timeouts {
+        lease_ttl: a.lease_ttl,
+        ..Timeouts::default()
+    };
+    let out = cluster::restore_job(
+        coord as Arc<dyn Coordinator>,
+        &a.id,
+        &map,
+        &device_maps,
+        &timeouts,
+    )?;
     match a.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
         Format::Text => {

@@ -2,6 +2,8 @@
 //! (killed on drop), and `gpu-checkpoint agent` processes (stopped on drop).
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod netns;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

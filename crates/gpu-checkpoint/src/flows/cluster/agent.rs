@@ -30,6 +30,9 @@ pub trait MemberWork: Sync {
     fn kill(&self, pid: i32);
     /// Keeps the committed job manifest in this node's store.
     fn keep_manifest(&self, manifest: &JobManifest) -> Result<(), String>;
+    /// Deletes member checkpoint `task.checkpoint` and this node's copy of job checkpoint
+    /// `task.job_checkpoint`'s manifest (retention, `job delete`); one already gone is no error.
+    fn delete(&self, task: &Task) -> Result<(), String>;
 }
 
 /// The agent's options.
@@ -264,6 +267,16 @@ impl Member<'_> {
         match self.task.kind {
             OpKind::Checkpoint => self.checkpoint(work),
             OpKind::Restore => self.restore(work),
+            OpKind::Delete => {
+                let started = Instant::now();
+                match work.delete(&self.task) {
+                    Ok(()) => self.say(self.done(started)),
+                    Err(error) => {
+                        tracing::error!("rank {}: {error}", self.task.member.rank);
+                        self.say(MemberState::Failed { error });
+                    }
+                }
+            }
         }
     }
 

@@ -120,7 +120,16 @@ pub fn checkpoints(
     coord: &dyn Coordinator,
     job: Option<&str>,
 ) -> Result<Vec<JobManifest>, ClusterError> {
-    let (kvs, _) = coord.range(&rec::checkpoints())?;
+    manifests_under(coord, &rec::checkpoints(), job)
+}
+
+/// The job manifests under `prefix` (committed ones, or the trash), of `job` or all, oldest first.
+pub(super) fn manifests_under(
+    coord: &dyn Coordinator,
+    prefix: &str,
+    job: Option<&str>,
+) -> Result<Vec<JobManifest>, ClusterError> {
+    let (kvs, _) = coord.range(prefix)?;
     let mut all: Vec<JobManifest> = kvs
         .iter()
         .map(|kv| decode::<JobManifest>(&kv.key, &kv.value))
@@ -149,16 +158,16 @@ pub fn running(coord: &dyn Coordinator) -> Result<Vec<rec::OpRecord>, ClusterErr
 }
 
 /// What a member's state means at one step of an operation.
-enum Verdict {
+pub(super) enum Verdict {
     Done,
     Pending,
     Fail(String),
 }
 
 /// One operation of the coordinator's: its id, its members (on the nodes that run them), its lease.
-struct Op<'a> {
+pub(super) struct Op<'a> {
     coord: &'a dyn Coordinator,
-    id: String,
+    pub(super) id: String,
     members: Vec<MemberRecord>,
     lease: LeaseGuard,
     /// Time spent in etcd requests (not in watches, which wait for the members), in milliseconds: the
@@ -167,7 +176,7 @@ struct Op<'a> {
 }
 
 impl<'a> Op<'a> {
-    fn etcd<T>(&self, f: impl FnOnce() -> T) -> T {
+    pub(super) fn etcd<T>(&self, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let r = f();
         self.etcd_ms.set(self.etcd_ms.get() + ms(t));
@@ -175,7 +184,7 @@ impl<'a> Op<'a> {
     }
 
     /// Starts the operation: its record and every member's task, in one transaction, under the lease.
-    fn start(
+    pub(super) fn start(
         coord: &'a dyn Coordinator,
         shared: Arc<dyn Coordinator>,
         record: rec::OpRecord,
@@ -214,7 +223,7 @@ impl<'a> Op<'a> {
     }
 
     /// Waits until `judge` says every member is done, one fails, or `limit` passes.
-    fn wait_all(
+    pub(super) fn wait_all(
         &self,
         phase: &str,
         limit: Duration,
@@ -374,6 +383,8 @@ pub fn checkpoint_job(
             lock_timeout_ms: opts.lock_timeout.map(|d| d.as_millis() as u64),
             quiesce: opts.quiesce.clone(),
             checkpoint: None,
+            device_map: None,
+            job_checkpoint: None,
         })
         .collect();
     let record = rec::OpRecord {
@@ -386,6 +397,7 @@ pub fn checkpoint_job(
     let t = &opts.timeouts;
     let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
     let mut timings = JobTimings::default();
+    crate::fault::at("cluster.prepare");
 
     // 1. Prepare: every member locked.
     let phase = Instant::now();
@@ -530,13 +542,35 @@ pub fn parse_node_map(s: &str) -> Result<BTreeMap<String, String>, ClusterError>
     Ok(map)
 }
 
-/// Restores every member of job checkpoint `id`, each on its node or the one `node_map` names: all
-/// restored (GPU state included) before the coordinator commits; any failure kills every restored
-/// copy and keeps the checkpoint.
+/// Parses `job restore --device-map NODE:OLD=NEW,...` arguments (one per node) into a device map per
+/// node: the node is the one the members are restored *on*, the map is `restore --device-map`'s (GPU
+/// indices or UUIDs, checked here so that a typo fails before any agent starts).
+pub fn parse_device_maps(args: &[String]) -> Result<BTreeMap<String, String>, ClusterError> {
+    let mut maps = BTreeMap::new();
+    for a in args {
+        let (node, map) = a.split_once(':').ok_or_else(|| {
+            ClusterError::Usage(format!("--device-map: {a:?} is not NODE:OLD=NEW,..."))
+        })?;
+        rec::check_name("node", node).map_err(ClusterError::Usage)?;
+        map.parse::<crate::freeze::DeviceMap>()
+            .map_err(|e| ClusterError::Usage(format!("--device-map {a:?}: {e}")))?;
+        if maps.insert(node.to_string(), map.to_string()).is_some() {
+            return Err(ClusterError::Usage(format!(
+                "--device-map names node {node} twice"
+            )));
+        }
+    }
+    Ok(maps)
+}
+
+/// Restores every member of job checkpoint `id`, each on its node or the one `node_map` names, with
+/// the device map `device_maps` gives for that node (if any): all restored (GPU state included) before
+/// the coordinator commits; any failure kills every restored copy and keeps the checkpoint.
 pub fn restore_job(
     coord: Arc<dyn Coordinator>,
     id: &str,
     node_map: &BTreeMap<String, String>,
+    device_maps: &BTreeMap<String, String>,
     timeouts: &Timeouts,
 ) -> Result<JobRestoreOutcome, ClusterError> {
     let started = Instant::now();
@@ -567,6 +601,14 @@ pub fn restore_job(
         })
         .collect();
     let members: Vec<MemberRecord> = targets.iter().map(|(t, _)| t.clone()).collect();
+    if let Some(node) = device_maps
+        .keys()
+        .find(|n| !members.iter().any(|m| &&m.node == n))
+    {
+        return Err(ClusterError::Usage(format!(
+            "--device-map: no member of {id} is restored on node {node}"
+        )));
+    }
     preflight(c, &manifest.job, &members)?;
     let op_id = format!("{id}.restore-{}", rec::now_ms());
     let tasks = targets
@@ -580,6 +622,8 @@ pub fn restore_job(
             lock_timeout_ms: None,
             quiesce: None,
             checkpoint: Some(m.checkpoint.clone()),
+            device_map: device_maps.get(&target.node).cloned(),
+            job_checkpoint: None,
         })
         .collect();
     let record = rec::OpRecord {

@@ -5,6 +5,7 @@
 //!   and [`MemoryCoordinator`] (tests);
 //! - [`records`]: the key layout and the versioned records;
 //! - [`job`]: the coordinator's side (`job checkpoint`, `job restore`, the reads of `list`/`status`);
+//! - [`retention`]: deleting job checkpoints, periodic checkpoints with retention;
 //! - [`agent`]: the agent's side, which drives the checkpoint flow through [`crate::flows::Phases`].
 //!
 //! Every member's local work is the single-node flows' (through [`agent::MemberWork`]), so a job's
@@ -18,6 +19,7 @@ pub mod job;
 mod lease;
 mod memory;
 pub mod records;
+pub mod retention;
 #[cfg(test)]
 mod tests;
 
@@ -34,6 +36,9 @@ pub use lease::LeaseGuard;
 pub use memory::MemoryCoordinator;
 pub use records::{
     AgentRecord, Cut, JobManifest, JobMember, JobTimings, MemberRecord, MemberState, Task,
+};
+pub use retention::{
+    apply_retention, delete_job_checkpoint, run_periodic, Deleted, PeriodicOptions, Round,
 };
 
 /// Errors of the cluster flow.

@@ -10,6 +10,8 @@
 //! /gpu-checkpoint/v1/ops/ID/decision             "go" | "commit" | "abort" (the coordinator's lease)
 //! /gpu-checkpoint/v1/ops/ID/members/RANK         StateRecord     (the member's agent's lease)
 //! /gpu-checkpoint/v1/tasks/NODE/ID/RANK          Task            (the coordinator's lease)
+//! /gpu-checkpoint/v1/trash/ID                    JobManifest     (a deleted job checkpoint whose member
+//!                                                                 checkpoints are not all deleted yet)
 //! ```
 //!
 //! Leases carry the failure detection: a dead coordinator's operation, decision and tasks vanish (its
@@ -47,6 +49,12 @@ pub fn checkpoints() -> String {
 }
 pub fn checkpoint(id: &str) -> String {
     format!("{ROOT}checkpoints/{id}")
+}
+pub fn trashed() -> String {
+    format!("{ROOT}trash/")
+}
+pub fn trash(id: &str) -> String {
+    format!("{ROOT}trash/{id}")
 }
 pub fn op_prefix(id: &str) -> String {
     format!("{ROOT}ops/{id}/")
@@ -154,6 +162,8 @@ pub struct MemberRecord {
 pub enum OpKind {
     Checkpoint,
     Restore,
+    /// Deletes the member checkpoints of a deleted job checkpoint (retention, `job delete`).
+    Delete,
 }
 
 /// The operation a coordinator runs, kept while it runs (its lease).
@@ -181,8 +191,15 @@ pub struct Task {
     pub lock_timeout_ms: Option<u64>,
     /// Checkpoint: a command run before the lock (the application reaches a collective boundary).
     pub quiesce: Option<String>,
-    /// Restore: the member checkpoint to restore.
+    /// Restore: the member checkpoint to restore; delete: the one to delete.
     pub checkpoint: Option<String>,
+    /// Restore: the device map for this member's node (`OLD=NEW,...`, as `restore --device-map`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_map: Option<String>,
+    /// Delete: the job checkpoint the member checkpoint belonged to (its manifest copy in the store goes
+    /// too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_checkpoint: Option<String>,
 }
 
 /// Where a member is in an operation.

@@ -18,12 +18,16 @@ enum Fault {
     Lock,
     /// Its dump fails after every member locked.
     Dump,
+    /// Its dump fails once (the first time), then works.
+    DumpOnce,
 }
 
 /// The local work of every member of one agent: records `(rank, event)` in a log shared by all agents.
 struct StandIn {
     log: Arc<Mutex<Vec<(u32, String)>>>,
     faults: BTreeMap<u32, Fault>,
+    /// A `DumpOnce` fault fired already.
+    fired: AtomicBool,
 }
 
 impl StandIn {
@@ -46,16 +50,25 @@ impl MemberWork for StandIn {
             return Err(e);
         }
         self.note(rank, "gpu checkpoint + dump");
-        if fault == Fault::Dump {
+        if fault == Fault::Dump
+            || (fault == Fault::DumpOnce && !self.fired.swap(true, Ordering::SeqCst))
+        {
             self.note(rank, "dump failed; thawed");
             return Err("CRIU dump failed".into());
         }
-        let id = format!("member-{rank}");
+        let id = format!("{}.member-{rank}", task.op);
         if let Err(e) = phases.durable(&id) {
             self.note(rank, "deleted + resumed");
             return Err(e);
         }
-        self.note(rank, "stopped");
+        self.note(
+            rank,
+            if task.leave_running {
+                "left running"
+            } else {
+                "stopped"
+            },
+        );
         Ok(())
     }
     fn gpus(&self, _id: &str) -> Vec<String> {
@@ -65,6 +78,9 @@ impl MemberWork for StandIn {
         let rank = task.member.rank;
         if self.faults.get(&rank) == Some(&Fault::Dump) {
             return Err("CRIU restore failed".into());
+        }
+        if let Some(map) = &task.device_map {
+            self.note(rank, &format!("device map {map}"));
         }
         self.note(
             rank,
@@ -77,6 +93,11 @@ impl MemberWork for StandIn {
     }
     fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
         self.note(u32::MAX, &format!("kept {}", m.id));
+        Ok(())
+    }
+    fn delete(&self, task: &Task) -> Result<(), String> {
+        let id = task.checkpoint.as_deref().unwrap();
+        self.note(task.member.rank, &format!("deleted {id}"));
         Ok(())
     }
 }
@@ -100,6 +121,7 @@ impl Cluster {
             let work = StandIn {
                 log: Arc::clone(&log),
                 faults: faults.iter().copied().collect(),
+                fired: AtomicBool::new(false),
             };
             let mut opts = AgentOptions::new(node, "/store");
             opts.lease_ttl = Duration::from_millis(600);
@@ -180,7 +202,7 @@ fn every_member_locks_before_any_checkpoints_and_the_commit_records_them_all() {
     }
     let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
     assert_eq!(m.members.len(), 4);
-    assert_eq!(m.members[2].checkpoint, "member-2");
+    assert_eq!(m.members[2].checkpoint, format!("{}.member-2", m.id));
     assert_eq!(m.members[3].node, "b");
     assert!(m.cut.locked_unix_ms <= m.cut.committed_unix_ms);
     let log = c.log();
@@ -220,13 +242,22 @@ fn every_member_locks_before_any_checkpoints_and_the_commit_records_them_all() {
 
     // And it restores, on other nodes.
     let map = job::parse_node_map("a=b,b=a").unwrap();
-    let r = restore_job(c.arc(), &m.id, &map, &opts("train").timeouts).unwrap();
+    let devices = job::parse_device_maps(&["a:0=1".into()]).unwrap();
+    let r = restore_job(c.arc(), &m.id, &map, &devices, &opts("train").timeouts).unwrap();
     assert_eq!(
         r.members.iter().map(|m| m.pid).collect::<Vec<_>>(),
         [1000, 1001, 1002, 1003]
     );
     assert_eq!(r.members[0].node, "b");
-    assert!(c.events_of(2).contains(&"restored member-2".to_string()));
+    assert!(c
+        .events_of(2)
+        .contains(&format!("restored {}.member-2", m.id)));
+    // A device map goes to the node it names (a, where ranks 2 and 3 are restored), and only there.
+    assert!(c.events_of(2).contains(&"device map 0=1".to_string()));
+    assert!(!c.events_of(0).iter().any(|e| e.starts_with("device map")));
+    let bad = job::parse_device_maps(&["c:0=1".into()]).unwrap();
+    let e = restore_job(c.arc(), &m.id, &map, &bad, &opts("train").timeouts).unwrap_err();
+    assert!(matches!(e, ClusterError::Usage(_)), "{e}");
 }
 
 #[test]
@@ -315,6 +346,8 @@ fn a_dead_coordinator_makes_every_locked_member_unlock() {
         lock_timeout_ms: None,
         quiesce: None,
         checkpoint: None,
+        device_map: None,
+        job_checkpoint: None,
     };
     c.coord
         .put(&rec::op("train-1"), b"{}", Some(lease))
@@ -348,8 +381,115 @@ fn a_failed_member_restore_kills_every_restored_copy_and_keeps_the_checkpoint() 
     c2.coord
         .put(&rec::checkpoint(&m.id), &rec::encode(&m), None)
         .unwrap();
-    let e = restore_job(c2.arc(), &m.id, &BTreeMap::new(), &opts("train").timeouts).unwrap_err();
+    let none = BTreeMap::new();
+    let e = restore_job(c2.arc(), &m.id, &none, &none, &opts("train").timeouts).unwrap_err();
     assert!(e.to_string().contains("CRIU restore failed"), "{e}");
-    assert_eq!(c2.events_of(0), ["restored member-0", "killed"]);
+    assert_eq!(
+        c2.events_of(0),
+        [format!("restored {}.member-0", m.id), "killed".into()]
+    );
     assert!(job::checkpoint(c2.coord.as_ref(), &m.id).is_ok());
+}
+
+#[test]
+fn periodic_checkpoints_keep_the_newest_and_a_failed_round_does_not_stop_the_next() {
+    // Rank 1's first dump fails: round 1 aborts, the others commit.
+    let c = Cluster::start(&["a", "b"], &[(1, Fault::DumpOnce)]);
+    c.add("train", 0, "a");
+    c.add("train", 1, "b");
+    let popts = PeriodicOptions {
+        checkpoint: opts("train"),
+        every: Duration::from_millis(20),
+        keep: Some(2),
+    };
+    let stop = AtomicBool::new(false);
+    let (mut committed, mut failed, mut deleted) = (Vec::new(), Vec::new(), Vec::new());
+    let mut report = |round: u64, r: Round| match r {
+        Round::Committed(m) => {
+            committed.push(m.id);
+            if committed.len() == 4 {
+                stop.store(true, Ordering::SeqCst);
+            }
+        }
+        Round::Failed(e) => failed.push((round, e.to_string())),
+        Round::Retention(d) => deleted.push(d.unwrap()),
+    };
+    run_periodic(c.arc(), &popts, &stop, &mut report);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, 1);
+    assert!(failed[0].1.contains("CRIU dump failed"), "{failed:?}");
+    // The newest two are kept; the two before were deleted, their member checkpoints too.
+    let kept: Vec<String> = job::checkpoints(c.coord.as_ref(), Some("train"))
+        .unwrap()
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(kept, committed[2..]);
+    assert_eq!(
+        deleted.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        committed[..2]
+    );
+    assert!(deleted.iter().all(|d| d.left.is_empty()), "{deleted:?}");
+    for old in &committed[..2] {
+        for rank in [0, 1] {
+            let ev = format!("deleted {old}.member-{rank}");
+            assert!(c.events_of(rank).contains(&ev), "{:?}", c.log());
+        }
+    }
+    assert!(retention::trash(c.coord.as_ref(), None).unwrap().is_empty());
+    // The job ran on between rounds (leave_running forced): nothing was stopped.
+    assert!(
+        !c.log().iter().any(|(_, e)| e == "stopped"),
+        "{:?}",
+        c.log()
+    );
+    // The newest restores.
+    let none = BTreeMap::new();
+    restore_job(
+        c.arc(),
+        &committed[3],
+        &none,
+        &none,
+        &opts("train").timeouts,
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_member_checkpoint_on_a_node_without_agent_stays_in_the_trash_until_a_later_delete() {
+    let c = Cluster::start(&["a", "b"], &[]);
+    c.add("train", 0, "a");
+    c.add("train", 1, "b");
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    drop(c);
+    // Only a's agent runs now: the job checkpoint goes, b's member checkpoint waits in the trash.
+    let c = Cluster::start(&["a"], &[]);
+    c.coord
+        .put(&rec::checkpoint(&m.id), &rec::encode(&m), None)
+        .unwrap();
+    let d = delete_job_checkpoint(c.arc(), &m.id, &opts("train").timeouts).unwrap();
+    assert_eq!(d.left.len(), 1, "{d:?}");
+    assert!(d.left[0].contains("rank 1 on b"), "{d:?}");
+    assert!(job::checkpoints(c.coord.as_ref(), None).unwrap().is_empty());
+    assert!(c
+        .events_of(0)
+        .contains(&format!("deleted {}.member-0", m.id)));
+    let trashed = retention::trash(c.coord.as_ref(), Some("train")).unwrap();
+    assert_eq!(trashed.len(), 1);
+    // Deleting it again is refused (it is not a job checkpoint any more).
+    let e = delete_job_checkpoint(c.arc(), &m.id, &opts("train").timeouts).unwrap_err();
+    assert!(matches!(e, ClusterError::NotFound { .. }), "{e}");
+    drop(c);
+    // b's agent is back: the next retention round of the job empties the trash.
+    let c = Cluster::start(&["a", "b"], &[]);
+    c.coord
+        .put(&rec::trash(&m.id), &rec::encode(&trashed[0]), None)
+        .unwrap();
+    let done = apply_retention(c.arc(), "train", 3, &opts("train").timeouts).unwrap();
+    assert_eq!(done.len(), 1);
+    assert!(done[0].as_ref().unwrap().left.is_empty(), "{done:?}");
+    assert!(c
+        .events_of(1)
+        .contains(&format!("deleted {}.member-1", m.id)));
+    assert!(retention::trash(c.coord.as_ref(), None).unwrap().is_empty());
 }

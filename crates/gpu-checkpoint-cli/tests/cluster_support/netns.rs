@@ -1,0 +1,252 @@
+//! Network namespaces for the cluster tests: a "hub" namespace that runs etcd (and the coordinator),
+//! and one namespace per node, each joined to the hub by a veth pair (node `i`: 10.77.i.2 in the node,
+//! 10.77.i.1 in the hub). Every address lives inside namespaces this test made; the machine's own
+//! network is never touched. Removed on drop, also when the test fails (after the processes in them,
+//! which the scene drops first).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Whether namespaces can be made here: root and a working `ip netns`. In CI their absence fails the
+/// test; locally it is skipped with the reason printed.
+pub fn netns_ready() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let why = if unsafe { libc::geteuid() } != 0 {
+        Some("not running as root".to_string())
+    } else {
+        match Command::new("ip").args(["netns", "list"]).output() {
+            Ok(o) if o.status.success() => None,
+            Ok(o) => Some(format!(
+                "`ip netns list` failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            )),
+            Err(e) => Some(format!("no `ip` command (iproute2): {e}")),
+        }
+        .or_else(|| {
+            gpu_checkpoint::path_search::which("nsenter")
+                .is_none()
+                .then(|| "no `nsenter` (util-linux)".to_string())
+        })
+    };
+    match why {
+        None => true,
+        Some(why) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("the network namespace tests cannot run in CI: {why}")
+        }
+        Some(why) => {
+            eprintln!("SKIPPED: {why}; the network namespace tests need root and iproute2");
+            false
+        }
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The namespaces (hub first); deleted on drop.
+pub struct Lab {
+    pub hub: String,
+    nodes: Vec<(String, String)>,
+    made: Vec<String>,
+}
+
+impl Lab {
+    /// The hub and a namespace per node in `nodes`, named after this test process (unique while it
+    /// runs).
+    pub fn new(nodes: &[&str]) -> Lab {
+        let tag = format!("gc{}", std::process::id());
+        let mut lab = Lab {
+            hub: format!("{tag}hub"),
+            nodes: Vec::new(),
+            made: Vec::new(),
+        };
+        lab.add_ns(&lab.hub.clone());
+        for (i, node) in nodes.iter().enumerate() {
+            let ns = format!("{tag}{node}");
+            lab.add_ns(&ns);
+            // Made inside the hub (its names are the hub's own), its peer moved to the node.
+            let (h, n) = (format!("h{i}"), format!("n{i}"));
+            ip(&[
+                "-n", &lab.hub, "link", "add", &h, "type", "veth", "peer", "name", &n, "netns", &ns,
+            ]);
+            ip(&[
+                "-n",
+                &lab.hub,
+                "addr",
+                "add",
+                &format!("10.77.{i}.1/24"),
+                "dev",
+                &h,
+            ]);
+            ip(&["-n", &lab.hub, "link", "set", &h, "up"]);
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("10.77.{i}.2/24"),
+                "dev",
+                &n,
+            ]);
+            ip(&["-n", &ns, "link", "set", &n, "up"]);
+            lab.nodes.push((node.to_string(), ns));
+        }
+        lab
+    }
+
+    fn add_ns(&mut self, ns: &str) {
+        ip(&["netns", "add", ns]);
+        self.made.push(ns.to_string());
+        ip(&["-n", ns, "link", "set", "lo", "up"]);
+    }
+
+    fn index(&self, node: &str) -> usize {
+        self.nodes.iter().position(|(n, _)| n == node).unwrap()
+    }
+
+    /// The namespace of `node`.
+    pub fn ns(&self, node: &str) -> &str {
+        &self.nodes[self.index(node)].1
+    }
+
+    /// etcd's URL as `node` reaches it (through its veth).
+    pub fn etcd_url_from(&self, node: &str) -> String {
+        format!("http://10.77.{}.1:2379", self.index(node))
+    }
+
+    /// A command run inside network namespace `ns`, and only that one: `nsenter --net` (not `ip netns
+    /// exec`, which makes a mount namespace of its own per command: CRIU, run by an agent, would then
+    /// find its ranks in another mount namespace). nsenter execs the program: the child is it.
+    pub fn exec(ns: &str, program: &Path) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{ns}"))
+            .arg("--")
+            .arg(program);
+        c
+    }
+
+    /// Cuts `node` off: its veth pair goes (deleting one end deletes both).
+    pub fn cut(&self, node: &str) {
+        ip(&[
+            "-n",
+            &self.hub,
+            "link",
+            "del",
+            &format!("h{}", self.index(node)),
+        ]);
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for ns in self.made.iter().rev() {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// A process run in a namespace ([`Lab::exec`]); SIGTERM on drop, SIGKILL if it does not stop.
+pub struct NsProcess {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl NsProcess {
+    pub fn spawn(mut cmd: Command, log: PathBuf) -> NsProcess {
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("nsenter");
+        NsProcess { child, log }
+    }
+}
+
+impl Drop for NsProcess {
+    fn drop(&mut self) {
+        // SAFETY: signalling a process this test started.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().ok().flatten().is_none() {
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// etcd in the hub, listening on all of the hub's addresses (loopback and the veths' hub ends).
+pub fn start_etcd(lab: &Lab, bin: &Path, dir: &Path) -> NsProcess {
+    let data = dir.join("etcd-hub");
+    gpu_checkpoint::util::create_private_dir_all(&data).unwrap();
+    let mut cmd = Lab::exec(&lab.hub, bin);
+    cmd.args(["--name", "hub"])
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--listen-client-urls", "http://0.0.0.0:2379"])
+        .args(["--advertise-client-urls", "http://127.0.0.1:2379"])
+        .args(["--listen-peer-urls", "http://127.0.0.1:2380"])
+        .args(["--initial-advertise-peer-urls", "http://127.0.0.1:2380"])
+        .args(["--initial-cluster", "hub=http://127.0.0.1:2380"]);
+    let etcd = NsProcess::spawn(cmd, dir.join("etcd-hub.log"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !in_hub(lab, &["job", "list"]).status.success() {
+        assert!(
+            Instant::now() < deadline,
+            "etcd did not start in the hub: {}",
+            super::read(&etcd.log)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    etcd
+}
+
+/// `gpu-checkpoint ARGS --etcd (the hub's loopback)` run in the hub: the coordinator's side.
+pub fn in_hub(lab: &Lab, args: &[&str]) -> Output {
+    Lab::exec(&lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
+        .args(args)
+        .args(["--etcd", "http://127.0.0.1:2379"])
+        .output()
+        .unwrap()
+}
+
+/// `gpu-checkpoint agent` for `node` in its namespace, reaching etcd through its veth; returns once
+/// it is registered.
+pub fn start_agent(lab: &Lab, node: &str, store: &Path, dir: &Path, ttl: &str) -> NsProcess {
+    let mut cmd = Lab::exec(
+        lab.ns(node),
+        Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
+    );
+    cmd.args(["agent", "--etcd", &lab.etcd_url_from(node), "--node", node])
+        .arg("--storage")
+        .arg(store)
+        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"]);
+    let agent = NsProcess::spawn(cmd, dir.join(format!("agent-{node}.log")));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = in_hub(lab, &["job", "list", "--format", "json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let agents = v["agents"].as_array().cloned().unwrap_or_default();
+        if agents.iter().any(|a| a["node"] == node) {
+            return agent;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "agent {node} did not register: {}",
+            super::read(&agent.log)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
