@@ -11,35 +11,10 @@ use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Output;
-use std::time::{Duration, Instant};
-
-fn gc(args: &[&str]) -> Output {
-    std::process::Command::new(gpu_checkpoint())
-        .args(args)
-        .output()
-        .unwrap()
-}
 
 fn json(o: &Output, what: &str) -> serde_json::Value {
     assert!(o.status.success(), "{what}: {}", text(o));
     serde_json::from_slice(&o.stdout).unwrap()
-}
-
-/// Every file entry of an uncompressed tar, by name.
-fn entries(archive: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut tar = tar::Archive::new(std::fs::File::open(archive).unwrap());
-    let mut out = BTreeMap::new();
-    for e in tar.entries().unwrap() {
-        let mut e = e.unwrap();
-        if e.header().entry_type() != tar::EntryType::Regular {
-            continue;
-        }
-        let name = e.path().unwrap().display().to_string();
-        let mut data = Vec::new();
-        std::io::Read::read_to_end(&mut e, &mut data).unwrap();
-        assert!(out.insert(name.clone(), data).is_none(), "{name} twice");
-    }
-    out
 }
 
 /// The files of a stored checkpoint, read back through the store.
@@ -77,25 +52,18 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
         let recs = gpu_checkpoint_workloads::read_state(&mem).ok()?;
         gpu_checkpoint_workloads::field_u64(recs.first()?, "verified")
     };
-    let wait = |what: &str, ok: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !ok() {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
-    wait("the workload", &|| verified().is_some_and(|v| v > 0));
+    wait_for("the workload", &|| verified().is_some_and(|v| v > 0));
     let mut args = vec!["checkpoint", "--container", &id, "--format", "json"];
     let sargs = store_args(&store, &runc);
     args.extend(sargs.iter().map(String::as_str));
-    let ck = json(&gc(&args), "checkpoint");
+    let ck = json(&gc_run(&args), "checkpoint");
     let ck_id = ck["id"].as_str().unwrap().to_string();
     let st = store.display().to_string();
 
     // Export: podman's layout, the images byte for byte.
     let archive = dir.path().join("ck.tar");
     let a = archive.display().to_string();
-    let out = gc(&[
+    let out = gc_run(&[
         "export",
         &ck_id,
         "--format",
@@ -106,7 +74,7 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
         &st,
     ]);
     assert!(out.status.success(), "export: {}", text(&out));
-    let files = entries(&archive);
+    let files = archive_entries(&archive);
     let config: serde_json::Value = serde_json::from_slice(&files["config.dump"]).unwrap();
     assert_eq!(config["id"], id.as_str());
     assert_eq!(config["runtime"], "runc");
@@ -133,23 +101,23 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
     let mode = std::os::unix::fs::PermissionsExt::mode(&archive.metadata().unwrap().permissions());
     assert_eq!(mode & 0o077, 0, "the archive holds process memory: private");
     // An existing file is never overwritten.
-    let again = gc(&["export", &ck_id, "-o", &a, "--storage", &st]);
+    let again = gc_run(&["export", &ck_id, "-o", &a, "--storage", &st]);
     assert_eq!(again.status.code(), Some(2), "{}", text(&again));
-    assert_eq!(entries(&archive), files);
+    assert_eq!(archive_entries(&archive), files);
 
     // Import into a new store: verified; into the first store: deduplicated against the original.
     let store2 = dir.path().join("store2");
     let s2 = store2.display().to_string();
     let imp = json(
-        &gc(&["import", &a, "--storage", &s2, "--format", "json"]),
+        &gc_run(&["import", &a, "--storage", &s2, "--format", "json"]),
         "import",
     );
     assert_eq!(imp["container"], id.as_str());
     let imp_id = imp["id"].as_str().unwrap().to_string();
-    let v = gc(&["verify", &imp_id, "--storage", &s2]);
+    let v = gc_run(&["verify", &imp_id, "--storage", &s2]);
     assert!(v.status.success(), "verify: {}", text(&v));
     let dedup = json(
-        &gc(&["import", &a, "--storage", &st, "--format", "json"]),
+        &gc_run(&["import", &a, "--storage", &st, "--format", "json"]),
         "import into the first store",
     );
     let (new, logical) = (
@@ -165,22 +133,22 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
     // The imported checkpoint exports the same archive again.
     let archive2 = dir.path().join("ck2.tar");
     let a2 = archive2.display().to_string();
-    let out = gc(&["export", &imp_id, "-o", &a2, "--storage", &s2]);
+    let out = gc_run(&["export", &imp_id, "-o", &a2, "--storage", &s2]);
     assert!(out.status.success(), "export of the import: {}", text(&out));
-    assert_eq!(entries(&archive2), files);
+    assert_eq!(archive_entries(&archive2), files);
 
     // runc restores the imported checkpoint, once told the bundle (the archive does not say where).
     let mut args = vec!["restore", &imp_id, "--container", &id, "--format", "json"];
     let sargs2 = store_args(&store2, &runc);
     args.extend(sargs2.iter().map(String::as_str));
-    let no_bundle = gc(&args);
+    let no_bundle = gc_run(&args);
     assert_eq!(no_bundle.status.code(), Some(2), "{}", text(&no_bundle));
     let b = bundle.dir.display().to_string();
     args.extend(["--bundle", &b]);
-    json(&gc(&args), "restore of the import");
+    json(&gc_run(&args), "restore of the import");
     assert_eq!(runc.state(&id).map(|s| s.0).as_deref(), Some("running"));
     let before = verified().unwrap();
-    wait("the memory verified again", &|| {
+    wait_for("the memory verified again", &|| {
         verified().is_some_and(|v| v > before)
     });
 }
