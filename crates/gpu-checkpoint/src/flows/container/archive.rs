@@ -123,7 +123,7 @@ fn archive_name(stored: &str) -> String {
     }
 }
 
-/// Where a file of the archive goes in the store; `None` for what is not kept (folders).
+/// Where a file of the archive goes in the store.
 fn stored_name(entry: &str) -> String {
     match entry.strip_prefix("checkpoint/") {
         Some(image) if !image.contains('/') => image.to_string(),
