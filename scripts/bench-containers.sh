@@ -61,9 +61,13 @@ ours() {
     out=$("$GC" checkpoint --container "$ID" --runtime-root "$ROOT" --leave-running --storage "$DIR/store" --format json)
     t1=$(now)
     O_CK+=" $(ms "$t0" "$t1")"
-    O_RT+=" $(echo "$out" | grep -o '"runtime_checkpoint": [0-9.]*' | awk '{ printf "%.0f", $2 }')"
-    O_WR+=" $(echo "$out" | grep -o '"write": [0-9.]*' | awk '{ printf "%.0f", $2 }')"
-    id=$(echo "$out" | grep -o '"id": "[^"]*"' | head -1 | cut -d'"' -f4)
+    # The JSON's keys are sorted: the container's own "id" comes before the checkpoint's. Parse it.
+    local rt wr
+    read -r id rt wr < <(python3 -c 'import json, sys
+v = json.load(sys.stdin); t = v["timings_ms"]
+print(v["id"], round(t["runtime_checkpoint"]), round(t["write"]))' <<<"$out")
+    O_RT+=" $rt"
+    O_WR+=" $wr"
     settle
     t0=$(now)
     "$GC" restore "$id" --container "$ID-ours" --storage "$DIR/store" --format json >/dev/null

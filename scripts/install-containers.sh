@@ -11,7 +11,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 
 log() { echo "install-containers: $*" >&2; }
 
-apt_install_missing runc:runc iptables:iptables busybox:busybox-static runsc:runsc || exit 1
+apt_install_missing runc:runc iptables:iptables busybox:busybox-static runsc:runsc podman:podman || exit 1
 # busybox-static installs /bin/busybox; a dynamic busybox found first on PATH would not run in a bare
 # root filesystem, so the tests ask for a static one by path.
 if ! file -L "$(command -v busybox)" 2>/dev/null | grep -q 'statically linked' &&

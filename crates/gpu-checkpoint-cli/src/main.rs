@@ -42,6 +42,10 @@ enum Command {
     Verify(commands::verify::Args),
     /// Remove chunks that no checkpoint references.
     Gc(commands::gc::Args),
+    /// Write a container checkpoint as podman's/CRI-O's checkpoint archive.
+    Export(commands::archive::ExportArgs),
+    /// Store a podman/CRI-O container checkpoint archive as a checkpoint.
+    Import(commands::archive::ImportArgs),
     /// Drive the CUDA checkpoint API directly (cuda-checkpoint parity).
     #[command(subcommand)]
     Cuda(commands::cuda::Command),
@@ -89,6 +93,8 @@ fn main() {
         Command::Delete(a) => commands::delete::run(a),
         Command::Verify(a) => commands::verify::run(a),
         Command::Gc(a) => commands::gc::run(a),
+        Command::Export(a) => commands::archive::export(a),
+        Command::Import(a) => commands::archive::import(a),
         Command::Cuda(c) => commands::cuda::run(c),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Guardian(a) => commands::guardian::run(a),

@@ -2,6 +2,7 @@
 
 #[cfg(feature = "cluster")]
 pub mod agent;
+pub mod archive;
 pub mod checkpoint;
 pub mod container;
 pub mod criu_opts;

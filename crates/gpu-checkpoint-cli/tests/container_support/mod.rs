@@ -279,3 +279,43 @@ pub fn store_args(store: &Path, runc: &Runc) -> Vec<String> {
     a.extend(runc.args());
     a
 }
+
+/// Every regular file of a tar archive (zstd-compressed or not), by name; a name twice fails.
+pub fn archive_entries(archive: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let raw = std::fs::read(archive).unwrap();
+    let data = if raw.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        zstd::decode_all(&raw[..]).unwrap()
+    } else {
+        raw
+    };
+    let mut tar = tar::Archive::new(&data[..]);
+    let mut out = std::collections::BTreeMap::new();
+    for e in tar.entries().unwrap() {
+        let mut e = e.unwrap();
+        if e.header().entry_type() != tar::EntryType::Regular {
+            continue;
+        }
+        let name = e.path().unwrap().display().to_string();
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut e, &mut bytes).unwrap();
+        assert!(out.insert(name.clone(), bytes).is_none(), "{name} twice");
+    }
+    out
+}
+
+/// Waits up to 20 s for `ok`, failing with `what`.
+pub fn wait_for(what: &str, ok: &dyn Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// Runs gpu-checkpoint with `args` alone (no store or runtime arguments added).
+pub fn gc_run(args: &[&str]) -> std::process::Output {
+    Command::new(gpu_checkpoint()).args(args).output().unwrap()
+}

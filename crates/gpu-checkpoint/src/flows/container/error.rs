@@ -50,6 +50,10 @@ pub enum Error {
     Unsupported { id: String, reason: String },
     #[error("interrupted by {signal}: {undone}")]
     Interrupted { signal: String, undone: String },
+    #[error("checkpoint archive {}: {reason}", path.display())]
+    Archive { path: PathBuf, reason: String },
+    #[error("no bundle recorded for checkpoint {id} (imported from an archive): restore it with --bundle DIR")]
+    NoBundle { id: String },
     #[error("a work folder for the runtime: {} ({source})", path.display())]
     WorkDir {
         path: PathBuf,
@@ -64,7 +68,10 @@ impl Classify for Error {
             Error::RuntimeMissing { .. } => ExitStatus::ToolMissing,
             Error::NoSuchContainer { .. } => ExitStatus::NoSuchProcess,
             Error::NotRunning { .. } | Error::Exists { .. } => ExitStatus::Conflict,
-            Error::NotAContainerCheckpoint { .. } | Error::WrongRuntime { .. } => ExitStatus::Usage,
+            Error::NotAContainerCheckpoint { .. }
+            | Error::WrongRuntime { .. }
+            | Error::Archive { .. }
+            | Error::NoBundle { .. } => ExitStatus::Usage,
             Error::Runtime { .. }
             | Error::Spawn { .. }
             | Error::Protocol { .. }

@@ -21,6 +21,7 @@
 //! their PIDs inside the container. A failure kills and deletes the restored container (after unmounting
 //! what the runtime left mounted: `oci.rs`); the checkpoint is never changed.
 
+pub mod archive;
 mod error;
 mod fake;
 pub mod members;

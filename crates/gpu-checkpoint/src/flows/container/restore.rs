@@ -68,27 +68,33 @@ impl Drop for Discard<'_> {
     }
 }
 
+/// A stored container checkpoint: its store entry, manifest and container record.
+pub type Loaded = (
+    crate::store::CheckpointInfo,
+    CheckpointManifest,
+    ContainerRecord,
+);
+
+/// A container checkpoint's manifest and container record; refuses a process checkpoint.
+pub(super) fn load(store: &crate::store::Store, checkpoint: &str) -> crate::Result<Loaded> {
+    let info = store.get(checkpoint)?;
+    let manifest = CheckpointManifest::from_metadata(&info.metadata).map_err(|reason| {
+        crate::restore::Error::BadManifest {
+            id: info.id.clone(),
+            reason,
+        }
+    })?;
+    let Some(record) = manifest.container.clone() else {
+        return Err(Error::NotAContainerCheckpoint { id: info.id }.into());
+    };
+    Ok((info, manifest, record))
+}
+
 impl ContainerFlow<'_> {
     /// A container checkpoint's manifest and container record; refuses a process checkpoint, and one
     /// taken with another runtime.
-    pub fn find_container(
-        &self,
-        checkpoint: &str,
-    ) -> crate::Result<(
-        crate::store::CheckpointInfo,
-        CheckpointManifest,
-        ContainerRecord,
-    )> {
-        let info = self.store.get(checkpoint)?;
-        let manifest = CheckpointManifest::from_metadata(&info.metadata).map_err(|reason| {
-            crate::restore::Error::BadManifest {
-                id: info.id.clone(),
-                reason,
-            }
-        })?;
-        let Some(record) = manifest.container.clone() else {
-            return Err(Error::NotAContainerCheckpoint { id: info.id }.into());
-        };
+    pub fn find_container(&self, checkpoint: &str) -> crate::Result<Loaded> {
+        let (info, manifest, record) = load(self.store, checkpoint)?;
         if record.runtime != self.runtime.name() {
             return Err(Error::WrongRuntime {
                 id: info.id,
@@ -120,6 +126,11 @@ impl ContainerFlow<'_> {
                 .into())
             }
         }
+        // An imported checkpoint does not know where its container's files are.
+        let bundle = opts.bundle.clone().unwrap_or_else(|| record.bundle.clone());
+        if bundle.as_os_str().is_empty() {
+            return Err(Error::NoBundle { id: info.id }.into());
+        }
         let gpu_record = manifest.gpu_record()?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
         let work = WorkDir::create(self.store, &info.id)?;
@@ -143,7 +154,6 @@ impl ContainerFlow<'_> {
             armed: true,
         };
         injected("container.runtime-restore", self.runtime)?;
-        let bundle = opts.bundle.clone().unwrap_or_else(|| record.bundle.clone());
         self.runtime.restore(&super::RestoreRequest {
             id,
             images: work.path(),

@@ -1,0 +1,98 @@
+//! `gpu-checkpoint export` and `import`: a container checkpoint to and from the checkpoint archive of
+//! podman, CRI-O and checkpointctl (`gpu_checkpoint::flows::container::archive`).
+
+use std::path::PathBuf;
+
+use gpu_checkpoint::flows::container::archive;
+use gpu_checkpoint::store::StoreOptions;
+use serde_json::json;
+
+use super::list::StoreArgs;
+use super::Format;
+use crate::progress::{bytes, Bar};
+
+/// The archive formats `export` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ArchiveFormat {
+    /// podman's `container checkpoint --export` archive (uncompressed tar), which CRI-O and
+    /// checkpointctl read too.
+    OciCheckpoint,
+}
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// The container checkpoint's id or name.
+    pub checkpoint: String,
+    /// The archive's format.
+    #[arg(long, value_enum, default_value = "oci-checkpoint")]
+    pub format: ArchiveFormat,
+    /// The archive to write (never overwritten).
+    #[arg(short = 'o', long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// The checkpoint store (a folder or `s3://BUCKET/PREFIX`).
+    #[arg(long, env = "GPU_CHECKPOINT_STORAGE")]
+    pub storage: String,
+    /// The S3 endpoint, as for the other store commands.
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+}
+
+#[derive(clap::Args)]
+pub struct ImportArgs {
+    /// A podman/CRI-O checkpoint archive (uncompressed or zstd).
+    pub archive: PathBuf,
+    /// A name for the stored checkpoint.
+    #[arg(long)]
+    pub name: Option<String>,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+pub fn export(args: ExportArgs) -> anyhow::Result<()> {
+    let ArchiveFormat::OciCheckpoint = args.format;
+    let store = StoreArgs {
+        storage: args.storage,
+        s3_endpoint: args.s3_endpoint,
+        format: Format::Text,
+    }
+    .open()?;
+    let out = archive::export_oci(&store, &args.checkpoint, &args.output, &Bar::new(true))?;
+    println!(
+        "exported {} to {} ({}, {} files)",
+        out.checkpoint,
+        out.path.display(),
+        bytes(out.bytes),
+        out.entries.len()
+    );
+    Ok(())
+}
+
+pub fn import(args: ImportArgs) -> anyhow::Result<()> {
+    let store = args.store.open_or_create(StoreOptions::default())?;
+    let bar = Bar::new(args.store.format == Format::Text);
+    let out = archive::import_oci(&store, &args.archive, args.name.as_deref(), &bar)?;
+    let stats = &out.info.stats;
+    match args.store.format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "id": out.info.id,
+                "name": out.info.name,
+                "container": out.container,
+                "runtime": out.runtime,
+                "stats": stats,
+            }))?
+        ),
+        Format::Text => println!(
+            "imported {} as {} (container {}, {}): {} in {} files, {} new",
+            args.archive.display(),
+            out.info.id,
+            out.container,
+            out.runtime,
+            bytes(stats.logical_bytes),
+            stats.files,
+            bytes(stats.new_bytes)
+        ),
+    }
+    Ok(())
+}

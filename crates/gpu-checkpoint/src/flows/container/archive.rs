@@ -1,0 +1,541 @@
+//! The container checkpoint archive of podman, CRI-O and checkpointctl (`--format oci-checkpoint`):
+//! `export` writes a container checkpoint of the store as one, `import` stores one as a checkpoint.
+//!
+//! The archive's layout (read in podman's `exportCheckpoint` and checkpointctl's `lib/metadata.go`): a
+//! tar whose `checkpoint/` folder holds the runtime's images (CRIU's `*.img` and runc's
+//! `descriptors.json`, or runsc's `checkpoint.img`), next to `config.dump` (the engine's container
+//! config, JSON: `id`, `name`, `runtime`, `createdTime`, ...), `spec.dump` (the OCI runtime spec the
+//! container ran with) and optional files: `rootfs-diff.tar` and `deleted.files` (changes to the root
+//! file system), `network.status`, `devshm-checkpoint.tar`, `stats-dump`, `artifacts/`, `ctr.log`.
+//!
+//! In the store the runtime's images lie flat, as the container restore hands them to the runtime; every
+//! other file of an imported archive is kept under `oci/` with its path in the archive, so that an export
+//! of an import gives the same files back (byte for byte) and a restore's runtime, which reads only its
+//! own image names, never sees them. A checkpoint taken by `checkpoint --container` has no `oci/`: its
+//! export writes a `config.dump` from its manifest and the bundle's `config.json` as `spec.dump`.
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Component, Path, PathBuf};
+
+use serde::Serialize;
+
+use super::{Error, WorkDir};
+use crate::detect::{Report, StrategyDecision, StrategyName};
+use crate::flows::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
+use crate::flows::manifest::{OptionsRecord, PhaseTimings, Sizes};
+use crate::store::{CheckpointInfo, Progress, Store};
+
+/// The runtime's images in the archive.
+pub const CHECKPOINT_DIR: &str = "checkpoint";
+/// The engine's container config (JSON).
+pub const CONFIG_DUMP: &str = "config.dump";
+/// The OCI runtime spec (JSON).
+pub const SPEC_DUMP: &str = "spec.dump";
+/// Where the store keeps an imported archive's files other than the images.
+const OCI_DIR: &str = "oci";
+/// CRIU's log of the dump: the archive's top level (podman keeps it in the bundle, next to the others).
+const DUMP_LOG: &str = "dump.log";
+
+/// What `export` wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExportOutcome {
+    pub checkpoint: String,
+    pub path: PathBuf,
+    /// The archive's file entries, in order.
+    pub entries: Vec<String>,
+    /// The archive's size.
+    pub bytes: u64,
+}
+
+/// What `import` stored.
+#[derive(Debug, Clone)]
+pub struct ImportOutcome {
+    pub info: CheckpointInfo,
+    /// The container's id and runtime from `config.dump`.
+    pub container: String,
+    pub runtime: String,
+}
+
+/// The part of `config.dump` read and written here; podman's has many more fields, kept as they are
+/// (an import stores the file itself).
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct ConfigDump {
+    id: String,
+    #[serde(default)]
+    name: String,
+    #[serde(rename = "runtime", default, skip_serializing_if = "String::is_empty")]
+    oci_runtime: String,
+    #[serde(rename = "createdTime", default)]
+    created_time: String,
+    #[serde(
+        rename = "checkpointedTime",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    checkpointed_time: String,
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> crate::Error {
+    Error::Archive {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+    .into()
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> crate::Error + '_ {
+    move |source| {
+        Error::WorkDir {
+            path: path.to_path_buf(),
+            source,
+        }
+        .into()
+    }
+}
+
+/// Every regular file under `root`, as sorted relative paths with `/`.
+fn files_under(root: &Path) -> Result<Vec<String>, crate::Error> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).map_err(io(&dir))? {
+            let e = e.map_err(io(&dir))?;
+            let kind = e.file_type().map_err(io(&dir))?;
+            if kind.is_dir() {
+                stack.push(e.path());
+            } else if kind.is_file() {
+                let rel = e.path().strip_prefix(root).expect("under root").to_owned();
+                out.push(rel.to_string_lossy().into_owned());
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Where a file of the store goes in the archive.
+fn archive_name(stored: &str) -> String {
+    match stored.strip_prefix("oci/") {
+        Some(rest) => rest.to_string(),
+        None if stored == DUMP_LOG => stored.to_string(),
+        None => format!("{CHECKPOINT_DIR}/{stored}"),
+    }
+}
+
+/// Where a file of the archive goes in the store.
+fn stored_name(entry: &str) -> String {
+    match entry.strip_prefix("checkpoint/") {
+        Some(image) if !image.contains('/') => image.to_string(),
+        _ => format!("{OCI_DIR}/{entry}"),
+    }
+}
+
+fn append(
+    tar: &mut tar::Builder<impl Write>,
+    name: &str,
+    size: u64,
+    data: impl Read,
+    mtime: u64,
+) -> std::io::Result<()> {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_size(size);
+    // The images hold a process's whole memory: unpacked, they are the owner's alone.
+    h.set_mode(0o600);
+    h.set_mtime(mtime);
+    tar.append_data(&mut h, name, data)
+}
+
+/// Writes checkpoint `checkpoint` (a container checkpoint) as a podman/CRI-O checkpoint archive at
+/// `dest`, uncompressed. The images are read out of the store with every chunk verified; the archive
+/// appears at `dest` only when complete (a private temporary file renamed), and an existing `dest` is
+/// never overwritten.
+pub fn export_oci(
+    store: &Store,
+    checkpoint: &str,
+    dest: &Path,
+    progress: &dyn Progress,
+) -> crate::Result<ExportOutcome> {
+    let (info, manifest, record) = super::restore::load(store, checkpoint)?;
+    let work = WorkDir::create(store, &info.id)?;
+    store.materialize(&info.id, work.path(), progress)?;
+    let stored = files_under(work.path())?;
+
+    // The metadata an engine reads, from the archive this was imported from or made from the manifest.
+    let mut extra: Vec<(String, Vec<u8>)> = Vec::new();
+    if !stored.iter().any(|f| f == "oci/config.dump") {
+        let config = ConfigDump {
+            id: record.id.clone(),
+            name: manifest.name.clone().unwrap_or_else(|| record.id.clone()),
+            oci_runtime: record.runtime.clone(),
+            created_time: info.created.clone(),
+            checkpointed_time: info.created.clone(),
+        };
+        let json = serde_json::to_vec_pretty(&config).expect("plain struct");
+        extra.push((CONFIG_DUMP.into(), json));
+    }
+    if !stored.iter().any(|f| f == "oci/spec.dump") {
+        let spec = record.bundle.join("config.json");
+        let json = std::fs::read(&spec).map_err(|e| {
+            bad(
+                &spec,
+                format!("spec.dump is made from the container's bundle, whose config.json cannot be read: {e}"),
+            )
+        })?;
+        extra.push((SPEC_DUMP.into(), json));
+    }
+
+    let parent = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix(".gpu-checkpoint-export.")
+        .tempfile_in(&parent)
+        .map_err(io(&parent))?;
+    let mtime = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut entries = Vec::new();
+    let mut tar = tar::Builder::new(BufWriter::new(tmp.as_file()));
+    let write = |e: std::io::Error| bad(dest, format!("writing the archive: {e}"));
+    let mut dir = tar::Header::new_gnu();
+    dir.set_entry_type(tar::EntryType::Directory);
+    dir.set_mode(0o700);
+    dir.set_mtime(mtime);
+    dir.set_size(0);
+    tar.append_data(&mut dir, format!("{CHECKPOINT_DIR}/"), std::io::empty())
+        .map_err(write)?;
+    for (name, data) in &extra {
+        append(&mut tar, name, data.len() as u64, &data[..], mtime).map_err(write)?;
+        entries.push(name.clone());
+    }
+    for rel in &stored {
+        let path = work.path().join(rel);
+        let f = File::open(&path).map_err(io(&path))?;
+        let size = f.metadata().map_err(io(&path))?.len();
+        let name = archive_name(rel);
+        append(&mut tar, &name, size, BufReader::new(f), mtime).map_err(write)?;
+        entries.push(name);
+    }
+    tar.into_inner()
+        .and_then(|mut w| w.flush())
+        .map_err(write)?;
+    tmp.as_file().sync_all().map_err(write)?;
+    let bytes = tmp.as_file().metadata().map_err(write)?.len();
+    tmp.persist_noclobber(dest).map_err(|e| {
+        bad(
+            dest,
+            format!(
+                "cannot put the archive in place (an existing file is never overwritten): {}",
+                e.error
+            ),
+        )
+    })?;
+    crate::util::fsync_dir(&parent).map_err(io(&parent))?;
+    Ok(ExportOutcome {
+        checkpoint: info.id,
+        path: dest.to_path_buf(),
+        entries,
+        bytes,
+    })
+}
+
+/// A relative path inside the archive, refused when it could leave the folder it is unpacked in.
+fn safe_entry_path(archive: &Path, path: &Path) -> Result<String, crate::Error> {
+    let mut parts = Vec::new();
+    for c in path.components() {
+        match c {
+            Component::Normal(p) => parts.push(
+                p.to_str()
+                    .ok_or_else(|| bad(archive, "an entry's name is not UTF-8"))?
+                    .to_string(),
+            ),
+            Component::CurDir => {}
+            _ => {
+                return Err(bad(
+                    archive,
+                    format!("entry {} leaves the archive's folder", path.display()),
+                ))
+            }
+        }
+    }
+    Ok(parts.join("/"))
+}
+
+/// Opens the archive, uncompressed or zstd-compressed (podman's default).
+fn open_archive(path: &Path) -> Result<Box<dyn Read>, crate::Error> {
+    let mut f = File::open(path).map_err(|e| bad(path, format!("cannot open: {e}")))?;
+    let mut magic = [0u8; 4];
+    let n = f.read(&mut magic).map_err(|e| bad(path, e.to_string()))?;
+    let head = std::io::Cursor::new(magic[..n].to_vec());
+    let reader = BufReader::new(head.chain(f));
+    match magic {
+        [0x28, 0xb5, 0x2f, 0xfd] => Ok(Box::new(
+            zstd::stream::read::Decoder::with_buffer(reader).map_err(|e| bad(path, e.to_string()))?,
+        )),
+        [0x1f, 0x8b, ..] => Err(bad(
+            path,
+            "gzip-compressed: unpack it first (gunzip), or export with podman's --compress zstd or none",
+        )),
+        _ => Ok(Box::new(reader)),
+    }
+}
+
+/// Stores a podman/CRI-O checkpoint archive as a container checkpoint (chunked and deduplicated like
+/// any other). Only regular files and folders are accepted; nothing is stored unless the archive is
+/// complete and holds `config.dump` and the runtime's images. The checkpoint records no bundle (pass
+/// `restore --bundle`) and no GPU state.
+pub fn import_oci(
+    store: &Store,
+    archive: &Path,
+    name: Option<&str>,
+    progress: &dyn Progress,
+) -> crate::Result<ImportOutcome> {
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let ingest = store.begin(name)?;
+    let staging = ingest.staging_dir().to_path_buf();
+    let mut tar = tar::Archive::new(open_archive(archive)?);
+    let read = |e: std::io::Error| bad(archive, format!("not a readable tar archive: {e}"));
+    for entry in tar.entries().map_err(read)? {
+        let mut entry = entry.map_err(read)?;
+        let path = entry.path().map_err(read)?.into_owned();
+        let rel = safe_entry_path(archive, &path)?;
+        match entry.header().entry_type() {
+            tar::EntryType::Directory => continue,
+            tar::EntryType::Regular | tar::EntryType::Continuous => {}
+            other => {
+                return Err(bad(
+                    archive,
+                    format!("entry {rel} is a {other:?}, not a regular file: refused"),
+                ))
+            }
+        }
+        if rel.is_empty() {
+            continue;
+        }
+        let dest = staging.join(stored_name(&rel));
+        if let Some(d) = dest.parent() {
+            crate::util::create_private_dir_all(d).map_err(io(d))?;
+        }
+        let mut out = crate::util::create_new_private_file(&dest)
+            .map_err(|e| bad(archive, format!("entry {rel}: {e} (twice in the archive?)")))?;
+        std::io::copy(&mut entry, &mut out).map_err(read)?;
+    }
+
+    let config_path = staging.join(OCI_DIR).join(CONFIG_DUMP);
+    let config: ConfigDump = std::fs::read(&config_path)
+        .map_err(|_| {
+            bad(
+                archive,
+                "no config.dump: not a container checkpoint archive",
+            )
+        })
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| bad(archive, format!("config.dump: {e}")))
+        })?;
+    let runtime = match Path::new(&config.oci_runtime).file_name() {
+        Some(n) if n == "runsc" => "runsc",
+        _ => "runc",
+    };
+    let image = if runtime == "runsc" {
+        "checkpoint.img"
+    } else {
+        "inventory.img"
+    };
+    if !staging.join(image).is_file() {
+        return Err(bad(
+            archive,
+            format!(
+                "no {CHECKPOINT_DIR}/{image}: the archive holds no {runtime} checkpoint images"
+            ),
+        ));
+    }
+
+    let sizes = Sizes::of_dir(&staging).map_err(io(&staging))?;
+    let manifest = CheckpointManifest {
+        schema: manifest::SCHEMA.into(),
+        schema_version: manifest::SCHEMA_VERSION,
+        id: ingest.id().to_string(),
+        name: name.map(str::to_string),
+        started_unix_ms,
+        host: HostInfo::current(),
+        criu: CriuInfo {
+            version: crate::dump::CriuVersion {
+                major: 0,
+                minor: 0,
+                sublevel: 0,
+            },
+            path: format!("imported from {}", archive.display()),
+        },
+        tool_version: env!("CARGO_PKG_VERSION").to_string(),
+        root_pid: 0,
+        process_tree: Vec::new(),
+        detect: Report {
+            schema_version: crate::detect::SCHEMA_VERSION,
+            pid: None,
+            gpu: false,
+            processes: Vec::new(),
+            findings: Vec::new(),
+            strategy: StrategyDecision {
+                name: StrategyName::None,
+                blockers: Vec::new(),
+            },
+            strategies: Vec::new(),
+            ordered: false,
+            driver_version: None,
+            elapsed_ms: 0.0,
+            notes: Vec::new(),
+        },
+        strategy: StrategyName::None,
+        gpu_step: "none".into(),
+        gpu: serde_json::Value::Null,
+        options: OptionsRecord::default(),
+        timings_ms: PhaseTimings::default(),
+        sizes,
+        devices: Vec::new(),
+        container: Some(ContainerRecord {
+            runtime: runtime.into(),
+            global_args: Vec::new(),
+            id: config.id.clone(),
+            // Unknown here: the restore must be given one.
+            bundle: PathBuf::new(),
+            processes: Vec::new(),
+            tcp_established: false,
+        }),
+    };
+    let metadata = serde_json::to_value(&manifest)
+        .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?;
+    let info = ingest.commit(metadata, progress)?;
+    Ok(ImportOutcome {
+        info,
+        container: config.id,
+        runtime: runtime.into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_and_archive_names_map_both_ways() {
+        for (stored, archived) in [
+            ("pages-1.img", "checkpoint/pages-1.img"),
+            ("descriptors.json", "checkpoint/descriptors.json"),
+            ("dump.log", "dump.log"),
+            ("oci/config.dump", "config.dump"),
+            ("oci/rootfs-diff.tar", "rootfs-diff.tar"),
+            ("oci/artifacts/x", "artifacts/x"),
+            ("oci/checkpoint/sub/y", "checkpoint/sub/y"),
+        ] {
+            assert_eq!(archive_name(stored), archived, "{stored}");
+            if stored != "dump.log" {
+                assert_eq!(stored_name(archived), stored, "{archived}");
+            }
+        }
+    }
+
+    #[test]
+    fn entries_that_leave_the_folder_are_refused() {
+        let a = Path::new("a.tar");
+        assert_eq!(
+            safe_entry_path(a, Path::new("./checkpoint/x.img")).unwrap(),
+            "checkpoint/x.img"
+        );
+        assert!(safe_entry_path(a, Path::new("../x")).is_err());
+        assert!(safe_entry_path(a, Path::new("/etc/passwd")).is_err());
+        assert!(safe_entry_path(a, Path::new("checkpoint/../../x")).is_err());
+    }
+
+    /// One archive entry: name, kind, data.
+    type Entry<'a> = (&'a str, tar::EntryType, &'a [u8]);
+
+    /// An archive of `entries`.
+    fn archive(dir: &Path, entries: &[Entry<'_>]) -> PathBuf {
+        let path = dir.join("a.tar");
+        let mut b = tar::Builder::new(File::create(&path).unwrap());
+        for (name, kind, data) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(*kind);
+            h.set_size(data.len() as u64);
+            h.set_mode(0o600);
+            if *kind == tar::EntryType::Symlink {
+                h.set_size(0);
+                b.append_link(&mut h, name, "/etc/shadow").unwrap();
+            } else {
+                b.append_data(&mut h, name, *data).unwrap();
+            }
+        }
+        b.finish().unwrap();
+        path
+    }
+
+    #[test]
+    fn a_bad_archive_stores_nothing() {
+        use tar::EntryType::{Regular, Symlink};
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Store::open(&dir.path().join("s"), crate::store::StoreOptions::default()).unwrap();
+        let config: &[u8] = br#"{"id": "c1", "name": "c1", "runtime": "runc", "createdTime": "x"}"#;
+        let cases: [(&str, Vec<Entry<'_>>, &str); 4] = [
+            (
+                "no config",
+                vec![("checkpoint/inventory.img", Regular, b"i")],
+                "no config.dump",
+            ),
+            (
+                "no images",
+                vec![("config.dump", Regular, config)],
+                "no checkpoint/inventory.img",
+            ),
+            (
+                "a link",
+                vec![
+                    ("config.dump", Regular, config),
+                    ("checkpoint/x", Symlink, b""),
+                ],
+                "not a regular file",
+            ),
+            (
+                "bad json",
+                vec![
+                    ("config.dump", Regular, b"{"),
+                    ("checkpoint/inventory.img", Regular, b"i"),
+                ],
+                "config.dump",
+            ),
+        ];
+        for (what, entries, says) in cases {
+            let a = archive(dir.path(), &entries);
+            let e = import_oci(&store, &a, None, &crate::store::NoProgress).unwrap_err();
+            assert!(e.to_string().contains(says), "{what}: {e}");
+            assert_eq!(
+                crate::exit::Classify::exit_status(&e),
+                crate::ExitStatus::Usage,
+                "{what}"
+            );
+            assert!(store.list().unwrap().is_empty(), "{what}: nothing stored");
+        }
+        let good = archive(
+            dir.path(),
+            &[
+                ("config.dump", Regular, config),
+                ("checkpoint/inventory.img", Regular, b"inv"),
+            ],
+        );
+        let out = import_oci(&store, &good, Some("n"), &crate::store::NoProgress).unwrap();
+        assert_eq!(
+            (out.container.as_str(), out.runtime.as_str()),
+            ("c1", "runc")
+        );
+        let mut paths: Vec<_> = out.info.files.iter().map(|f| f.path.clone()).collect();
+        paths.sort();
+        assert_eq!(paths, ["inventory.img", "oci/config.dump"]);
+    }
+}
