@@ -44,12 +44,8 @@ trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; kill "$SERVER" 2>/dev/null; r
 until (: <"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do sleep 0.05; done
 AWS=(aws --endpoint-url "$AWS_ENDPOINT_URL" --only-show-errors)
 
-now() { echo "$EPOCHREALTIME"; }
-ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", (b - a) * 1000 }'; }
-settle() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-wait_free() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
-median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }'; }
+# shellcheck source=scripts/lib/bench.sh
+. scripts/lib/bench.sh
 field() { grep -o "\"$1\": *[^,}]*" | head -1 | sed 's/.*: *//; s/"//g'; }
 
 # Ours into $1 (a fresh prefix or folder: no dedup against earlier rounds); appends to ${2}_CK / ${2}_RS.
