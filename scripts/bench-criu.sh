@@ -41,14 +41,8 @@ DIR=$(cd "$DIR" && pwd)
 PID=
 trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
 
-now() { echo "$EPOCHREALTIME"; }
-ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", (b - a) * 1000 }'; }
-# Before every timed step: dirty data written back, page cache and inode caches dropped.
-settle() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-# Waits until no process holds the PID (init reaps the killed process, at its own pace).
-wait_free() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
-median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }'; }
+# shellcheck source=scripts/lib/bench.sh
+. scripts/lib/bench.sh
 
 # Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.
 ours() {

@@ -1,75 +1,15 @@
 //! The store on a real S3 server (s3s-fs on 127.0.0.1): a process checkpointed on "node A" and restored on
 //! "node B", two clients with their own work folders and nothing shared but the bucket; `list`,
 //! `inspect`, `verify`, `delete` and `gc` on S3; and the faults of an object store (the server gone during
-//! a checkpoint or a restore, a damaged object). Needs root, CRIU and s3s-fs: fails in CI without them,
+//! a checkpoint or a restore, a damaged object); two nodes checkpointing into one bucket while a third runs
+//! gc. Needs root, CRIU and s3s-fs: fails in CI without them,
 //! skips locally with the reason.
 
 mod common;
-#[path = "../../gpu-checkpoint/tests/common/s3.rs"]
-mod s3;
-
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod s3_support;
 
 use common::*;
-
-/// One node: the tool with its own private temporary folder (staging and restore work), reaching the
-/// server through the standard AWS variables.
-struct Node {
-    tmp: PathBuf,
-    env: Vec<(&'static str, String)>,
-}
-
-impl Node {
-    fn new(dir: &Path, name: &str, server: &s3::S3Server) -> Node {
-        let tmp = dir.join(name);
-        std::fs::create_dir(&tmp).unwrap();
-        Node {
-            tmp,
-            env: server.env(),
-        }
-    }
-
-    /// The tool with this node's environment, its output captured.
-    fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(gc_bin());
-        cmd.args(args)
-            .env("TMPDIR", &self.tmp)
-            // Failures in tests are quick: a stopped server is not waited for.
-            .env("GPU_CHECKPOINT_S3_RETRY_TIMEOUT", "3")
-            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        cmd
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        self.command(args).output().expect("run gpu-checkpoint")
-    }
-
-    fn json(&self, args: &[&str]) -> serde_json::Value {
-        let mut args = args.to_vec();
-        args.extend_from_slice(&["--format", "json"]);
-        serde_json::from_str(&ok(&self.run(&args))).expect("JSON")
-    }
-}
-
-/// Waits until the restored copy has verified its memory `more` times past `before` against `checksum`.
-fn verifies(w: &Workload, checksum: &str, before: u64) {
-    let r = w.wait_state("the restored memory verified", |r| {
-        r.len() == 1 && num(&r[0], "verified") > before + 2
-    });
-    assert_eq!(r[0]["checksum"], checksum);
-    assert_eq!(num(&r[0], "bad"), 0, "{r:?}");
-}
-
-fn scene() -> Option<(tempfile::TempDir, s3::S3Server)> {
-    if !criu_ready() {
-        return None;
-    }
-    let server = s3::S3Server::start()?;
-    Some((tempfile::tempdir().unwrap(), server))
-}
+use s3_support::*;
 
 #[test]
 fn checkpoint_on_node_a_restores_on_node_b_through_s3() {
@@ -81,15 +21,7 @@ fn checkpoint_on_node_a_restores_on_node_b_through_s3() {
     );
     let (w, checksum) = memory_workload(dir.path(), "48");
     let pid = w.pid.to_string();
-    let ck = a.json(&[
-        "checkpoint",
-        "--pid",
-        &pid,
-        "--storage",
-        &url,
-        "--name",
-        "job",
-    ]);
+    let ck = a.checkpoint_json(w.pid, &url, &["--name", "job"]);
     assert_eq!(ck["stopped"], true);
     let id = ck["id"].as_str().unwrap().to_owned();
     assert!(
@@ -177,15 +109,13 @@ fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed(
     }
     server.stop();
     let out = child.wait_with_output().unwrap();
-    assert!(!out.status.success(), "{out:?}");
+    // Storage that cannot be reached once the retries ran out: exit 6, not CRIU's broken pipe.
+    fails_with(&out, 6);
     assert!(w.alive() && !w.stopped(), "the process keeps running");
     let now = num(&w.wait_state("verifying", |r| r.len() == 1)[0], "verified");
     verifies(&w, &checksum, now);
     // Nothing listed: no manifest reached the server.
-    let manifests = server.object_file("job/manifests");
-    let listed: Vec<_> = std::fs::read_dir(&manifests)
-        .map(|d| d.flatten().map(|e| e.file_name()).collect())
-        .unwrap_or_default();
+    let listed = manifests_on_server(&server, "job");
     assert!(listed.is_empty(), "{listed:?}");
     // No secret in what the tool said.
     let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
@@ -286,4 +216,144 @@ fn the_server_gone_mid_restore_leaves_the_checkpoint_intact_and_a_retry_restores
     let out = ok(&b.run(&["restore", &id, "--storage", &url]));
     assert_eq!(out.trim(), pid);
     verifies(&w, &checksum, verified0);
+}
+
+/// Checkpoints `w` `rounds` times (leaving it running) from `node`; a checkpoint refused because a gc
+/// took a chunk it reused (exit 8, "retry it") is retried. Between rounds it waits until one more gc has
+/// finished (counted by `gc_runs`), so that gc runs between, and during, the checkpoints of both nodes
+/// however the machine's load spaces them. The ids committed, and how many were refused.
+fn checkpoint_rounds(
+    node: &Node,
+    w: &Workload,
+    url: &str,
+    rounds: usize,
+    gc_runs: &std::sync::atomic::AtomicUsize,
+) -> (Vec<String>, usize) {
+    let (mut ids, mut refused) = (Vec::new(), 0);
+    for round in 0..rounds {
+        if round > 0 {
+            let seen = gc_runs.load(std::sync::atomic::Ordering::SeqCst);
+            let t0 = std::time::Instant::now();
+            while gc_runs.load(std::sync::atomic::Ordering::SeqCst) == seen {
+                assert!(t0.elapsed().as_secs() < 300, "no gc finished in 5 minutes");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
+        loop {
+            let out = node.checkpoint(w.pid, url, &["--leave-running"]);
+            if out.status.code() == Some(8) {
+                // Refused before anything was listed: the process runs on, the retry may commit.
+                assert!(w.alive() && !w.stopped());
+                refused += 1;
+                assert!(
+                    refused < 10,
+                    "refused again and again: {}",
+                    text(&out.stderr)
+                );
+                continue;
+            }
+            let ck: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
+            ids.push(ck["id"].as_str().unwrap().to_owned());
+            break;
+        }
+    }
+    (ids, refused)
+}
+
+#[test]
+fn two_nodes_checkpoint_into_one_bucket_while_a_third_runs_gc() {
+    let Some((dir, server)) = scene() else { return };
+    let url = server.url("fleet");
+    // The default retry timeout: a loaded machine's server may be slow, and nothing here stops it.
+    let node = |name: &str| {
+        Node::new(dir.path(), name, &server).with_env("GPU_CHECKPOINT_S3_RETRY_TIMEOUT", "30")
+    };
+    let (a, b, g) = (node("node-a"), node("node-b"), node("node-gc"));
+    let workload = |name: &str, seed: &str, mib: &str| {
+        let d = dir.path().join(name);
+        std::fs::create_dir(&d).unwrap();
+        memory_workload_with(&d, &["--mib", mib, "--seed", seed])
+    };
+    let (wa, sum_a) = workload("wa", "1", "16");
+    let (wb, _) = workload("wb", "2", "16");
+    // Garbage for gc, made old enough to collect: a deleted checkpoint of a process gone (nothing will
+    // reference its chunks again) and a deleted one of node A's process (its next checkpoints reuse
+    // those chunks: the race the leases guard).
+    {
+        let (wc, _) = workload("wc", "3", "8");
+        for (w, n) in [(&wc, &a), (&wa, &a)] {
+            let ck = n.checkpoint_json(w.pid, &url, &["--leave-running"]);
+            ok(&n.run(&["delete", ck["id"].as_str().unwrap(), "--storage", &url]));
+        }
+    }
+    age_objects(&server, "fleet/chunks", 2 * 3600);
+
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let (writing, gc_runs) = (AtomicBool::new(true), AtomicUsize::new(0));
+    let ((ids_a, refused_a), (ids_b, refused_b), gcs) = std::thread::scope(|s| {
+        let ha = s.spawn(|| checkpoint_rounds(&a, &wa, &url, 3, &gc_runs));
+        let hb = s.spawn(|| checkpoint_rounds(&b, &wb, &url, 3, &gc_runs));
+        let hg = s.spawn(|| {
+            let mut reports = Vec::new();
+            while writing.load(SeqCst) {
+                reports.push(g.json(&["gc", "--storage", &url]));
+                gc_runs.fetch_add(1, SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            reports
+        });
+        let (ra, rb) = (ha.join(), hb.join());
+        let during = gc_runs.load(SeqCst);
+        // Stops the gc loop before anything can panic: the scope waits for it.
+        writing.store(false, SeqCst);
+        let mut gcs = hg.join().unwrap();
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        // gc ran, and finished, while the nodes wrote (it waits only while a writer holds a lease).
+        assert!(during >= 2, "no gc finished while the nodes wrote");
+        // And one more once every writer is done.
+        gcs.push(g.json(&["gc", "--storage", &url]));
+        (ra, rb, gcs)
+    });
+    let removed: u64 = gcs
+        .iter()
+        .map(|r| r["chunks_removed"].as_u64().unwrap())
+        .sum();
+    eprintln!(
+        "{} gc runs removed {removed} chunks; checkpoints refused and retried: node A {refused_a}, \
+         node B {refused_b}",
+        gcs.len()
+    );
+    assert!(removed > 0, "the old garbage was collected: {gcs:?}");
+
+    // Every committed checkpoint is listed and whole: gc removed no chunk a manifest references.
+    let mut committed: Vec<String> = ids_a.iter().chain(&ids_b).cloned().collect();
+    committed.sort();
+    let listed = g.json(&["list", "--storage", &url]);
+    let mut listed: Vec<String> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_owned())
+        .collect();
+    listed.sort();
+    assert_eq!(listed, committed);
+    for id in &committed {
+        ok(&g.run(&["verify", id, "--storage", &url]));
+    }
+    // No writer's lease and no gc marker is left behind.
+    for prefix in ["fleet/leases", "fleet/gc"] {
+        let left: Vec<_> = std::fs::read_dir(server.object_file(prefix))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{prefix}: {left:?}");
+    }
+    // And node A's last checkpoint restores on node B.
+    let verified0 = num(
+        &gpu_checkpoint_workloads::read_state(&wa.state).unwrap()[0],
+        "verified",
+    );
+    wa.kill_and_wait_free();
+    let out = ok(&b.run(&["restore", ids_a.last().unwrap(), "--storage", &url]));
+    assert_eq!(out.trim(), wa.pid.to_string());
+    verifies(&wa, &sum_a, verified0);
 }

@@ -20,7 +20,7 @@ pub enum ExitStatus {
     PermissionDenied = 4,
     /// CRIU (or another required tool or driver library) missing or too old.
     ToolMissing = 5,
-    /// Storage full or not writable.
+    /// Storage full, not writable, or not reachable (an object store down or throttling past the retries).
     Storage = 6,
     /// Checkpoint not found or damaged.
     CheckpointInvalid = 7,

@@ -148,7 +148,12 @@ impl Drop for Workload {
 /// A `memory` workload of `mib` MiB, once it has filled its memory and verified it: the workload and the
 /// memory's checksum.
 pub fn memory_workload(dir: &Path, mib: &str) -> (Workload, String) {
-    let w = Workload::start("memory", dir, &["--mib", mib]);
+    memory_workload_with(dir, &["--mib", mib])
+}
+
+/// [`memory_workload`] with the workload's arguments (`--mib`, `--seed`, ...).
+pub fn memory_workload_with(dir: &Path, args: &[&str]) -> (Workload, String) {
+    let w = Workload::start("memory", dir, args);
     let r = w.wait_state("memory filled and verified", |r| {
         r.len() == 1
             && r[0].get("phase").map(String::as_str) == Some("verifying")

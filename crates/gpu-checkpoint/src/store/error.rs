@@ -236,6 +236,8 @@ fn io_status(e: &io::Error) -> ExitStatus {
             ExitStatus::Storage
         }
         _ if e.kind() == io::ErrorKind::PermissionDenied => ExitStatus::Storage,
+        // Storage that kept failing until the retries ran out (an object store down or throttling).
+        _ if e.kind() == io::ErrorKind::TimedOut => ExitStatus::Storage,
         _ => ExitStatus::Failure,
     }
 }

@@ -202,7 +202,7 @@ pub struct S3Backend {
     put_count: Arc<Semaphore>,
     put_bytes: Arc<Semaphore>,
     /// The first background put that failed: every later put and sync fails with it.
-    failed: Arc<Mutex<Option<String>>>,
+    failed: Arc<Mutex<Option<(String, std::io::ErrorKind)>>>,
     prefetched: Mutex<HashMap<String, tokio::task::JoinHandle<object_store::Result<Bytes>>>>,
 }
 
@@ -217,7 +217,9 @@ impl S3Backend {
                     max_backoff: Duration::from_secs(5),
                     base: 2.0,
                 },
-                max_retries: 10,
+                // The timeout bounds the retries, not a count: ten quick backoffs end within two
+                // seconds, shorter than a throttling server needs to recover.
+                max_retries: usize::MAX,
                 retry_timeout: config.retry_timeout,
             })
             .with_client_options(
@@ -288,10 +290,11 @@ impl S3Backend {
 
     fn check_failed(&self) -> Result<()> {
         match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(first) => Err(Error::Io {
+            // Of the first failure's kind: a server gone or throttling is still storage (exit 6).
+            Some((first, kind)) => Err(Error::Io {
                 op: "cannot write",
                 path: self.location.as_str().into(),
-                source: std::io::Error::other(format!("an earlier write failed: {first}")),
+                source: std::io::Error::new(*kind, format!("an earlier write failed: {first}")),
             }),
             None => Ok(()),
         }
@@ -313,16 +316,33 @@ impl S3Backend {
 }
 
 /// An object store error as an `io::Error` of the kind the store's exit statuses know: denied access is
-/// "permission denied" (storage, exit 6), the rest a failure; the message never holds a credential.
+/// "permission denied" and a server that kept failing (down, throttling, 5xx) until the retries ran out
+/// is "timed out", both storage (exit 6); the rest a failure. The message never holds a credential.
 fn io_error(e: object_store::Error) -> std::io::Error {
+    std::io::Error::new(error_kind(&e), e.to_string())
+}
+
+fn error_kind(e: &object_store::Error) -> std::io::ErrorKind {
     use std::io::ErrorKind;
-    let kind = match &e {
+    match e {
         object_store::Error::NotFound { .. } => ErrorKind::NotFound,
         object_store::Error::PermissionDenied { .. }
         | object_store::Error::Unauthenticated { .. } => ErrorKind::PermissionDenied,
+        object_store::Error::Generic { .. } if retried(&e.to_string()) => ErrorKind::TimedOut,
         _ => ErrorKind::Other,
-    };
-    std::io::Error::new(kind, e.to_string())
+    }
+}
+
+/// Whether a request error says it was retried ("... after 7 retries, max_retries: ..."): only throttling,
+/// 5xx, timeouts and connection failures are retried; a request the server refused outright is not. The
+/// client's error type is not public, so its message is what there is to read
+/// (`s3_throttling.rs` fails if that message changes).
+fn retried(message: &str) -> bool {
+    message
+        .split_once("after ")
+        .and_then(|(_, rest)| rest.split_once(" retries"))
+        .and_then(|(n, _)| n.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > 0)
 }
 
 /// A read's bytes into `buf`: `Ok(true)`, or `Ok(false)` where there is no such object.
@@ -431,7 +451,7 @@ impl Backend for S3Backend {
                 failed
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert_with(|| format!("{key}: {e}"));
+                    .get_or_insert_with(|| (format!("{key}: {e}"), error_kind(&e)));
                 (key, e)
             })
         });
@@ -577,5 +597,22 @@ impl Drop for S3Backend {
         {
             t.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_retried_request_errors_count_as_storage_unreachable() {
+        let throttled = "Generic S3 error: Error performing PUT http://h/b/k in 3.1s, after 9 retries, \
+                         max_retries: 18446744073709551615, retry_timeout: 3s - Server returned non-2xx \
+                         status code: 503 Service Unavailable";
+        assert!(super::retried(throttled));
+        let refused = "Generic S3 error: Error performing PUT http://h/b/k in 2ms, after 0 retries, \
+                       max_retries: 1, retry_timeout: 3s - Server returned non-2xx status code: 400";
+        assert!(!super::retried(refused));
+        assert!(!super::retried(
+            "Generic S3 error: cannot parse the listing"
+        ));
     }
 }

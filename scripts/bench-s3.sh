@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Benchmark: the store on S3 (s3s-fs on 127.0.0.1, started here with a private data folder) against the
+# standard way, `criu dump` into a folder followed by `aws s3 cp --recursive` of that folder, and against
+# the local store; an idle process holding N MiB of incompressible memory. Checkpoints stop the process
+# and restores bring it back, so every contender starts from the same state; the order rotates every
+# round (shared machines drift) and the figures are medians. Restores: ours streams from the bucket into
+# the process; the standard way downloads the folder (`aws s3 cp --recursive`) and runs `criu restore -d`.
+# Last, the bytes an unchanged re-checkpoint stores: new chunks + manifest, of the image's bytes.
+#
+# Usage (root): scripts/bench-s3.sh [MIB]        default: 256
+#   ROUNDS=3            rounds
+#   BENCH_DIR=DIR       images, local store and the server's data (default: target/bench-s3)
+# Builds gpu-checkpoint in release mode; needs CRIU (scripts/setup.sh), s3s-fs (scripts/install-s3s.sh)
+# and the AWS CLI (scripts/install-awscli.sh, called here: the benchmark alone needs it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091
+. scripts/env.sh
+[ "$(id -u)" = 0 ] || { echo "bench: needs root (CRIU)" >&2; exit 4; }
+scripts/install-awscli.sh >/dev/null
+cargo build -q --release -p gpu-checkpoint-cli -p gpu-checkpoint-workloads
+BIN=${CARGO_TARGET_DIR:-target}/release
+GC=$BIN/gpu-checkpoint
+CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
+S3S=${GPU_CHECKPOINT_S3S_FS:-${GPU_CHECKPOINT_CACHE:-/var/cache/gpu-checkpoint}/s3s-fs-0.14.1/bin/s3s-fs}
+[ -x "$S3S" ] || { echo "bench: s3s-fs missing: run scripts/install-s3s.sh" >&2; exit 5; }
+ROUNDS=${ROUNDS:-3}
+MIB=${1:-256}
+DIR=${BENCH_DIR:-target/bench-s3}
+rm -rf "$DIR"
+mkdir -p "$DIR/data/bench"
+chmod 700 "$DIR"
+DIR=$(cd "$DIR" && pwd)
+
+# Test credentials of this private server only.
+export AWS_ACCESS_KEY_ID=gpu-checkpoint-bench AWS_SECRET_ACCESS_KEY=gpu-checkpoint-bench-secret AWS_REGION=us-east-1
+PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export AWS_ENDPOINT_URL=http://127.0.0.1:$PORT
+"$S3S" --host 127.0.0.1 --port "$PORT" --access-key "$AWS_ACCESS_KEY_ID" --secret-key "$AWS_SECRET_ACCESS_KEY" \
+    "$DIR/data" >/dev/null 2>&1 &
+SERVER=$!
+PID=
+trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; kill "$SERVER" 2>/dev/null; rm -rf "$DIR"' EXIT
+until (: <"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do sleep 0.05; done
+AWS=(aws --endpoint-url "$AWS_ENDPOINT_URL" --only-show-errors)
+
+# shellcheck source=scripts/lib/bench.sh
+. scripts/lib/bench.sh
+field() { grep -o "\"$1\": *[^,}]*" | head -1 | sed 's/.*: *//; s/"//g'; }
+
+# Ours into $1 (a fresh prefix or folder: no dedup against earlier rounds); appends to ${2}_CK / ${2}_RS.
+ours() {
+    local store=$1 tag=$2 t0 t1 id
+    settle
+    t0=$(now)
+    id=$("$GC" checkpoint --pid "$PID" --storage "$store" --format json | field id)
+    t1=$(now)
+    eval "${tag}_CK+=\" $(ms "$t0" "$t1")\""
+    wait_free "$PID"
+    settle
+    t0=$(now)
+    "$GC" restore "$id" --storage "$store" >/dev/null
+    t1=$(now)
+    eval "${tag}_RS+=\" $(ms "$t0" "$t1")\""
+}
+
+# `criu dump` into a folder, then `aws s3 cp --recursive` of it; back: download, `criu restore -d`.
+standard() {
+    local key=$1 t0 t1
+    rm -rf "$DIR/img" "$DIR/down"
+    mkdir "$DIR/img" "$DIR/down"
+    settle
+    t0=$(now)
+    "$CRIU" dump -t "$PID" -D "$DIR/img" -o dump.log
+    "${AWS[@]}" s3 cp --recursive "$DIR/img" "s3://bench/$key/"
+    t1=$(now)
+    A_CK+=" $(ms "$t0" "$t1")"
+    wait_free "$PID"
+    settle
+    t0=$(now)
+    "${AWS[@]}" s3 cp --recursive "s3://bench/$key/" "$DIR/down"
+    "$CRIU" restore -d -D "$DIR/down" -o restore.log
+    t1=$(now)
+    A_RS+=" $(ms "$t0" "$t1")"
+}
+
+S_CK= S_RS= L_CK= L_RS= A_CK= A_RS=
+PID=$("$BIN/workload" memory --mib "$MIB" --verify-ms 0 --state "$DIR/state" --detach)
+until grep -q 'phase=verifying' "$DIR/state" 2>/dev/null; do sleep 0.1; done
+for r in $(seq 1 "$ROUNDS"); do
+    case $((r % 3)) in
+        1) standard "criu-$r"; ours "s3://bench/ours-$r" S; ours "$DIR/store-$r" L ;;
+        2) ours "s3://bench/ours-$r" S; ours "$DIR/store-$r" L; standard "criu-$r" ;;
+        0) ours "$DIR/store-$r" L; standard "criu-$r"; ours "s3://bench/ours-$r" S ;;
+    esac
+    rm -rf "$DIR/store-$r"
+done
+# An unchanged re-checkpoint: what it stores (sends) of the image.
+"$GC" checkpoint --pid "$PID" --storage s3://bench/again --leave-running --format json >/dev/null
+again=$("$GC" checkpoint --pid "$PID" --storage s3://bench/again --leave-running --format json)
+logical=$(echo "$again" | field logical_bytes) new=$(echo "$again" | field new_bytes) man=$(echo "$again" | field manifest_bytes)
+kill -9 "$PID"
+PID=
+
+sck=$(echo "$S_CK" | median) srs=$(echo "$S_RS" | median) lck=$(echo "$L_CK" | median) lrs=$(echo "$L_RS" | median)
+ack=$(echo "$A_CK" | median) ars=$(echo "$A_RS" | median)
+echo "S3 benchmark: ${MIB} MiB of random memory, $ROUNDS rounds (medians in ms), s3s-fs 0.14.1 on 127.0.0.1, $("${AWS[@]}" --version 2>&1 | cut -d' ' -f1), $(nproc) cores"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (after)"
+printf '%-34s %8s %8s\n' "" checkpoint restore
+printf '%-34s %8s %8s\n' "criu dump + aws s3 cp (baseline)" "$ack" "$ars"
+printf '%-34s %8s %8s   ratio %s / %s\n' "gpu-checkpoint -> S3" "$sck" "$srs" "$(ratio "$sck" "$ack")" "$(ratio "$srs" "$ars")"
+printf '%-34s %8s %8s   ratio %s / %s\n' "gpu-checkpoint -> local store" "$lck" "$lrs" "$(ratio "$lck" "$ack")" "$(ratio "$lrs" "$ars")"
+awk -v n="$new" -v m="$man" -v l="$logical" 'BEGIN { printf "unchanged re-checkpoint: %d new + %d manifest bytes of %d (%.2f%%)\n", n, m, l, 100 * (n + m) / l }'
+echo "rounds (ms): S3 ck$S_CK rs$S_RS | local ck$L_CK rs$L_RS | criu+aws ck$A_CK rs$A_RS"
