@@ -326,6 +326,7 @@ impl Member<'_> {
     fn restore(&self, work: &dyn MemberWork) {
         let started = Instant::now();
         let before_unlock = |pid: i32| {
+            crate::fault::at("cluster.member-restored");
             self.say(MemberState::Restored { pid });
             match self.wait("commit") {
                 Decision::Commit | Decision::Go => Ok(()),
