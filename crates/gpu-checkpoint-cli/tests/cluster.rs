@@ -359,6 +359,27 @@ fn an_agent_killed_during_its_dump_aborts_the_job() {
     agent_killed_at("checkpoint.after-dump");
 }
 
+#[test]
+fn an_agent_killed_while_its_members_are_restored_and_locked_aborts_the_job_restore_and_kills_every_copy(
+) {
+    // Agent b dies at the restore's barrier: its member is restored, GPU state back and still locked.
+    let kill = [("GPU_CHECKPOINT_FAULT", "cluster.member-restored=kill")];
+    let Some(s) = Scene::start(&[("b", &kill)]) else {
+        return;
+    };
+    let out = s.job(&["checkpoint", "--job", "train"], &[]);
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    wait_gone(&s.pids());
+    let cps = s.job_checkpoints();
+    let id = cps[0]["id"].as_str().unwrap();
+    let out = s.job(&["restore", id], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
+    assert!(text(&out).contains("agent is gone"), "{}", text(&out));
+    // a's copies are killed by the abort, b's by b's guardian: none runs on; the checkpoint is kept.
+    wait_gone(&s.pids());
+    assert_eq!(s.job_checkpoints().len(), 1, "{}", s.logs());
+}
+
 fn coordinator_killed(point: &str) -> Option<(Scene, std::process::Output)> {
     let s = Scene::start(&[])?;
     let fault = format!("{point}=kill");

@@ -28,10 +28,11 @@ pub const POINTS: &[&str] = &[
     // checkpoint, `restore.before-criu` and `restore.after-criu` around its restore).
     "container.runtime-checkpoint",
     "container.runtime-restore",
-    // The cluster flow (docs/cluster.md): an agent once its member is locked / durable, and the
-    // coordinator before and after the commit's transaction.
+    // The cluster flow (docs/cluster.md): an agent once its member is locked / durable / restored
+    // (GPU state back, still locked), and the coordinator before and after the commit's transaction.
     "cluster.member-locked",
     "cluster.member-durable",
+    "cluster.member-restored",
     "cluster.before-commit",
     "cluster.after-commit",
 ];

@@ -8,12 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_checkpoint::checkpoint::CheckpointOptions;
-use gpu_checkpoint::dump::{discover, CriuRpc};
+use gpu_checkpoint::dump::{discover, CriuOptions, CriuRpc};
 use gpu_checkpoint::flows::cluster::{
     run_agent, AgentOptions, Coordinator, JobManifest, MemberWork, Task,
 };
 use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
-use gpu_checkpoint::freeze::{Backend, DeviceMap, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::freeze::{
+    Backend, BeforeUnlock, DeviceMap, FreezeHook, GroupOptions, HookOptions,
+};
 use gpu_checkpoint::interrupt::InterruptGuard;
 use gpu_checkpoint::restore::Target;
 use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
@@ -106,7 +108,7 @@ impl MemberWork for LocalWork {
             .unwrap_or_default()
     }
 
-    fn restore(&self, task: &Task) -> Result<i32, String> {
+    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, String> {
         let id = task
             .checkpoint
             .as_deref()
@@ -126,20 +128,14 @@ impl MemberWork for LocalWork {
             images: ImageTransfer::default_restore(),
             watch: &guardian,
         };
-        flow.restore(&Target::Checkpoint(id.to_string()))
-            .map(|o| o.pid)
-            .map_err(|e| e.to_string())
-    }
-
-    fn kill(&self, pid: i32) {
-        let tree: Vec<i32> = gpu_checkpoint::proc::process_tree(pid)
-            .iter()
-            .map(|p| p.pid)
-            .collect();
-        let left = gpu_checkpoint::proc::kill_tree(&tree, Duration::from_secs(10));
-        if !left.is_empty() {
-            tracing::error!("restored copy {pid}: PIDs {left:?} survived SIGKILL");
-        }
+        // The flow kills the copy itself when the job's restore aborts at `before_unlock`.
+        flow.restore_phased(
+            &Target::Checkpoint(id.to_string()),
+            &CriuOptions::default(),
+            Some(before_unlock),
+        )
+        .map(|o| o.pid)
+        .map_err(|e| e.to_string())
     }
 
     fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {

@@ -247,14 +247,16 @@ impl GpuHook for FreezeHook {
     fn finish_restore(
         &mut self,
         record: Option<&GpuRecord>,
-        _restored: &RestoredTree<'_>,
+        restored: &RestoredTree<'_>,
     ) -> Result<Option<RestoreRecord>, Error> {
         let Some(rec) = record.filter(|r| !r.processes.is_empty()) else {
-            return Ok(None);
+            return restored.restored().map(|()| None);
         };
         let backend = self.restore_backend(rec)?;
         let pairs = self.pairs.clone();
-        let records = self.step(backend)?.finish_restore(rec, &pairs);
+        let records = self
+            .step(backend)?
+            .finish_restore_with(rec, &pairs, &|| restored.restored());
         self.guard = None;
         let records = records?;
         Ok(Some(RestoreRecord {

@@ -379,6 +379,19 @@ pub fn restore_all(
     pairs: &[GpuPair],
     ordered: bool,
 ) -> std::result::Result<Vec<ProcessRecord>, (Error, Vec<ProcessRecord>)> {
+    restore_all_with(driver, pids, pairs, ordered, &|| Ok(()))
+}
+
+/// [`restore_all`], calling `before_unlock` once every process's GPU state is restored and before any
+/// is unlocked (a job restore's barrier); if it says no, nothing is unlocked and the error is
+/// [`Error::Aborted`].
+pub fn restore_all_with(
+    driver: &Arc<dyn GpuDriver>,
+    pids: &[i32],
+    pairs: &[GpuPair],
+    ordered: bool,
+    before_unlock: &(dyn Fn() -> std::result::Result<(), Error> + Sync),
+) -> std::result::Result<Vec<ProcessRecord>, (Error, Vec<ProcessRecord>)> {
     let results = each(pids.to_vec(), ordered, |pid| {
         let mut rec = ProcessRecord::new(pid);
         let r = match GpuProcess::observe(driver, pid) {
@@ -415,6 +428,9 @@ pub fn restore_all(
     }
     if !errors.is_empty() {
         return Err((Error::Many(errors), records));
+    }
+    if let Err(e) = before_unlock() {
+        return Err((e, records));
     }
     let unlocks = each(locked, ordered, |l| {
         let mut rec = ProcessRecord::new(l.pid());
@@ -630,6 +646,29 @@ mod tests {
         let recs = restore_all(&dd2, &pids, &[], false).unwrap();
         assert_eq!(states(&d2, &pids), vec![ProcessState::Running; 2]);
         assert!(recs.iter().all(|r| r.ms(Op::Restore) >= 0.0));
+    }
+
+    #[test]
+    fn restore_all_with_a_barrier_that_says_no_restores_every_process_and_unlocks_none() {
+        let pids = [7, 8];
+        let (d, dd) = driver(&pids);
+        freeze_all(&dd, &pids, &GroupOptions::default())
+            .unwrap()
+            .finish();
+        let seen = std::sync::Mutex::new(Vec::new());
+        let barrier = || {
+            seen.lock().unwrap().push(states(&d, &pids));
+            Err(Error::Aborted("member 3 failed".into()))
+        };
+        let (e, _) = restore_all_with(&dd, &pids, &[], false, &barrier).unwrap_err();
+        assert!(
+            matches!(&e, Error::Aborted(r) if r == "member 3 failed"),
+            "{e}"
+        );
+        // At the barrier every GPU state was back, each process still locked; and so they stay.
+        assert_eq!(*seen.lock().unwrap(), vec![vec![ProcessState::Locked; 2]]);
+        assert_eq!(states(&d, &pids), vec![ProcessState::Locked; 2]);
+        assert!(!d.calls().iter().any(|(_, op)| *op == Op::Unlock));
     }
 
     #[test]

@@ -30,7 +30,8 @@
 //!    models, or a device map). Nothing has been started yet: an error here leaves nothing to undo.
 //! 2. The images are fetched and verified; CRIU restores the tree. Its GPU processes come back running
 //!    but still locked, their GPU state in host memory.
-//! 3. **[`GpuHook::finish_restore`]**: GPU restore + unlock of each restored GPU process. On error the
+//! 3. **[`GpuHook::finish_restore`]**: GPU restore of each restored GPU process, the barrier a job restore
+//!    waits at ([`BeforeUnlock`]), then the unlock of each. On error the
 //!    flow kills the restored tree (a half-restored copy must not run) and keeps the checkpoint intact for
 //!    another try.
 
@@ -100,13 +101,44 @@ impl FreezeContext<'_> {
     }
 }
 
+/// A barrier [`GpuHook::finish_restore`] calls once the GPU state of every GPU process of the restored
+/// tree (root PID given) is back and before any is unlocked: a job restore waits there until every
+/// member of the job is restored, so that no member runs on its GPUs while another may still fail.
+/// `Err(reason)`: abort; nothing is unlocked, the hook fails with [`super::Error::Aborted`] and the flow
+/// kills the restored copy. Called exactly once by a `finish_restore` that gets that far, also when the
+/// tree has no GPU state.
+pub type BeforeUnlock<'a> = dyn Fn(i32) -> Result<(), String> + Sync + 'a;
+
 /// What [`GpuHook::finish_restore`] is given.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct RestoredTree<'a> {
     /// The restored root's PID (CRIU restores every process under its original PID).
     pub root_pid: i32,
     /// Every process of the restored tree, as recorded in the checkpoint.
     pub pids: &'a [i32],
+    /// Where to wait once the tree's GPU state is restored, still locked ([`BeforeUnlock`]); `None`:
+    /// unlock straight away.
+    pub before_unlock: Option<&'a BeforeUnlock<'a>>,
+}
+
+impl std::fmt::Debug for RestoredTree<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoredTree")
+            .field("root_pid", &self.root_pid)
+            .field("pids", &self.pids)
+            .field("before_unlock", &self.before_unlock.is_some())
+            .finish()
+    }
+}
+
+impl RestoredTree<'_> {
+    /// Passes the [`BeforeUnlock`] barrier, if any.
+    pub fn restored(&self) -> Result<(), Error> {
+        match self.before_unlock {
+            Some(barrier) => barrier(self.root_pid).map_err(Error::Aborted),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The GPU step of the flows; see the module documentation for when each method runs and what it must
@@ -143,8 +175,8 @@ pub trait GpuHook {
     /// [`GpuHook::freeze`] returned, `None` for a checkpoint without GPU state).
     fn prepare_restore(&mut self, record: Option<&GpuRecord>) -> Result<(), Error>;
 
-    /// After CRIU restored the tree: GPU restore + unlock of its GPU processes. On error the flow kills the
-    /// restored tree. Returns timings for the report, `None` when there was no GPU state to restore.
+    /// After CRIU restored the tree: GPU restore of its GPU processes, the [`RestoredTree::restored`]
+    /// barrier, then their unlock. On error (the barrier's included) the flow kills the restored tree. Returns timings for the report, `None` when there was no GPU state to restore.
     fn finish_restore(
         &mut self,
         record: Option<&GpuRecord>,
@@ -183,9 +215,9 @@ impl GpuHook for NoGpu {
     fn finish_restore(
         &mut self,
         _record: Option<&GpuRecord>,
-        _restored: &RestoredTree<'_>,
+        restored: &RestoredTree<'_>,
     ) -> Result<Option<RestoreRecord>, Error> {
-        Ok(None)
+        restored.restored().map(|()| None)
     }
 }
 

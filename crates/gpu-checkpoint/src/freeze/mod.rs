@@ -28,7 +28,9 @@ pub use freeze_hook::{has_cuda_context, FreezeHook, HookOptions};
 pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
-pub use hook::{AfterLock, FreezeContext, GpuHook, NoGpu, RestoreRecord, RestoredTree, ThawRecord};
+pub use hook::{
+    AfterLock, BeforeUnlock, FreezeContext, GpuHook, NoGpu, RestoreRecord, RestoredTree, ThawRecord,
+};
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
 pub use step::{match_gpus, GpuMemory, GpuRecord, GpuStep};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
@@ -97,7 +99,8 @@ pub enum Error {
     #[error("the checkpoint holds GPU state but no GPU step is available in this build")]
     NoGpuStepForRestore,
     /// The caller's [`AfterLock`] barrier said no (a job checkpoint aborted by its coordinator): every
-    /// process was unlocked again, nothing was checkpointed.
+    /// process was unlocked again, nothing was checkpointed. Or its [`BeforeUnlock`] barrier said no (a
+    /// job restore aborted): nothing was unlocked, and the flow kills the restored copy.
     #[error("aborted while locked: {0}")]
     Aborted(String),
     /// Several processes failed in one group operation; the first error is the headline.

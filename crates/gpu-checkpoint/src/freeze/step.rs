@@ -266,7 +266,25 @@ impl GpuStep {
         record: &GpuRecord,
         pairs: &[GpuPair],
     ) -> Result<Vec<ProcessRecord>> {
-        group::restore_all(&self.driver, &record.pids(), pairs, record.ordered).map_err(|(e, _)| e)
+        self.finish_restore_with(record, pairs, &|| Ok(()))
+    }
+
+    /// [`GpuStep::finish_restore`], waiting at `before_unlock` once every process's GPU state is
+    /// restored and before any is unlocked (see [`group::restore_all_with`]).
+    pub fn finish_restore_with(
+        &self,
+        record: &GpuRecord,
+        pairs: &[GpuPair],
+        before_unlock: &(dyn Fn() -> Result<()> + Sync),
+    ) -> Result<Vec<ProcessRecord>> {
+        group::restore_all_with(
+            &self.driver,
+            &record.pids(),
+            pairs,
+            record.ordered,
+            before_unlock,
+        )
+        .map_err(|(e, _)| e)
     }
 }
 

@@ -130,7 +130,7 @@ impl GpuHook for RecordingGpu {
         if self.fail_finish {
             return Err(injected());
         }
-        Ok(None)
+        tree.restored().map(|()| None)
     }
 }
 

@@ -16,6 +16,7 @@ use super::lease::LeaseGuard;
 use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
 use super::{AgentRecord, ClusterError, JobManifest};
 use crate::flows::Phases;
+use crate::freeze::BeforeUnlock;
 
 /// What a member's part of an operation does on this node.
 pub trait MemberWork: Sync {
@@ -24,10 +25,11 @@ pub trait MemberWork: Sync {
     fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String>;
     /// The GPUs (UUIDs) the member checkpoint `id` holds state of, for the job manifest.
     fn gpus(&self, id: &str) -> Vec<String>;
-    /// Restores the member checkpoint `task.checkpoint`, GPU state included; returns its root PID.
-    fn restore(&self, task: &Task) -> Result<i32, String>;
-    /// Kills a restored copy (the job's restore aborted).
-    fn kill(&self, pid: i32);
+    /// Restores the member checkpoint `task.checkpoint`, GPU state included, waiting at `before_unlock`
+    /// (given the root PID) once the GPU state is back and before it is unlocked; returns the root PID
+    /// once unlocked. When `before_unlock` says no (the job's restore aborted), or anything fails, the
+    /// restored copy is killed, never unlocked, and the checkpoint kept.
+    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, String>;
     /// Keeps the committed job manifest in this node's store.
     fn keep_manifest(&self, manifest: &JobManifest) -> Result<(), String>;
     /// Deletes member checkpoint `task.checkpoint` and this node's copy of job checkpoint
@@ -318,22 +320,28 @@ impl Member<'_> {
         }
     }
 
+    /// Two phases, as the checkpoint: every member restored with its GPU state back but still locked,
+    /// then the coordinator's commit, then the unlock. An abort at the barrier kills this copy before
+    /// it ever ran on its GPUs.
     fn restore(&self, work: &dyn MemberWork) {
         let started = Instant::now();
-        let pid = match work.restore(&self.task) {
-            Ok(pid) => pid,
-            Err(error) => {
-                tracing::error!("rank {}: {error}", self.task.member.rank);
-                return self.say(MemberState::Failed { error });
+        let before_unlock = |pid: i32| {
+            crate::fault::at("cluster.member-restored");
+            self.say(MemberState::Restored { pid });
+            match self.wait("commit") {
+                Decision::Commit | Decision::Go => Ok(()),
+                Decision::Abort(why) => Err(why),
             }
         };
-        self.say(MemberState::Restored { pid });
-        match self.wait("commit") {
-            Decision::Commit | Decision::Go => self.say(self.done(started)),
-            Decision::Abort(why) => {
-                tracing::warn!("job restore aborted ({why}): killing restored pid {pid}");
-                work.kill(pid);
+        match work.restore(&self.task, &before_unlock) {
+            Ok(_) => self.say(self.done(started)),
+            Err(why) if self.aborted.load(Ordering::SeqCst) => {
+                tracing::warn!("job restore aborted ({why}): the restored copy was killed");
                 self.say(MemberState::Aborted);
+            }
+            Err(error) => {
+                tracing::error!("rank {}: {error}", self.task.member.rank);
+                self.say(MemberState::Failed { error });
             }
         }
     }

@@ -564,8 +564,9 @@ pub fn parse_device_maps(args: &[String]) -> Result<BTreeMap<String, String>, Cl
 }
 
 /// Restores every member of job checkpoint `id`, each on its node or the one `node_map` names, with
-/// the device map `device_maps` gives for that node (if any): all restored (GPU state included) before
-/// the coordinator commits; any failure kills every restored copy and keeps the checkpoint.
+/// the device map `device_maps` gives for that node (if any): all restored (GPU state included, still
+/// GPU-locked) before the coordinator commits, and only then unlocked by their agents; any failure kills
+/// every restored copy, none of which was unlocked, and keeps the checkpoint.
 pub fn restore_job(
     coord: Arc<dyn Coordinator>,
     id: &str,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::records as rec;
 use super::*;
 use crate::flows::Phases;
+use crate::freeze::BeforeUnlock;
 
 /// How a stand-in member behaves.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -20,7 +21,12 @@ enum Fault {
     Dump,
     /// Its dump fails once (the first time), then works.
     DumpOnce,
+    /// Its restore fails after CRIU restored it, at the GPU restore (its copy is killed).
+    GpuRestore,
 }
+
+/// What a stand-in member records when its restored copy is unlocked and runs on its GPUs.
+const UNLOCKED: &str = "GPU unlocked";
 
 /// The local work of every member of one agent: records `(rank, event)` in a log shared by all agents.
 struct StandIn {
@@ -74,9 +80,10 @@ impl MemberWork for StandIn {
     fn gpus(&self, _id: &str) -> Vec<String> {
         vec!["GPU-sim".into()]
     }
-    fn restore(&self, task: &Task) -> Result<i32, String> {
+    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, String> {
         let rank = task.member.rank;
-        if self.faults.get(&rank) == Some(&Fault::Dump) {
+        let fault = self.faults.get(&rank).copied().unwrap_or(Fault::None);
+        if fault == Fault::Dump {
             return Err("CRIU restore failed".into());
         }
         if let Some(map) = &task.device_map {
@@ -86,10 +93,18 @@ impl MemberWork for StandIn {
             rank,
             &format!("restored {}", task.checkpoint.as_deref().unwrap()),
         );
-        Ok(1000 + rank as i32)
-    }
-    fn kill(&self, pid: i32) {
-        self.note((pid - 1000) as u32, "killed");
+        // As the restore flow: a copy that is not unlocked is killed.
+        if fault == Fault::GpuRestore {
+            self.note(rank, "killed");
+            return Err("GPU restore failed".into());
+        }
+        let pid = 1000 + rank as i32;
+        if let Err(e) = before_unlock(pid) {
+            self.note(rank, "killed");
+            return Err(e);
+        }
+        self.note(rank, UNLOCKED);
+        Ok(pid)
     }
     fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
         self.note(u32::MAX, &format!("kept {}", m.id));
@@ -252,6 +267,12 @@ fn every_member_locks_before_any_checkpoints_and_the_commit_records_them_all() {
     assert!(c
         .events_of(2)
         .contains(&format!("restored {}.member-2", m.id)));
+    // Two phases: every member restored (GPU state back, still locked) before any is unlocked.
+    let log = c.log();
+    let last_restored = log.iter().rposition(|(_, e)| e.starts_with("restored "));
+    let first_unlocked = log.iter().position(|(_, e)| e == UNLOCKED);
+    assert!(last_restored.unwrap() < first_unlocked.unwrap(), "{log:?}");
+    assert_eq!(log.iter().filter(|(_, e)| e == UNLOCKED).count(), 4);
     // A device map goes to the node it names (a, where ranks 2 and 3 are restored), and only there.
     assert!(c.events_of(2).contains(&"device map 0=1".to_string()));
     assert!(!c.events_of(0).iter().any(|e| e.starts_with("device map")));
@@ -369,25 +390,54 @@ fn a_dead_coordinator_makes_every_locked_member_unlock() {
     assert_eq!(s.state, MemberState::Aborted);
 }
 
-#[test]
-fn a_failed_member_restore_kills_every_restored_copy_and_keeps_the_checkpoint() {
+/// Checkpoints job `train` of `members` (rank, node), then restores it with agents (on an etcd holding
+/// just the job checkpoint) whose members behave as `faults` say; the restore must fail.
+fn failed_restore(
+    members: &[(u32, &str)],
+    faults: &[(u32, Fault)],
+) -> (Cluster, JobManifest, ClusterError) {
     let c = Cluster::start(&["a", "b"], &[]);
-    c.add("train", 0, "a");
-    c.add("train", 1, "b");
+    for (rank, node) in members {
+        c.add("train", *rank, node);
+    }
     let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
     drop(c);
-    // The same etcd, agents whose rank 1 cannot be restored.
-    let c2 = Cluster::start(&["a", "b"], &[(1, Fault::Dump)]);
+    let c2 = Cluster::start(&["a", "b"], faults);
     c2.coord
         .put(&rec::checkpoint(&m.id), &rec::encode(&m), None)
         .unwrap();
     let none = BTreeMap::new();
     let e = restore_job(c2.arc(), &m.id, &none, &none, &opts("train").timeouts).unwrap_err();
+    (c2, m, e)
+}
+
+#[test]
+fn a_failed_member_restore_kills_every_restored_copy_and_keeps_the_checkpoint() {
+    // Rank 1 cannot be restored at all (CRIU fails).
+    let (c2, m, e) = failed_restore(&[(0, "a"), (1, "b")], &[(1, Fault::Dump)]);
     assert!(e.to_string().contains("CRIU restore failed"), "{e}");
     assert_eq!(
         c2.events_of(0),
         [format!("restored {}.member-0", m.id), "killed".into()]
     );
+    assert!(job::checkpoint(c2.coord.as_ref(), &m.id).is_ok());
+}
+
+#[test]
+fn a_member_whose_gpu_restore_fails_leaves_no_member_unlocked_and_every_copy_killed() {
+    // Rank 1's copy is restored by CRIU, and its GPU restore fails; ranks 0 and 2 are restored.
+    let members = [(0, "a"), (1, "b"), (2, "b")];
+    let (c2, m, e) = failed_restore(&members, &[(1, Fault::GpuRestore)]);
+    assert!(e.to_string().contains("GPU restore failed"), "{e}");
+    for rank in 0..3 {
+        assert_eq!(
+            c2.events_of(rank),
+            [format!("restored {}.member-{rank}", m.id), "killed".into()],
+            "rank {rank}"
+        );
+    }
+    let log = c2.log();
+    assert!(!log.iter().any(|(_, e)| e == UNLOCKED), "{log:?}");
     assert!(job::checkpoint(c2.coord.as_ref(), &m.id).is_ok());
 }
 

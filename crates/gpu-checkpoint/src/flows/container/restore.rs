@@ -175,6 +175,7 @@ impl ContainerFlow<'_> {
             &RestoredTree {
                 root_pid: state.pid,
                 pids: &pids,
+                before_unlock: None,
             },
         )?;
         let gpu_ms = ms(t);

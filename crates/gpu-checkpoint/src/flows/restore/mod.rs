@@ -10,8 +10,9 @@
 //!    the images without the processes' private memory are materialized into a private folder and the
 //!    memory is copied into the processes through userfaultfd while CRIU holds them stopped (`uffd/`);
 //!    or every image is streamed to CRIU through pipes (`stream.rs`); or every image is materialized.
-//! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores + unlocks its GPU
-//!    state, and if that fails the restored tree is killed.
+//! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores its GPU state, waits
+//!    at the job restore's barrier if any ([`Flow::restore_phased`]), then unlocks it; if that fails
+//!    (or the barrier says no) the restored tree is killed.
 //! 6. CRIU's restore log is kept in the store's `logs/` folder; the temporary folder is removed.
 //!
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
@@ -32,7 +33,7 @@ use crate::dump::{CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::fault;
 use crate::flows::guardian::Event;
-use crate::freeze::{RestoreRecord, RestoredTree};
+use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
 use crate::interrupt::InterruptGuard;
 use crate::proc as tree;
 use crate::store::{CheckpointInfo, Store};
@@ -132,7 +133,8 @@ pub struct Timings {
     /// copied (the copy is part of `restore`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<uffd::FillStats>,
-    /// The GPU step (restore + unlock); 0 without GPU state.
+    /// The GPU step (restore + unlock, and a job restore's wait for the other members between them); 0
+    /// without GPU state.
     pub gpu: f64,
     pub total: f64,
 }
@@ -178,6 +180,18 @@ impl Flow<'_> {
         &mut self,
         target: &Target,
         given: &CriuOptions,
+    ) -> crate::Result<RestoreOutcome> {
+        self.restore_phased(target, given, None)
+    }
+
+    /// [`Flow::restore_with`] for a member of a job restore: once the tree's GPU state is restored, and
+    /// before it is unlocked, the flow waits at `before_unlock` ([`BeforeUnlock`]) for the rest of the
+    /// job; if that says no, the restored copy is killed (never unlocked) and the checkpoint kept.
+    pub fn restore_phased(
+        &mut self,
+        target: &Target,
+        given: &CriuOptions,
+        before_unlock: Option<&BeforeUnlock<'_>>,
     ) -> crate::Result<RestoreOutcome> {
         let started = Instant::now();
         // From the moment CRIU starts creating processes, a signal is deferred until the copy is whole
@@ -327,11 +341,12 @@ impl Flow<'_> {
             &RestoredTree {
                 root_pid: pid,
                 pids: &pids,
+                before_unlock,
             },
         ) {
             Ok(v) => v,
             Err(e) => {
-                // A copy whose GPU state did not come back must not run on.
+                // A copy whose GPU state did not come back (or whose job restore aborted) must not run on.
                 kill_restored(pid, &pids);
                 return Err(e.into());
             }
