@@ -397,13 +397,7 @@ fn a_coordinator_killed_before_the_commit_leaves_every_rank_running_and_nothing_
         return;
     };
     // The agents see the operation's lease expire without a commit, and undo.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while s.stored() > 0 || s.pids().iter().any(|&p| status(p)["state"] != "running") {
-        assert!(std::time::Instant::now() < deadline, "{}", s.logs());
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    s.assert_all_running();
-    assert!(s.job_checkpoints().is_empty());
+    wait_all_running_and_nothing_kept(&s);
 }
 
 #[test]

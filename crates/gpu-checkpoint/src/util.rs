@@ -100,14 +100,19 @@ pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
 /// must pass [`check_trusted_dir`]. The name cannot be guessed, and the folder is new (mkdir fails on an
 /// existing name), so nothing planted beforehand is used.
 pub fn create_unique_private_dir(parent: &Path, prefix: &str) -> io::Result<std::path::PathBuf> {
+    private_temp_dir_in(parent, prefix).map(tempfile::TempDir::keep)
+}
+
+/// Like [`create_unique_private_dir`], but the folder (and what is in it) is removed when the returned
+/// value is dropped.
+pub fn private_temp_dir_in(parent: &Path, prefix: &str) -> io::Result<tempfile::TempDir> {
     use std::os::unix::fs::PermissionsExt;
     check_trusted_dir(parent)?;
-    let dir = tempfile::Builder::new()
+    tempfile::Builder::new()
         .prefix(prefix)
         .rand_bytes(12)
         .permissions(fs::Permissions::from_mode(DIR_MODE))
-        .tempdir_in(parent)?;
-    Ok(dir.keep())
+        .tempdir_in(parent)
 }
 
 /// fsyncs a folder so that renames and creations inside it are durable.

@@ -232,18 +232,13 @@ impl ContainerRuntime for OciCli {
         // its end for ever) nor a host file. runc's errors go to its `--log` in the work folder; runsc's
         // sandbox would keep a `--log` open for ever (and the images folder may be ingested), so its
         // stderr goes to a private file of its own.
-        let private = crate::util::create_unique_private_dir(
-            &std::env::temp_dir(),
-            "gpu-checkpoint-restore.",
-        )
-        .map_err(|source| Error::WorkDir {
-            path: std::env::temp_dir(),
-            source,
-        })?;
-        let _remove = RemoveDir(private.clone());
+        let tmp = std::env::temp_dir();
+        // Removed when dropped, at the end of this call.
+        let private = crate::util::private_temp_dir_in(&tmp, "gpu-checkpoint-restore.")
+            .map_err(|source| Error::WorkDir { path: tmp, source })?;
         let log = match self.kind {
             RuntimeKind::Runc => req.images.join("runc-restore.log"),
-            RuntimeKind::Runsc => private.join("runsc-restore.err"),
+            RuntimeKind::Runsc => private.path().join("runsc-restore.err"),
         };
         let log_s = log.display().to_string();
         let mut args = vec!["restore", "--detach"];
@@ -294,15 +289,6 @@ impl ContainerRuntime for OciCli {
         }
         args.push(id);
         self.run(&args).map(drop)
-    }
-}
-
-/// Removes a folder when dropped.
-struct RemoveDir(PathBuf);
-
-impl Drop for RemoveDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
