@@ -15,11 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 . scripts/env.sh
-[ "$(id -u)" = 0 ] || { echo "bench: needs root (runc, CRIU)" >&2; exit 4; }
-cargo build -q --release -p gpu-checkpoint-cli -p gpu-checkpoint-workloads
-BIN=${CARGO_TARGET_DIR:-target}/release
-GC=$BIN/gpu-checkpoint
-CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
+# shellcheck source=scripts/lib/bench.sh
+. scripts/lib/bench.sh
+bench_build "runc, CRIU"
 ROUNDS=${ROUNDS:-3}
 SIZES=("$@")
 [ ${#SIZES[@]} -gt 0 ] || SIZES=(1024)
@@ -46,11 +44,6 @@ for lib in $(ldd "$BIN/workload" | grep -o '/[^ ]*'); do
     mkdir -p "$B/rootfs$(dirname "$lib")" && cp "$lib" "$B/rootfs$lib"
 done
 
-now() { echo "$EPOCHREALTIME"; }
-ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", (b - a) * 1000 }'; }
-settle() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }'; }
 gone() { "${RUNC[@]}" delete -f "$1" >/dev/null; }
 
 ours() {

@@ -25,11 +25,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 . scripts/env.sh
-[ "$(id -u)" = 0 ] || { echo "bench: needs root (CRIU)" >&2; exit 4; }
-cargo build -q --release -p gpu-checkpoint-cli -p gpu-checkpoint-workloads
-BIN=${CARGO_TARGET_DIR:-target}/release
-GC=$BIN/gpu-checkpoint
-CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
+# shellcheck source=scripts/lib/bench.sh
+. scripts/lib/bench.sh
+bench_build "CRIU"
 ROUNDS=${ROUNDS:-3}
 SIZES=("$@")
 [ ${#SIZES[@]} -gt 0 ] || SIZES=(1024 4096)
@@ -41,8 +39,6 @@ DIR=$(cd "$DIR" && pwd)
 PID=
 trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
 
-# shellcheck source=scripts/lib/bench.sh
-. scripts/lib/bench.sh
 
 # Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.
 ours() {

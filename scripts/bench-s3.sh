@@ -16,12 +16,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 . scripts/env.sh
-[ "$(id -u)" = 0 ] || { echo "bench: needs root (CRIU)" >&2; exit 4; }
+# shellcheck source=scripts/lib/bench.sh
+. scripts/lib/bench.sh
+bench_build "CRIU"
 scripts/install-awscli.sh >/dev/null
-cargo build -q --release -p gpu-checkpoint-cli -p gpu-checkpoint-workloads
-BIN=${CARGO_TARGET_DIR:-target}/release
-GC=$BIN/gpu-checkpoint
-CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
 S3S=${GPU_CHECKPOINT_S3S_FS:-${GPU_CHECKPOINT_CACHE:-/var/cache/gpu-checkpoint}/s3s-fs-0.14.1/bin/s3s-fs}
 [ -x "$S3S" ] || { echo "bench: s3s-fs missing: run scripts/install-s3s.sh" >&2; exit 5; }
 ROUNDS=${ROUNDS:-3}
@@ -44,8 +42,6 @@ trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; kill "$SERVER" 2>/dev/null; r
 until (: <"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do sleep 0.05; done
 AWS=(aws --endpoint-url "$AWS_ENDPOINT_URL" --only-show-errors)
 
-# shellcheck source=scripts/lib/bench.sh
-. scripts/lib/bench.sh
 field() { grep -o "\"$1\": *[^,}]*" | head -1 | sed 's/.*: *//; s/"//g'; }
 
 # Ours into $1 (a fresh prefix or folder: no dedup against earlier rounds); appends to ${2}_CK / ${2}_RS.

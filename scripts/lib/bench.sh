@@ -1,5 +1,16 @@
 # shellcheck shell=bash
-# Sourced by the benchmark scripts: timing, settling the caches between timed steps, medians and ratios.
+# Sourced by the benchmark scripts: their common start, timing, settling the caches between timed steps,
+# medians and ratios.
+
+# Root (for $1), a release build of the tool and the workloads, and what every benchmark runs: $BIN, $GC,
+# $CRIU (scripts/env.sh must have been sourced).
+bench_build() {
+    [ "$(id -u)" = 0 ] || { echo "bench: needs root ($1)" >&2; exit 4; }
+    cargo build -q --release -p gpu-checkpoint-cli -p gpu-checkpoint-workloads
+    BIN=${CARGO_TARGET_DIR:-target}/release
+    GC=$BIN/gpu-checkpoint
+    CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
+}
 
 now() { echo "$EPOCHREALTIME"; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f", (b - a) * 1000 }'; }
