@@ -52,30 +52,10 @@ APTDIR="$PREFIX.apt"
 debian_apt_init "$APTDIR" "deb $SUITES"
 mkdir -p "$APTDIR/debs"
 
-# --- Dependencies: criu, libcompel1 and the libraries they need, recursively. --------------------------------
-# Only library packages are followed: criu's non-library dependencies (none today) and the libraries' own
-# non-library ones (gcc-14-base...) carry no code the binary loads.
-declare -A SEEN=()
-QUEUE=("${ROOTS[@]}")
-PKGS=()
-while [ ${#QUEUE[@]} -gt 0 ]; do
-    p=${QUEUE[0]}
-    QUEUE=("${QUEUE[@]:1}")
-    [ -n "${SEEN[$p]:-}" ] && continue
-    SEEN[$p]=1
-    PKGS+=("$p")
-    # In a group of alternatives ("|Depends: a" then "Depends: b") take the first one only.
-    deps=$(apt-cache "${APT_OPTS[@]}" depends --no-recommends --no-suggests --no-conflicts --no-breaks \
-        --no-replaces --no-enhances "$p" | awk '
-            /^ *\|?(Pre)?Depends:/ {
-                alt = ($1 ~ /^\|/); name = $2
-                if (!skip && name !~ /^</) print name
-                skip = alt
-            }') || die "apt-cache depends $p failed"
-    for d in $deps; do
-        case $d in lib*) [ -z "${SEEN[$d]:-}" ] && QUEUE+=("$d") ;; esac
-    done
-done
+# --- Dependencies: criu, libcompel1 and the libraries they need, recursively (criu's non-library
+# dependencies, none today, carry no code the binary loads). ------------------------------------------------
+CLOSURE=$(debian_apt_lib_closure "${ROOTS[@]}") || die "resolving the dependencies of ${ROOTS[*]} failed"
+mapfile -t PKGS <<<"$CLOSURE"
 log "packages: ${PKGS[*]}"
 
 # --- Download and unpack into a fresh folder, then swap it in, so an interrupted run leaves no half prefix. --

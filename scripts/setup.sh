@@ -47,6 +47,15 @@ if ! bash scripts/install-containers.sh; then
     fi
     echo "setup: the container tests will be skipped" >&2
 fi
+# checkpointctl (from Debian trixie, into .deps/checkpointctl), which tests/containers_checkpointctl.rs
+# reads our podman/CRI-O checkpoint archives with; the same rule.
+if ! bash scripts/install-checkpointctl.sh >/dev/null; then
+    if [ "${CI:-}" = true ]; then
+        echo "setup: installing checkpointctl failed" >&2
+        exit 1
+    fi
+    echo "setup: installing checkpointctl failed; the checkpointctl test will be skipped" >&2
+fi
 # etcd and protoc for the cluster flow (the etcd-client crate's build needs protoc; the cluster tests start
 # etcd on loopback). Needed to build the default features, so a failure stops the setup everywhere.
 bash scripts/install-etcd.sh >/dev/null

@@ -110,3 +110,30 @@ debian_apt_init() {
     log "indexes of: $* (from $MIRROR)"
     apt-get "${APT_OPTS[@]}" -qq update >&2 || die "apt-get update failed (mirror $MIRROR; sources: $aptdir/sources.list)"
 }
+
+# debian_apt_lib_closure PACKAGE...: prints the packages and, recursively, the library packages (lib*)
+# they depend on, one a line, from the private apt's indexes (after debian_apt_init). Only library
+# packages are followed: the others (gcc-14-base...) carry no code a binary loads. In a group of
+# alternatives only the first one is taken.
+debian_apt_lib_closure() {
+    local -A seen=()
+    local queue=("$@") p deps d
+    while [ ${#queue[@]} -gt 0 ]; do
+        p=${queue[0]}
+        queue=("${queue[@]:1}")
+        [ -n "${seen[$p]:-}" ] && continue
+        seen[$p]=1
+        echo "$p"
+        deps=$(apt-cache "${APT_OPTS[@]}" depends --no-recommends --no-suggests --no-conflicts --no-breaks \
+            --no-replaces --no-enhances "$p" | awk '
+                /^ *\|?(Pre)?Depends:/ {
+                    alt = ($1 ~ /^\|/); name = $2
+                    if (!skip && name !~ /^</) print name
+                    skip = alt
+                }') || die "apt-cache depends $p failed"
+        for d in $deps; do
+            case $d in lib*) [ -z "${seen[$d]:-}" ] && queue+=("$d") ;; esac
+        done
+    done
+    return 0
+}
