@@ -79,15 +79,21 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
     assert_eq!(config["id"], id.as_str());
     assert_eq!(config["runtime"], "runc");
     assert_eq!(
-        files["spec.dump"],
-        std::fs::read(bundle.dir.join("config.json")).unwrap(),
-        "spec.dump is the bundle's config.json"
+        config["name"],
+        id.as_str(),
+        "a runc container's name is its id"
     );
+    // spec.dump is the bundle's config.json, with the engine annotation checkpointctl reads added.
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.dir.join("config.json")).unwrap()).unwrap();
+    spec["annotations"]["io.container.manager"] = "libpod".into();
+    let dumped: serde_json::Value = serde_json::from_slice(&files["spec.dump"]).unwrap();
+    assert_eq!(dumped, spec, "spec.dump is the bundle's config.json");
     let images = stored(&store, &ck_id, &dir.path().join("mat1"));
     assert!(images.contains_key("inventory.img") && images.contains_key("descriptors.json"));
     assert!(images.keys().any(|k| k.starts_with("pages-")));
     for (name, data) in &images {
-        let in_archive = if name == "dump.log" {
+        let in_archive = if name == "dump.log" || name == "stats-dump" {
             name.clone()
         } else {
             format!("checkpoint/{name}")

@@ -11,6 +11,8 @@ use std::sync::OnceLock;
 
 use gpu_checkpoint::flows::container::unmount_under;
 
+pub mod podman;
+
 #[path = "../sim_support/mod.rs"]
 pub mod sim_support;
 pub use sim_support::*;

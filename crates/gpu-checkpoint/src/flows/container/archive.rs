@@ -34,8 +34,13 @@ pub const CONFIG_DUMP: &str = "config.dump";
 pub const SPEC_DUMP: &str = "spec.dump";
 /// Where the store keeps an imported archive's files other than the images.
 const OCI_DIR: &str = "oci";
-/// CRIU's log of the dump: the archive's top level (podman keeps it in the bundle, next to the others).
-const DUMP_LOG: &str = "dump.log";
+/// CRIU's log and statistics of the dump: the archive's top level (podman keeps them in the bundle, next
+/// to the others; `checkpointctl inspect` reads `stats-dump` there).
+const TOP_LEVEL: [&str; 2] = ["dump.log", "stats-dump"];
+/// The spec annotation naming the engine whose archive this is; checkpointctl reads the container's
+/// name and creation time from `config.dump` only when it is `libpod` (otherwise it looks for
+/// Kubernetes annotations a runc bundle does not have, and calls the engine containerd).
+const MANAGER_ANNOTATION: &str = "io.container.manager";
 
 /// What `export` wrote.
 #[derive(Debug, Clone, Serialize)]
@@ -118,7 +123,7 @@ fn files_under(root: &Path) -> Result<Vec<String>, crate::Error> {
 fn archive_name(stored: &str) -> String {
     match stored.strip_prefix("oci/") {
         Some(rest) => rest.to_string(),
-        None if stored == DUMP_LOG => stored.to_string(),
+        None if TOP_LEVEL.contains(&stored) => stored.to_string(),
         None => format!("{CHECKPOINT_DIR}/{stored}"),
     }
 }
@@ -129,6 +134,27 @@ fn stored_name(entry: &str) -> String {
         Some(image) if !image.contains('/') => image.to_string(),
         _ => format!("{OCI_DIR}/{entry}"),
     }
+}
+
+/// `spec.dump` from the bundle's `config.json`: the same spec, with the engine annotation of the
+/// archive's format (libpod's) added when the bundle names none.
+fn spec_dump(path: &Path, config_json: Vec<u8>) -> Result<Vec<u8>, crate::Error> {
+    let mut spec: serde_json::Value = serde_json::from_slice(&config_json)
+        .map_err(|e| bad(path, format!("the bundle's config.json is not JSON: {e}")))?;
+    let Some(obj) = spec.as_object_mut() else {
+        return Err(bad(path, "the bundle's config.json is not a JSON object"));
+    };
+    let annotations = obj
+        .entry("annotations")
+        .or_insert_with(|| serde_json::json!({}));
+    match annotations.as_object_mut() {
+        Some(a) if a.contains_key(MANAGER_ANNOTATION) => return Ok(config_json),
+        Some(a) => {
+            a.insert(MANAGER_ANNOTATION.into(), "libpod".into());
+        }
+        None => return Err(bad(path, "the bundle's annotations are not a JSON object")),
+    }
+    Ok(serde_json::to_vec_pretty(&spec).expect("a JSON value"))
 }
 
 fn append(
@@ -157,7 +183,7 @@ pub fn export_oci(
     dest: &Path,
     progress: &dyn Progress,
 ) -> crate::Result<ExportOutcome> {
-    let (info, manifest, record) = super::restore::load(store, checkpoint)?;
+    let (info, _, record) = super::restore::load(store, checkpoint)?;
     let work = WorkDir::create(store, &info.id)?;
     store.materialize(&info.id, work.path(), progress)?;
     let stored = files_under(work.path())?;
@@ -165,9 +191,10 @@ pub fn export_oci(
     // The metadata an engine reads, from the archive this was imported from or made from the manifest.
     let mut extra: Vec<(String, Vec<u8>)> = Vec::new();
     if !stored.iter().any(|f| f == "oci/config.dump") {
+        // A runc container has no name but its id (the checkpoint's --name names the checkpoint).
         let config = ConfigDump {
             id: record.id.clone(),
-            name: manifest.name.clone().unwrap_or_else(|| record.id.clone()),
+            name: record.id.clone(),
             oci_runtime: record.runtime.clone(),
             created_time: info.created.clone(),
             checkpointed_time: info.created.clone(),
@@ -183,7 +210,7 @@ pub fn export_oci(
                 format!("spec.dump is made from the container's bundle, whose config.json cannot be read: {e}"),
             )
         })?;
-        extra.push((SPEC_DUMP.into(), json));
+        extra.push((SPEC_DUMP.into(), spec_dump(&spec, json)?));
     }
 
     let parent = match dest.parent() {
@@ -429,16 +456,37 @@ mod tests {
             ("pages-1.img", "checkpoint/pages-1.img"),
             ("descriptors.json", "checkpoint/descriptors.json"),
             ("dump.log", "dump.log"),
+            ("stats-dump", "stats-dump"),
             ("oci/config.dump", "config.dump"),
             ("oci/rootfs-diff.tar", "rootfs-diff.tar"),
             ("oci/artifacts/x", "artifacts/x"),
             ("oci/checkpoint/sub/y", "checkpoint/sub/y"),
         ] {
             assert_eq!(archive_name(stored), archived, "{stored}");
-            if stored != "dump.log" {
+            if !TOP_LEVEL.contains(&stored) {
                 assert_eq!(stored_name(archived), stored, "{archived}");
             }
         }
+    }
+
+    #[test]
+    fn spec_dump_names_the_engine_unless_the_bundle_does() {
+        let p = Path::new("config.json");
+        let plain = spec_dump(
+            p,
+            br#"{"ociVersion": "1.0.2", "root": {"path": "rootfs"}}"#.to_vec(),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&plain.unwrap()).unwrap();
+        assert_eq!(v["annotations"]["io.container.manager"], "libpod");
+        assert_eq!(v["root"]["path"], "rootfs");
+        let cri = br#"{"annotations": {"io.container.manager": "cri-o", "a": "b"}}"#.to_vec();
+        assert_eq!(
+            spec_dump(p, cri.clone()).unwrap(),
+            cri,
+            "kept byte for byte"
+        );
+        assert!(spec_dump(p, b"[1]".to_vec()).is_err());
+        assert!(spec_dump(p, br#"{"annotations": 1}"#.to_vec()).is_err());
     }
 
     #[test]

@@ -1,0 +1,156 @@
+//! podman for the container tests: private storage and state, runc as its runtime, our CRIU found on
+//! PATH, and every container and image it made removed on drop.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::{containers_ready, text, Bundle};
+
+pub fn podman_ready() -> bool {
+    if !containers_ready() {
+        return false;
+    }
+    let ok = Command::new("podman")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok && std::env::var("CI").as_deref() == Ok("true") {
+        panic!("podman tests cannot run in CI: podman is not installed (scripts/install-containers.sh installs it)");
+    }
+    if !ok {
+        eprintln!("SKIPPED: podman is not installed; run scripts/setup.sh as root");
+    }
+    ok
+}
+
+/// podman with private storage and state, runc as its runtime, our CRIU found on PATH (podman asks for
+/// `criu` by name; a wrapper script, since a link is not accepted as CRIU by podman's version check).
+pub struct Podman {
+    dir: PathBuf,
+    path: String,
+}
+
+impl Podman {
+    pub fn new(dir: &Path) -> Podman {
+        let bin = dir.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let criu = gpu_checkpoint::dump::discover(None).unwrap().path;
+        let wrapper = bin.join("criu");
+        std::fs::write(
+            &wrapper,
+            format!("#!/bin/sh\nexec '{}' \"$@\"\n", criu.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            &wrapper,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let path = format!(
+            "{}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        Podman {
+            dir: dir.to_path_buf(),
+            path,
+        }
+    }
+
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new("podman");
+        c.arg("--root")
+            .arg(self.dir.join("storage"))
+            .arg("--runroot")
+            .arg(self.dir.join("run"))
+            .args([
+                "--runtime",
+                "runc",
+                "--cgroup-manager",
+                "cgroupfs",
+                "--events-backend",
+                "file",
+            ])
+            .env("PATH", &self.path)
+            .stdin(std::process::Stdio::null());
+        c
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.cmd().args(args).output().unwrap();
+        assert!(o.status.success(), "podman {args:?}: {}", text(&o));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    /// The counter the container's shell keeps in memory and writes out.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.ok(&["exec", name, "busybox", "cat", "/tmp/c"])
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.cmd().args(["rm", "--all", "--force"]).output();
+        let _ = self.cmd().args(["rmi", "--all", "--force"]).output();
+        // podman's storage keeps its overlay folder mounted (private) on itself: the temporary folder
+        // goes only once that is gone.
+        gpu_checkpoint::flows::container::unmount_under(&self.dir);
+    }
+}
+
+impl Podman {
+    /// A local image `name` made from `bundle`'s root file system (`podman import`: no registry is
+    /// reached).
+    pub fn import_rootfs(&self, bundle: &Bundle, name: &str) {
+        let layer = self.dir.join("rootfs.tar");
+        let st = Command::new("tar")
+            .arg("-C")
+            .arg(bundle.rootfs())
+            .arg("-cf")
+            .arg(&layer)
+            .arg(".")
+            .status()
+            .unwrap();
+        assert!(st.success(), "tar of the rootfs");
+        self.ok(&["import", &layer.display().to_string(), name]);
+    }
+
+    /// `podman run --detach` of `image` running the shell `script`, without a network and with the
+    /// limits podman's runc path needs here; waits until its counter (`/tmp/c`) reaches `at_least`.
+    pub fn run_counter(&self, name: &str, image: &str, script: &str, at_least: u64) {
+        self.ok(&[
+            "run",
+            "--detach",
+            "--name",
+            name,
+            "--network",
+            "none",
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=4096:4096",
+            image,
+            "sh",
+            "-c",
+            script,
+        ]);
+        super::wait_for("the counter", &|| {
+            self.cmd()
+                .args(["exec", name, "busybox", "cat", "/tmp/c"])
+                .output()
+                .ok()
+                .and_then(|o| {
+                    String::from_utf8_lossy(&o.stdout)
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+                .is_some_and(|c| c >= at_least)
+        });
+    }
+}
+
+/// A shell loop that counts in memory and writes the count to `/tmp/c` ten times a second.
+pub const COUNTER: &str = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done";
