@@ -87,3 +87,92 @@ fn a_podman_checkpoint_goes_through_the_store_and_podman_restores_it() {
         podman.counter(&name) > restored_at
     });
 }
+
+/// `gpu-checkpoint ARGS...` with `fault` injected (`GPU_CHECKPOINT_FAULT`).
+fn gc_with_fault(args: &[&str], fault: &str) -> std::process::Output {
+    std::process::Command::new(gpu_checkpoint())
+        .args(args)
+        .env("GPU_CHECKPOINT_FAULT", fault)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
+    if !podman_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let podman = Podman::new(dir.path());
+    let image_bundle = Bundle::new(&dir.path().join("image"), &["true"], &[]);
+    let image = "localhost/gpu-checkpoint-diff:1";
+    podman.import_rootfs(&image_bundle, image);
+    let name = format!("gc-{}-diff", std::process::id());
+    // The container adds a file and a folder and removes one of the image's files. (It does not change
+    // one: podman 4.3.1 leaves changed files out of its rootfs-diff.tar.)
+    let script =
+        format!("echo added > /new.txt; mkdir /data; echo x > /data/f; rm /bin/nc; {COUNTER}");
+    podman.run_counter(&name, image, &script, 20);
+    let theirs = dir.path().join("podman.tar.zst");
+    let t = theirs.display().to_string();
+    podman.ok(&["container", "checkpoint", "--export", &t, &name]);
+    let files = archive_entries(&theirs);
+    assert!(files.contains_key("rootfs-diff.tar"), "{:?}", files.keys());
+    let deleted: Vec<String> = serde_json::from_slice(&files["deleted.files"]).unwrap();
+    assert_eq!(deleted, ["/bin/nc"]);
+    let store = dir.path().join("store");
+    let s = store.display().to_string();
+    let o = gc_run(&["import", &t, "--storage", &s, "--format", "json"]);
+    assert!(o.status.success(), "import: {}", text(&o));
+    let imp: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ck = imp["id"].as_str().unwrap().to_string();
+
+    // runc restores it into a bundle of the image's files, with the container's own spec (its mounts are
+    // podman's, which stay until the podman container is removed).
+    let bundle = Bundle::new(&dir.path().join("restore"), &["true"], &[]);
+    // The image's root folder is read-only (0555) in podman's storage; CRIU checks the mode.
+    let rootfs = bundle.rootfs();
+    std::fs::set_permissions(&rootfs, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
+    let mut spec: serde_json::Value = serde_json::from_slice(&files["spec.dump"]).unwrap();
+    spec["root"]["path"] = bundle.rootfs().display().to_string().into();
+    spec["root"]["readonly"] = false.into();
+    std::fs::write(
+        bundle.dir.join("config.json"),
+        serde_json::to_vec(&spec).unwrap(),
+    )
+    .unwrap();
+    let runc = Runc::new(dir.path());
+    let id = format!("gc-{}-diffr", std::process::id());
+    let b = bundle.dir.display().to_string();
+    let mut args = vec!["restore", &ck, "--container", &id, "--bundle", &b];
+    let sargs = store_args(&store, &runc);
+    args.extend(sargs.iter().map(String::as_str));
+    let untouched = || {
+        assert!(!rootfs.join("new.txt").exists() && !rootfs.join("data").exists());
+        assert!(rootfs.join("bin/nc").symlink_metadata().is_ok());
+    };
+    // A restore that fails half-way through the changes, or in the runtime, leaves the rootfs as it was.
+    for fault in [
+        "container.rootfs-apply=eio",
+        "container.runtime-restore=eio",
+    ] {
+        let o = gc_with_fault(&args, fault);
+        assert!(!o.status.success(), "{fault}: {}", text(&o));
+        untouched();
+        assert_eq!(runc.state(&id), None, "{fault}");
+    }
+
+    let o = gc_run(&args);
+    assert!(o.status.success(), "restore: {}", text(&o));
+    assert_eq!(runc.state(&id).map(|s| s.0).as_deref(), Some("running"));
+    assert_eq!(runc.exec(&id, &["cat", "/new.txt"]), "added\n");
+    assert_eq!(runc.exec(&id, &["cat", "/data/f"]), "x\n");
+    assert!(
+        rootfs.join("bin/nc").symlink_metadata().is_err(),
+        "deleted.files applied"
+    );
+    let counter = || -> u64 { runc.exec(&id, &["cat", "/tmp/c"]).trim().parse().unwrap() };
+    let at = counter();
+    assert!(at >= 20, "the shell's memory came back: {at}");
+    wait_for("the restored counter", &|| counter() > at);
+}

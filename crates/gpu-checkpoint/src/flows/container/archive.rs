@@ -89,7 +89,8 @@ fn bad(path: &Path, reason: impl Into<String>) -> crate::Error {
     .into()
 }
 
-fn io(path: &Path) -> impl Fn(std::io::Error) -> crate::Error + '_ {
+/// An I/O failure on `path`, as the container flow's work-folder error.
+pub(super) fn io(path: &Path) -> impl Fn(std::io::Error) -> crate::Error + '_ {
     move |source| {
         Error::WorkDir {
             path: path.to_path_buf(),

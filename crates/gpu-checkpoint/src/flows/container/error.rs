@@ -54,6 +54,8 @@ pub enum Error {
     Archive { path: PathBuf, reason: String },
     #[error("no bundle recorded for checkpoint {id} (imported from an archive): restore it with --bundle DIR")]
     NoBundle { id: String },
+    #[error("the checkpoint's root file system changes for {}: {reason}; nothing was changed or restored", rootfs.display())]
+    RootfsChanges { rootfs: PathBuf, reason: String },
     #[error("a work folder for the runtime: {} ({source})", path.display())]
     WorkDir {
         path: PathBuf,
@@ -71,7 +73,8 @@ impl Classify for Error {
             Error::NotAContainerCheckpoint { .. }
             | Error::WrongRuntime { .. }
             | Error::Archive { .. }
-            | Error::NoBundle { .. } => ExitStatus::Usage,
+            | Error::NoBundle { .. }
+            | Error::RootfsChanges { .. } => ExitStatus::Usage,
             Error::Runtime { .. }
             | Error::Spawn { .. }
             | Error::Protocol { .. }

@@ -5,6 +5,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::members::{self, pid_map};
+// Declared here, its only user, rather than in `mod.rs`.
+#[path = "rootfs.rs"]
+mod rootfs;
 use super::{injected, ContainerFlow, Error, WorkDir};
 use crate::fault;
 use crate::flows::{ms, CheckpointManifest, ContainerRecord};
@@ -148,6 +151,9 @@ impl ContainerFlow<'_> {
         }
 
         let t = Instant::now();
+        // An imported archive's root file system changes, applied before the runtime restores; put back
+        // (this guard is dropped after `discard`'s) if the restore fails.
+        let rootfs_changes = rootfs::apply(work.path(), &bundle, work.path())?;
         let mut discard = Discard {
             runtime: self.runtime,
             id: id.to_string(),
@@ -180,6 +186,9 @@ impl ContainerFlow<'_> {
         )?;
         let gpu_ms = ms(t);
         discard.armed = false;
+        if let Some(applied) = rootfs_changes {
+            applied.keep();
+        }
         Ok(ContainerRestoreOutcome {
             checkpoint: info.id,
             id: id.to_string(),
