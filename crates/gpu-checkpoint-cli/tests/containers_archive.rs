@@ -53,11 +53,7 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
         gpu_checkpoint_workloads::field_u64(recs.first()?, "verified")
     };
     wait_for("the workload", &|| verified().is_some_and(|v| v > 0));
-    let mut args = vec!["checkpoint", "--container", &id, "--format", "json"];
-    let sargs = store_args(&store, &runc);
-    args.extend(sargs.iter().map(String::as_str));
-    let ck = json(&gc_run(&args), "checkpoint");
-    let ck_id = ck["id"].as_str().unwrap().to_string();
+    let ck_id = checkpoint_container(&store, &runc, &id);
     let st = store.display().to_string();
 
     // Export: podman's layout, the images byte for byte.

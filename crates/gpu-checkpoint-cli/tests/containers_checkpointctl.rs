@@ -119,14 +119,9 @@ fn checkpointctl_reads_the_archives_we_export() {
         gpu_checkpoint_workloads::read_state(&mem).is_ok_and(|r| !r.is_empty())
     });
     let store = dir.path().join("store");
-    let mut args = vec!["checkpoint", "--container", &id, "--format", "json"];
-    let sargs = store_args(&store, &runc);
-    args.extend(sargs.iter().map(String::as_str));
-    let o = gc_run(&args);
-    assert!(o.status.success(), "checkpoint: {}", text(&o));
-    let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ck = checkpoint_container(&store, &runc, &id);
     let ours = dir.path().join("runc.tar");
-    export(&store, ck["id"].as_str().unwrap(), &ours);
+    export(&store, &ck, &ours);
     let show = ctl(&bin, &["show"], &ours);
     // The table's row: container (the id: a runc container's name), no image, id, runtime, a creation
     // time, the engine of the archive's format, and the size of our CRIU images.

@@ -176,3 +176,77 @@ fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
     assert!(at >= 20, "the shell's memory came back: {at}");
     wait_for("the restored counter", &|| counter() > at);
 }
+
+#[test]
+fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
+    if !podman_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let podman = Podman::new(dir.path());
+    // A runc container whose bundle is also a podman image. podman's image root folder is 0555 and
+    // CRIU checks the root's mode on restore: the bundle's is made the same.
+    let bundle = Bundle::new(&dir.path().join("bundle"), &[COUNTER], &[]);
+    let rootfs = bundle.rootfs();
+    std::fs::set_permissions(&rootfs, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
+    let image = "localhost/gpu-checkpoint-ours:1";
+    podman.import_rootfs(&bundle, image);
+    let image_id = podman.ok(&["image", "inspect", "--format", "{{.Id}}", image]);
+    let runc = Runc::new(dir.path());
+    let id = format!("gc-{}-ours", std::process::id());
+    runc.run(&id, &bundle);
+    let count = |c: std::io::Result<String>| c.ok().and_then(|c| c.trim().parse::<u64>().ok());
+    wait_for("the counter", &|| {
+        count(std::fs::read_to_string(rootfs.join("tmp/c"))).is_some_and(|c| c >= 20)
+    });
+    let store = dir.path().join("store");
+    let ck = checkpoint_container(&store, &runc, &id);
+    let ck = ck.as_str();
+    let at = count(std::fs::read_to_string(rootfs.join("tmp/c"))).unwrap();
+    let s = store.display().to_string();
+    let export = |to: &str, extra: &[&str]| {
+        let mut a = vec!["export", ck, "-o", to, "--storage", &s];
+        a.extend_from_slice(extra);
+        gc_run(&a)
+    };
+
+    // Without the image podman cannot restore it: it looks the empty image name up.
+    let plain = dir.path().join("plain.tar").display().to_string();
+    assert!(export(&plain, &[]).status.success());
+    let o = podman
+        .cmd()
+        .args(["container", "restore", "--import", &plain])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("repository name must have at least one component"),
+        "{}",
+        text(&o)
+    );
+    // A wrong id is refused by export (exit 2).
+    let bad = dir.path().join("bad.tar").display().to_string();
+    let o = export(&bad, &["--podman-image", image, "--podman-image-id", "abc"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+
+    let ours = dir.path().join("ours.tar").display().to_string();
+    let o = export(
+        &ours,
+        &["--podman-image", image, "--podman-image-id", &image_id],
+    );
+    assert!(o.status.success(), "export: {}", text(&o));
+    podman.ok(&["container", "restore", "--import", &ours]);
+    let state = podman.ok(&["inspect", "--format", "{{.State.Status}}", &id]);
+    assert_eq!(state, "running");
+    assert_eq!(
+        podman.ok(&["inspect", "--format", "{{.ImageName}}", &id]),
+        image
+    );
+    // The shell's counter goes on from where it was when checkpointed, under podman.
+    let restored_at = podman.counter(&id);
+    assert!(restored_at >= at, "counter restarted: {restored_at} < {at}");
+    wait_for("the restored counter", &|| {
+        podman.counter(&id) > restored_at
+    });
+    podman.ok(&["stop", "--time", "1", &id]);
+}

@@ -35,6 +35,14 @@ pub struct ExportArgs {
     /// The S3 endpoint, as for the other store commands.
     #[arg(long, value_name = "URL")]
     pub s3_endpoint: Option<String>,
+    /// For `podman container restore --import` of a checkpoint taken by `checkpoint --container`: the
+    /// name of an image in podman's storage whose root file system is the container's (`podman import`
+    /// of the bundle's rootfs). With --podman-image-id.
+    #[arg(long, value_name = "NAME", requires = "podman_image_id")]
+    pub podman_image: Option<String>,
+    /// That image's id (64 hexadecimal digits: `podman image inspect --format '{{.Id}}' NAME`).
+    #[arg(long, value_name = "ID", requires = "podman_image")]
+    pub podman_image_id: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -56,7 +64,17 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         format: Format::Text,
     }
     .open()?;
-    let out = archive::export_oci(&store, &args.checkpoint, &args.output, &Bar::new(true))?;
+    let podman = args
+        .podman_image
+        .zip(args.podman_image_id)
+        .map(|(name, id)| archive::PodmanImage { name, id });
+    let out = archive::export_oci(
+        &store,
+        &args.checkpoint,
+        &args.output,
+        podman.as_ref(),
+        &Bar::new(true),
+    )?;
     println!(
         "exported {} to {} ({}, {} files)",
         out.checkpoint,

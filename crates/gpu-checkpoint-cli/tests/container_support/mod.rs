@@ -321,3 +321,14 @@ pub fn wait_for(what: &str, ok: &dyn Fn() -> bool) {
 pub fn gc_run(args: &[&str]) -> std::process::Output {
     Command::new(gpu_checkpoint()).args(args).output().unwrap()
 }
+
+/// `gpu-checkpoint checkpoint --container ID` into `store` (the container stops) -> the checkpoint's id.
+pub fn checkpoint_container(store: &Path, runc: &Runc, id: &str) -> String {
+    let mut args = vec!["checkpoint", "--container", id, "--format", "json"];
+    let sargs = store_args(store, runc);
+    args.extend(sargs.iter().map(String::as_str));
+    let o = gc_run(&args);
+    assert!(o.status.success(), "checkpoint: {}", text(&o));
+    let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    ck["id"].as_str().unwrap().to_string()
+}

@@ -12,7 +12,9 @@
 //! other file of an imported archive is kept under `oci/` with its path in the archive, so that an export
 //! of an import gives the same files back (byte for byte) and a restore's runtime, which reads only its
 //! own image names, never sees them. A checkpoint taken by `checkpoint --container` has no `oci/`: its
-//! export writes a `config.dump` from its manifest and the bundle's `config.json` as `spec.dump`.
+//! export writes a `config.dump` from its manifest (with the podman image its rootfs is, when given,
+//! for `podman container restore --import`) and the bundle's `config.json` as `spec.dump`. An
+//! imported `rootfs-diff.tar`/`deleted.files` is applied by the restore (`rootfs.rs`).
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -41,6 +43,17 @@ const TOP_LEVEL: [&str; 2] = ["dump.log", "stats-dump"];
 /// name and creation time from `config.dump` only when it is `libpod` (otherwise it looks for
 /// Kubernetes annotations a runc bundle does not have, and calls the engine containerd).
 const MANAGER_ANNOTATION: &str = "io.container.manager";
+
+/// The image in podman's storage whose root file system is the checkpointed bundle's (made with `podman
+/// import` of the rootfs): what podman's `container restore --import` needs to restore an export of a
+/// checkpoint taken by `checkpoint --container`.
+#[derive(Debug, Clone)]
+pub struct PodmanImage {
+    /// Its name (`localhost/NAME:TAG`), which podman looks up first.
+    pub name: String,
+    /// Its id: 64 hexadecimal digits (`podman image inspect --format '{{.Id}}'`).
+    pub id: String,
+}
 
 /// What `export` wrote.
 #[derive(Debug, Clone, Serialize)]
@@ -73,6 +86,20 @@ struct ConfigDump {
     oci_runtime: String,
     #[serde(rename = "createdTime", default)]
     created_time: String,
+    /// The podman image the container's root file system is (`--podman-image`): podman's restore
+    /// creates the container's storage from it, and refuses one without the other.
+    #[serde(
+        rename = "rootfsImageID",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    rootfs_image_id: String,
+    #[serde(
+        rename = "rootfsImageName",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    rootfs_image_name: String,
     #[serde(
         rename = "checkpointedTime",
         default,
@@ -182,9 +209,22 @@ pub fn export_oci(
     store: &Store,
     checkpoint: &str,
     dest: &Path,
+    podman: Option<&PodmanImage>,
     progress: &dyn Progress,
 ) -> crate::Result<ExportOutcome> {
     let (info, _, record) = super::restore::load(store, checkpoint)?;
+    if let Some(image) = podman {
+        let hex = image.id.len() == 64 && image.id.bytes().all(|b| b.is_ascii_hexdigit());
+        if !hex || image.name.is_empty() {
+            return Err(bad(
+                dest,
+                format!(
+                    "--podman-image-id must be the image's 64-digit id and --podman-image its name (got {:?}, {:?})",
+                    image.id, image.name
+                ),
+            ));
+        }
+    }
     let work = WorkDir::create(store, &info.id)?;
     store.materialize(&info.id, work.path(), progress)?;
     let stored = files_under(work.path())?;
@@ -192,16 +232,31 @@ pub fn export_oci(
     // The metadata an engine reads, from the archive this was imported from or made from the manifest.
     let mut extra: Vec<(String, Vec<u8>)> = Vec::new();
     if !stored.iter().any(|f| f == "oci/config.dump") {
-        // A runc container has no name but its id (the checkpoint's --name names the checkpoint).
+        // A runc container has no name but its id (the checkpoint's --name names the checkpoint). For
+        // podman the id is 64 hexadecimal digits (it shows the first 12); one made from the checkpoint
+        // and the container, so that two exports of a checkpoint restore as the same container.
+        let id = match podman {
+            Some(_) => blake3::hash(format!("{}/{}", info.id, record.id).as_bytes())
+                .to_hex()
+                .to_string(),
+            None => record.id.clone(),
+        };
         let config = ConfigDump {
-            id: record.id.clone(),
+            id,
             name: record.id.clone(),
             oci_runtime: record.runtime.clone(),
             created_time: info.created.clone(),
             checkpointed_time: info.created.clone(),
+            rootfs_image_id: podman.map(|p| p.id.clone()).unwrap_or_default(),
+            rootfs_image_name: podman.map(|p| p.name.clone()).unwrap_or_default(),
         };
         let json = serde_json::to_vec_pretty(&config).expect("plain struct");
         extra.push((CONFIG_DUMP.into(), json));
+    } else if podman.is_some() {
+        return Err(bad(
+            dest,
+            "the checkpoint was imported from an archive: its config.dump (and image) is the engine's own; --podman-image is for checkpoints taken by checkpoint --container",
+        ));
     }
     if !stored.iter().any(|f| f == "oci/spec.dump") {
         let spec = record.bundle.join("config.json");
