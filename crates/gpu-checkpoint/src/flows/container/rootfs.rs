@@ -108,7 +108,7 @@ fn read_diff(tar_path: &Path, rootfs: &Path) -> crate::Result<Vec<Entry>> {
                 .components()
                 .all(|c| matches!(c, Component::CurDir | Component::RootDir))
             {
-                continue; // the rootfs itself (podman's tar starts with "./"? then its files)
+                continue; // the rootfs itself: its mode and owner are the bundle's, not the diff's
             }
             return Err(refused(
                 rootfs,
@@ -227,8 +227,14 @@ fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
             copy_tree(&e.path(), &to.join(e.file_name()))?;
         }
         fs::set_permissions(to, m.permissions())?;
-    } else {
+    } else if m.is_file() {
         fs::copy(from, to)?;
+    } else {
+        // A device, FIFO or socket: reading it would not copy it (a FIFO would block).
+        return Err(std::io::Error::other(format!(
+            "{} is a special file: not replaced or removed",
+            from.display()
+        )));
     }
     use std::os::unix::fs::MetadataExt;
     std::os::unix::fs::lchown(to, Some(m.uid()), Some(m.gid()))
@@ -484,8 +490,10 @@ mod tests {
                 } else if m.is_dir() {
                     stack.push(p.clone());
                     "dir".into()
-                } else {
+                } else if m.is_file() {
                     fs::read_to_string(&p).unwrap()
+                } else {
+                    "special".into()
                 };
                 out.push((p.strip_prefix(root).unwrap().to_path_buf(), what));
             }
@@ -588,6 +596,22 @@ mod tests {
         assert!(e.to_string().contains("through the link"), "{e}");
         assert_eq!(snapshot(&rootfs), before);
         assert!(!rootfs.join("bin/x").exists());
+    }
+
+    #[test]
+    fn a_special_file_is_not_removed_or_replaced() {
+        use tar::EntryType::Regular;
+        let (dir, bundle, images) = setup(&[("keep", Regular, b"changed")], &["/fifo"]);
+        let rootfs = bundle.join("rootfs");
+        let fifo =
+            std::ffi::CString::new(rootfs.join("fifo").into_os_string().into_encoded_bytes())
+                .unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let before = snapshot(&rootfs);
+        let e = apply(&images, &bundle, dir.path()).err().expect("refused");
+        assert!(e.to_string().contains("special file"), "{e}");
+        assert_eq!(snapshot(&rootfs), before, "the changed file put back");
     }
 
     #[test]
