@@ -135,6 +135,8 @@ fn a_gpu_container_survives_checkpoint_stop_restore_and_is_runcs_afterwards() {
     let before: Vec<u64> = pids.iter().map(|&p| steps(p)).collect();
     let ck = s.checkpoint(&id, &[]);
     assert_eq!(ck["stopped"], true);
+    // Our CRIU dumped it with runc's settings, the images streamed into the store.
+    assert_eq!(ck["dump"], "direct");
     assert_eq!(ck["container"]["runtime"], "runc");
     assert_eq!(ck["container"]["id"].as_str(), Some(id.as_str()));
     assert_eq!(ck["processes"], 3);
@@ -186,6 +188,14 @@ fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original
     assert_healthy(&pids);
     // It restores next to the running original, under another id.
     let copy = cid("lr-copy");
+    s.restore(ck["id"].as_str().unwrap(), &copy);
+    assert_healthy(&s.gpu_pids(&copy, 3));
+    assert_healthy(&pids);
+    // The fallback, runc's own checkpoint into a staging folder, restores as well.
+    let ck = s.checkpoint(&id, &["--leave-running", "--runtime-checkpoint"]);
+    assert_eq!(ck["dump"], "runtime");
+    assert_eq!(s.runc.pids(&id), pids, "the same processes run on");
+    let copy = cid("lr-copy2");
     s.restore(ck["id"].as_str().unwrap(), &copy);
     assert_healthy(&s.gpu_pids(&copy, 3));
     assert_healthy(&pids);

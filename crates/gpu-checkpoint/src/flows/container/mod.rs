@@ -22,6 +22,7 @@
 //! what the runtime left mounted: `oci.rs`); the checkpoint is never changed.
 
 pub mod archive;
+pub mod direct;
 mod error;
 mod fake;
 pub mod members;
@@ -32,6 +33,7 @@ mod runtime;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+pub use direct::DirectDump;
 pub use error::Error;
 pub use fake::FakeRuntime;
 pub use oci::{unmount_under, OciCli, RuntimeKind};
@@ -40,10 +42,11 @@ pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRe
 
 use super::guardian::Event;
 use super::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
-use super::manifest::{OptionsRecord, PhaseTimings, Sizes};
+use super::manifest::{OptionsRecord, PhaseTimings};
 use super::ms;
 use super::thaw::GpuThawGuard;
 use crate::detect::{self, DetectOptions, Report, StrategyName};
+use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
@@ -57,6 +60,10 @@ pub struct ContainerFlow<'a> {
     pub progress: &'a dyn Progress,
     /// The CRIU the runtime runs (runc's `--criu`), for the manifest; `None` for runsc (its own).
     pub criu: Option<CriuInfo>,
+    /// Our CRIU, to dump the container directly with the runtime's settings where the runtime offers
+    /// them ([`ContainerRuntime::direct_dump`]: runc), its images streamed into the store; `None`: the
+    /// runtime's own checkpoint into the staging folder.
+    pub direct: Option<&'a dyn Criu>,
     /// Who is told each step of a checkpoint, to undo or finish it should this process die
     /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
     /// container once the checkpoint is durable.
@@ -75,6 +82,10 @@ pub struct ContainerCheckpointOptions {
     pub detect: DetectOptions,
     /// CRIU's `--tcp-established` (runc only).
     pub tcp_established: bool,
+    /// Let the runtime dump the container (`runc checkpoint` into the staging folder, then stored)
+    /// even where CRIU could be driven directly: the fallback for a setting the direct path does not
+    /// take over (docs/containers.md).
+    pub via_runtime: bool,
 }
 
 impl ContainerCheckpointOptions {
@@ -88,6 +99,7 @@ impl ContainerCheckpointOptions {
                 ..DetectOptions::default()
             },
             tcp_established: false,
+            via_runtime: false,
         }
     }
 }
@@ -117,6 +129,9 @@ pub struct ContainerCheckpointOutcome {
     pub timings: CheckpointTimings,
     /// The container was killed and deleted (false with `--leave-running`).
     pub stopped: bool,
+    /// Our CRIU dumped it with the runtime's settings, the images streamed into the store (false: the
+    /// runtime's own checkpoint, then stored).
+    pub direct: bool,
 }
 
 /// How long a killed container's init may take to go.
@@ -308,6 +323,14 @@ impl ContainerFlow<'_> {
             }
             .into());
         }
+        // CRIU driven directly where the runtime says how (runc); asked before anything is touched.
+        let direct = match (self.direct, opts.via_runtime) {
+            (Some(criu), false) => self
+                .runtime
+                .direct_dump(id, found.state.pid)?
+                .map(|d| (criu, d)),
+            _ => None,
+        };
         let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
         let process_tree: Vec<crate::proc::TreeProcess> = pids
             .iter()
@@ -384,12 +407,20 @@ impl ContainerFlow<'_> {
             .as_ref()
             .map_or(ingest.staging_dir(), WorkDir::path);
         injected("container.runtime-checkpoint", self.runtime)?;
-        self.runtime.checkpoint(&CheckpointRequest {
-            id,
-            images,
-            leave_running: hold,
-            tcp_established: opts.tcp_established,
-        })?;
+        let streamed = match &direct {
+            Some((criu, d)) => {
+                dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?
+            }
+            None => {
+                self.runtime.checkpoint(&CheckpointRequest {
+                    id,
+                    images,
+                    leave_running: hold,
+                    tcp_established: opts.tcp_established,
+                })?;
+                None
+            }
+        };
         let revive = own_images.as_ref().map(|w| Revive {
             runtime: self.runtime,
             id: id.to_string(),
@@ -427,10 +458,7 @@ impl ContainerFlow<'_> {
         }
 
         // 5. Commit.
-        let sizes = Sizes::of_dir(ingest.staging_dir()).map_err(|source| Error::WorkDir {
-            path: ingest.staging_dir().to_path_buf(),
-            source,
-        })?;
+        let sizes = super::checkpoint::image_sizes(ingest.staging_dir(), streamed.as_ref())?;
         let manifest = CheckpointManifest {
             schema: manifest::SCHEMA.into(),
             schema_version: manifest::SCHEMA_VERSION,
@@ -462,7 +490,7 @@ impl ContainerFlow<'_> {
                 detect: timings.detect,
                 freeze: timings.freeze,
                 dump: timings.runtime_checkpoint,
-                streamed: false,
+                streamed: streamed.is_some(),
             },
             sizes,
             devices: Vec::new(),
@@ -479,7 +507,7 @@ impl ContainerFlow<'_> {
             .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?;
         let t = Instant::now();
         check_interrupt(&interrupt)?;
-        let info = ingest.commit(metadata, self.progress)?;
+        let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
         timings.write = ms(t);
         if let Err(e) = self.watch.tell(&Event::Durable) {
             tracing::warn!("{e}");
@@ -506,6 +534,7 @@ impl ContainerFlow<'_> {
             manifest,
             timings,
             stopped,
+            direct: direct.is_some(),
         })
     }
 
@@ -529,6 +558,45 @@ impl ContainerFlow<'_> {
         }
         Ok(())
     }
+}
+
+/// Dumps the (paused) container with our CRIU and the runtime's settings, its images streamed into
+/// the store, the runtime's files (`descriptors.json`) written next to them. Returns the store's side
+/// of the dump; on error CRIU left the container as it was (paused: the caller's guard resumes it).
+fn dump_direct(
+    criu: &dyn Criu,
+    d: &DirectDump,
+    found: &Discovered,
+    (store, progress, ingest): (&Store, &dyn Progress, &crate::store::Ingest),
+    opts: &ContainerCheckpointOptions,
+) -> crate::Result<Option<crate::store::Streamed>> {
+    for (name, bytes) in &d.files {
+        let path = ingest.staging_dir().join(name);
+        let failed = |source| Error::WorkDir {
+            path: path.clone(),
+            source,
+        };
+        let mut f = crate::util::create_new_private_file(&path).map_err(failed)?;
+        std::io::Write::write_all(&mut f, bytes).map_err(failed)?;
+    }
+    let options = CriuOptions {
+        tcp_established: opts.tcp_established,
+        ..d.options.clone()
+    };
+    let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
+    let req = DumpRequest {
+        pid: found.state.pid,
+        images_dir: ingest.staging_dir(),
+        log_file: super::checkpoint::DUMP_LOG,
+        // The container is paused: it stays so until the checkpoint is durable (or resumed).
+        after: AfterDump::KeepRunning,
+        options: &options,
+        stream: true,
+        env: &[],
+        container: Some(&d.settings),
+    };
+    let stored = super::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids)?;
+    stored.transpose()
 }
 
 /// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image

@@ -158,6 +158,13 @@ impl ContainerRuntime for OciCli {
         self.kind == RuntimeKind::Runc
     }
 
+    fn direct_dump(&self, id: &str, init: i32) -> Result<Option<super::DirectDump>, Error> {
+        if self.kind != RuntimeKind::Runc {
+            return Ok(None);
+        }
+        super::direct::runc_settings(id, &self.state_dir(id), init).map(Some)
+    }
+
     fn state(&self, id: &str) -> Result<ContainerState, Error> {
         match self.run(&["state", id]) {
             Ok(out) => serde_json::from_str(&out).map_err(|e| Error::Protocol {
