@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::Error;
-use crate::dump::{CgroupMode, ContainerDump, CriuOptions};
+use crate::dump::{CgroupMode, ContainerDump, CriuOptions, NetworkLock};
 
 /// The name runc's restore reads the init's standard descriptors from, in the images folder.
 pub const DESCRIPTORS: &str = "descriptors.json";
@@ -187,10 +187,15 @@ fn from_state(id: &str, state: &RuncState, proc: &Path) -> Result<DirectDump, Er
     options.config_file = match annotation {
         Some("") => None,
         Some(file) => Some(file.into()),
-        None => Some(PathBuf::from(RUNC_CRIU_CONFIG)).filter(|p| p.is_file()),
+        None => Some(PathBuf::from(RUNC_CRIU_CONFIG)),
     }
     // CRIU's command line refuses a configuration file that is not there (its RPC ignores it).
     .filter(|p| p.is_file());
+    // runc leaves the lock method to CRIU's RPC default, iptables, which its restore (over the RPC too)
+    // unlocks with; our own default (nftables) would not match. A configuration file decides by itself.
+    if options.config_file.is_none() {
+        options.network_lock = Some(NetworkLock::Iptables);
+    }
     let freeze_cgroup = state
         .cgroup_paths
         .get("freezer")
@@ -298,6 +303,7 @@ mod tests {
         let ino = std::fs::metadata("/proc/self/ns/pid").unwrap().ino();
         assert_eq!(d.options.external, [format!("pid[{ino}]:extRootPidNS")]);
         assert_eq!(d.options.manage_cgroups, Some(CgroupMode::Soft));
+        assert_eq!(d.options.network_lock, Some(NetworkLock::Iptables));
         assert_eq!(d.files[0].0, DESCRIPTORS);
         assert_eq!(d.files[0].1, br#"["/dev/null","pipe:[123]","/dev/null"]"#);
     }
@@ -320,6 +326,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(d.options.config_file.as_deref(), Some(file.as_path()));
+        assert_eq!(d.options.network_lock, None, "the file decides");
         let s = state(serde_json::json!({"labels": ["org.criu.config="]}));
         let d = from_state("c1", &s, Path::new("/proc/self")).unwrap();
         assert_eq!(d.options.config_file, None);
