@@ -7,12 +7,14 @@
 //! 2. Find the container's processes from the host (`members.rs`: same cgroups and PID namespace as its
 //!    init), and detect's report of its tree (GPU processes by NVML or /proc, as for a process).
 //! 3. GPU freeze (lock + checkpoint) of its CUDA processes: undone on any later failure (a guard).
-//! 4. Where the runtime can (runc), pause the container, then `checkpoint --leave-running` into the
-//!    store's private staging folder: the container stays stopped (frozen) until the checkpoint is
-//!    durable, and a failure before that resumes it (a guard, dropped before the GPU one: the GPU restore
-//!    runs in the processes). Without `--leave-running`, only once the checkpoint is durable is the
-//!    container killed and deleted, as `runc checkpoint` would have done.
-//! 5. The store ingests the images (dedup across checkpoints and containers) and commits the manifest,
+//! 4. Where the runtime can (runc), pause the container, then dump it, leaving it running: by default
+//!    with our CRIU and the settings the runtime itself would give CRIU (`direct.rs`), the images
+//!    streamed into the store (no staged copy); else (runsc, or `via_runtime`) by the runtime's own
+//!    `checkpoint` into the store's private staging folder. The container stays stopped (frozen) until
+//!    the checkpoint is durable, and a failure before that resumes it (a guard, dropped before the GPU
+//!    one: the GPU restore runs in the processes). Without `--leave-running`, only once the checkpoint
+//!    is durable is the container killed and deleted, as `runc checkpoint` would have done.
+//! 5. The store takes the images (dedup across checkpoints and containers) and commits the manifest,
 //!    which records the container (runtime, its flags, id, bundle, its processes' PIDs inside it).
 //!
 //! Restore (`restore.rs`): the images are materialized into a private folder, the runtime restores the
