@@ -100,14 +100,15 @@ struct RuncNetwork {
 /// Reads the dump settings of runc container `id` (state folder `state_dir`, init `init` on the host).
 pub fn runc_settings(id: &str, state_dir: &Path, init: i32) -> Result<DirectDump, Error> {
     let path = state_dir.join("state.json");
-    let text = std::fs::read(&path).map_err(|source| Error::WorkDir {
-        path: path.clone(),
-        source,
-    })?;
-    let state: RuncState = serde_json::from_slice(&text).map_err(|e| Error::Protocol {
+    let unreadable = |e: &dyn std::fmt::Display| Error::Protocol {
         runtime: "runc".into(),
-        reason: format!("{}: {e}", path.display()),
-    })?;
+        reason: format!(
+            "its state {} cannot be read ({e}); --runtime-checkpoint lets runc dump the container",
+            path.display()
+        ),
+    };
+    let text = std::fs::read(&path).map_err(|e| unreadable(&e))?;
+    let state: RuncState = serde_json::from_slice(&text).map_err(|e| unreadable(&e))?;
     from_state(id, &state, Path::new(&format!("/proc/{init}")))
 }
 
@@ -171,9 +172,9 @@ fn from_state(id: &str, state: &RuncState, proc: &Path) -> Result<DirectDump, Er
             continue;
         };
         let ino = std::fs::metadata(&ns.path)
-            .map_err(|source| Error::WorkDir {
-                path: ns.path.clone().into(),
-                source,
+            .map_err(|e| Error::Protocol {
+                runtime: "runc".into(),
+                reason: format!("the container's {name} namespace {}: {e}", ns.path),
             })?
             .ino();
         let key = format!("extRoot{}{}NS", name[..1].to_uppercase(), &name[1..]);
@@ -330,6 +331,16 @@ mod tests {
         let s = state(serde_json::json!({"labels": ["org.criu.config="]}));
         let d = from_state("c1", &s, Path::new("/proc/self")).unwrap();
         assert_eq!(d.options.config_file, None);
+    }
+
+    #[test]
+    fn a_missing_or_foreign_state_is_a_clear_error_naming_the_fallback() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = runc_settings("c1", dir.path(), 1).unwrap_err();
+        assert!(e.to_string().contains("--runtime-checkpoint"), "{e}");
+        std::fs::write(dir.path().join("state.json"), br#"{"config": {}}"#).unwrap();
+        let e = runc_settings("c1", dir.path(), 1).unwrap_err();
+        assert!(e.to_string().contains("rootfs"), "{e}");
     }
 
     #[test]
