@@ -455,3 +455,69 @@ fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_th
         "restored into the namespace it joined"
     );
 }
+
+/// The tool SIGKILLed while our CRIU streams the container's images into the store: the pipes break,
+/// CRIU fails and lets the (paused) container go as it was, and the guardian resumes it; nothing is
+/// stored.
+#[test]
+fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
+    let Some(s) = setup(&["exec workload memory --mib 256 --state /state/mem"], &[]) else {
+        return;
+    };
+    let id = cid("kill-dump");
+    s.runc.run(&id, &s.bundle);
+    let mem = s.bundle.rootfs().join("state/mem");
+    let verified = || -> u64 {
+        gpu_checkpoint_workloads::read_state(&mem)
+            .ok()
+            .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "verified"))
+            .unwrap_or(0)
+    };
+    wait_for("the memory workload", &|| verified() > 0);
+    let pids = s.runc.pids(&id);
+    let mut tool = std::process::Command::new(gpu_checkpoint())
+        .args(["checkpoint", "--container", &id])
+        .args(store_args(&s.store, &s.runc))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let tool_pid = tool.id() as i32;
+    // CRIU runs as the tool's child (`criu dump --stream`, through the project's wrapper script) while
+    // the images stream.
+    let criu_child = || {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{tool_pid}/task")) else {
+            return false;
+        };
+        tasks.flatten().any(|t| {
+            let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            kids.split_whitespace().any(|k| {
+                let argv = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
+                let argv = String::from_utf8_lossy(&argv);
+                argv.contains("criu") && argv.contains("dump") && argv.contains("--stream")
+            })
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !criu_child() {
+        assert!(Instant::now() < deadline, "CRIU never ran");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(30));
+    tool.kill().unwrap();
+    let st = tool.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&st),
+        Some(9),
+        "killed, not finished"
+    );
+    wait_for("the container resumed", &|| s.running(&id));
+    assert_eq!(s.runc.pids(&id), pids, "the same processes");
+    let at = verified();
+    wait_for("the memory verified again", &|| verified() > at);
+    let bad = gpu_checkpoint_workloads::read_state(&mem)
+        .ok()
+        .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "bad"));
+    assert_eq!(bad, Some(0), "memory intact");
+    assert!(listed(&s.store).is_empty(), "nothing stored");
+}
