@@ -217,7 +217,7 @@ runsc_rounds() {
     ock=$(echo "$SO_CK" | median) ors=$(echo "$SO_RS" | median)
     printf '%-6s | gVisor checkpoint: runsc %5s (+delete %5s) | ours %5s = %-5s | restore: runsc %5s | ours %5s = %-5s\n' \
         "${mib}M" "$pck" "$pckd" "$ock" "$(ratio "$ock" "$pckd")" "$prs" "$ors" "$(ratio "$ors" "$prs")"
-    echo "  ours' checkpoint = runsc's part $(echo "$SO_RT" | median) + store $(echo "$SO_WR" | median) + delete $(echo "$SO_ST" | median) (medians)"
+    echo "  ours' checkpoint = runsc's checkpoint with its image stored as written $(echo "$SO_RT" | median) + commit $(echo "$SO_WR" | median) + delete $(echo "$SO_ST" | median) (medians)"
     echo "  rounds (ms): runsc checkpoint$SP_CK; ours$SO_CK; runsc restore$SP_RS; ours$SO_RS"
 }
 

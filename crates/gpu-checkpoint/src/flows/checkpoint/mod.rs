@@ -18,7 +18,7 @@
 
 mod devices;
 mod lock;
-mod stream;
+pub(in crate::flows) mod stream;
 mod undo;
 
 use std::path::{Path, PathBuf};

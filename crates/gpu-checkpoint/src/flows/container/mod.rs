@@ -10,9 +10,10 @@
 //! 4. Where the runtime can (runc), pause the container, then dump it, leaving it running: by default
 //!    with our CRIU and the settings the runtime itself would give CRIU (`direct.rs`), the images
 //!    streamed into the store (no staged copy); else (runsc, or `via_runtime`) by the runtime's own
-//!    `checkpoint` into the store's private staging folder. The container stays stopped (frozen) until
-//!    the checkpoint is durable, and a failure before that resumes it (a guard, dropped before the GPU
-//!    one: the GPU restore runs in the processes). Without `--leave-running`, only once the checkpoint
+//!    `checkpoint` into the store's private staging folder (runsc: into a work folder of ours, its
+//!    `checkpoint.img` stored while runsc writes it, `follow.rs`). The container stays stopped (frozen)
+//!    until the checkpoint is durable, and a failure before that resumes it (a guard, dropped before the
+//!    GPU one: the GPU restore runs in the processes). Without `--leave-running`, only once the checkpoint
 //!    is durable is the container killed and deleted, as `runc checkpoint` would have done.
 //! 5. The store takes the images (dedup across checkpoints and containers) and commits the manifest,
 //!    which records the container (runtime, its flags, id, bundle, its processes' PIDs inside it).
@@ -27,6 +28,7 @@ pub mod archive;
 pub mod direct;
 mod error;
 mod fake;
+mod follow;
 pub mod members;
 mod oci;
 mod restore;
@@ -38,6 +40,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 pub use direct::DirectDump;
 pub use error::Error;
 pub use fake::FakeRuntime;
+pub use follow::{Follow, FollowReader};
 pub use oci::{unmount_under, OciCli, RuntimeKind};
 pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
 pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
@@ -114,7 +117,8 @@ pub struct CheckpointTimings {
     pub freeze: f64,
     /// The runtime's pause (0 where it cannot hold the container paused).
     pub pause: f64,
-    /// The runtime's checkpoint into the staging folder.
+    /// The runtime's checkpoint into the staging folder (the direct dump, and runsc: with the images
+    /// stored meanwhile).
     pub runtime_checkpoint: f64,
     /// Storing the images and committing the manifest.
     pub write: f64,
@@ -411,16 +415,33 @@ impl ContainerFlow<'_> {
         injected("container.runtime-checkpoint", self.runtime)?;
         let streamed = match &direct {
             Some((criu, d)) => {
-                dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?
+                dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?.map(Ok)
             }
             None => {
-                self.runtime.checkpoint(&CheckpointRequest {
+                let req = CheckpointRequest {
                     id,
                     images,
                     leave_running: hold,
                     tcp_established: opts.tcp_established,
-                })?;
-                None
+                };
+                match self
+                    .runtime
+                    .followed_image()
+                    .filter(|_| own_images.is_some())
+                {
+                    Some(name) => {
+                        let expected = super::checkpoint::stream::resident_bytes(&pids);
+                        let at = (&ingest, self.progress, expected);
+                        let f = follow::checkpoint_following(self.runtime, &req, name, at);
+                        f.dumped?;
+                        // A store failure is returned once the undo below is armed.
+                        Some(f.stored)
+                    }
+                    None => {
+                        self.runtime.checkpoint(&req)?;
+                        None
+                    }
+                }
             }
         };
         let revive = own_images.as_ref().map(|w| Revive {
@@ -431,8 +452,9 @@ impl ContainerFlow<'_> {
             tcp_established: opts.tcp_established,
             armed: true,
         });
+        let streamed = streamed.transpose()?;
         if let Some(w) = &own_images {
-            link_files(w.path(), ingest.staging_dir())?;
+            link_files(w.path(), ingest.staging_dir(), streamed.as_ref())?;
         }
         timings.runtime_checkpoint = ms(t);
         fault::at("checkpoint.after-dump");
@@ -603,14 +625,21 @@ fn dump_direct(
 
 /// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image
 /// folders keep flat.
-fn link_files(from: &std::path::Path, to: &std::path::Path) -> Result<(), Error> {
+fn link_files(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    streamed: Option<&crate::store::Streamed>,
+) -> Result<(), Error> {
     let failed = |source| Error::WorkDir {
         path: from.to_path_buf(),
         source,
     };
     for e in std::fs::read_dir(from).map_err(failed)? {
         let e = e.map_err(failed)?;
-        if !e.file_type().map_err(failed)?.is_file() {
+        let name = e.file_name();
+        // Already stored as it was written.
+        let was_streamed = streamed.is_some_and(|s| s.names().any(|n| *n == *name));
+        if was_streamed || !e.file_type().map_err(failed)?.is_file() {
             continue;
         }
         let dest = to.join(e.file_name());

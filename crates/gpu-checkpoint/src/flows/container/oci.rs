@@ -208,6 +208,11 @@ impl ContainerRuntime for OciCli {
         argv
     }
 
+    fn followed_image(&self) -> Option<&'static str> {
+        // runsc 2022 writes its whole state into this one file, sequentially (no compression flag).
+        (self.kind == RuntimeKind::Runsc).then_some("checkpoint.img")
+    }
+
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {
         let images = req.images.display().to_string();
         let mut args = vec!["checkpoint", "--image-path", &images];

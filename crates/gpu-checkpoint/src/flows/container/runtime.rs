@@ -76,6 +76,12 @@ pub trait ContainerRuntime {
     fn direct_dump(&self, _id: &str, _init: i32) -> Result<Option<super::DirectDump>, Error> {
         Ok(None)
     }
+    /// The one image file the runtime's `checkpoint` writes from start to end (runsc: `checkpoint.img`),
+    /// stored while the runtime still writes it ([`super::follow`]); `None`: its images are stored
+    /// once it has finished.
+    fn followed_image(&self) -> Option<&'static str> {
+        None
+    }
     /// The container's state; [`Error::NoSuchContainer`] when the runtime does not know it.
     fn state(&self, id: &str) -> Result<ContainerState, Error>;
     /// Every container the runtime knows (`list`).
