@@ -77,7 +77,7 @@ pub trait ContainerRuntime {
         Ok(None)
     }
     /// The one image file the runtime's `checkpoint` writes from start to end (runsc: `checkpoint.img`),
-    /// stored while the runtime still writes it ([`super::follow`]); `None`: its images are stored
+    /// stored while the runtime still writes it ([`super::Follow`]); `None`: its images are stored
     /// once it has finished.
     fn followed_image(&self) -> Option<&'static str> {
         None
