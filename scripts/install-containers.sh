@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the container runtimes crates/gpu-checkpoint-cli/tests/containers*.rs drives, from the
-# distribution's packages, only when missing: runc (CRIU's network lock needs iptables), runsc (gVisor) and
-# a static busybox for the minimal root filesystems the tests build. Then checks the versions the project
+# distribution's packages, only when missing: runc (CRIU's network lock needs iptables), runsc (gVisor),
+# a static busybox for the minimal root filesystems the tests build, and `ip` (iproute2: a test joins a
+# container to a namespace made by `ip netns add`). Then checks the versions the project
 # is known to work with (docs/containers.md): an older runc lacks what the tests use; a newer one is
 # reported, not refused.
 set -euo pipefail
@@ -11,7 +12,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 
 log() { echo "install-containers: $*" >&2; }
 
-apt_install_missing runc:runc iptables:iptables busybox:busybox-static runsc:runsc podman:podman || exit 1
+apt_install_missing runc:runc iptables:iptables busybox:busybox-static runsc:runsc podman:podman ip:iproute2 || exit 1
 # busybox-static installs /bin/busybox; a dynamic busybox found first on PATH would not run in a bare
 # root filesystem, so the tests ask for a static one by path.
 if ! file -L "$(command -v busybox)" 2>/dev/null | grep -q 'statically linked' &&

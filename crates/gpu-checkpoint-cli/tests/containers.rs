@@ -135,6 +135,8 @@ fn a_gpu_container_survives_checkpoint_stop_restore_and_is_runcs_afterwards() {
     let before: Vec<u64> = pids.iter().map(|&p| steps(p)).collect();
     let ck = s.checkpoint(&id, &[]);
     assert_eq!(ck["stopped"], true);
+    // Our CRIU dumped it with runc's settings, the images streamed into the store.
+    assert_eq!(ck["dump"], "direct");
     assert_eq!(ck["container"]["runtime"], "runc");
     assert_eq!(ck["container"]["id"].as_str(), Some(id.as_str()));
     assert_eq!(ck["processes"], 3);
@@ -186,6 +188,14 @@ fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original
     assert_healthy(&pids);
     // It restores next to the running original, under another id.
     let copy = cid("lr-copy");
+    s.restore(ck["id"].as_str().unwrap(), &copy);
+    assert_healthy(&s.gpu_pids(&copy, 3));
+    assert_healthy(&pids);
+    // The fallback, runc's own checkpoint into a staging folder, restores as well.
+    let ck = s.checkpoint(&id, &["--leave-running", "--runtime-checkpoint"]);
+    assert_eq!(ck["dump"], "runtime");
+    assert_eq!(s.runc.pids(&id), pids, "the same processes run on");
+    let copy = cid("lr-copy2");
     s.restore(ck["id"].as_str().unwrap(), &copy);
     assert_healthy(&s.gpu_pids(&copy, 3));
     assert_healthy(&pids);
@@ -362,4 +372,152 @@ fn a_failed_restore_keeps_the_checkpoint_and_the_bundle() {
     s.restore(ckpt, &id);
     assert_healthy(&s.gpu_pids(&id, 3));
     let _ = &s.dir;
+}
+
+/// Deletes a named network namespace (`ip netns add`) when dropped.
+struct NetNs(String);
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "delete", &self.0])
+            .status();
+    }
+}
+
+/// What the direct dump takes over from runc beyond the default spec's mounts: a bind mount from the host
+/// (an external mount keyed by its path in the container) and a network namespace the container joined
+/// by path, as CNI-based engines set it up (external, `net[INODE]:extRootNetNS`). runc restores both.
+#[test]
+fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_the_direct_dump() {
+    let script = ["i=0; while true; do i=$((i+1)); echo $i > /data/n; sleep 0.1; done"];
+    let Some(s) = setup(&script, &[]) else { return };
+    let has_ip = std::process::Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_ip {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "`ip` (iproute2) is missing in CI: scripts/install-containers.sh installs it"
+        );
+        eprintln!("SKIPPED: `ip` (iproute2) is missing; run scripts/setup.sh as root");
+        return;
+    }
+    let data = s.dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let ns = NetNs(format!("gc-{}-ns", std::process::id()));
+    let added = std::process::Command::new("ip")
+        .args(["netns", "add", &ns.0])
+        .status()
+        .unwrap();
+    assert!(added.success(), "ip netns add");
+    let ns_path = format!("/run/netns/{}", ns.0);
+    let config_path = s.bundle.dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    config["mounts"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "destination": "/data", "type": "bind", "source": data, "options": ["rbind", "rw"]
+        }));
+    for n in config["linux"]["namespaces"].as_array_mut().unwrap() {
+        if n["type"] == "network" {
+            n["path"] = ns_path.clone().into();
+        }
+    }
+    std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let id = cid("mounts");
+    s.runc.run(&id, &s.bundle);
+    let count = || -> u64 {
+        std::fs::read_to_string(data.join("n"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    wait_for("the counter", &|| count() >= 5);
+    let ck = s.checkpoint(&id, &[]);
+    assert_eq!(ck["dump"], "direct");
+    assert_eq!(s.runc.state(&id), None);
+    let at = count();
+
+    s.restore(ck["id"].as_str().unwrap(), &id);
+    assert!(s.running(&id), "{:?}", s.runc.list());
+    // The shell's counter goes on from its memory, through the bind mount.
+    wait_for("the counter after restore", &|| count() > at + 5);
+    let (_, init) = s.runc.state(&id).unwrap();
+    let ino = |p: &str| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    assert_eq!(
+        ino(&format!("/proc/{init}/ns/net")),
+        ino(&ns_path),
+        "restored into the namespace it joined"
+    );
+}
+
+/// The tool SIGKILLed while our CRIU streams the container's images into the store: the pipes break,
+/// CRIU fails and lets the (paused) container go as it was, and the guardian resumes it; nothing is
+/// stored.
+#[test]
+fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
+    let Some(s) = setup(&["exec workload memory --mib 256 --state /state/mem"], &[]) else {
+        return;
+    };
+    let id = cid("kill-dump");
+    s.runc.run(&id, &s.bundle);
+    let mem = s.bundle.rootfs().join("state/mem");
+    let verified = || -> u64 {
+        gpu_checkpoint_workloads::read_state(&mem)
+            .ok()
+            .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "verified"))
+            .unwrap_or(0)
+    };
+    wait_for("the memory workload", &|| verified() > 0);
+    let pids = s.runc.pids(&id);
+    let mut tool = std::process::Command::new(gpu_checkpoint())
+        .args(["checkpoint", "--container", &id])
+        .args(store_args(&s.store, &s.runc))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let tool_pid = tool.id() as i32;
+    // CRIU runs as the tool's child (`criu dump --stream`, through the project's wrapper script) while
+    // the images stream.
+    let criu_child = || {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{tool_pid}/task")) else {
+            return false;
+        };
+        tasks.flatten().any(|t| {
+            let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            kids.split_whitespace().any(|k| {
+                let argv = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
+                let argv = String::from_utf8_lossy(&argv);
+                argv.contains("criu") && argv.contains("dump") && argv.contains("--stream")
+            })
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !criu_child() {
+        assert!(Instant::now() < deadline, "CRIU never ran");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(30));
+    tool.kill().unwrap();
+    let st = tool.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&st),
+        Some(9),
+        "killed, not finished"
+    );
+    wait_for("the container resumed", &|| s.running(&id));
+    assert_eq!(s.runc.pids(&id), pids, "the same processes");
+    let at = verified();
+    wait_for("the memory verified again", &|| verified() > at);
+    let bad = gpu_checkpoint_workloads::read_state(&mem)
+        .ok()
+        .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "bad"));
+    assert_eq!(bad, Some(0), "memory intact");
+    assert!(listed(&s.store).is_empty(), "nothing stored");
 }

@@ -70,6 +70,18 @@ fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
         global.iter().any(|a| a == "--platform=ptrace"),
         "{global:?}"
     );
+    // runsc's checkpoint.img was stored while runsc wrote it, not read again afterwards.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(kept["manifest"].as_str().unwrap()).unwrap())
+            .unwrap();
+    let meta = &manifest["metadata"];
+    assert_eq!(meta["timings_ms"]["streamed"], true, "{meta}");
+    // The streamed image is counted (a small sandbox's, compressed by runsc: about 200 KiB).
+    assert!(
+        meta["sizes"]["image_bytes"].as_u64().unwrap() > 64 << 10,
+        "{}",
+        meta["sizes"]
+    );
     let after = counts_past(&bundle, &id, first);
 
     // The store fails after runsc stopped the sandbox: it comes back from the images, counting on.

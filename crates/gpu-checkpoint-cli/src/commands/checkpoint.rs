@@ -22,9 +22,15 @@ pub struct Args {
     #[arg(long, value_name = "PID", value_parser = clap::value_parser!(i32).range(1..), required_unless_present = "container", conflicts_with = "container")]
     pub pid: Option<i32>,
     /// Checkpoint a container instead: its id in the runtime (`--runtime`). Its GPU processes are frozen
-    /// from the host, and the runtime dumps the container (docs/containers.md).
+    /// from the host; a runc container is dumped by our CRIU with runc's settings for it, its images
+    /// streamed into the store, and restores with `runc restore` (docs/containers.md).
     #[arg(long, value_name = "ID")]
     pub container: Option<String>,
+    /// With `--container` (runc): let runc dump the container (`runc checkpoint` into a staging folder,
+    /// then stored) instead of driving CRIU directly: slower, for what the direct dump refuses (runc's
+    /// own network configuration).
+    #[arg(long, requires = "container")]
+    pub runtime_checkpoint: bool,
     #[command(flatten)]
     pub runtime: super::container::RuntimeArgs,
     #[command(flatten)]

@@ -57,7 +57,7 @@ impl RuntimeArgs {
 fn our_criu(
     kind: RuntimeKind,
     given: Option<&std::path::Path>,
-) -> anyhow::Result<Option<(PathBuf, CriuInfo)>> {
+) -> anyhow::Result<Option<(CriuRpc, CriuInfo)>> {
     if kind != RuntimeKind::Runc {
         return Ok(None);
     }
@@ -68,7 +68,7 @@ fn our_criu(
         version: criu.version()?,
         path: criu.describe(),
     };
-    Ok(Some((found.path.clone(), info)))
+    Ok(Some((criu, info)))
 }
 
 fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bool) -> FreezeHook {
@@ -85,7 +85,9 @@ fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bo
 /// `checkpoint --container ID`.
 pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()> {
     let criu = our_criu(args.runtime.runtime, args.criu.as_deref())?;
-    let runtime = args.runtime.open(criu.as_ref().map(|c| c.0.clone()))?;
+    let runtime = args
+        .runtime
+        .open(criu.as_ref().map(|c| c.0.path().to_path_buf()))?;
     let store = args
         .store
         .open_or_create(args.compression.store_options())?;
@@ -99,12 +101,14 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        criu: criu.map(|c| c.1),
+        criu: criu.as_ref().map(|c| c.1.clone()),
+        direct: criu.as_ref().map(|c| &c.0 as &dyn Criu),
         watch: &guardian,
     };
     let mut opts = ContainerCheckpointOptions::new(id);
     opts.name = args.name;
     opts.leave_running = args.leave_running;
+    opts.via_runtime = args.runtime_checkpoint;
     opts.tcp_established = args.criu_opts.options()?.tcp_established;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
@@ -122,6 +126,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
                 "processes": out.manifest.process_tree.len(),
                 "strategy": out.manifest.strategy,
                 "stopped": out.stopped,
+                "dump": if out.direct { "direct" } else { "runtime" },
                 "manifest": manifest_path,
                 "timings_ms": out.timings,
                 "gpu": out.manifest.gpu,
@@ -188,7 +193,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         }
     }
     let criu = our_criu(rt.runtime, args.criu.as_deref())?;
-    let runtime = rt.open(criu.as_ref().map(|c| c.0.clone()))?;
+    let runtime = rt.open(criu.as_ref().map(|c| c.0.path().to_path_buf()))?;
     let progress = Bar::new(args.store.format == Format::Text);
     let mut gpu = FreezeHook::new(HookOptions {
         backend: args.gpu.gpu_backend.into(),
@@ -204,6 +209,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         store: &store,
         progress: &progress,
         criu: criu.map(|c| c.1),
+        direct: None,
         watch: &gpu_checkpoint::flows::guardian::NoWatch,
     };
     let result = flow.restore(&ContainerRestoreOptions {

@@ -8,6 +8,7 @@
 //! Every operation keeps CRIU's log (debug level) in a file the caller names; when CRIU fails the error
 //! carries the log's `Error (...)` lines and its path, because CRIU's own answer over the RPC is only an errno.
 
+mod container;
 pub mod devices;
 mod discover;
 mod fake;
@@ -23,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use crate::exit::{Classify, ExitStatus};
 
+pub use container::ContainerDump;
 pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
@@ -81,6 +83,8 @@ pub struct DumpRequest<'a> {
     pub stream: bool,
     /// Variables CRIU runs with, on top of ours ([`devices::PluginDir::env`]: its plugin folder).
     pub env: &'a [(OsString, OsString)],
+    /// The tree is a container's, dumped from outside its runtime with the runtime's settings.
+    pub container: Option<&'a ContainerDump>,
 }
 
 /// One restore of the images in `images_dir`; the tree is restored detached (re-parented to init).

@@ -276,6 +276,9 @@ impl CriuRpc {
             AfterDump::Stop => "--leave-stopped",
         });
         cmd.args(req.options.cli_args());
+        if let Some(c) = req.container {
+            cmd.args(c.cli_args());
+        }
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         self.run_cli(Op::Dump, cmd, &req.images_dir.join(req.log_file))
     }
@@ -425,6 +428,9 @@ impl Criu for CriuRpc {
         }
         let mut opts = base_opts(&images, req.log_file, req.options);
         opts.set_pid(req.pid);
+        if let Some(c) = req.container {
+            c.apply_rpc(&mut opts);
+        }
         match req.after {
             AfterDump::KeepRunning => opts.set_leave_running(true),
             AfterDump::Stop => opts.set_leave_stopped(true),

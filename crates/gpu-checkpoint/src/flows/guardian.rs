@@ -313,10 +313,10 @@ impl Watched {
         let Some(tree) = &self.tree else {
             return;
         };
-        if let Some(resume) = &self.resume {
-            resume_container(resume);
-        }
         if self.durable {
+            if let Some(resume) = &self.resume {
+                resume_container(resume, true);
+            }
             if !tree.leave_running {
                 let left = tree.all.kill(Duration::from_secs(10));
                 say(&format!(
@@ -333,6 +333,9 @@ impl Watched {
         // CRIU may still hold the tree (a dump in progress when the tool died fails or finishes by
         // itself): a continue sent meanwhile would be lost.
         wait_untraced(&tree.all.pids(), CRIU_LET_GO);
+        if let Some(resume) = &self.resume {
+            resume_settled(resume, &tree.all.pids());
+        }
         tree.running.continue_all();
         let thawed = self.gpu.map(|b| thaw_gpu(b, &tree.all.pids())).unwrap_or(0);
         // The GPU restore runs in the processes themselves; continue again in case one was stopped meanwhile.
@@ -344,9 +347,27 @@ impl Watched {
     }
 }
 
+/// How long after resuming a paused container the guardian keeps resuming it again (see
+/// [`resume_settled`]).
+const RESUME_AGAIN: Duration = Duration::from_secs(3);
+
+/// Resumes the paused container once CRIU has let go of it, and again for [`RESUME_AGAIN`]: a CRIU that
+/// was still starting when the tool died (its dump fails on the broken image pipes, or runc's finishes)
+/// seizes the tree later and, letting go, puts the container's freezer back as it found it, frozen. A
+/// resume of a running container fails and changes nothing.
+fn resume_settled(argv: &[String], pids: &[i32]) {
+    resume_container(argv, true);
+    let until = std::time::Instant::now() + RESUME_AGAIN;
+    while std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+        wait_untraced(pids, CRIU_LET_GO);
+        resume_container(argv, false);
+    }
+}
+
 /// Runs the command that resumes a paused container (its runtime's `resume`); a container that runs
-/// already makes it fail, which changes nothing.
-fn resume_container(argv: &[String]) {
+/// already makes it fail, which changes nothing (said only when `say`).
+fn resume_container(argv: &[String], say: bool) {
     let Some((program, args)) = argv.split_first() else {
         return;
     };
@@ -358,6 +379,7 @@ fn resume_container(argv: &[String]) {
         .status()
     {
         Ok(st) if st.success() => eprintln!("gpu-checkpoint guardian: resumed the container"),
+        Ok(_) if !say => {}
         Ok(st) => eprintln!("gpu-checkpoint guardian: `{}` {st}", argv.join(" ")),
         Err(e) => eprintln!("gpu-checkpoint guardian: cannot run {program}: {e}"),
     }

@@ -152,7 +152,18 @@ impl<'a> Streams<'a> {
     /// Stores one image read from `reader` until its end. Returns an error (and makes every other stream
     /// of the session fail too) when the store cannot take it; the caller then drops `reader`, which is
     /// what tells CRIU to give up.
-    pub fn add(&self, name: &str, mut reader: impl Read) -> Result<()> {
+    pub fn add(&self, name: &str, reader: impl Read) -> Result<()> {
+        self.add_as(name, reader, name.starts_with("pages-"))
+    }
+
+    /// [`Streams::add`] for a large image that is not one of CRIU's page images (runsc's
+    /// `checkpoint.img`): cut into the pool as it comes, like pages, rather than spilled to the staging
+    /// folder and stored again at commit.
+    pub fn add_bulk(&self, name: &str, reader: impl Read) -> Result<()> {
+        self.add_as(name, reader, true)
+    }
+
+    fn add_as(&self, name: &str, mut reader: impl Read, bulk: bool) -> Result<()> {
         let index = {
             let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
             // An image written twice is like a file rewritten: the later one counts (what a staged dump
@@ -182,7 +193,7 @@ impl<'a> Streams<'a> {
             !self.failed.load(Ordering::Relaxed) && tx.send((index, piece)).is_ok()
         };
         let hints = self.hints.get(name);
-        let result = if name.starts_with("pages-") && self.take_pool_slot() {
+        let result = if bulk && self.take_pool_slot() {
             let r = self.add_pooled(name, &mut reader, hints, send);
             *self.pool_slots.lock().unwrap_or_else(|p| p.into_inner()) += 1;
             r.map(|size| (size, FileState::Done))

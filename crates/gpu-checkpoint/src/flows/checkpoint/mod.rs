@@ -18,7 +18,7 @@
 
 mod devices;
 mod lock;
-mod stream;
+pub(in crate::flows) mod stream;
 mod undo;
 
 use std::path::{Path, PathBuf};
@@ -333,6 +333,7 @@ impl Flow<'_> {
             options: &opts.criu,
             stream: self.images != ImageTransfer::Staged,
             env: &criu_env,
+            container: None,
         };
         let stored = dump_tree(
             self.criu,
@@ -546,7 +547,7 @@ fn check_options(pid: i32, report: &Report, criu: &CriuOptions) -> Result<(), Er
 /// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
 /// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
 /// full), CRIU only saw a broken pipe: the store's error says why.
-fn dump_tree(
+pub(in crate::flows) fn dump_tree(
     criu: &dyn Criu,
     store: &Store,
     progress: &dyn Progress,
@@ -600,7 +601,10 @@ fn dumped_tree(pid: i32, report: &Report) -> Vec<tree::TreeProcess> {
 }
 
 /// The sizes of CRIU's images: the files in the staging folder, plus those that came as streams.
-fn image_sizes(staging: &Path, streamed: Option<&Streamed>) -> Result<Sizes, Error> {
+pub(in crate::flows) fn image_sizes(
+    staging: &Path,
+    streamed: Option<&Streamed>,
+) -> Result<Sizes, Error> {
     let mut sizes = Sizes::of_dir(staging).map_err(|source| Error::Images {
         path: staging.to_path_buf(),
         source,

@@ -59,17 +59,25 @@ pub(super) fn dump_streamed(
     let stored = streams.finish();
     StreamedDump {
         dumped,
-        // The store's first error explains a broken pipe better than the server's view of it.
-        stored: match (stored, served) {
-            (Err(e), _) => Err(e.into()),
-            (Ok(_), Err(e)) => Err(e),
-            (Ok(s), Ok(())) => Ok(s),
-        },
+        stored: store_error_first(stored, served),
+    }
+}
+
+/// A streaming session's result with its feeder's: the store's first error explains a broken pipe or a
+/// failed read better than the feeder's view of it.
+pub(in crate::flows) fn store_error_first(
+    stored: crate::store::Result<Streamed>,
+    fed: crate::Result<()>,
+) -> crate::Result<Streamed> {
+    match (stored, fed) {
+        (Err(e), _) => Err(e.into()),
+        (Ok(_), Err(e)) => Err(e),
+        (Ok(s), Ok(())) => Ok(s),
     }
 }
 
 /// The resident memory of the tree, in bytes: about what CRIU's page images will hold.
-pub(super) fn resident_bytes(pids: &[i32]) -> u64 {
+pub(in crate::flows) fn resident_bytes(pids: &[i32]) -> u64 {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
     pids.iter()

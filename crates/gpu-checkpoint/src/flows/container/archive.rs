@@ -14,7 +14,7 @@
 //! own image names, never sees them. A checkpoint taken by `checkpoint --container` has no `oci/`: its
 //! export writes a `config.dump` from its manifest (with the podman image its rootfs is, when given,
 //! for `podman container restore --import`) and the bundle's `config.json` as `spec.dump`. An
-//! imported `rootfs-diff.tar`/`deleted.files` is applied by the restore (`rootfs.rs`).
+//! imported `rootfs-diff.tar`/`deleted.files` is applied by the restore (`restore/rootfs.rs`).
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};

@@ -20,6 +20,8 @@ pub struct FakeRuntime {
     pub restored_pid: i32,
     /// Its containers' GPU processes cannot be frozen from the host (as under gVisor).
     pub sandboxed: bool,
+    /// The settings of a direct CRIU dump it offers (`None`: it has no such path).
+    pub direct: Option<super::DirectDump>,
 }
 
 impl FakeRuntime {
@@ -74,6 +76,11 @@ impl FakeRuntime {
 impl ContainerRuntime for FakeRuntime {
     fn name(&self) -> &str {
         "runc"
+    }
+
+    fn direct_dump(&self, id: &str, _init: i32) -> Result<Option<super::DirectDump>, Error> {
+        self.call("direct-dump", id)?;
+        Ok(self.direct.clone())
     }
 
     fn global_args(&self) -> Vec<String> {

@@ -7,12 +7,15 @@
 //! 2. Find the container's processes from the host (`members.rs`: same cgroups and PID namespace as its
 //!    init), and detect's report of its tree (GPU processes by NVML or /proc, as for a process).
 //! 3. GPU freeze (lock + checkpoint) of its CUDA processes: undone on any later failure (a guard).
-//! 4. Where the runtime can (runc), pause the container, then `checkpoint --leave-running` into the
-//!    store's private staging folder: the container stays stopped (frozen) until the checkpoint is
-//!    durable, and a failure before that resumes it (a guard, dropped before the GPU one: the GPU restore
-//!    runs in the processes). Without `--leave-running`, only once the checkpoint is durable is the
-//!    container killed and deleted, as `runc checkpoint` would have done.
-//! 5. The store ingests the images (dedup across checkpoints and containers) and commits the manifest,
+//! 4. Where the runtime can (runc), pause the container, then dump it, leaving it running: by default
+//!    with our CRIU and the settings the runtime itself would give CRIU (`direct.rs`), the images
+//!    streamed into the store (no staged copy); else (runsc, or `via_runtime`) by the runtime's own
+//!    `checkpoint` into the store's private staging folder (runsc: into a work folder of ours, its
+//!    `checkpoint.img` stored while runsc writes it, `follow.rs`). The container stays stopped (frozen)
+//!    until the checkpoint is durable, and a failure before that resumes it (a guard, dropped before the
+//!    GPU one: the GPU restore runs in the processes). Without `--leave-running`, only once the checkpoint
+//!    is durable is the container killed and deleted, as `runc checkpoint` would have done.
+//! 5. The store takes the images (dedup across checkpoints and containers) and commits the manifest,
 //!    which records the container (runtime, its flags, id, bundle, its processes' PIDs inside it).
 //!
 //! Restore (`restore.rs`): the images are materialized into a private folder, the runtime restores the
@@ -22,8 +25,10 @@
 //! what the runtime left mounted: `oci.rs`); the checkpoint is never changed.
 
 pub mod archive;
+pub mod direct;
 mod error;
 mod fake;
+mod follow;
 pub mod members;
 mod oci;
 mod restore;
@@ -32,18 +37,21 @@ mod runtime;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+pub use direct::DirectDump;
 pub use error::Error;
 pub use fake::FakeRuntime;
+pub use follow::{Follow, FollowReader};
 pub use oci::{unmount_under, OciCli, RuntimeKind};
 pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
 pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 
 use super::guardian::Event;
 use super::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
-use super::manifest::{OptionsRecord, PhaseTimings, Sizes};
+use super::manifest::{OptionsRecord, PhaseTimings};
 use super::ms;
 use super::thaw::GpuThawGuard;
 use crate::detect::{self, DetectOptions, Report, StrategyName};
+use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
@@ -57,6 +65,10 @@ pub struct ContainerFlow<'a> {
     pub progress: &'a dyn Progress,
     /// The CRIU the runtime runs (runc's `--criu`), for the manifest; `None` for runsc (its own).
     pub criu: Option<CriuInfo>,
+    /// Our CRIU, to dump the container directly with the runtime's settings where the runtime offers
+    /// them ([`ContainerRuntime::direct_dump`]: runc), its images streamed into the store; `None`: the
+    /// runtime's own checkpoint into the staging folder.
+    pub direct: Option<&'a dyn Criu>,
     /// Who is told each step of a checkpoint, to undo or finish it should this process die
     /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
     /// container once the checkpoint is durable.
@@ -75,6 +87,10 @@ pub struct ContainerCheckpointOptions {
     pub detect: DetectOptions,
     /// CRIU's `--tcp-established` (runc only).
     pub tcp_established: bool,
+    /// Let the runtime dump the container (`runc checkpoint` into the staging folder, then stored)
+    /// even where CRIU could be driven directly: the fallback for a setting the direct path does not
+    /// take over (docs/containers.md).
+    pub via_runtime: bool,
 }
 
 impl ContainerCheckpointOptions {
@@ -88,6 +104,7 @@ impl ContainerCheckpointOptions {
                 ..DetectOptions::default()
             },
             tcp_established: false,
+            via_runtime: false,
         }
     }
 }
@@ -100,7 +117,8 @@ pub struct CheckpointTimings {
     pub freeze: f64,
     /// The runtime's pause (0 where it cannot hold the container paused).
     pub pause: f64,
-    /// The runtime's checkpoint into the staging folder.
+    /// The runtime's checkpoint into the staging folder (the direct dump, and runsc: with the images
+    /// stored meanwhile).
     pub runtime_checkpoint: f64,
     /// Storing the images and committing the manifest.
     pub write: f64,
@@ -117,6 +135,9 @@ pub struct ContainerCheckpointOutcome {
     pub timings: CheckpointTimings,
     /// The container was killed and deleted (false with `--leave-running`).
     pub stopped: bool,
+    /// Our CRIU dumped it with the runtime's settings, the images streamed into the store (false: the
+    /// runtime's own checkpoint, then stored).
+    pub direct: bool,
 }
 
 /// How long a killed container's init may take to go.
@@ -308,6 +329,14 @@ impl ContainerFlow<'_> {
             }
             .into());
         }
+        // CRIU driven directly where the runtime says how (runc); asked before anything is touched.
+        let direct = match (self.direct, opts.via_runtime) {
+            (Some(criu), false) => self
+                .runtime
+                .direct_dump(id, found.state.pid)?
+                .map(|d| (criu, d)),
+            _ => None,
+        };
         let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
         let process_tree: Vec<crate::proc::TreeProcess> = pids
             .iter()
@@ -384,12 +413,37 @@ impl ContainerFlow<'_> {
             .as_ref()
             .map_or(ingest.staging_dir(), WorkDir::path);
         injected("container.runtime-checkpoint", self.runtime)?;
-        self.runtime.checkpoint(&CheckpointRequest {
-            id,
-            images,
-            leave_running: hold,
-            tcp_established: opts.tcp_established,
-        })?;
+        let streamed = match &direct {
+            Some((criu, d)) => {
+                dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?.map(Ok)
+            }
+            None => {
+                let req = CheckpointRequest {
+                    id,
+                    images,
+                    leave_running: hold,
+                    tcp_established: opts.tcp_established,
+                };
+                match self
+                    .runtime
+                    .followed_image()
+                    .filter(|_| own_images.is_some())
+                {
+                    Some(name) => {
+                        let expected = super::checkpoint::stream::resident_bytes(&pids);
+                        let at = (&ingest, self.progress, expected);
+                        let f = follow::checkpoint_following(self.runtime, &req, name, at);
+                        f.dumped?;
+                        // A store failure is returned once the undo below is armed.
+                        Some(f.stored)
+                    }
+                    None => {
+                        self.runtime.checkpoint(&req)?;
+                        None
+                    }
+                }
+            }
+        };
         let revive = own_images.as_ref().map(|w| Revive {
             runtime: self.runtime,
             id: id.to_string(),
@@ -398,8 +452,9 @@ impl ContainerFlow<'_> {
             tcp_established: opts.tcp_established,
             armed: true,
         });
+        let streamed = streamed.transpose()?;
         if let Some(w) = &own_images {
-            link_files(w.path(), ingest.staging_dir())?;
+            link_files(w.path(), ingest.staging_dir(), streamed.as_ref())?;
         }
         timings.runtime_checkpoint = ms(t);
         fault::at("checkpoint.after-dump");
@@ -427,10 +482,7 @@ impl ContainerFlow<'_> {
         }
 
         // 5. Commit.
-        let sizes = Sizes::of_dir(ingest.staging_dir()).map_err(|source| Error::WorkDir {
-            path: ingest.staging_dir().to_path_buf(),
-            source,
-        })?;
+        let sizes = super::checkpoint::image_sizes(ingest.staging_dir(), streamed.as_ref())?;
         let manifest = CheckpointManifest {
             schema: manifest::SCHEMA.into(),
             schema_version: manifest::SCHEMA_VERSION,
@@ -462,7 +514,7 @@ impl ContainerFlow<'_> {
                 detect: timings.detect,
                 freeze: timings.freeze,
                 dump: timings.runtime_checkpoint,
-                streamed: false,
+                streamed: streamed.is_some(),
             },
             sizes,
             devices: Vec::new(),
@@ -479,7 +531,7 @@ impl ContainerFlow<'_> {
             .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?;
         let t = Instant::now();
         check_interrupt(&interrupt)?;
-        let info = ingest.commit(metadata, self.progress)?;
+        let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
         timings.write = ms(t);
         if let Err(e) = self.watch.tell(&Event::Durable) {
             tracing::warn!("{e}");
@@ -506,6 +558,7 @@ impl ContainerFlow<'_> {
             manifest,
             timings,
             stopped,
+            direct: direct.is_some(),
         })
     }
 
@@ -531,16 +584,62 @@ impl ContainerFlow<'_> {
     }
 }
 
+/// Dumps the (paused) container with our CRIU and the runtime's settings, its images streamed into
+/// the store, the runtime's files (`descriptors.json`) written next to them. Returns the store's side
+/// of the dump; on error CRIU left the container as it was (paused: the caller's guard resumes it).
+fn dump_direct(
+    criu: &dyn Criu,
+    d: &DirectDump,
+    found: &Discovered,
+    (store, progress, ingest): (&Store, &dyn Progress, &crate::store::Ingest),
+    opts: &ContainerCheckpointOptions,
+) -> crate::Result<Option<crate::store::Streamed>> {
+    for (name, bytes) in &d.files {
+        let path = ingest.staging_dir().join(name);
+        let failed = |source| Error::WorkDir {
+            path: path.clone(),
+            source,
+        };
+        let mut f = crate::util::create_new_private_file(&path).map_err(failed)?;
+        std::io::Write::write_all(&mut f, bytes).map_err(failed)?;
+    }
+    let options = CriuOptions {
+        tcp_established: opts.tcp_established,
+        ..d.options.clone()
+    };
+    let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
+    let req = DumpRequest {
+        pid: found.state.pid,
+        images_dir: ingest.staging_dir(),
+        log_file: super::checkpoint::DUMP_LOG,
+        // The container is paused: it stays so until the checkpoint is durable (or resumed).
+        after: AfterDump::KeepRunning,
+        options: &options,
+        stream: true,
+        env: &[],
+        container: Some(&d.settings),
+    };
+    let stored = super::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids)?;
+    stored.transpose()
+}
+
 /// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image
 /// folders keep flat.
-fn link_files(from: &std::path::Path, to: &std::path::Path) -> Result<(), Error> {
+fn link_files(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    streamed: Option<&crate::store::Streamed>,
+) -> Result<(), Error> {
     let failed = |source| Error::WorkDir {
         path: from.to_path_buf(),
         source,
     };
     for e in std::fs::read_dir(from).map_err(failed)? {
         let e = e.map_err(failed)?;
-        if !e.file_type().map_err(failed)?.is_file() {
+        let name = e.file_name();
+        // Already stored as it was written.
+        let was_streamed = streamed.is_some_and(|s| s.names().any(|n| *n == *name));
+        if was_streamed || !e.file_type().map_err(failed)?.is_file() {
             continue;
         }
         let dest = to.join(e.file_name());

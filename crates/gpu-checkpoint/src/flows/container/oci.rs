@@ -158,6 +158,13 @@ impl ContainerRuntime for OciCli {
         self.kind == RuntimeKind::Runc
     }
 
+    fn direct_dump(&self, id: &str, init: i32) -> Result<Option<super::DirectDump>, Error> {
+        if self.kind != RuntimeKind::Runc {
+            return Ok(None);
+        }
+        super::direct::runc_settings(id, &self.state_dir(id), init).map(Some)
+    }
+
     fn state(&self, id: &str) -> Result<ContainerState, Error> {
         match self.run(&["state", id]) {
             Ok(out) => serde_json::from_str(&out).map_err(|e| Error::Protocol {
@@ -199,6 +206,11 @@ impl ContainerRuntime for OciCli {
         argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
         argv.extend(["resume".to_string(), id.to_string()]);
         argv
+    }
+
+    fn followed_image(&self) -> Option<&'static str> {
+        // runsc 2022 writes its whole state into this one file, sequentially (no compression flag).
+        (self.kind == RuntimeKind::Runsc).then_some("checkpoint.img")
     }
 
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {

@@ -5,8 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::members::{self, pid_map};
-// Declared here, its only user, rather than in `mod.rs`.
-#[path = "rootfs.rs"]
+// Applying an imported archive's root file system changes: only the restore uses it.
 mod rootfs;
 use super::{injected, ContainerFlow, Error, WorkDir};
 use crate::fault;

@@ -70,6 +70,18 @@ pub trait ContainerRuntime {
     fn gpu_from_host(&self) -> bool {
         self.can_hold_paused()
     }
+    /// CRIU's settings for dumping the container directly, as the runtime itself would
+    /// ([`super::direct`]): the images then stream into the store and the runtime's restore still
+    /// restores them. `None` where the runtime has no such path (runsc checkpoints by itself).
+    fn direct_dump(&self, _id: &str, _init: i32) -> Result<Option<super::DirectDump>, Error> {
+        Ok(None)
+    }
+    /// The one image file the runtime's `checkpoint` writes from start to end (runsc: `checkpoint.img`),
+    /// stored while the runtime still writes it ([`super::Follow`]); `None`: its images are stored
+    /// once it has finished.
+    fn followed_image(&self) -> Option<&'static str> {
+        None
+    }
     /// The container's state; [`Error::NoSuchContainer`] when the runtime does not know it.
     fn state(&self, id: &str) -> Result<ContainerState, Error>;
     /// Every container the runtime knows (`list`).

@@ -24,6 +24,7 @@ fn flow<'a>(rt: &'a FakeRuntime, gpu: &'a mut NoGpu, store: &'a Store) -> Contai
         store,
         progress: &NoProgress,
         criu: None,
+        direct: None,
         watch: &crate::flows::guardian::NoWatch,
     }
 }
@@ -165,4 +166,92 @@ fn gpu_state_a_host_freeze_cannot_reach_is_refused_before_anything_is_touched() 
     );
     assert!(calls(&rt).is_empty(), "nothing touched: {:?}", calls(&rt));
     assert!(store.list().unwrap().is_empty());
+}
+
+/// A runtime offering the settings of a direct dump, as runc's state gives them.
+fn direct_settings() -> DirectDump {
+    DirectDump {
+        settings: crate::dump::ContainerDump {
+            root: "/nonexistent/bundle/rootfs".into(),
+            ..Default::default()
+        },
+        options: CriuOptions {
+            manage_cgroups: Some(crate::dump::CgroupMode::Soft),
+            ..CriuOptions::default()
+        },
+        files: vec![(direct::DESCRIPTORS.into(), b"[\"/dev/null\"]".to_vec())],
+    }
+}
+
+#[test]
+fn a_direct_dump_streams_criu_images_into_the_store_with_the_runtimes_files_and_no_runtime_checkpoint(
+) {
+    let (_dir, store, mut init, mut rt) = setup(None);
+    rt.direct = Some(direct_settings());
+    let criu = crate::dump::FakeCriu::new();
+    let mut gpu = NoGpu;
+    let mut f = flow(&rt, &mut gpu, &store);
+    f.direct = Some(&criu);
+    let mut opts = ContainerCheckpointOptions::new("c1");
+    opts.tcp_established = true;
+    let out = f.checkpoint(&opts).unwrap();
+    assert!(out.direct && out.stopped);
+    // Paused around CRIU's dump, runc's checkpoint never run, deleted once durable.
+    assert_eq!(calls(&rt), ["direct-dump c1", "pause c1", "delete c1"]);
+    let _ = init.wait();
+    match criu.calls().as_slice() {
+        [crate::dump::FakeCriuCall::Dump {
+            pid,
+            after,
+            options,
+            ..
+        }] => {
+            assert_eq!(*pid, out.manifest.root_pid);
+            assert_eq!(*after, crate::dump::AfterDump::KeepRunning);
+            assert_eq!(options.manage_cgroups, Some(crate::dump::CgroupMode::Soft));
+            assert!(options.tcp_established, "the user's options are added");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(out.manifest.timings_ms.streamed);
+    // The images came as streams; the runtime's file went with them, as runc's restore reads it.
+    let info = store.get(&out.info.id).unwrap();
+    let names: Vec<&str> = info.files.iter().map(|f| f.path.as_str()).collect();
+    assert!(names.contains(&"pages-1.img"), "{names:?}");
+    assert!(names.contains(&direct::DESCRIPTORS), "{names:?}");
+    let work = tempfile::tempdir().unwrap();
+    store
+        .materialize(&out.info.id, &work.path().join("m"), &NoProgress)
+        .unwrap();
+    assert_eq!(
+        std::fs::read(work.path().join("m").join(direct::DESCRIPTORS)).unwrap(),
+        b"[\"/dev/null\"]"
+    );
+}
+
+#[test]
+fn a_failed_direct_dump_resumes_the_container_and_stores_nothing() {
+    let (_dir, store, mut init, mut rt) = setup(None);
+    rt.direct = Some(direct_settings());
+    let criu = crate::dump::FakeCriu::new();
+    criu.fail_dumps("Error (criu/cr-dump.c:1): made to fail");
+    let mut gpu = NoGpu;
+    let mut f = flow(&rt, &mut gpu, &store);
+    f.direct = Some(&criu);
+    let err = f
+        .checkpoint(&ContainerCheckpointOptions::new("c1"))
+        .unwrap_err();
+    assert!(err.to_string().contains("made to fail"), "{err}");
+    assert_eq!(calls(&rt), ["direct-dump c1", "pause c1", "resume c1"]);
+    assert_eq!(rt.status("c1").as_deref(), Some("running"));
+    assert!(store.list().unwrap().is_empty(), "nothing stored");
+    // Asked to, the runtime's own checkpoint is used instead.
+    let mut opts = ContainerCheckpointOptions::new("c1");
+    opts.via_runtime = true;
+    opts.leave_running = true;
+    let out = f.checkpoint(&opts).unwrap();
+    assert!(!out.direct);
+    assert_eq!(criu.calls().len(), 1, "CRIU not asked again");
+    init.kill().unwrap();
+    let _ = init.wait();
 }
