@@ -5,94 +5,29 @@
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
+#[path = "cluster_support/scene.rs"]
+mod scene;
 mod sim_support;
 
 use std::path::Path;
 use std::time::Duration;
 
-use cluster_support::netns::{in_hub, netns_ready, start_agent, start_etcd, Lab, NsProcess};
-use cluster_support::{etcd_bin, read};
-use sim_support::{assert_healthy, criu_ready, status, text, SimProcess};
+use cluster_support::netns::{in_hub, Lab};
+use scene::Scene;
+use sim_support::{assert_healthy, status, text};
 
-// Dropped in this order: the ranks, the agents, etcd, then the namespaces and the folder.
-struct Scene {
-    ranks: Vec<SimProcess>,
-    agents: Vec<NsProcess>,
-    _etcd: NsProcess,
-    lab: Lab,
-    dir: tempfile::TempDir,
-}
-
-impl Scene {
-    /// Two nodes, "a" and "b", two ranks each, one store shared by both agents.
-    fn start() -> Option<Scene> {
-        let bin = etcd_bin()?;
-        if !criu_ready() || !netns_ready() {
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let lab = Lab::new(&["a", "b"]);
-        let etcd = start_etcd(&lab, &bin, dir.path());
-        let store = dir.path().join("store");
-        // Agents' leases of 6 s: the cut agent is noticed 6 s after its last refresh.
-        let agents = ["a", "b"]
-            .iter()
-            .map(|n| start_agent(&lab, n, &store, dir.path(), "6s"))
-            .collect();
-        let mut ranks = Vec::new();
-        for rank in 0..4 {
-            let node = if rank < 2 { "a" } else { "b" };
-            // Each rank in its node's namespace, as a node's processes share its network.
-            let out = Lab::exec(lab.ns(node), &sim_support::sim_workload())
-                .args(["--daemon", "--mib", "4"])
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", text(&out));
-            let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-            ranks.push(SimProcess {
-                pid,
-                children: Vec::new(),
-            });
-            let (r, p) = (rank.to_string(), pid.to_string());
-            let add = ["job", "add", "--job", "train", "--rank", &r, "--node", node];
-            let out = in_hub(&lab, &[&add[..], &["--pid", &p]].concat());
-            assert!(out.status.success(), "{}", text(&out));
-        }
-        Some(Scene {
-            ranks,
-            agents,
-            _etcd: etcd,
-            lab,
-            dir,
-        })
-    }
-
-    fn pids(&self) -> Vec<i32> {
-        self.ranks.iter().map(|r| r.pid).collect()
-    }
-
-    fn store(&self) -> std::path::PathBuf {
-        self.dir.path().join("store")
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| format!("--- {}:\n{}", a.log.display(), read(&a.log)))
-            .collect()
-    }
-
-    fn job_checkpoints(&self) -> usize {
-        let out = in_hub(&self.lab, &["job", "list", "--format", "json"]);
-        assert!(out.status.success(), "{}", text(&out));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["checkpoints"].as_array().unwrap().len()
-    }
+/// Four plain SIMULATED ranks (4 MiB each), two per node.
+fn start() -> Option<Scene> {
+    Scene::start(
+        &[],
+        |_| Vec::new(),
+        |_, _, _| ["--mib", "4"].map(String::from).to_vec(),
+    )
 }
 
 #[test]
 fn agents_in_network_namespaces_commit_and_one_cut_off_during_prepare_aborts_the_job() {
-    let Some(s) = Scene::start() else { return };
+    let Some(s) = start() else { return };
     let ckpt = [
         "job",
         "checkpoint",

@@ -59,10 +59,12 @@ pub struct Lab {
 }
 
 impl Lab {
-    /// The hub and a namespace per node in `nodes`, named after this test process (unique while it
-    /// runs).
+    /// The hub and a namespace per node in `nodes`, named after this test process and a count of
+    /// its labs (unique while it runs).
     pub fn new(nodes: &[&str]) -> Lab {
-        let tag = format!("gc{}", std::process::id());
+        static LABS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = LABS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let tag = format!("gc{}x{n}", std::process::id());
         let mut lab = Lab {
             hub: format!("{tag}hub"),
             nodes: Vec::new(),
@@ -97,8 +99,24 @@ impl Lab {
                 &n,
             ]);
             ip(&["-n", &ns, "link", "set", &n, "up"]);
+            // The nodes reach each other through the hub (a lockstep job's ranks talk across nodes).
+            ip(&[
+                "-n",
+                &ns,
+                "route",
+                "add",
+                "default",
+                "via",
+                &format!("10.77.{i}.1"),
+            ]);
             lab.nodes.push((node.to_string(), ns));
         }
+        // The hub forwards between the veths: its own namespace's sysctl, nobody else's.
+        let out = Lab::exec(&lab.hub, Path::new("sh"))
+            .args(["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
+            .output()
+            .expect("nsenter");
+        assert!(out.status.success(), "{out:?}");
         lab
     }
 
@@ -115,6 +133,11 @@ impl Lab {
     /// The namespace of `node`.
     pub fn ns(&self, node: &str) -> &str {
         &self.nodes[self.index(node)].1
+    }
+
+    /// `node`'s own address (the node end of its veth).
+    pub fn addr(&self, node: &str) -> String {
+        format!("10.77.{}.2", self.index(node))
     }
 
     /// etcd's URL as `node` reaches it (through its veth).
@@ -222,9 +245,17 @@ pub fn in_hub(lab: &Lab, args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// `gpu-checkpoint agent` for `node` in its namespace, reaching etcd through its veth; returns once
-/// it is registered.
-pub fn start_agent(lab: &Lab, node: &str, store: &Path, dir: &Path, ttl: &str) -> NsProcess {
+/// `gpu-checkpoint agent` for `node` in its namespace, reaching etcd through its veth, with `extra`
+/// arguments and environment `env`; returns once it is registered.
+pub fn start_agent(
+    lab: &Lab,
+    node: &str,
+    store: &Path,
+    dir: &Path,
+    ttl: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> NsProcess {
     let mut cmd = Lab::exec(
         lab.ns(node),
         Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
@@ -232,7 +263,9 @@ pub fn start_agent(lab: &Lab, node: &str, store: &Path, dir: &Path, ttl: &str) -
     cmd.args(["agent", "--etcd", &lab.etcd_url_from(node), "--node", node])
         .arg("--storage")
         .arg(store)
-        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"]);
+        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+        .args(extra)
+        .envs(env.iter().copied());
     let agent = NsProcess::spawn(cmd, dir.join(format!("agent-{node}.log")));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

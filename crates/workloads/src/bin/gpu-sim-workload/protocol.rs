@@ -8,6 +8,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::time::Duration;
 
+use crate::lockstep::Lockstep;
 use crate::options::fault_names;
 use crate::sim::Sim;
 
@@ -44,8 +45,8 @@ pub fn bind(pid: u32) -> Result<UnixListener, String> {
         .map_err(|e| format!("cannot bind @gpu-checkpoint-sim/{pid}: {e}"))
 }
 
-/// Answers requests for ever.
-pub fn serve(listener: &UnixListener, sim: &Sim) -> ! {
+/// Answers requests for ever; `STATUS` also reports the lockstep of a rank (`--peers`).
+pub fn serve(listener: &UnixListener, sim: &Sim, lockstep: Option<&Lockstep>) -> ! {
     loop {
         // accept() is restarted after CRIU restores the listening socket; transient errors just loop.
         let Ok((stream, _)) = listener.accept() else {
@@ -56,7 +57,10 @@ pub fn serve(listener: &UnixListener, sim: &Sim) -> ! {
         if BufReader::new(&stream).read_line(&mut line).is_err() {
             continue;
         }
-        let answer = handle(sim, &line);
+        let mut answer = handle(sim, &line);
+        if let (Some(l), true) = (lockstep, answer.starts_with("OK simulated=")) {
+            answer = format!("{answer} {}", l.status());
+        }
         let _ = (&stream).write_all(format!("{answer}\n").as_bytes());
     }
 }
