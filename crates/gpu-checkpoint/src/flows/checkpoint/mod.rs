@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
-use super::{ms, save_log, Alone, Flow, ImageTransfer, Phases};
+use super::{ms, save_log, Alone, Flow, ImageTransfer, NotCommitted, Phases};
 use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
 use crate::dump::devices::PluginDir;
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
@@ -86,6 +86,8 @@ pub enum Error {
     },
     #[error("the job checkpoint aborted: {reason}; this member's checkpoint was undone, the tree runs as before and nothing was kept")]
     Aborted { reason: String },
+    #[error("the job checkpoint's outcome is unknown ({reason}): the tree runs as before, and this member's checkpoint {id} is kept, as a committed job checkpoint may name it (`job list` tells; `gpu-checkpoint delete {id}` if none does)")]
+    InDoubt { id: String, reason: String },
     #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
     Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
@@ -110,7 +112,7 @@ impl Classify for Error {
             | Error::StrategyRefused { .. }
             | Error::DeviceMapped { .. } => ExitStatus::Unsupported,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
-            Error::Aborted { .. } => ExitStatus::Failure,
+            Error::Aborted { .. } | Error::InDoubt { .. } => ExitStatus::Failure,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
         }
@@ -400,14 +402,22 @@ impl Flow<'_> {
         // A job checkpoint: hold everything as it is until the job commits (the guardian still undoes
         // should this process die meanwhile); an abort deletes this member's checkpoint, and the guards
         // put the tree back as for any failure before a commit.
-        if let Err(reason) = phases.durable(&info.id) {
-            if let Err(e) = self.store.delete(&info.id) {
-                tracing::error!(
-                    "the job aborted, and deleting its member checkpoint {} failed: {e}",
-                    info.id
-                );
+        // In doubt, the member checkpoint is kept: the job may have committed with it.
+        match phases.durable(&info.id) {
+            Ok(()) => {}
+            Err(NotCommitted::Aborted(reason)) => {
+                if let Err(e) = self.store.delete(&info.id) {
+                    tracing::error!(
+                        "the job aborted, and deleting its member checkpoint {} failed: {e}",
+                        info.id
+                    );
+                }
+                return Err(Error::Aborted { reason }.into());
             }
-            return Err(Error::Aborted { reason }.into());
+            Err(NotCommitted::InDoubt(reason)) => {
+                let id = info.id.clone();
+                return Err(Error::InDoubt { id, reason }.into());
+            }
         }
         // Durable: from here on a signal is deferred until the tree is stopped, as promised, and a dead
         // tool's guardian stops it.

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::coord::{Compare, Coordinator, TxnOp};
+use super::coord::{Compare, CoordError, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
 use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
 use super::{AgentRecord, ClusterError, JobManifest};
-use crate::flows::Phases;
+use crate::flows::{NotCommitted, Phases};
 use crate::freeze::BeforeUnlock;
 
 /// What a member's part of an operation does on this node.
@@ -138,6 +138,7 @@ pub fn run_agent(
                     lease: lease.id(),
                     timeout: opts.decision_timeout,
                     aborted: AtomicBool::new(false),
+                    in_doubt: AtomicBool::new(false),
                     waited_us: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
@@ -177,6 +178,8 @@ enum Decision {
     Go,
     Commit,
     Abort(String),
+    /// etcd cannot be reached: the decision cannot be learnt.
+    Unreachable(String),
 }
 
 /// One member's task on this node.
@@ -188,6 +191,8 @@ struct Member<'c> {
     timeout: Duration,
     /// The job aborted (rather than this member failing on its own).
     aborted: AtomicBool,
+    /// Durable, and then etcd out of reach: the member checkpoint is kept (see `NotCommitted`).
+    in_doubt: AtomicBool,
     /// Time spent waiting at the barriers, in microseconds.
     waited_us: std::sync::atomic::AtomicU64,
 }
@@ -221,11 +226,17 @@ impl Member<'_> {
             self.aborted.store(true, Ordering::SeqCst);
             Decision::Abort(why)
         };
+        // Not an abort by itself: before this member is durable no commit can name it (the caller
+        // aborts), after it the job may have committed meanwhile (the caller is in doubt).
+        let unreachable = |e: CoordError| {
+            self.aborted.store(true, Ordering::SeqCst);
+            Decision::Unreachable(format!("etcd: {e}"))
+        };
         loop {
             let read = self.coord.range(&rec::op_prefix(&self.task.op));
             let (kvs, rev) = match read {
                 Ok(r) => r,
-                Err(e) => return abort(format!("etcd: {e}")),
+                Err(e) => return unreachable(e),
             };
             let get = |k: String| kvs.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
             match get(rec::decision(&self.task.op)).as_deref() {
@@ -241,7 +252,7 @@ impl Member<'_> {
                 return match self.coord.get(&rec::checkpoint(&self.task.op)) {
                     Ok(Some(_)) if self.task.kind == OpKind::Checkpoint => Decision::Commit,
                     Ok(_) => abort("the coordinator is gone (its lease expired)".into()),
-                    Err(e) => abort(format!("etcd: {e}")),
+                    Err(e) => unreachable(e),
                 };
             }
             let now = Instant::now();
@@ -253,7 +264,7 @@ impl Member<'_> {
             }
             let wait = (deadline - now).min(Duration::from_secs(1));
             if let Err(e) = self.coord.watch(&rec::op_prefix(&self.task.op), rev, wait) {
-                return abort(format!("etcd: {e}"));
+                return unreachable(e);
             }
         }
     }
@@ -305,6 +316,10 @@ impl Member<'_> {
                 }
                 self.say(self.done(started));
             }
+            Err(error) if self.in_doubt.load(Ordering::SeqCst) => {
+                tracing::error!("rank {}: {error}", self.task.member.rank);
+                self.say(MemberState::Failed { error });
+            }
             Err(_) if self.aborted.load(Ordering::SeqCst) => self.say(MemberState::Aborted),
             Err(error) => {
                 tracing::error!("rank {}: {error}", self.task.member.rank);
@@ -330,7 +345,8 @@ impl Member<'_> {
             self.say(MemberState::Restored { pid });
             match self.wait("commit") {
                 Decision::Commit | Decision::Go => Ok(()),
-                Decision::Abort(why) => Err(why),
+                // A restore kept nothing: a copy unlocked without the commit is killed either way.
+                Decision::Abort(why) | Decision::Unreachable(why) => Err(why),
             }
         };
         match work.restore(&self.task, &before_unlock) {
@@ -359,11 +375,11 @@ impl Phases for AgentPhases<'_, '_> {
         self.member.say(MemberState::Locked);
         match self.member.wait("go") {
             Decision::Go | Decision::Commit => Ok(()),
-            Decision::Abort(why) => Err(why),
+            Decision::Abort(why) | Decision::Unreachable(why) => Err(why),
         }
     }
 
-    fn durable(&self, id: &str) -> Result<(), String> {
+    fn durable(&self, id: &str) -> Result<(), NotCommitted> {
         crate::fault::at("cluster.member-durable");
         self.member.say(MemberState::Durable {
             checkpoint: id.to_string(),
@@ -372,7 +388,11 @@ impl Phases for AgentPhases<'_, '_> {
         match self.member.wait("commit") {
             Decision::Commit => Ok(()),
             Decision::Go => unreachable!("wait(\"commit\") returns no go"),
-            Decision::Abort(why) => Err(why),
+            Decision::Abort(why) => Err(NotCommitted::Aborted(why)),
+            Decision::Unreachable(why) => {
+                self.member.in_doubt.store(true, Ordering::SeqCst);
+                Err(NotCommitted::InDoubt(why))
+            }
         }
     }
 }

@@ -22,7 +22,8 @@
 //! Modules, one job each: [`options`] (the command line), [`content`] (what device memory must hold),
 //! [`device`] (mapping and releasing device memory), [`sim`] (workers and the checkpoint state machine),
 //! [`protocol`] (the control socket's requests and answers), [`process`] (daemon, process tree, ready
-//! pipe, signals), [`lockstep`] (`--peers`: the ranks of a job computing in lockstep over TCP). This file puts one simulated GPU process together.
+//! pipe, signals), [`lockstep`] (`--peers`: the ranks of a job computing in lockstep over TCP).
+//! This file puts one simulated GPU process together.
 
 mod content;
 mod device;
