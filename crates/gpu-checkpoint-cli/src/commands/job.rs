@@ -88,6 +88,10 @@ pub struct CheckpointArgs {
     /// GPU_CHECKPOINT_RANK and GPU_CHECKPOINT_JOB set: how the application reaches a collective boundary.
     #[arg(long, value_name = "COMMAND")]
     pub quiesce: Option<String>,
+    /// Lock the members one after the other in rank order, and restore and unlock this checkpoint in
+    /// the same order later: jobs whose processes share CUDA IPC memory (driver r610 and later).
+    #[arg(long)]
+    pub ordered: bool,
     /// How long the whole prepare phase (every member locked) may take.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
     pub prepare_timeout: Duration,
@@ -189,6 +193,7 @@ fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
         leave_running: a.leave_running,
         lock_timeout: a.lock_timeout.0,
         quiesce: a.quiesce,
+        ordered: a.ordered,
         timeouts: Timeouts {
             lease_ttl: a.lease_ttl,
             prepare: a.prepare_timeout,

@@ -63,6 +63,7 @@ impl Scene {
             let node = node_of(rank);
             // Each rank in its node's namespace, as a node's processes share its network.
             let out = Lab::exec(lab.ns(node), &sim_support::sim_workload())
+                .env("GPU_SIM_EVENT_FILE", dir.path().join("sim-events"))
                 .arg("--daemon")
                 .args(rank_args(rank, &lab, dir.path()))
                 .output()
@@ -94,6 +95,21 @@ impl Scene {
 
     pub fn store(&self) -> PathBuf {
         self.dir.path().join("store")
+    }
+
+    /// The ranks' driver calls so far, in order (`gpu-sim-workload`'s `GPU_SIM_EVENT_FILE`): (rank,
+    /// call, `begin`/`OK`/`ERR`).
+    pub fn sim_events(&self) -> Vec<(usize, String, String)> {
+        let pids = self.pids();
+        read(&self.dir.path().join("sim-events"))
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let pid: i32 = f.next()?.parse().ok()?;
+                let rank = pids.iter().position(|&p| p == pid)?;
+                Some((rank, f.next()?.to_string(), f.next()?.to_string()))
+            })
+            .collect()
     }
 
     /// The agents' logs, for failure messages.

@@ -269,6 +269,55 @@ impl Member<'_> {
         }
     }
 
+    /// An ordered operation (`task.after`): waits until that rank's state is one `ready` accepts. An
+    /// abort, that rank failing, etcd out of reach or the decision timeout end the wait with the
+    /// reason.
+    fn wait_turn(&self, ready: impl Fn(&MemberState) -> bool) -> Result<(), String> {
+        let Some(prev) = self.task.after else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let deadline = t + self.timeout;
+        let op = &self.task.op;
+        let result = loop {
+            let (kvs, rev) = match self.coord.range(&rec::op_prefix(op)) {
+                Ok(r) => r,
+                Err(e) => break Err(format!("etcd: {e}")),
+            };
+            let get = |k: String| kvs.iter().find(|kv| kv.key == k);
+            if get(rec::decision(op)).is_some_and(|kv| kv.value == b"abort") {
+                break Err("the coordinator aborted the job's operation".into());
+            }
+            if get(rec::op(op)).is_none() {
+                break Err("the coordinator is gone (its lease expired)".into());
+            }
+            if let Some(kv) = get(rec::state(op, prev)) {
+                match decode::<StateRecord>(&kv.key, &kv.value).map(|r| r.state) {
+                    Ok(s) if ready(&s) => break Ok(()),
+                    Ok(MemberState::Failed { .. } | MemberState::Aborted) => {
+                        break Err(format!("rank {prev}, before this one, failed"))
+                    }
+                    Ok(_) => {}
+                    Err(e) => break Err(e.to_string()),
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Err(format!("rank {prev} was not ready in {:?}", self.timeout));
+            }
+            let wait = (deadline - now).min(Duration::from_secs(1));
+            if let Err(e) = self.coord.watch(&rec::op_prefix(op), rev, wait) {
+                break Err(format!("etcd: {e}"));
+            }
+        };
+        self.waited_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
+        if result.is_err() {
+            self.aborted.store(true, Ordering::SeqCst);
+        }
+        result
+    }
+
     fn run(&self, work: &dyn MemberWork) {
         let rank = self.task.member.rank;
         tracing::info!(
@@ -294,6 +343,18 @@ impl Member<'_> {
     }
 
     fn checkpoint(&self, work: &dyn MemberWork) {
+        // Ordered: this member locks only once the rank before it is locked.
+        let locked = |s: &MemberState| {
+            matches!(
+                s,
+                MemberState::Locked | MemberState::Durable { .. } | MemberState::Done { .. }
+            )
+        };
+        if let Err(why) = self.wait_turn(locked) {
+            tracing::warn!("job checkpoint aborted before this member's turn: {why}");
+            self.say(MemberState::Aborted);
+            return;
+        }
         if let Some(cmd) = &self.task.quiesce {
             if let Err(e) = quiesce(cmd, &self.task) {
                 self.say(MemberState::Failed { error: e });
@@ -340,11 +401,21 @@ impl Member<'_> {
     /// it ever ran on its GPUs.
     fn restore(&self, work: &dyn MemberWork) {
         let started = Instant::now();
+        // Ordered: restored once the rank before it is restored, unlocked once it is unlocked.
+        let restored =
+            |s: &MemberState| matches!(s, MemberState::Restored { .. } | MemberState::Done { .. });
+        if let Err(why) = self.wait_turn(restored) {
+            tracing::warn!("job restore aborted before this member's turn: {why}");
+            self.say(MemberState::Aborted);
+            return;
+        }
         let before_unlock = |pid: i32| {
             crate::fault::at("cluster.member-restored");
             self.say(MemberState::Restored { pid });
             match self.wait("commit") {
-                Decision::Commit | Decision::Go => Ok(()),
+                Decision::Commit | Decision::Go => {
+                    self.wait_turn(|s| matches!(s, MemberState::Done { .. }))
+                }
                 // A restore kept nothing: a copy unlocked without the commit is killed either way.
                 Decision::Abort(why) | Decision::Unreachable(why) => Err(why),
             }

@@ -366,6 +366,7 @@ fn a_dead_coordinator_makes_every_locked_member_unlock() {
     // A coordinator that sends the tasks, sees the member locked, and dies before deciding.
     let lease = c.coord.grant(Duration::from_millis(300)).unwrap();
     let task = Task {
+        after: None,
         op: "train-1".into(),
         job: "train".into(),
         kind: rec::OpKind::Checkpoint,

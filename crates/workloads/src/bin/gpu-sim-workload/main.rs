@@ -15,6 +15,8 @@
 //! * faults can be injected at each step: `--fault NAME` (repeatable), `GPU_SIM_FAULTS=a,b`, the control
 //!   message `FAULT a,b`, or the file named by `GPU_SIM_FAULT_FILE` (read at every call, so it reaches a
 //!   copy restored by CRIU). Names: `lock-timeout`, `checkpoint`, `restore`, `restore-oom`.
+//! * `GPU_SIM_EVENT_FILE=PATH`: every driver call (LOCK, CHECKPOINT, RESTORE, UNLOCK) appends `PID CALL
+//!   begin` and `PID CALL OK|ERR` to PATH, so tests see the order of the calls across processes.
 //!
 //! Options (`--help`): [`options::Options`]; tests, scripts and docs start it as
 //! `gpu-sim-workload --daemon --mib 64 --children 2`.

@@ -57,12 +57,35 @@ pub fn serve(listener: &UnixListener, sim: &Sim, lockstep: Option<&Lockstep>) ->
         if BufReader::new(&stream).read_line(&mut line).is_err() {
             continue;
         }
+        let cmd = line.split_whitespace().next().unwrap_or("").to_string();
+        let driver_call = matches!(cmd.as_str(), "LOCK" | "CHECKPOINT" | "RESTORE" | "UNLOCK");
+        if driver_call {
+            record_event(&format!("{cmd} begin"));
+        }
         let mut answer = handle(sim, &line);
+        if driver_call {
+            record_event(&format!("{cmd} {}", &answer[..answer.len().min(3)].trim()));
+        }
         if let (Some(l), true) = (lockstep, answer.starts_with("OK simulated=")) {
             answer = format!("{answer} {}", l.status());
         }
         let _ = (&stream).write_all(format!("{answer}\n").as_bytes());
     }
+}
+
+/// Appends `PID EVENT` to the file named by `GPU_SIM_EVENT_FILE`, if set: the driver calls in the
+/// order they happened across processes (one `O_APPEND` write per line), for tests of the order in
+/// which a job's members are locked and restored. Read at every call, so a restored copy records too.
+fn record_event(event: &str) {
+    let Some(path) = std::env::var_os("GPU_SIM_EVENT_FILE") else {
+        return;
+    };
+    let line = format!("{} {event}\n", std::process::id());
+    let _ = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
 }
 
 /// The answer to one request line.
