@@ -64,7 +64,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             .iter()
             // Long leases: 8 agents dumping on a machine of 2 shared cores starve the lease refreshes of
             // a short one (the job then aborts, correctly, and there is nothing to measure).
-            .map(|node| Agent::start_with(&etcd, node, &store, dir.path(), &[], "30s"))
+            .map(|node| Agent::spawn(&etcd, node, &store, dir.path(), &[], "30s", &[]))
             .collect();
         let ranks: Vec<SimProcess> = (0..n).map(|_| SimProcess::start(&["--mib", MIB])).collect();
         for (i, r) in ranks.iter().enumerate() {

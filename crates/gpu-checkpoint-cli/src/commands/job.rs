@@ -64,7 +64,8 @@ pub struct AddArgs {
     /// The member's process tree (its root) on its node.
     #[arg(long, required_unless_present = "container", conflicts_with = "container", value_parser = clap::value_parser!(i32).range(1..))]
     pub pid: Option<i32>,
-    /// Or its container (recorded; agents do not resolve containers yet).
+    /// Or its container (its id in the runtime of the node's agent, `agent --runtime`): the agent
+    /// checkpoints and restores it with the container flow.
     #[arg(long)]
     pub container: Option<String>,
     #[command(flatten)]

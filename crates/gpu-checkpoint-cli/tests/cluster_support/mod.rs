@@ -150,17 +150,19 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(etcd: &Etcd, node: &str, store: &Path, dir: &Path, env: &[(&str, &str)]) -> Agent {
-        Self::start_with(etcd, node, store, dir, env, "10s")
+        Self::spawn(etcd, node, store, dir, env, "10s", &[])
     }
 
-    /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one).
-    pub fn start_with(
+    /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one) and
+    /// `extra` arguments for the agent.
+    pub fn spawn(
         etcd: &Etcd,
         node: &str,
         store: &Path,
         dir: &Path,
         env: &[(&str, &str)],
         ttl: &str,
+        extra: &[&str],
     ) -> Agent {
         let log = dir.join(format!("agent-{node}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
@@ -168,6 +170,7 @@ impl Agent {
             .arg("--storage")
             .arg(store)
             .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+            .args(extra)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
