@@ -5,9 +5,9 @@
 //! at a time, at different moments, restore into a job that reports its broken lockstep. Needs root,
 //! iproute2, etcd and CRIU: fails in CI without them, skips locally with the reason.
 //!
-//! TCP connections are checkpointed with CRIU's `--tcp-close` (no state, restored closed) and the
-//! ranks connect again: what a restored rank brings back is its step counter and device memory, and
-//! the peers check exactly those (docs/cluster.md says why this, not `--tcp-established`).
+//! TCP connections are checkpointed either with CRIU's `--tcp-established` (restored whole: no rank
+//! connects again) or with `--tcp-close` (no state, restored closed, and the ranks connect again); either
+//! way the peers check what a restored rank brings back, its step counter and device memory.
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
@@ -23,10 +23,10 @@ use sim_support::{assert_verified, checkpoint_args, status, text, wait_gone};
 
 /// The ranks: 1 MiB of device memory, one 5 ms kernel a step (about a hundred steps a second on a
 /// loaded machine), rank R listening on its node's address, port 7100 + R, its log in the scene's
-/// folder.
-fn start() -> Option<Scene> {
+/// folder. The agents checkpoint TCP connections as `tcp` says (`--tcp-close`, `--tcp-established`).
+fn start(tcp: &str) -> Option<Scene> {
     Scene::start(
-        &["--tcp-close"],
+        &[tcp],
         |_| Vec::new(),
         |rank, lab: &Lab, dir| {
             let peers: Vec<String> = (0..4)
@@ -101,10 +101,19 @@ fn assert_lockstep_past(s: &Scene, step: u64) -> u64 {
     }
 }
 
-#[test]
-fn a_job_checkpoint_of_lockstep_ranks_restores_into_ranks_that_go_on_in_lockstep() {
-    let Some(s) = start() else { return };
-    let before = assert_lockstep_past(&s, 20);
+/// Each rank's count of connections made.
+fn connections(s: &Scene) -> Vec<u64> {
+    s.pids()
+        .iter()
+        .map(|&p| status(p)["lockstep_connections"].parse().unwrap())
+        .collect()
+}
+
+/// A job checkpoint (ranks stopped) and its restore; asserts the ranks go on in lockstep from where
+/// the cut left them. Returns each rank's connections made before and after.
+fn checkpoint_and_restore(s: &Scene) -> (Vec<u64>, Vec<u64>) {
+    let before = assert_lockstep_past(s, 20);
+    let conns = connections(s);
     let out = in_hub(
         &s.lab,
         &["job", "checkpoint", "--job", "train", "--lease-ttl", "10s"],
@@ -115,20 +124,45 @@ fn a_job_checkpoint_of_lockstep_ranks_restores_into_ranks_that_go_on_in_lockstep
 
     let out = in_hub(&s.lab, &["job", "restore", &id, "--lease-ttl", "10s"]);
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
-    // Back where the cut left them (no rank started again from 0), and computing on in lockstep
-    // with connections made anew.
+    // Back where the cut left them (no rank started again from 0), and computing on in lockstep.
     let first = lockstep(&s.pids());
     assert!(first.iter().all(|x| x.1 >= before), "{first:?} < {before}");
-    let after = assert_lockstep_past(&s, first.iter().map(|x| x.1).max().unwrap() + 50);
+    let after = assert_lockstep_past(s, first.iter().map(|x| x.1).max().unwrap() + 50);
     assert!(after > before + 50);
     for &p in &s.pids() {
         assert_verified(p);
     }
+    (conns, connections(s))
+}
+
+#[test]
+fn a_job_checkpoint_of_lockstep_ranks_restores_into_ranks_that_go_on_in_lockstep() {
+    let Some(s) = start("--tcp-close") else {
+        return;
+    };
+    let (before, after) = checkpoint_and_restore(&s);
+    // Restored closed: every rank connected again.
+    assert!(
+        before.iter().zip(&after).all(|(b, a)| a > b),
+        "{before:?} {after:?}"
+    );
+}
+
+#[test]
+fn with_tcp_established_lockstep_ranks_come_back_with_their_connections_whole() {
+    let Some(s) = start("--tcp-established") else {
+        return;
+    };
+    let (before, after) = checkpoint_and_restore(&s);
+    // CRIU put every connection back as it was: no rank had to connect again.
+    assert_eq!(before, after);
 }
 
 #[test]
 fn lockstep_ranks_checkpointed_one_at_a_time_report_the_inconsistent_cut_after_restore() {
-    let Some(s) = start() else { return };
+    let Some(s) = start("--tcp-close") else {
+        return;
+    };
     assert_lockstep_past(&s, 20);
     // What per-process tools do: each rank checkpointed alone (left running), at its own moment.
     let store = s.store();

@@ -37,6 +37,8 @@ struct State {
     seen: Vec<Option<(u64, String)>>,
     /// The connection to each peer, for sending, with its number (`gen`); `None` while there is none.
     conns: Vec<Option<(u64, TcpStream)>>,
+    /// Connections made so far (each one's number): a restore whose connections came back whole
+    /// makes none.
     gen: u64,
     broken: Option<String>,
 }
@@ -73,14 +75,15 @@ impl Lockstep {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `STATUS`'s fields: `lockstep=ok|broken lockstep_rank=R lockstep_step=K`.
+    /// `STATUS`'s fields: `lockstep=ok|broken lockstep_rank=R lockstep_step=K lockstep_connections=N`.
     pub fn status(&self) -> String {
         let g = self.lock();
         format!(
-            "lockstep={} lockstep_rank={} lockstep_step={}",
+            "lockstep={} lockstep_rank={} lockstep_step={} lockstep_connections={}",
             if g.broken.is_some() { "broken" } else { "ok" },
             self.rank,
-            g.step
+            g.step,
+            g.gen
         )
     }
 
