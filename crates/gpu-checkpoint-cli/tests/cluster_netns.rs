@@ -21,16 +21,16 @@ use sim_support::{assert_healthy, status, text};
 
 /// Four plain SIMULATED ranks (4 MiB each), two per node.
 fn start() -> Option<Scene> {
-    start_with_faults("")
+    start_with_faults("", "")
 }
 
-/// [`start`], node b's agent run with `GPU_CHECKPOINT_FAULT=b_faults`.
-fn start_with_faults(b_faults: &str) -> Option<Scene> {
+/// [`start`], the agent of node `at` run with `GPU_CHECKPOINT_FAULT=faults`.
+fn start_with_faults(at: &str, faults: &str) -> Option<Scene> {
     Scene::start(
         &[],
-        |node| match node {
-            "b" => vec![("GPU_CHECKPOINT_FAULT", b_faults.to_string())],
-            _ => Vec::new(),
+        |node| match node == at {
+            true => vec![("GPU_CHECKPOINT_FAULT", faults.to_string())],
+            false => Vec::new(),
         },
         |_, _, _| ["--mib", "4"].map(String::from).to_vec(),
     )
@@ -108,7 +108,7 @@ fn agents_in_network_namespaces_commit_and_one_cut_off_during_prepare_aborts_the
 #[test]
 fn a_node_cut_off_during_the_dump_aborts_the_job_and_every_rank_runs_unlocked() {
     // b's agent holds its dumped members (before their store commit) for 4 s: b is cut off then.
-    let Some(s) = start_with_faults("checkpoint.after-dump=sleep:4000") else {
+    let Some(s) = start_with_faults("b", "checkpoint.after-dump=sleep:4000") else {
         return;
     };
     let job = job_checkpoint(&s, &[], "");
@@ -180,5 +180,26 @@ fn a_node_cut_off_after_its_members_are_durable_keeps_the_committed_job_checkpoi
         ],
     );
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert_healthy(&s.pids());
+}
+
+#[test]
+fn a_node_cut_off_for_less_than_its_lease_at_the_lock_barrier_does_not_stop_the_job_checkpoint() {
+    // a's members report locked 4 s late: b's wait at the lock barrier, and its link goes for 2 s
+    // meanwhile, well within b's 6 s lease.
+    let Some(s) = start_with_faults("a", "cluster.member-locked=sleep:4000") else {
+        return;
+    };
+    let job = job_checkpoint(&s, &["--leave-running"], "");
+    wait_for(&s, 60, "a's members never locked", || {
+        cluster_support::read(&s.agents[0].log).contains("injected fault at cluster.member-locked")
+    });
+    s.lab.cut("b");
+    std::thread::sleep(Duration::from_secs(2));
+    s.lab.heal("b");
+    let out = job.join().unwrap();
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert_eq!(s.job_checkpoints(), 1);
+    assert_eq!(sim_support::listed(&s.store()).len(), 4);
     assert_healthy(&s.pids());
 }

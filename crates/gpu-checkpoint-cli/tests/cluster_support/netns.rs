@@ -74,41 +74,7 @@ impl Lab {
         for (i, node) in nodes.iter().enumerate() {
             let ns = format!("{tag}{node}");
             lab.add_ns(&ns);
-            // Made inside the hub (its names are the hub's own), its peer moved to the node.
-            let (h, n) = (format!("h{i}"), format!("n{i}"));
-            ip(&[
-                "-n", &lab.hub, "link", "add", &h, "type", "veth", "peer", "name", &n, "netns", &ns,
-            ]);
-            ip(&[
-                "-n",
-                &lab.hub,
-                "addr",
-                "add",
-                &format!("10.77.{i}.1/24"),
-                "dev",
-                &h,
-            ]);
-            ip(&["-n", &lab.hub, "link", "set", &h, "up"]);
-            ip(&[
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("10.77.{i}.2/24"),
-                "dev",
-                &n,
-            ]);
-            ip(&["-n", &ns, "link", "set", &n, "up"]);
-            // The nodes reach each other through the hub (a lockstep job's ranks talk across nodes).
-            ip(&[
-                "-n",
-                &ns,
-                "route",
-                "add",
-                "default",
-                "via",
-                &format!("10.77.{i}.1"),
-            ]);
+            lab.link(i, &ns);
             lab.nodes.push((node.to_string(), ns));
         }
         // The hub forwards between the veths: its own namespace's sysctl, nobody else's.
@@ -118,6 +84,39 @@ impl Lab {
             .expect("nsenter");
         assert!(out.status.success(), "{out:?}");
         lab
+    }
+
+    /// Joins node `i`'s namespace `ns` to the hub: a veth pair, made inside the hub (its names are
+    /// the hub's own) with its peer moved to the node, addresses, and the node's route through the hub
+    /// (a lockstep job's ranks talk across nodes).
+    fn link(&self, i: usize, ns: &str) {
+        let (h, n) = (format!("h{i}"), format!("n{i}"));
+        let hub = self.hub.as_str();
+        ip(&[
+            "-n", hub, "link", "add", &h, "type", "veth", "peer", "name", &n, "netns", ns,
+        ]);
+        ip(&[
+            "-n",
+            hub,
+            "addr",
+            "add",
+            &format!("10.77.{i}.1/24"),
+            "dev",
+            &h,
+        ]);
+        ip(&["-n", hub, "link", "set", &h, "up"]);
+        ip(&[
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("10.77.{i}.2/24"),
+            "dev",
+            &n,
+        ]);
+        ip(&["-n", ns, "link", "set", &n, "up"]);
+        let via = format!("10.77.{i}.1");
+        ip(&["-n", ns, "route", "add", "default", "via", &via]);
     }
 
     fn add_ns(&mut self, ns: &str) {
@@ -154,6 +153,12 @@ impl Lab {
             .arg("--")
             .arg(program);
         c
+    }
+
+    /// Joins `node` to the hub again after [`Lab::cut`], as it was.
+    pub fn heal(&self, node: &str) {
+        let i = self.index(node);
+        self.link(i, &self.nodes[i].1);
     }
 
     /// Cuts `node` off: its veth pair goes (deleting one end deletes both).
