@@ -137,6 +137,12 @@ fn a_node_cut_off_during_the_dump_aborts_the_job_and_every_rank_runs_unlocked() 
         "{kept:?}\n{}",
         s.logs()
     );
+    // b back on the network: its agent learns that the job aborted and deletes them.
+    s.lab.heal("b");
+    wait_for(&s, 60, "b's kept member checkpoints stayed", || {
+        sim_support::listed(&s.store()).is_empty()
+    });
+    assert_healthy(&s.pids());
 }
 
 #[test]
@@ -160,8 +166,17 @@ fn a_node_cut_off_after_its_members_are_durable_keeps_the_committed_job_checkpoi
             .all(|&p| sim::status(p).is_ok_and(|st| st["state"] == "running"))
     });
     assert_eq!(sim_support::listed(&s.store()).len(), 4, "{}", s.logs());
+    // b back on the network: its agent learns that the job committed and keeps them.
+    s.lab.heal("b");
+    wait_for(&s, 60, "b's agent never learnt the outcome", || {
+        cluster_support::read(&s.agents[1].log)
+            .matches("is committed: member checkpoint")
+            .count()
+            == 2
+    });
+    assert_eq!(sim_support::listed(&s.store()).len(), 4, "{}", s.logs());
 
-    // b is gone for good: its ranks are stopped, and the job is restored on a.
+    // b is given up on: its ranks are stopped, and the job is restored on a.
     for &p in &s.pids()[2..] {
         // SAFETY: killing processes this test started.
         unsafe { libc::kill(p, libc::SIGKILL) };

@@ -139,6 +139,8 @@ pub fn run_agent(
                     timeout: opts.decision_timeout,
                     aborted: AtomicBool::new(false),
                     in_doubt: AtomicBool::new(false),
+                    durable_id: Default::default(),
+                    stop,
                     waited_us: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
@@ -193,6 +195,10 @@ struct Member<'c> {
     aborted: AtomicBool,
     /// Durable, and then etcd out of reach: the member checkpoint is kept (see `NotCommitted`).
     in_doubt: AtomicBool,
+    /// The member checkpoint, once durable.
+    durable_id: std::sync::Mutex<Option<String>>,
+    /// The agent is stopping.
+    stop: &'c AtomicBool,
     /// Time spent waiting at the barriers, in microseconds.
     waited_us: std::sync::atomic::AtomicU64,
 }
@@ -380,6 +386,7 @@ impl Member<'_> {
             Err(error) if self.in_doubt.load(Ordering::SeqCst) => {
                 tracing::error!("rank {}: {error}", self.task.member.rank);
                 self.say(MemberState::Failed { error });
+                self.resolve_in_doubt(work);
             }
             Err(_) if self.aborted.load(Ordering::SeqCst) => self.say(MemberState::Aborted),
             Err(error) => {
@@ -387,6 +394,60 @@ impl Member<'_> {
                 self.say(MemberState::Failed { error });
             }
         }
+    }
+
+    /// In doubt (durable, then etcd out of reach): once etcd answers again, learns the job's outcome
+    /// and finishes as it would have: a committed job keeps the member checkpoint (and a copy of its
+    /// manifest), an aborted one deletes it. The operation's record goes before a commit can be
+    /// written no more (the commit's transaction needs it), so it is read first: gone, with no
+    /// manifest after it, means aborted for good. Gives up, keeping the checkpoint, when the agent
+    /// stops or after the decision timeout.
+    fn resolve_in_doubt(&self, work: &dyn MemberWork) {
+        let Some(id) = self
+            .durable_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        else {
+            return;
+        };
+        let op = &self.task.op;
+        let deadline = Instant::now() + self.timeout;
+        while !self.stop.load(Ordering::SeqCst) && Instant::now() < deadline {
+            let read = self.coord.get(&rec::op(op)).and_then(|o| {
+                let manifest = self.coord.get(&rec::checkpoint(op))?;
+                Ok((o.is_none(), manifest))
+            });
+            match read {
+                Ok((_, Some(kv))) => {
+                    let kept = decode::<JobManifest>(&kv.key, &kv.value)
+                        .map_err(|e| e.to_string())
+                        .and_then(|m| work.keep_manifest(&m));
+                    tracing::info!("job checkpoint {op} is committed: member checkpoint {id} kept");
+                    if let Err(e) = kept {
+                        tracing::warn!("keeping job checkpoint {op}'s manifest: {e}");
+                    }
+                    return;
+                }
+                Ok((true, None)) => {
+                    let task = Task {
+                        checkpoint: Some(id.clone()),
+                        job_checkpoint: None,
+                        ..self.task.clone()
+                    };
+                    match work.delete(&task) {
+                        Ok(()) => tracing::info!(
+                            "job checkpoint {op} aborted: member checkpoint {id} deleted"
+                        ),
+                        Err(e) => tracing::error!("deleting member checkpoint {id}: {e}"),
+                    }
+                    return;
+                }
+                // Undecided (its coordinator lives on), or etcd still out of reach.
+                Ok((false, None)) | Err(_) => std::thread::sleep(Duration::from_secs(1)),
+            }
+        }
+        tracing::warn!("job checkpoint {op}: outcome still unknown, member checkpoint {id} kept");
     }
 
     fn done(&self, started: Instant) -> MemberState {
@@ -452,6 +513,11 @@ impl Phases for AgentPhases<'_, '_> {
 
     fn durable(&self, id: &str) -> Result<(), NotCommitted> {
         crate::fault::at("cluster.member-durable");
+        *self
+            .member
+            .durable_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(id.to_string());
         self.member.say(MemberState::Durable {
             checkpoint: id.to_string(),
             gpus: self.work.gpus(id),
