@@ -89,7 +89,7 @@ impl Etcd {
                 .expect("start etcd");
             members.push(Some(Member { child }));
         }
-        let etcd = Etcd {
+        let mut etcd = Etcd {
             members,
             urls: clients
                 .iter()
@@ -100,10 +100,26 @@ impl Etcd {
         etcd
     }
 
-    fn wait_ready(&self, dir: &Path) {
+    fn wait_ready(&mut self, dir: &Path) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
+            // A member that exited (its port taken by another process between `free_port` and its
+            // bind) would leave the test talking to whoever holds the port.
+            for (i, m) in self.members.iter_mut().flatten().enumerate() {
+                if let Ok(Some(st)) = m.child.try_wait() {
+                    let log = std::fs::read_to_string(dir.join(format!("etcd-{i}.log")));
+                    panic!("etcd member {i} exited ({st}): {}", log.unwrap_or_default());
+                }
+            }
             if let Ok(c) = EtcdCoordinator::connect(&self.urls) {
+                // Ours is empty: a `/ready` already there is another test's etcd on a port that was
+                // free a moment before.
+                if let Ok(Some(_)) = c.get("/ready") {
+                    panic!(
+                        "another etcd answers on {:?}: its port was taken meanwhile",
+                        self.urls
+                    );
+                }
                 if c.put("/ready", b"1", None).is_ok() {
                     return;
                 }
