@@ -8,13 +8,16 @@
 //! (its part less its waits at the barriers), the coordinator's etcd requests, the protocol's share
 //! (total less the slowest member's work: etcd round trips, barrier waits, process start and connect), and
 //! the job's time above the plain checkpoint (the others' per-node work shares this machine's 2 cores).
+//! Then the job's last checkpoint restored (`job restore`, every rank killed before each round) against a
+//! plain `gpu-checkpoint restore` of one rank: the job's total, its restore phase (every member restored,
+//! GPU-locked), the coordinator's etcd requests, and the job's time above the plain restore.
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
 mod sim_support;
 
 use cluster_support::*;
-use sim_support::{criu_ready, SimProcess};
+use sim_support::{criu_ready, wait_gone, SimProcess};
 use std::time::Instant;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -36,6 +39,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     let store = dir.path().join("store");
     // The baseline: one rank, checkpointed alone.
     let one = SimProcess::start(&["--mib", MIB]);
+    let mut plain_id = String::new();
     let plain: Vec<f64> = (0..RUNS)
         .map(|_| {
             let t = Instant::now();
@@ -48,14 +52,33 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
                 "--gpu-backend",
                 "sim",
                 "--leave-running",
+                "--format",
+                "json",
             ]);
+            let wall = t.elapsed().as_secs_f64() * 1000.0;
             assert!(out.status.success(), "{out:?}");
-            t.elapsed().as_secs_f64() * 1000.0
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            plain_id = v["id"].as_str().unwrap().to_string();
+            wall
         })
         .collect();
-    drop(one);
     let plain = median(plain);
     println!("plain checkpoint of one {MIB} MiB rank: {plain:.0} ms (median of {RUNS}, process start included)");
+    let plain_restore = median(
+        (0..RUNS)
+            .map(|_| {
+                kill(&[one.pid]);
+                let t = Instant::now();
+                let args = ["restore", &plain_id, "--storage", store.to_str().unwrap()];
+                let out = gc(&[&args[..], &["--gpu-backend", "sim"]].concat());
+                assert!(out.status.success(), "{out:?}");
+                t.elapsed().as_secs_f64() * 1000.0
+            })
+            .collect(),
+    );
+    drop(one);
+    println!("plain restore of one {MIB} MiB rank: {plain_restore:.0} ms (median of {RUNS})");
+    let mut restores = Vec::new();
     println!("agents | job total ms | slowest member's work | etcd ms (share) | protocol (share) | job - plain ms");
     for n in [1usize, 2, 4, 8] {
         let etcd = Etcd::start(&bin, dir.path(), 1);
@@ -64,7 +87,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             .iter()
             // Long leases: 8 agents dumping on a machine of 2 shared cores starve the lease refreshes of
             // a short one (the job then aborts, correctly, and there is nothing to measure).
-            .map(|node| Agent::start_with(&etcd, node, &store, dir.path(), &[], "30s"))
+            .map(|node| Agent::spawn(&etcd, node, &store, dir.path(), &[], "30s", &[]))
             .collect();
         let ranks: Vec<SimProcess> = (0..n).map(|_| SimProcess::start(&["--mib", MIB])).collect();
         for (i, r) in ranks.iter().enumerate() {
@@ -86,24 +109,10 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         }
         let (mut total, mut etcd_ms, mut work, mut phases) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut id = String::new();
         for _ in 0..RUNS {
-            let t = Instant::now();
-            let out = gc(&[
-                "job",
-                "checkpoint",
-                "--job",
-                "bench",
-                "--leave-running",
-                "--format",
-                "json",
-                "--lease-ttl",
-                "30s",
-                "--etcd",
-                &etcd.url_list(),
-            ]);
-            let wall = t.elapsed().as_secs_f64() * 1000.0;
-            assert!(out.status.success(), "{out:?}");
-            let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let (wall, m) = timed_job(&etcd, &["checkpoint", "--job", "bench", "--leave-running"]);
+            m["id"].as_str().unwrap().clone_into(&mut id);
             let tm = &m["timings_ms"];
             total.push(wall);
             etcd_ms.push(tm["etcd"].as_f64().unwrap());
@@ -117,6 +126,18 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
                 f("release")
             ));
         }
+        // The last job checkpoint, restored RUNS times (every rank killed before each; CRIU restores
+        // each under its PID, so `ranks` kill the restored copies at the end too).
+        let pids: Vec<i32> = ranks.iter().map(|r| r.pid).collect();
+        let (mut r_total, mut r_phase, mut r_etcd) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..RUNS {
+            kill(&pids);
+            let (wall, m) = timed_job(&etcd, &["restore", &id]);
+            r_total.push(wall);
+            r_phase.push(m["timings_ms"]["checkpoint"].as_f64().unwrap());
+            r_etcd.push(m["timings_ms"]["etcd"].as_f64().unwrap());
+        }
+        restores.push((n, median(r_total), median(r_phase), median(r_etcd)));
         let (t, e, w) = (median(total), median(etcd_ms), median(work));
         println!(
             "{n:>6} | {t:>12.0} | {w:>19.0} | {e:>7.1} ({:>4.1}%) | {:>10.0} ({:>4.1}%) | {:>14.0}   [{}]",
@@ -127,4 +148,32 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             phases.last().unwrap()
         );
     }
+    println!("agents | job restore total ms | restore phase ms | etcd ms (share) | job - plain ms");
+    for (n, t, p, e) in restores {
+        println!(
+            "{n:>6} | {t:>20.0} | {p:>16.0} | {e:>7.1} ({:>4.1}%) | {:>14.0}",
+            100.0 * e / t,
+            t - plain_restore
+        );
+    }
+}
+
+/// `gpu-checkpoint job ARGS` (JSON, 30 s leases: see the agents'): its wall time in ms and its output.
+fn timed_job(etcd: &Etcd, args: &[&str]) -> (f64, serde_json::Value) {
+    let t = Instant::now();
+    let url = etcd.url_list();
+    let tail = ["--format", "json", "--lease-ttl", "30s", "--etcd", &url];
+    let out = gc(&[&["job"], args, &tail].concat());
+    let wall = t.elapsed().as_secs_f64() * 1000.0;
+    assert!(out.status.success(), "{out:?}");
+    (wall, serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// Kills `pids` and waits until they are gone (their PIDs free for a restore).
+fn kill(pids: &[i32]) {
+    for &p in pids {
+        // SAFETY: killing processes this benchmark started (or restored).
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    wait_gone(pids);
 }

@@ -5,94 +5,63 @@
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
+#[path = "cluster_support/scene.rs"]
+mod scene;
 mod sim_support;
 
 use std::path::Path;
-use std::time::Duration;
+use std::process::Output;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use cluster_support::netns::{in_hub, netns_ready, start_agent, start_etcd, Lab, NsProcess};
-use cluster_support::{etcd_bin, read};
-use sim_support::{assert_healthy, criu_ready, status, text, SimProcess};
+use cluster_support::netns::{in_hub, Lab};
+use gpu_checkpoint::freeze::sim;
+use scene::Scene;
+use sim_support::{assert_healthy, status, text};
 
-// Dropped in this order: the ranks, the agents, etcd, then the namespaces and the folder.
-struct Scene {
-    ranks: Vec<SimProcess>,
-    agents: Vec<NsProcess>,
-    _etcd: NsProcess,
-    lab: Lab,
-    dir: tempfile::TempDir,
+/// Four plain SIMULATED ranks (4 MiB each), two per node.
+fn start() -> Option<Scene> {
+    start_with_faults("", "")
 }
 
-impl Scene {
-    /// Two nodes, "a" and "b", two ranks each, one store shared by both agents.
-    fn start() -> Option<Scene> {
-        let bin = etcd_bin()?;
-        if !criu_ready() || !netns_ready() {
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let lab = Lab::new(&["a", "b"]);
-        let etcd = start_etcd(&lab, &bin, dir.path());
-        let store = dir.path().join("store");
-        // Agents' leases of 6 s: the cut agent is noticed 6 s after its last refresh.
-        let agents = ["a", "b"]
-            .iter()
-            .map(|n| start_agent(&lab, n, &store, dir.path(), "6s"))
-            .collect();
-        let mut ranks = Vec::new();
-        for rank in 0..4 {
-            let node = if rank < 2 { "a" } else { "b" };
-            // Each rank in its node's namespace, as a node's processes share its network.
-            let out = Lab::exec(lab.ns(node), &sim_support::sim_workload())
-                .args(["--daemon", "--mib", "4"])
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", text(&out));
-            let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-            ranks.push(SimProcess {
-                pid,
-                children: Vec::new(),
-            });
-            let (r, p) = (rank.to_string(), pid.to_string());
-            let add = ["job", "add", "--job", "train", "--rank", &r, "--node", node];
-            let out = in_hub(&lab, &[&add[..], &["--pid", &p]].concat());
-            assert!(out.status.success(), "{}", text(&out));
-        }
-        Some(Scene {
-            ranks,
-            agents,
-            _etcd: etcd,
-            lab,
-            dir,
-        })
-    }
+/// [`start`], the agent of node `at` run with `GPU_CHECKPOINT_FAULT=faults`.
+fn start_with_faults(at: &str, faults: &str) -> Option<Scene> {
+    Scene::start(
+        &[],
+        |node| match node == at {
+            true => vec![("GPU_CHECKPOINT_FAULT", faults.to_string())],
+            false => Vec::new(),
+        },
+        |_, _, _| ["--mib", "4"].map(String::from).to_vec(),
+    )
+}
 
-    fn pids(&self) -> Vec<i32> {
-        self.ranks.iter().map(|r| r.pid).collect()
-    }
+/// `job checkpoint --job train ARGS` in the hub, with `GPU_CHECKPOINT_FAULT=faults`, in a thread.
+fn job_checkpoint(s: &Scene, args: &[&str], faults: &str) -> JoinHandle<Output> {
+    let mut cmd = Lab::exec(&s.lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")));
+    cmd.args(["job", "checkpoint", "--job", "train", "--lease-ttl", "10s"])
+        .args(args)
+        .args(["--etcd", "http://127.0.0.1:2379"])
+        .env("GPU_CHECKPOINT_FAULT", faults);
+    std::thread::spawn(move || cmd.output().unwrap())
+}
 
-    fn store(&self) -> std::path::PathBuf {
-        self.dir.path().join("store")
+/// Waits (up to `secs` seconds) until `done`.
+fn wait_for(s: &Scene, secs: u64, what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}\n{}", s.logs());
+        std::thread::sleep(Duration::from_millis(100));
     }
+}
 
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| format!("--- {}:\n{}", a.log.display(), read(&a.log)))
-            .collect()
-    }
-
-    fn job_checkpoints(&self) -> usize {
-        let out = in_hub(&self.lab, &["job", "list", "--format", "json"]);
-        assert!(out.status.success(), "{}", text(&out));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["checkpoints"].as_array().unwrap().len()
-    }
+fn all_running(s: &Scene) -> bool {
+    s.pids().iter().all(|&p| status(p)["state"] == "running")
 }
 
 #[test]
 fn agents_in_network_namespaces_commit_and_one_cut_off_during_prepare_aborts_the_job() {
-    let Some(s) = Scene::start() else { return };
+    let Some(s) = start() else { return };
     let ckpt = [
         "job",
         "checkpoint",
@@ -134,4 +103,118 @@ fn agents_in_network_namespaces_commit_and_one_cut_off_during_prepare_aborts_the
     // Nothing committed, nothing more stored.
     assert_eq!(s.job_checkpoints(), 1);
     assert_eq!(sim_support::listed(&s.store()).len(), 4, "{}", s.logs());
+}
+
+#[test]
+fn a_node_cut_off_during_the_dump_aborts_the_job_and_every_rank_runs_unlocked() {
+    // b's agent holds its dumped members (before their store commit) for 4 s: b is cut off then.
+    let Some(s) = start_with_faults("b", "checkpoint.after-dump=sleep:4000") else {
+        return;
+    };
+    let job = job_checkpoint(&s, &[], "");
+    wait_for(&s, 60, "b's agent never reached its dump", || {
+        cluster_support::read(&s.agents[1].log).contains("injected fault at checkpoint.after-dump")
+    });
+    s.lab.cut("b");
+    let out = job.join().unwrap();
+    // Aborted: b's lease expired before it could say durable; a's members undo at the coordinator's
+    // abort, b's at their agent's (etcd unreachable).
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
+    assert!(text(&out).contains("agent is gone"), "{}", text(&out));
+    wait_for(&s, 60, "a rank stayed stopped or locked", || {
+        all_running(&s)
+    });
+    assert_healthy(&s.pids());
+    assert_eq!(s.job_checkpoints(), 0);
+    // a's member checkpoints are deleted; b's, committed in the store while b was cut off, are kept
+    // (b cannot tell an abort from a commit it did not hear of), named by no job checkpoint.
+    let kept: Vec<i64> = sim_support::listed(&s.store())
+        .iter()
+        .map(|c| c["metadata"]["root_pid"].as_i64().unwrap())
+        .collect();
+    assert!(
+        kept.len() == 2 && kept.iter().all(|p| s.pids()[2..].contains(&(*p as i32))),
+        "{kept:?}\n{}",
+        s.logs()
+    );
+    // b back on the network: its agent learns that the job aborted and deletes them.
+    s.lab.heal("b");
+    wait_for(&s, 60, "b's kept member checkpoints stayed", || {
+        sim_support::listed(&s.store()).is_empty()
+    });
+    assert_healthy(&s.pids());
+}
+
+#[test]
+fn a_node_cut_off_after_its_members_are_durable_keeps_the_committed_job_checkpoint_restorable() {
+    let Some(s) = start() else { return };
+    // The coordinator waits 4 s once every member is durable, then commits: b is cut off in between,
+    // so the commit happens while b's agent cannot hear of it.
+    let job = job_checkpoint(&s, &[], "cluster.before-commit=sleep:4000");
+    wait_for(&s, 60, "the members never became durable", || {
+        sim_support::listed(&s.store()).len() == 4
+    });
+    s.lab.cut("b");
+    let out = job.join().unwrap();
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert_eq!(s.job_checkpoints(), 1);
+    // b's agent, in doubt, kept its member checkpoints: the committed job checkpoint is whole.
+    wait_for(&s, 60, "b's ranks were not put back running", || {
+        s.pids()[2..]
+            .iter()
+            .all(|&p| sim::status(p).is_ok_and(|st| st["state"] == "running"))
+    });
+    assert_eq!(sim_support::listed(&s.store()).len(), 4, "{}", s.logs());
+    // b back on the network: its agent learns that the job committed and keeps them.
+    s.lab.heal("b");
+    wait_for(&s, 60, "b's agent never learnt the outcome", || {
+        cluster_support::read(&s.agents[1].log)
+            .matches("is committed: member checkpoint")
+            .count()
+            == 2
+    });
+    assert_eq!(sim_support::listed(&s.store()).len(), 4, "{}", s.logs());
+
+    // b is given up on: its ranks are stopped, and the job is restored on a.
+    for &p in &s.pids()[2..] {
+        // SAFETY: killing processes this test started.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    sim_support::wait_gone(&s.pids());
+    let out = in_hub(
+        &s.lab,
+        &[
+            "job",
+            "restore",
+            &id,
+            "--node-map",
+            "b=a",
+            "--lease-ttl",
+            "10s",
+        ],
+    );
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert_healthy(&s.pids());
+}
+
+#[test]
+fn a_node_cut_off_for_less_than_its_lease_at_the_lock_barrier_does_not_stop_the_job_checkpoint() {
+    // a's members report locked 4 s late: b's wait at the lock barrier, and its link goes for 2 s
+    // meanwhile, well within b's 6 s lease.
+    let Some(s) = start_with_faults("a", "cluster.member-locked=sleep:4000") else {
+        return;
+    };
+    let job = job_checkpoint(&s, &["--leave-running"], "");
+    wait_for(&s, 60, "a's members never locked", || {
+        cluster_support::read(&s.agents[0].log).contains("injected fault at cluster.member-locked")
+    });
+    s.lab.cut("b");
+    std::thread::sleep(Duration::from_secs(2));
+    s.lab.heal("b");
+    let out = job.join().unwrap();
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert_eq!(s.job_checkpoints(), 1);
+    assert_eq!(sim_support::listed(&s.store()).len(), 4);
+    assert_healthy(&s.pids());
 }

@@ -47,23 +47,6 @@ fn scratch(gpus: Box<dyn std::any::Any>) -> Option<(Scratch, std::path::PathBuf)
     Some((Scratch { dir, _gpus: gpus }, store))
 }
 
-fn checkpoint_args(pid: i32, store: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "checkpoint",
-        "--pid",
-        &pid.to_string(),
-        "--storage",
-        store.to_str().unwrap(),
-        "--gpu-backend",
-        "sim",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
 fn checkpoint(pid: i32, store: &Path, extra: &[&str]) -> serde_json::Value {
     let args = checkpoint_args(pid, store, extra);
     let mut args: Vec<&str> = args.iter().map(String::as_str).collect();

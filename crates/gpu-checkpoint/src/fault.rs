@@ -3,8 +3,9 @@
 //! `CRIU_FAULT`.
 //!
 //! `GPU_CHECKPOINT_FAULT=POINT=ACTION[,POINT=ACTION...]`, read once. Actions at a step ([`at`]): `kill`
-//! (SIGKILL to the tool itself: nothing of ours runs after it, the guardian's case) and `term` (SIGTERM:
-//! deferred, and the flow undoes or finishes). Actions at an I/O ([`io_error`]): `eio`, `enospc`. The
+//! (SIGKILL to the tool itself: nothing of ours runs after it, the guardian's case), `term` (SIGTERM:
+//! deferred, and the flow undoes or finishes) and `sleep:MS` (waits MS milliseconds there: a window in
+//! which a test cuts a node's network, say). Actions at an I/O ([`io_error`]): `eio`, `enospc`. The
 //! points are listed in [`POINTS`]. Unset, every call is one look at an empty list.
 //!
 //! A leaf module: it imports nothing of the crate.
@@ -61,7 +62,14 @@ pub fn at(point: &str) {
     let sig = match action(point) {
         Some("kill") => libc::SIGKILL,
         Some("term") => libc::SIGTERM,
-        _ => return,
+        Some(a) => {
+            if let Some(ms) = a.strip_prefix("sleep:").and_then(|ms| ms.parse().ok()) {
+                eprintln!("gpu-checkpoint: injected fault at {point}: sleeping {ms} ms");
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+            return;
+        }
+        None => return,
     };
     eprintln!("gpu-checkpoint: injected fault at {point}: signal {sig}");
     // SAFETY: raise has no memory-safety preconditions.

@@ -12,7 +12,10 @@ use gpu_checkpoint::dump::{discover, CriuOptions, CriuRpc};
 use gpu_checkpoint::flows::cluster::{
     run_agent, AgentOptions, Coordinator, JobManifest, MemberWork, Task,
 };
-use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
+use gpu_checkpoint::flows::container::{
+    ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
+};
+use gpu_checkpoint::flows::{CheckpointManifest, CriuInfo, Flow, ImageTransfer, Phases};
 use gpu_checkpoint::freeze::{
     Backend, BeforeUnlock, DeviceMap, FreezeHook, GroupOptions, HookOptions,
 };
@@ -44,6 +47,13 @@ pub struct Args {
     pub lease_ttl: Duration,
     #[command(flatten)]
     pub criu_opts: CriuArgs,
+    /// The container runtime of the members given by container (`job add --container`): `runc` or
+    /// `runsc`, as `checkpoint --runtime`.
+    #[arg(long, value_name = "runc|runsc", default_value = "runc")]
+    pub runtime: RuntimeKind,
+    /// That runtime's state folder (its global `--root`), where it is not the default.
+    #[arg(long, value_name = "DIR")]
+    pub runtime_root: Option<PathBuf>,
 }
 
 /// The members' local work: the checkpoint and restore flows, each call with its own GPU hook and
@@ -53,6 +63,11 @@ struct LocalWork {
     store: Store,
     backend: Backend,
     criu_options: gpu_checkpoint::dump::CriuOptions,
+    /// The CRIU binary (runc's `--criu`) and what the manifests record of it.
+    criu_path: PathBuf,
+    criu_info: CriuInfo,
+    runtime: RuntimeKind,
+    runtime_root: Option<PathBuf>,
     /// Members of one job on this node keep the same manifest: one writes it, the others find it.
     manifests: std::sync::Mutex<()>,
 }
@@ -70,12 +85,80 @@ impl LocalWork {
     }
 }
 
+impl LocalWork {
+    /// The container runtime, looked up when a member given by container needs it.
+    fn runtime(&self) -> Result<OciCli, String> {
+        let criu = (self.runtime == RuntimeKind::Runc).then(|| self.criu_path.clone());
+        OciCli::find(self.runtime, criu, self.runtime_root.clone(), Vec::new())
+            .map_err(|e| e.to_string())
+    }
+
+    /// A member given by container: the container flow, in phases.
+    fn checkpoint_container(
+        &self,
+        id: &str,
+        task: &Task,
+        phases: &dyn Phases,
+    ) -> Result<(), String> {
+        let runtime = self.runtime()?;
+        let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis), None);
+        let guardian = super::start_guardian().map_err(|e| e.to_string())?;
+        let mut flow = ContainerFlow {
+            runtime: &runtime,
+            gpu: &mut gpu,
+            store: &self.store,
+            progress: &NoProgress,
+            criu: (self.runtime == RuntimeKind::Runc).then(|| self.criu_info.clone()),
+            watch: &guardian,
+        };
+        let mut opts = ContainerCheckpointOptions::new(id);
+        opts.name = Some(format!("{}.rank{}", task.job, task.member.rank));
+        opts.leave_running = task.leave_running;
+        opts.tcp_established = self.criu_options.tcp_established;
+        opts.detect.simulator = self.backend == Backend::Sim;
+        flow.checkpoint_phased(&opts, phases)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    /// A member checkpoint of a container: restored as that container, by the container flow.
+    fn restore_container(
+        &self,
+        checkpoint: &str,
+        container: &str,
+        map: Option<DeviceMap>,
+        before_unlock: &BeforeUnlock<'_>,
+    ) -> Result<i32, String> {
+        let runtime = self.runtime()?;
+        let mut gpu = self.hook(None, map);
+        let mut flow = ContainerFlow {
+            runtime: &runtime,
+            gpu: &mut gpu,
+            store: &self.store,
+            progress: &NoProgress,
+            criu: None,
+            watch: &gpu_checkpoint::flows::guardian::NoWatch,
+        };
+        let opts = ContainerRestoreOptions {
+            checkpoint: checkpoint.to_string(),
+            id: container.to_string(),
+            bundle: None,
+        };
+        flow.restore_phased(&opts, Some(before_unlock))
+            .map(|o| o.pid)
+            .map_err(|e| e.to_string())
+    }
+}
+
 impl MemberWork for LocalWork {
     fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String> {
+        if let Some(id) = &task.member.container {
+            return self.checkpoint_container(id, task, phases);
+        }
         let pid = task
             .member
             .pid
-            .ok_or("members given by container are not supported yet: register them by --pid")?;
+            .ok_or("a member with neither PID nor container")?;
         let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis), None);
         let guardian = super::start_guardian().map_err(|e| e.to_string())?;
         let mut flow = Flow {
@@ -118,6 +201,16 @@ impl MemberWork for LocalWork {
             None => None,
             Some(m) => Some(m.parse::<DeviceMap>().map_err(|e| e.to_string())?),
         };
+        // A container's checkpoint is restored as that container.
+        let container = self
+            .store
+            .get(id)
+            .ok()
+            .and_then(|i| CheckpointManifest::from_metadata(&i.metadata).ok())
+            .and_then(|m| m.container);
+        if let Some(c) = container {
+            return self.restore_container(id, &c.id, map, before_unlock);
+        }
         let mut gpu = self.hook(None, map);
         let guardian = super::start_guardian().map_err(|e| e.to_string())?;
         let mut flow = Flow {
@@ -186,12 +279,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     gpu_checkpoint::dump::Criu::check_permitted(&criu)?;
+    let criu_info = CriuInfo {
+        version: gpu_checkpoint::dump::Criu::version(&criu)?,
+        path: gpu_checkpoint::dump::Criu::describe(&criu),
+    };
     let store = Store::open(&args.storage, StoreOptions::default())?;
     let work = LocalWork {
         criu,
         store,
         backend: args.gpu.gpu_backend.into(),
         criu_options: args.criu_opts.options()?,
+        criu_path: found.path.clone(),
+        criu_info,
+        runtime: args.runtime,
+        runtime_root: args.runtime_root.clone(),
         manifests: Default::default(),
     };
     let mut opts = AgentOptions::new(&args.node, &args.storage.to_string_lossy());

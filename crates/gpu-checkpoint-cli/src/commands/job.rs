@@ -64,7 +64,8 @@ pub struct AddArgs {
     /// The member's process tree (its root) on its node.
     #[arg(long, required_unless_present = "container", conflicts_with = "container", value_parser = clap::value_parser!(i32).range(1..))]
     pub pid: Option<i32>,
-    /// Or its container (recorded; agents do not resolve containers yet).
+    /// Or its container (its id in the runtime of the node's agent, `agent --runtime`): the agent
+    /// checkpoints and restores it with the container flow.
     #[arg(long)]
     pub container: Option<String>,
     #[command(flatten)]
@@ -88,6 +89,10 @@ pub struct CheckpointArgs {
     /// GPU_CHECKPOINT_RANK and GPU_CHECKPOINT_JOB set: how the application reaches a collective boundary.
     #[arg(long, value_name = "COMMAND")]
     pub quiesce: Option<String>,
+    /// Lock the members one after the other in rank order, and restore and unlock this checkpoint in
+    /// the same order later: jobs whose processes share CUDA IPC memory (driver r610 and later).
+    #[arg(long)]
+    pub ordered: bool,
     /// How long the whole prepare phase (every member locked) may take.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
     pub prepare_timeout: Duration,
@@ -189,6 +194,7 @@ fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
         leave_running: a.leave_running,
         lock_timeout: a.lock_timeout.0,
         quiesce: a.quiesce,
+        ordered: a.ordered,
         timeouts: Timeouts {
             lease_ttl: a.lease_ttl,
             prepare: a.prepare_timeout,

@@ -89,7 +89,7 @@ impl Etcd {
                 .expect("start etcd");
             members.push(Some(Member { child }));
         }
-        let etcd = Etcd {
+        let mut etcd = Etcd {
             members,
             urls: clients
                 .iter()
@@ -100,10 +100,26 @@ impl Etcd {
         etcd
     }
 
-    fn wait_ready(&self, dir: &Path) {
+    fn wait_ready(&mut self, dir: &Path) {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
+            // A member that exited (its port taken by another process between `free_port` and its
+            // bind) would leave the test talking to whoever holds the port.
+            for (i, m) in self.members.iter_mut().flatten().enumerate() {
+                if let Ok(Some(st)) = m.child.try_wait() {
+                    let log = std::fs::read_to_string(dir.join(format!("etcd-{i}.log")));
+                    panic!("etcd member {i} exited ({st}): {}", log.unwrap_or_default());
+                }
+            }
             if let Ok(c) = EtcdCoordinator::connect(&self.urls) {
+                // Ours is empty: a `/ready` already there is another test's etcd on a port that was
+                // free a moment before.
+                if let Ok(Some(_)) = c.get("/ready") {
+                    panic!(
+                        "another etcd answers on {:?}: its port was taken meanwhile",
+                        self.urls
+                    );
+                }
                 if c.put("/ready", b"1", None).is_ok() {
                     return;
                 }
@@ -150,17 +166,19 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(etcd: &Etcd, node: &str, store: &Path, dir: &Path, env: &[(&str, &str)]) -> Agent {
-        Self::start_with(etcd, node, store, dir, env, "10s")
+        Self::spawn(etcd, node, store, dir, env, "10s", &[])
     }
 
-    /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one).
-    pub fn start_with(
+    /// [`Agent::start`] with a lease of `ttl` (the benchmark's loaded machine needs a longer one) and
+    /// `extra` arguments for the agent.
+    pub fn spawn(
         etcd: &Etcd,
         node: &str,
         store: &Path,
         dir: &Path,
         env: &[(&str, &str)],
         ttl: &str,
+        extra: &[&str],
     ) -> Agent {
         let log = dir.join(format!("agent-{node}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
@@ -168,6 +186,7 @@ impl Agent {
             .arg("--storage")
             .arg(store)
             .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+            .args(extra)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -59,10 +59,12 @@ pub struct Lab {
 }
 
 impl Lab {
-    /// The hub and a namespace per node in `nodes`, named after this test process (unique while it
-    /// runs).
+    /// The hub and a namespace per node in `nodes`, named after this test process and a count of
+    /// its labs (unique while it runs).
     pub fn new(nodes: &[&str]) -> Lab {
-        let tag = format!("gc{}", std::process::id());
+        static LABS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = LABS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let tag = format!("gc{}x{n}", std::process::id());
         let mut lab = Lab {
             hub: format!("{tag}hub"),
             nodes: Vec::new(),
@@ -72,34 +74,49 @@ impl Lab {
         for (i, node) in nodes.iter().enumerate() {
             let ns = format!("{tag}{node}");
             lab.add_ns(&ns);
-            // Made inside the hub (its names are the hub's own), its peer moved to the node.
-            let (h, n) = (format!("h{i}"), format!("n{i}"));
-            ip(&[
-                "-n", &lab.hub, "link", "add", &h, "type", "veth", "peer", "name", &n, "netns", &ns,
-            ]);
-            ip(&[
-                "-n",
-                &lab.hub,
-                "addr",
-                "add",
-                &format!("10.77.{i}.1/24"),
-                "dev",
-                &h,
-            ]);
-            ip(&["-n", &lab.hub, "link", "set", &h, "up"]);
-            ip(&[
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("10.77.{i}.2/24"),
-                "dev",
-                &n,
-            ]);
-            ip(&["-n", &ns, "link", "set", &n, "up"]);
+            lab.link(i, &ns);
             lab.nodes.push((node.to_string(), ns));
         }
+        // The hub forwards between the veths: its own namespace's sysctl, nobody else's.
+        let out = Lab::exec(&lab.hub, Path::new("sh"))
+            .args(["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
+            .output()
+            .expect("nsenter");
+        assert!(out.status.success(), "{out:?}");
         lab
+    }
+
+    /// Joins node `i`'s namespace `ns` to the hub: a veth pair, made inside the hub (its names are
+    /// the hub's own) with its peer moved to the node, addresses, and the node's route through the hub
+    /// (a lockstep job's ranks talk across nodes).
+    fn link(&self, i: usize, ns: &str) {
+        let (h, n) = (format!("h{i}"), format!("n{i}"));
+        let hub = self.hub.as_str();
+        ip(&[
+            "-n", hub, "link", "add", &h, "type", "veth", "peer", "name", &n, "netns", ns,
+        ]);
+        ip(&[
+            "-n",
+            hub,
+            "addr",
+            "add",
+            &format!("10.77.{i}.1/24"),
+            "dev",
+            &h,
+        ]);
+        ip(&["-n", hub, "link", "set", &h, "up"]);
+        ip(&[
+            "-n",
+            ns,
+            "addr",
+            "add",
+            &format!("10.77.{i}.2/24"),
+            "dev",
+            &n,
+        ]);
+        ip(&["-n", ns, "link", "set", &n, "up"]);
+        let via = format!("10.77.{i}.1");
+        ip(&["-n", ns, "route", "add", "default", "via", &via]);
     }
 
     fn add_ns(&mut self, ns: &str) {
@@ -117,6 +134,11 @@ impl Lab {
         &self.nodes[self.index(node)].1
     }
 
+    /// `node`'s own address (the node end of its veth).
+    pub fn addr(&self, node: &str) -> String {
+        format!("10.77.{}.2", self.index(node))
+    }
+
     /// etcd's URL as `node` reaches it (through its veth).
     pub fn etcd_url_from(&self, node: &str) -> String {
         format!("http://10.77.{}.1:2379", self.index(node))
@@ -131,6 +153,12 @@ impl Lab {
             .arg("--")
             .arg(program);
         c
+    }
+
+    /// Joins `node` to the hub again after [`Lab::cut`], as it was.
+    pub fn heal(&self, node: &str) {
+        let i = self.index(node);
+        self.link(i, &self.nodes[i].1);
     }
 
     /// Cuts `node` off: its veth pair goes (deleting one end deletes both).
@@ -222,9 +250,17 @@ pub fn in_hub(lab: &Lab, args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// `gpu-checkpoint agent` for `node` in its namespace, reaching etcd through its veth; returns once
-/// it is registered.
-pub fn start_agent(lab: &Lab, node: &str, store: &Path, dir: &Path, ttl: &str) -> NsProcess {
+/// `gpu-checkpoint agent` for `node` in its namespace, reaching etcd through its veth, with `extra`
+/// arguments and environment `env`; returns once it is registered.
+pub fn start_agent(
+    lab: &Lab,
+    node: &str,
+    store: &Path,
+    dir: &Path,
+    ttl: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> NsProcess {
     let mut cmd = Lab::exec(
         lab.ns(node),
         Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
@@ -232,7 +268,9 @@ pub fn start_agent(lab: &Lab, node: &str, store: &Path, dir: &Path, ttl: &str) -
     cmd.args(["agent", "--etcd", &lab.etcd_url_from(node), "--node", node])
         .arg("--storage")
         .arg(store)
-        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"]);
+        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+        .args(extra)
+        .envs(env.iter().copied());
     let agent = NsProcess::spawn(cmd, dir.join(format!("agent-{node}.log")));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

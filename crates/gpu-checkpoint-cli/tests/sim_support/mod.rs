@@ -172,3 +172,21 @@ pub fn listed(store: &std::path::Path) -> Vec<serde_json::Value> {
         _ => Vec::new(),
     }
 }
+
+/// `checkpoint --pid PID --storage STORE --gpu-backend sim EXTRA...`: a SIMULATED process checkpointed.
+pub fn checkpoint_args(pid: i32, store: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "checkpoint",
+        "--pid",
+        &pid.to_string(),
+        "--storage",
+        store.to_str().unwrap(),
+        "--gpu-backend",
+        "sim",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}

@@ -23,7 +23,7 @@ use crate::dump::Criu;
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
 pub use guardian::{Event, Watch};
-pub use phases::{Alone, Phases};
+pub use phases::{Alone, NotCommitted, Phases};
 
 pub use logs::{fallback_logs_dir, logs_dir, save_log};
 pub use manifest::{

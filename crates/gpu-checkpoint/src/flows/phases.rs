@@ -13,8 +13,20 @@ pub trait Phases: Sync {
     /// The member's checkpoint `id` is durable in the store; the tree is still held (stopped, or running
     /// with `--leave-running`) and its GPU state still checkpointed. Returns once the job's checkpoint is
     /// committed (the flow then stops the tree as usual), or the job aborted (the flow deletes `id`,
-    /// continues the tree and puts its GPU state back).
-    fn durable(&self, id: &str) -> Result<(), String>;
+    /// continues the tree and puts its GPU state back), or its outcome cannot be learnt (the flow
+    /// continues the tree and puts its GPU state back, but keeps `id`).
+    fn durable(&self, id: &str) -> Result<(), NotCommitted>;
+}
+
+/// Why a member's durable checkpoint is not followed by a commit, as the member sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotCommitted {
+    /// The job aborted: nothing of it is kept.
+    Aborted(String),
+    /// The member cannot learn the outcome (its coordination service is unreachable): the job may
+    /// have committed without it hearing so, and a committed job checkpoint names this member's
+    /// checkpoint, so it is kept; the tree runs on, as after any checkpoint that did not complete.
+    InDoubt(String),
 }
 
 /// A checkpoint of its own: never waits, never aborts.
@@ -26,7 +38,7 @@ impl Phases for Alone {
         Ok(())
     }
 
-    fn durable(&self, _id: &str) -> Result<(), String> {
+    fn durable(&self, _id: &str) -> Result<(), NotCommitted> {
         Ok(())
     }
 }

@@ -27,14 +27,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
-use super::{ms, save_log, Alone, Flow, ImageTransfer, Phases};
+use super::{ms, save_log, Alone, Flow, ImageTransfer, NotCommitted, Phases};
 use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
 use crate::dump::devices::PluginDir;
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::fault;
 use crate::flows::guardian::Event;
-use crate::freeze::FreezeContext;
+use crate::freeze::{FreezeContext, GpuHook, GpuRecord};
 use crate::interrupt::InterruptGuard;
 use crate::proc as tree;
 use crate::store::{CheckpointInfo, Ingest, Progress, Store, Streamed};
@@ -86,6 +86,8 @@ pub enum Error {
     },
     #[error("the job checkpoint aborted: {reason}; this member's checkpoint was undone, the tree runs as before and nothing was kept")]
     Aborted { reason: String },
+    #[error("the job checkpoint's outcome is unknown ({reason}): the tree runs as before, and this member's checkpoint {id} is kept, as a committed job checkpoint may name it (`job list` tells; `gpu-checkpoint delete {id}` if none does)")]
+    InDoubt { id: String, reason: String },
     #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
     Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
@@ -110,7 +112,7 @@ impl Classify for Error {
             | Error::StrategyRefused { .. }
             | Error::DeviceMapped { .. } => ExitStatus::Unsupported,
             Error::Interrupted { .. } => ExitStatus::Interrupted,
-            Error::Aborted { .. } => ExitStatus::Failure,
+            Error::Aborted { .. } | Error::InDoubt { .. } => ExitStatus::Failure,
             Error::NotStopped { .. } => ExitStatus::Failure,
             Error::Images { .. } => ExitStatus::Failure,
         }
@@ -292,28 +294,17 @@ impl Flow<'_> {
         // was: the guards undo when dropped (see `undo.rs` for their order) and `ingest` removes the
         // staging folder.
         let t = Instant::now();
-        // The hook calls the barrier between its lock and its checkpoint; a hook that does not (a test
-        // hook) gets it called right after its freeze, still before the CPU side is touched.
-        let passed = std::sync::atomic::AtomicBool::new(false);
-        let after_lock = || {
-            passed.store(true, std::sync::atomic::Ordering::SeqCst);
-            phases.locked()
+        let ctx = FreezeContext {
+            root_pid: pid,
+            pids: &tree_pids,
+            report: &report,
+            leave_running: opts.leave_running,
+            after_lock: None,
         };
-        let mut gpu_record = self
-            .gpu
-            .freeze(&FreezeContext {
-                root_pid: pid,
-                pids: &tree_pids,
-                report: &report,
-                leave_running: opts.leave_running,
-                after_lock: Some(&after_lock),
-            })
-            .map_err(aborted)?;
+        let (mut gpu_record, passed) = freeze_phased(&mut *self.gpu, ctx, phases)?;
         let mut gpu = GpuThawGuard::new(&mut *self.gpu);
-        if !passed.load(std::sync::atomic::Ordering::SeqCst) {
-            phases
-                .locked()
-                .map_err(|reason| Error::Aborted { reason })?;
+        if !passed {
+            phases.locked().map_err(aborted_at_lock)?;
         }
         timings.freeze = ms(t);
         fault::at("checkpoint.after-freeze");
@@ -401,15 +392,7 @@ impl Flow<'_> {
         // A job checkpoint: hold everything as it is until the job commits (the guardian still undoes
         // should this process die meanwhile); an abort deletes this member's checkpoint, and the guards
         // put the tree back as for any failure before a commit.
-        if let Err(reason) = phases.durable(&info.id) {
-            if let Err(e) = self.store.delete(&info.id) {
-                tracing::error!(
-                    "the job aborted, and deleting its member checkpoint {} failed: {e}",
-                    info.id
-                );
-            }
-            return Err(Error::Aborted { reason }.into());
-        }
+        after_durable(phases, self.store, &info.id)?;
         // Durable: from here on a signal is deferred until the tree is stopped, as promised, and a dead
         // tool's guardian stops it.
         if let Err(e) = self.watch.tell(&Event::Durable) {
@@ -441,6 +424,56 @@ impl Flow<'_> {
             stopped,
         })
     }
+}
+
+/// The GPU freeze of a checkpoint driven as one member of a job: `phases.locked()` is the barrier between
+/// the lock and the GPU checkpoint. The hook calls it there; a hook that does not (a test hook) has not
+/// passed it (`false`): the caller calls it right after, once its thaw guard is armed, still before the
+/// CPU side is touched.
+pub(crate) fn freeze_phased(
+    gpu: &mut dyn GpuHook,
+    ctx: FreezeContext<'_>,
+    phases: &dyn Phases,
+) -> crate::Result<(Option<GpuRecord>, bool)> {
+    let passed = std::sync::atomic::AtomicBool::new(false);
+    let after_lock = || {
+        passed.store(true, std::sync::atomic::Ordering::SeqCst);
+        phases.locked()
+    };
+    let record = gpu
+        .freeze(&FreezeContext {
+            after_lock: Some(&after_lock),
+            ..ctx
+        })
+        .map_err(aborted)?;
+    Ok((record, passed.load(std::sync::atomic::Ordering::SeqCst)))
+}
+
+/// A job member's checkpoint `id` is durable: waits for the job's outcome. An abort deletes `id`; in
+/// doubt it is kept, as the job may have committed with it. Either is an error, on which the caller's
+/// guards put the tree back as for any failure before a commit.
+pub(crate) fn after_durable(phases: &dyn Phases, store: &Store, id: &str) -> crate::Result<()> {
+    match phases.durable(id) {
+        Ok(()) => Ok(()),
+        Err(NotCommitted::Aborted(reason)) => {
+            if let Err(e) = store.delete(id) {
+                tracing::error!(
+                    "the job aborted, and deleting its member checkpoint {id} failed: {e}"
+                );
+            }
+            Err(Error::Aborted { reason }.into())
+        }
+        Err(NotCommitted::InDoubt(reason)) => Err(Error::InDoubt {
+            id: id.to_string(),
+            reason,
+        }
+        .into()),
+    }
+}
+
+/// A no at the lock barrier, as the flow's own error.
+pub(crate) fn aborted_at_lock(reason: String) -> crate::Error {
+    Error::Aborted { reason }.into()
 }
 
 /// The freeze stage's abort at the lock barrier, as the flow's own error (the barrier's reason).

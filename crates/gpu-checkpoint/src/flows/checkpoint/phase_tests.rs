@@ -9,13 +9,13 @@ use super::*;
 /// Says yes or no at each barrier, and records what it saw there.
 struct Barriers {
     at_lock: Result<(), String>,
-    at_durable: Result<(), String>,
+    at_durable: Result<(), NotCommitted>,
     seen: Mutex<Vec<String>>,
     watch: i32,
 }
 
 impl Barriers {
-    fn new(watch: i32, at_lock: Result<(), String>, at_durable: Result<(), String>) -> Self {
+    fn new(watch: i32, at_lock: Result<(), String>, at_durable: Result<(), NotCommitted>) -> Self {
         Barriers {
             at_lock,
             at_durable,
@@ -30,7 +30,7 @@ impl Phases for Barriers {
         self.seen.lock().unwrap().push("locked".into());
         self.at_lock.clone()
     }
-    fn durable(&self, id: &str) -> Result<(), String> {
+    fn durable(&self, id: &str) -> Result<(), NotCommitted> {
         let stopped = tree::stat(self.watch).is_some_and(|s| s.state == 'T');
         self.seen
             .lock()
@@ -69,7 +69,11 @@ fn an_abort_once_durable_deletes_the_member_checkpoint_and_resumes_the_held_tree
     let s = Scene::new();
     let p = Sleeper::start();
     let mut gpu = RecordingGpu::new(&s.criu);
-    let b = Barriers::new(p.pid(), Ok(()), Err("rank 1's dump failed".into()));
+    let b = Barriers::new(
+        p.pid(),
+        Ok(()),
+        Err(NotCommitted::Aborted("rank 1's dump failed".into())),
+    );
     let err = s
         .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
         .unwrap_err();
@@ -84,6 +88,26 @@ fn an_abort_once_durable_deletes_the_member_checkpoint_and_resumes_the_held_tree
         s.store.list().unwrap().is_empty(),
         "the member's checkpoint is gone"
     );
+}
+
+#[test]
+fn in_doubt_once_durable_keeps_the_member_checkpoint_and_resumes_the_held_tree() {
+    let s = Scene::new();
+    let p = Sleeper::start();
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let why = NotCommitted::InDoubt("etcd: unreachable".into());
+    let b = Barriers::new(p.pid(), Ok(()), Err(why));
+    let err = s
+        .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
+        .unwrap_err();
+    assert!(
+        matches!(&err, crate::Error::Checkpoint(Error::InDoubt { .. })),
+        "{err}"
+    );
+    // The tree runs on as after an abort, but the checkpoint a committed job may name stays.
+    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
+    assert!(p.running());
+    assert_eq!(s.store.list().unwrap().len(), 1);
 }
 
 #[test]

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::coord::{Compare, Coordinator, TxnOp};
+use super::coord::{Compare, CoordError, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
 use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
 use super::{AgentRecord, ClusterError, JobManifest};
-use crate::flows::Phases;
+use crate::flows::{NotCommitted, Phases};
 use crate::freeze::BeforeUnlock;
 
 /// What a member's part of an operation does on this node.
@@ -138,6 +138,9 @@ pub fn run_agent(
                     lease: lease.id(),
                     timeout: opts.decision_timeout,
                     aborted: AtomicBool::new(false),
+                    in_doubt: AtomicBool::new(false),
+                    durable_id: Default::default(),
+                    stop,
                     waited_us: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
@@ -177,6 +180,8 @@ enum Decision {
     Go,
     Commit,
     Abort(String),
+    /// etcd cannot be reached: the decision cannot be learnt.
+    Unreachable(String),
 }
 
 /// One member's task on this node.
@@ -188,6 +193,12 @@ struct Member<'c> {
     timeout: Duration,
     /// The job aborted (rather than this member failing on its own).
     aborted: AtomicBool,
+    /// Durable, and then etcd out of reach: the member checkpoint is kept (see `NotCommitted`).
+    in_doubt: AtomicBool,
+    /// The member checkpoint, once durable.
+    durable_id: std::sync::Mutex<Option<String>>,
+    /// The agent is stopping.
+    stop: &'c AtomicBool,
     /// Time spent waiting at the barriers, in microseconds.
     waited_us: std::sync::atomic::AtomicU64,
 }
@@ -221,11 +232,17 @@ impl Member<'_> {
             self.aborted.store(true, Ordering::SeqCst);
             Decision::Abort(why)
         };
+        // Not an abort by itself: before this member is durable no commit can name it (the caller
+        // aborts), after it the job may have committed meanwhile (the caller is in doubt).
+        let unreachable = |e: CoordError| {
+            self.aborted.store(true, Ordering::SeqCst);
+            Decision::Unreachable(format!("etcd: {e}"))
+        };
         loop {
             let read = self.coord.range(&rec::op_prefix(&self.task.op));
             let (kvs, rev) = match read {
                 Ok(r) => r,
-                Err(e) => return abort(format!("etcd: {e}")),
+                Err(e) => return unreachable(e),
             };
             let get = |k: String| kvs.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
             match get(rec::decision(&self.task.op)).as_deref() {
@@ -241,7 +258,7 @@ impl Member<'_> {
                 return match self.coord.get(&rec::checkpoint(&self.task.op)) {
                     Ok(Some(_)) if self.task.kind == OpKind::Checkpoint => Decision::Commit,
                     Ok(_) => abort("the coordinator is gone (its lease expired)".into()),
-                    Err(e) => abort(format!("etcd: {e}")),
+                    Err(e) => unreachable(e),
                 };
             }
             let now = Instant::now();
@@ -253,9 +270,58 @@ impl Member<'_> {
             }
             let wait = (deadline - now).min(Duration::from_secs(1));
             if let Err(e) = self.coord.watch(&rec::op_prefix(&self.task.op), rev, wait) {
-                return abort(format!("etcd: {e}"));
+                return unreachable(e);
             }
         }
+    }
+
+    /// An ordered operation (`task.after`): waits until that rank's state is one `ready` accepts. An
+    /// abort, that rank failing, etcd out of reach or the decision timeout end the wait with the
+    /// reason.
+    fn wait_turn(&self, ready: impl Fn(&MemberState) -> bool) -> Result<(), String> {
+        let Some(prev) = self.task.after else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let deadline = t + self.timeout;
+        let op = &self.task.op;
+        let result = loop {
+            let (kvs, rev) = match self.coord.range(&rec::op_prefix(op)) {
+                Ok(r) => r,
+                Err(e) => break Err(format!("etcd: {e}")),
+            };
+            let get = |k: String| kvs.iter().find(|kv| kv.key == k);
+            if get(rec::decision(op)).is_some_and(|kv| kv.value == b"abort") {
+                break Err("the coordinator aborted the job's operation".into());
+            }
+            if get(rec::op(op)).is_none() {
+                break Err("the coordinator is gone (its lease expired)".into());
+            }
+            if let Some(kv) = get(rec::state(op, prev)) {
+                match decode::<StateRecord>(&kv.key, &kv.value).map(|r| r.state) {
+                    Ok(s) if ready(&s) => break Ok(()),
+                    Ok(MemberState::Failed { .. } | MemberState::Aborted) => {
+                        break Err(format!("rank {prev}, before this one, failed"))
+                    }
+                    Ok(_) => {}
+                    Err(e) => break Err(e.to_string()),
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Err(format!("rank {prev} was not ready in {:?}", self.timeout));
+            }
+            let wait = (deadline - now).min(Duration::from_secs(1));
+            if let Err(e) = self.coord.watch(&rec::op_prefix(op), rev, wait) {
+                break Err(format!("etcd: {e}"));
+            }
+        };
+        self.waited_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
+        if result.is_err() {
+            self.aborted.store(true, Ordering::SeqCst);
+        }
+        result
     }
 
     fn run(&self, work: &dyn MemberWork) {
@@ -283,6 +349,18 @@ impl Member<'_> {
     }
 
     fn checkpoint(&self, work: &dyn MemberWork) {
+        // Ordered: this member locks only once the rank before it is locked.
+        let locked = |s: &MemberState| {
+            matches!(
+                s,
+                MemberState::Locked | MemberState::Durable { .. } | MemberState::Done { .. }
+            )
+        };
+        if let Err(why) = self.wait_turn(locked) {
+            tracing::warn!("job checkpoint aborted before this member's turn: {why}");
+            self.say(MemberState::Aborted);
+            return;
+        }
         if let Some(cmd) = &self.task.quiesce {
             if let Err(e) = quiesce(cmd, &self.task) {
                 self.say(MemberState::Failed { error: e });
@@ -305,12 +383,71 @@ impl Member<'_> {
                 }
                 self.say(self.done(started));
             }
+            Err(error) if self.in_doubt.load(Ordering::SeqCst) => {
+                tracing::error!("rank {}: {error}", self.task.member.rank);
+                self.say(MemberState::Failed { error });
+                self.resolve_in_doubt(work);
+            }
             Err(_) if self.aborted.load(Ordering::SeqCst) => self.say(MemberState::Aborted),
             Err(error) => {
                 tracing::error!("rank {}: {error}", self.task.member.rank);
                 self.say(MemberState::Failed { error });
             }
         }
+    }
+
+    /// In doubt (durable, then etcd out of reach): once etcd answers again, learns the job's outcome
+    /// and finishes as it would have: a committed job keeps the member checkpoint (and a copy of its
+    /// manifest), an aborted one deletes it. The operation's record goes before a commit can be
+    /// written no more (the commit's transaction needs it), so it is read first: gone, with no
+    /// manifest after it, means aborted for good. Gives up, keeping the checkpoint, when the agent
+    /// stops or after the decision timeout.
+    fn resolve_in_doubt(&self, work: &dyn MemberWork) {
+        let Some(id) = self
+            .durable_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        else {
+            return;
+        };
+        let op = &self.task.op;
+        let deadline = Instant::now() + self.timeout;
+        while !self.stop.load(Ordering::SeqCst) && Instant::now() < deadline {
+            let read = self.coord.get(&rec::op(op)).and_then(|o| {
+                let manifest = self.coord.get(&rec::checkpoint(op))?;
+                Ok((o.is_none(), manifest))
+            });
+            match read {
+                Ok((_, Some(kv))) => {
+                    let kept = decode::<JobManifest>(&kv.key, &kv.value)
+                        .map_err(|e| e.to_string())
+                        .and_then(|m| work.keep_manifest(&m));
+                    tracing::info!("job checkpoint {op} is committed: member checkpoint {id} kept");
+                    if let Err(e) = kept {
+                        tracing::warn!("keeping job checkpoint {op}'s manifest: {e}");
+                    }
+                    return;
+                }
+                Ok((true, None)) => {
+                    let task = Task {
+                        checkpoint: Some(id.clone()),
+                        job_checkpoint: None,
+                        ..self.task.clone()
+                    };
+                    match work.delete(&task) {
+                        Ok(()) => tracing::info!(
+                            "job checkpoint {op} aborted: member checkpoint {id} deleted"
+                        ),
+                        Err(e) => tracing::error!("deleting member checkpoint {id}: {e}"),
+                    }
+                    return;
+                }
+                // Undecided (its coordinator lives on), or etcd still out of reach.
+                Ok((false, None)) | Err(_) => std::thread::sleep(Duration::from_secs(1)),
+            }
+        }
+        tracing::warn!("job checkpoint {op}: outcome still unknown, member checkpoint {id} kept");
     }
 
     fn done(&self, started: Instant) -> MemberState {
@@ -325,12 +462,23 @@ impl Member<'_> {
     /// it ever ran on its GPUs.
     fn restore(&self, work: &dyn MemberWork) {
         let started = Instant::now();
+        // Ordered: restored once the rank before it is restored, unlocked once it is unlocked.
+        let restored =
+            |s: &MemberState| matches!(s, MemberState::Restored { .. } | MemberState::Done { .. });
+        if let Err(why) = self.wait_turn(restored) {
+            tracing::warn!("job restore aborted before this member's turn: {why}");
+            self.say(MemberState::Aborted);
+            return;
+        }
         let before_unlock = |pid: i32| {
             crate::fault::at("cluster.member-restored");
             self.say(MemberState::Restored { pid });
             match self.wait("commit") {
-                Decision::Commit | Decision::Go => Ok(()),
-                Decision::Abort(why) => Err(why),
+                Decision::Commit | Decision::Go => {
+                    self.wait_turn(|s| matches!(s, MemberState::Done { .. }))
+                }
+                // A restore kept nothing: a copy unlocked without the commit is killed either way.
+                Decision::Abort(why) | Decision::Unreachable(why) => Err(why),
             }
         };
         match work.restore(&self.task, &before_unlock) {
@@ -359,12 +507,17 @@ impl Phases for AgentPhases<'_, '_> {
         self.member.say(MemberState::Locked);
         match self.member.wait("go") {
             Decision::Go | Decision::Commit => Ok(()),
-            Decision::Abort(why) => Err(why),
+            Decision::Abort(why) | Decision::Unreachable(why) => Err(why),
         }
     }
 
-    fn durable(&self, id: &str) -> Result<(), String> {
+    fn durable(&self, id: &str) -> Result<(), NotCommitted> {
         crate::fault::at("cluster.member-durable");
+        *self
+            .member
+            .durable_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(id.to_string());
         self.member.say(MemberState::Durable {
             checkpoint: id.to_string(),
             gpus: self.work.gpus(id),
@@ -372,7 +525,11 @@ impl Phases for AgentPhases<'_, '_> {
         match self.member.wait("commit") {
             Decision::Commit => Ok(()),
             Decision::Go => unreachable!("wait(\"commit\") returns no go"),
-            Decision::Abort(why) => Err(why),
+            Decision::Abort(why) => Err(NotCommitted::Aborted(why)),
+            Decision::Unreachable(why) => {
+                self.member.in_doubt.store(true, Ordering::SeqCst);
+                Err(NotCommitted::InDoubt(why))
+            }
         }
     }
 }

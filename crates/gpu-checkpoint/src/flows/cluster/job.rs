@@ -48,6 +48,9 @@ pub struct JobCheckpointOptions {
     pub leave_running: bool,
     pub lock_timeout: Option<Duration>,
     pub quiesce: Option<String>,
+    /// Lock the members one after the other in rank order (and restore the checkpoint so): jobs
+    /// whose processes share CUDA IPC memory (driver r610 and later).
+    pub ordered: bool,
     pub timeouts: Timeouts,
 }
 
@@ -385,6 +388,7 @@ pub fn checkpoint_job(
             checkpoint: None,
             device_map: None,
             job_checkpoint: None,
+            after: before(&members, m.rank, opts.ordered),
         })
         .collect();
     let record = rec::OpRecord {
@@ -438,6 +442,7 @@ pub fn checkpoint_job(
         id: id.clone(),
         job: job.clone(),
         leave_running: opts.leave_running,
+        ordered: opts.ordered,
         members: members
             .iter()
             .map(|m| {
@@ -524,6 +529,12 @@ pub fn checkpoint_job(
         tracing::warn!("recording job checkpoint {id}'s timings: {e}");
     }
     Ok(manifest)
+}
+
+/// In an ordered operation, the rank `rank` waits for: the next lower one among `members`.
+fn before(members: &[MemberRecord], rank: u32, ordered: bool) -> Option<u32> {
+    let lower = members.iter().map(|m| m.rank).filter(|&r| r < rank);
+    lower.max().filter(|_| ordered)
 }
 
 /// Parses `OLD=NEW,...` (a member-to-node map for a restore).
@@ -625,6 +636,7 @@ pub fn restore_job(
             checkpoint: Some(m.checkpoint.clone()),
             device_map: device_maps.get(&target.node).cloned(),
             job_checkpoint: None,
+            after: before(&members, target.rank, manifest.ordered),
         })
         .collect();
     let record = rec::OpRecord {

@@ -200,6 +200,11 @@ pub struct Task {
     /// too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_checkpoint: Option<String>,
+    /// An ordered operation (CUDA IPC between members): the rank this member waits for, the next
+    /// lower one; it locks after that one is locked, restores after it is restored and unlocks after
+    /// it is unlocked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<u32>,
 }
 
 /// Where a member is in an operation.
@@ -279,6 +284,9 @@ pub struct JobManifest {
     pub id: String,
     pub job: String,
     pub leave_running: bool,
+    /// Checkpointed in rank order (`job checkpoint --ordered`): restored in that order too.
+    #[serde(default)]
+    pub ordered: bool,
     pub members: Vec<JobMember>,
     pub cut: Cut,
     pub timings_ms: JobTimings,

@@ -94,6 +94,7 @@ fn purge(
             .iter()
             .zip(&members)
             .map(|(r, m)| Task {
+                after: None,
                 op: op_id.clone(),
                 job: manifest.job.clone(),
                 kind: OpKind::Delete,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::records as rec;
 use super::*;
-use crate::flows::Phases;
+use crate::flows::{NotCommitted, Phases};
 use crate::freeze::BeforeUnlock;
 
 /// How a stand-in member behaves.
@@ -63,9 +63,16 @@ impl MemberWork for StandIn {
             return Err("CRIU dump failed".into());
         }
         let id = format!("{}.member-{rank}", task.op);
-        if let Err(e) = phases.durable(&id) {
-            self.note(rank, "deleted + resumed");
-            return Err(e);
+        match phases.durable(&id) {
+            Ok(()) => {}
+            Err(NotCommitted::Aborted(e)) => {
+                self.note(rank, "deleted + resumed");
+                return Err(e);
+            }
+            Err(NotCommitted::InDoubt(e)) => {
+                self.note(rank, "kept + resumed");
+                return Err(e);
+            }
         }
         self.note(
             rank,
@@ -359,6 +366,7 @@ fn a_dead_coordinator_makes_every_locked_member_unlock() {
     // A coordinator that sends the tasks, sees the member locked, and dies before deciding.
     let lease = c.coord.grant(Duration::from_millis(300)).unwrap();
     let task = Task {
+        after: None,
         op: "train-1".into(),
         job: "train".into(),
         kind: rec::OpKind::Checkpoint,

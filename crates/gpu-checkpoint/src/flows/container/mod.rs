@@ -45,11 +45,13 @@ pub use oci::{unmount_under, OciCli, RuntimeKind};
 pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
 pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 
+use super::checkpoint::{aborted_at_lock, after_durable, freeze_phased};
 use super::guardian::Event;
 use super::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
 use super::manifest::{OptionsRecord, PhaseTimings};
 use super::ms;
 use super::thaw::GpuThawGuard;
+use super::{Alone, Phases};
 use crate::detect::{self, DetectOptions, Report, StrategyName};
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::fault;
@@ -293,6 +295,17 @@ impl ContainerFlow<'_> {
         &mut self,
         opts: &ContainerCheckpointOptions,
     ) -> crate::Result<ContainerCheckpointOutcome> {
+        self.checkpoint_phased(opts, &Alone)
+    }
+
+    /// [`ContainerFlow::checkpoint`] as one member of a job checkpoint (a member given by container):
+    /// waits at `phases`' barriers, once its GPU processes are locked and once its checkpoint is
+    /// durable, and undoes as any failed checkpoint when one says no (in doubt, keeping the checkpoint).
+    pub fn checkpoint_phased(
+        &mut self,
+        opts: &ContainerCheckpointOptions,
+        phases: &dyn Phases,
+    ) -> crate::Result<ContainerCheckpointOutcome> {
         let started = Instant::now();
         let started_unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -372,15 +385,18 @@ impl ContainerFlow<'_> {
 
         // 3. GPU freeze; the guard puts it back on any way out before the commit.
         let t = Instant::now();
-        let mut gpu_record = self.gpu.freeze(&FreezeContext {
+        let ctx = FreezeContext {
             root_pid: found.state.pid,
             pids: &pids,
             report: &found.report,
             leave_running: opts.leave_running,
-            // A container is checkpointed alone, never as a member of a job.
             after_lock: None,
-        })?;
+        };
+        let (mut gpu_record, passed) = freeze_phased(&mut *self.gpu, ctx, phases)?;
         let mut gpu = GpuThawGuard::new(&mut *self.gpu);
+        if !passed {
+            phases.locked().map_err(aborted_at_lock)?;
+        }
         timings.freeze = ms(t);
         fault::at("checkpoint.after-freeze");
         check_interrupt(&interrupt)?;
@@ -533,6 +549,8 @@ impl ContainerFlow<'_> {
         check_interrupt(&interrupt)?;
         let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
         timings.write = ms(t);
+        // A job member holds everything (paused, GPU checkpointed) until the job commits.
+        after_durable(phases, self.store, &info.id)?;
         if let Err(e) = self.watch.tell(&Event::Durable) {
             tracing::warn!("{e}");
         }

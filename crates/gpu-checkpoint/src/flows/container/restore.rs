@@ -10,7 +10,7 @@ mod rootfs;
 use super::{injected, ContainerFlow, Error, WorkDir};
 use crate::fault;
 use crate::flows::{ms, CheckpointManifest, ContainerRecord};
-use crate::freeze::{RestoreRecord, RestoredTree};
+use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
 use crate::interrupt::InterruptGuard;
 
 /// Which checkpoint to restore, and as what.
@@ -113,6 +113,17 @@ impl ContainerFlow<'_> {
         &mut self,
         opts: &ContainerRestoreOptions,
     ) -> crate::Result<ContainerRestoreOutcome> {
+        self.restore_phased(opts, None)
+    }
+
+    /// [`ContainerFlow::restore`] as one member of a job restore: `before_unlock` is called once the
+    /// GPU state is back and before the GPU processes are unlocked; a no there deletes the restored
+    /// container, never unlocked.
+    pub fn restore_phased(
+        &mut self,
+        opts: &ContainerRestoreOptions,
+        before_unlock: Option<&BeforeUnlock<'_>>,
+    ) -> crate::Result<ContainerRestoreOutcome> {
         let started = Instant::now();
         let interrupt = InterruptGuard::new();
         let (info, manifest, record) = self.find_container(&opts.checkpoint)?;
@@ -180,7 +191,7 @@ impl ContainerFlow<'_> {
             &RestoredTree {
                 root_pid: state.pid,
                 pids: &pids,
-                before_unlock: None,
+                before_unlock,
             },
         )?;
         let gpu_ms = ms(t);

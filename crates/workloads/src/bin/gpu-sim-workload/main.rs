@@ -15,6 +15,8 @@
 //! * faults can be injected at each step: `--fault NAME` (repeatable), `GPU_SIM_FAULTS=a,b`, the control
 //!   message `FAULT a,b`, or the file named by `GPU_SIM_FAULT_FILE` (read at every call, so it reaches a
 //!   copy restored by CRIU). Names: `lock-timeout`, `checkpoint`, `restore`, `restore-oom`.
+//! * `GPU_SIM_EVENT_FILE=PATH`: every driver call (LOCK, CHECKPOINT, RESTORE, UNLOCK) appends `PID CALL
+//!   begin` and `PID CALL OK|ERR` to PATH, so tests see the order of the calls across processes.
 //!
 //! Options (`--help`): [`options::Options`]; tests, scripts and docs start it as
 //! `gpu-sim-workload --daemon --mib 64 --children 2`.
@@ -22,10 +24,12 @@
 //! Modules, one job each: [`options`] (the command line), [`content`] (what device memory must hold),
 //! [`device`] (mapping and releasing device memory), [`sim`] (workers and the checkpoint state machine),
 //! [`protocol`] (the control socket's requests and answers), [`process`] (daemon, process tree, ready
-//! pipe, signals). This file puts one simulated GPU process together.
+//! pipe, signals), [`lockstep`] (`--peers`: the ranks of a job computing in lockstep over TCP).
+//! This file puts one simulated GPU process together.
 
 mod content;
 mod device;
+mod lockstep;
 mod options;
 mod process;
 mod protocol;
@@ -104,7 +108,13 @@ fn run_gpu_process(o: &Options, no_context: bool, children: Vec<i32>, ready: Opt
         children,
     ));
     let _ = sim.control_tid.set(process::gettid());
-    if !no_context {
+    // A lockstep rank's one worker is its steps' kernel (lockstep.rs), not a free-running one.
+    let lockstep = (!no_context && !o.peers.is_empty()).then(|| {
+        let l = lockstep::Lockstep::new(o.rank, o.peers.clone(), sim.checksums());
+        l.start(Arc::clone(&sim)).unwrap_or_else(|e| fatal(&e));
+        l
+    });
+    if !no_context && lockstep.is_none() {
         for w in 0..o.workers {
             let s = Arc::clone(&sim);
             std::thread::spawn(move || s.worker(w));
@@ -118,5 +128,5 @@ fn run_gpu_process(o: &Options, no_context: bool, children: Vec<i32>, ready: Opt
     if let Some(fd) = ready {
         process::notify_ready(fd);
     }
-    protocol::serve(&listener, &sim)
+    protocol::serve(&listener, &sim, lockstep.as_deref())
 }

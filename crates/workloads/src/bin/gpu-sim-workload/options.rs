@@ -47,6 +47,13 @@ pub struct Options {
     /// With --daemon: append stdout and stderr to PATH (default: /dev/null).
     #[arg(long, value_name = "PATH", allow_hyphen_values = true)]
     pub log: Option<String>,
+    /// This process's rank in a lockstep job (with --peers).
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub rank: usize,
+    /// Compute in lockstep with the other ranks of a job: every rank's TCP address (HOST:PORT, rank
+    /// order, this rank listens on its own); needs --workers 1.
+    #[arg(long, value_name = "ADDRS", value_delimiter = ',')]
+    pub peers: Vec<String>,
     /// Faults to inject, repeatable, names separated by commas or spaces: lock-timeout, checkpoint,
     /// restore, restore-oom (also from GPU_SIM_FAULTS, and the file named by GPU_SIM_FAULT_FILE).
     #[arg(long = "fault", value_name = "NAMES", allow_hyphen_values = true)]
@@ -78,6 +85,9 @@ impl Options {
             || self.workers > 64
         {
             crate::fatal("need 1-16 devices, >= 1 MiB each, 1-64 workers");
+        }
+        if !self.peers.is_empty() && (self.workers != 1 || self.rank >= self.peers.len()) {
+            crate::fatal("--peers needs --workers 1 and a --rank below the number of peers");
         }
         self
     }

@@ -8,6 +8,7 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::time::Duration;
 
+use crate::lockstep::Lockstep;
 use crate::options::fault_names;
 use crate::sim::Sim;
 
@@ -44,8 +45,8 @@ pub fn bind(pid: u32) -> Result<UnixListener, String> {
         .map_err(|e| format!("cannot bind @gpu-checkpoint-sim/{pid}: {e}"))
 }
 
-/// Answers requests for ever.
-pub fn serve(listener: &UnixListener, sim: &Sim) -> ! {
+/// Answers requests for ever; `STATUS` also reports the lockstep of a rank (`--peers`).
+pub fn serve(listener: &UnixListener, sim: &Sim, lockstep: Option<&Lockstep>) -> ! {
     loop {
         // accept() is restarted after CRIU restores the listening socket; transient errors just loop.
         let Ok((stream, _)) = listener.accept() else {
@@ -56,9 +57,35 @@ pub fn serve(listener: &UnixListener, sim: &Sim) -> ! {
         if BufReader::new(&stream).read_line(&mut line).is_err() {
             continue;
         }
-        let answer = handle(sim, &line);
+        let cmd = line.split_whitespace().next().unwrap_or("").to_string();
+        let driver_call = matches!(cmd.as_str(), "LOCK" | "CHECKPOINT" | "RESTORE" | "UNLOCK");
+        if driver_call {
+            record_event(&format!("{cmd} begin"));
+        }
+        let mut answer = handle(sim, &line);
+        if driver_call {
+            record_event(&format!("{cmd} {}", &answer[..answer.len().min(3)].trim()));
+        }
+        if let (Some(l), true) = (lockstep, answer.starts_with("OK simulated=")) {
+            answer = format!("{answer} {}", l.status());
+        }
         let _ = (&stream).write_all(format!("{answer}\n").as_bytes());
     }
+}
+
+/// Appends `PID EVENT` to the file named by `GPU_SIM_EVENT_FILE`, if set: the driver calls in the
+/// order they happened across processes (one `O_APPEND` write per line), for tests of the order in
+/// which a job's members are locked and restored. Read at every call, so a restored copy records too.
+fn record_event(event: &str) {
+    let Some(path) = std::env::var_os("GPU_SIM_EVENT_FILE") else {
+        return;
+    };
+    let line = format!("{} {event}\n", std::process::id());
+    let _ = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
 }
 
 /// The answer to one request line.

@@ -123,33 +123,42 @@ impl Sim {
     /// Worker `w`: runs one kernel after the other, for ever, while the state lets it.
     pub fn worker(&self, w: usize) {
         loop {
-            let (step, devs): (u64, Vec<DeviceRange>) = {
-                let mut g = self.lock_inner();
-                while g.state != State::Running || g.draining {
-                    g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-                }
-                g.in_flight += 1;
-                (g.steps[w], g.devices.iter().map(|d| d.range).collect())
-            };
-            let start = self.geometry.block_of(w, step) * BLOCK_WORDS;
-            for (dev, range) in devs.into_iter().enumerate() {
-                // SAFETY: the block is this worker's alone (`Geometry` gives each worker its own blocks),
-                // and while this kernel is in flight nothing remaps or reads the device: lock, checkpoint,
-                // STATUS and VERIFY drain the kernels first.
-                let block = unsafe { range.words_mut(start..start + BLOCK_WORDS) };
-                for (k, word) in block.iter_mut().enumerate() {
-                    *word = kernel_word(dev, start + k, w, step);
-                }
-            }
-            // The kernel's run time: a lock has to wait for it.
-            std::thread::sleep(self.kernel);
+            self.kernel(w, |_| ());
+        }
+    }
+
+    /// Worker `w` runs one kernel (waiting while the state does not let it start), then `after` on the
+    /// devices' memory while the kernel still counts as in flight, so that a lock or a checkpoint
+    /// waits for it. Returns the worker's new step count and what `after` returned.
+    pub fn kernel<T>(&self, w: usize, after: impl FnOnce(&[DeviceRange]) -> T) -> (u64, T) {
+        let (step, devs): (u64, Vec<DeviceRange>) = {
             let mut g = self.lock_inner();
-            g.steps[w] += 1;
-            g.in_flight -= 1;
-            if g.in_flight == 0 {
-                self.cv.notify_all();
+            while g.state != State::Running || g.draining {
+                g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+            g.in_flight += 1;
+            (g.steps[w], g.devices.iter().map(|d| d.range).collect())
+        };
+        let start = self.geometry.block_of(w, step) * BLOCK_WORDS;
+        for (dev, range) in devs.iter().enumerate() {
+            // SAFETY: the block is this worker's alone (`Geometry` gives each worker its own blocks),
+            // and while this kernel is in flight nothing remaps or reads the device: lock, checkpoint,
+            // STATUS and VERIFY drain the kernels first.
+            let block = unsafe { range.words_mut(start..start + BLOCK_WORDS) };
+            for (k, word) in block.iter_mut().enumerate() {
+                *word = kernel_word(dev, start + k, w, step);
             }
         }
+        // The kernel's run time: a lock has to wait for it.
+        std::thread::sleep(self.kernel);
+        let out = after(&devs);
+        let mut g = self.lock_inner();
+        g.steps[w] += 1;
+        g.in_flight -= 1;
+        if g.in_flight == 0 {
+            self.cv.notify_all();
+        }
+        (g.steps[w], out)
     }
 
     /// Stops new kernels and waits for those in flight; `None` timeout waits for ever.
@@ -345,6 +354,11 @@ impl Sim {
         g.draining = was_draining;
         self.cv.notify_all();
         out
+    }
+
+    /// The devices' checksums, comma-separated (as `STATUS` lists them).
+    pub fn checksums(&self) -> String {
+        self.with_quiet_memory(|_, _, m| checksum(m)).join(",")
     }
 
     pub fn status(&self) -> String {
