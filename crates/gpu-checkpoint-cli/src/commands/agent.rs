@@ -109,6 +109,9 @@ impl LocalWork {
             store: &self.store,
             progress: &NoProgress,
             criu: (self.runtime == RuntimeKind::Runc).then(|| self.criu_info.clone()),
+            // As `checkpoint --container`: a runc container is dumped by our CRIU with runc's settings.
+            direct: (self.runtime == RuntimeKind::Runc)
+                .then_some(&self.criu as &dyn gpu_checkpoint::dump::Criu),
             watch: &guardian,
         };
         let mut opts = ContainerCheckpointOptions::new(id);
@@ -137,6 +140,7 @@ impl LocalWork {
             store: &self.store,
             progress: &NoProgress,
             criu: None,
+            direct: None,
             watch: &gpu_checkpoint::flows::guardian::NoWatch,
         };
         let opts = ContainerRestoreOptions {
