@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
-use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord};
+use super::records::{self as rec, decode, encode, MemberState, OpKind};
+use super::view::View;
 use super::ClusterError;
 use super::{AgentRecord, JobManifest, JobMember, JobTimings, MemberRecord, Task};
 use crate::flows::ms;
@@ -176,6 +177,8 @@ pub(super) struct Op<'a> {
     /// Time spent in etcd requests (not in watches, which wait for the members), in milliseconds: the
     /// protocol's own round trips.
     etcd_ms: std::cell::Cell<f64>,
+    /// The members' states and agents, read at the first wait and kept current by its watches.
+    view: std::cell::RefCell<Option<View>>,
 }
 
 impl<'a> Op<'a> {
@@ -222,6 +225,7 @@ impl<'a> Op<'a> {
             members: record.members,
             lease,
             etcd_ms: Default::default(),
+            view: Default::default(),
         })
     }
 
@@ -233,25 +237,21 @@ impl<'a> Op<'a> {
         judge: impl Fn(Option<&MemberState>, bool) -> Verdict,
     ) -> Result<BTreeMap<u32, MemberState>, String> {
         let deadline = Instant::now() + limit;
+        // One view for the operation's life: later phases go on watching from where the last stopped.
+        let mut slot = self.view.borrow_mut();
+        if slot.is_none() {
+            let read = self.etcd(|| View::read(self.coord, &self.id));
+            *slot = Some(read.map_err(|e| e.to_string())?);
+        }
+        let view = slot.as_mut().expect("read above");
         loop {
             if self.lease.lost() {
                 return Err("the coordinator's etcd lease expired".into());
             }
-            let (states, rev) = self
-                .etcd(|| self.coord.range(&rec::states(&self.id)))
-                .map_err(|e| e.to_string())?;
-            let (agents, _) = self
-                .etcd(|| self.coord.range(&rec::agents()))
-                .map_err(|e| e.to_string())?;
-            let mut by_rank = BTreeMap::new();
-            for kv in &states {
-                let s: StateRecord = decode(&kv.key, &kv.value).map_err(|e| e.to_string())?;
-                by_rank.insert(s.rank, s.state);
-            }
+            let by_rank = view.by_rank();
             let mut pending = Vec::new();
             for m in &self.members {
-                let alive = agents.iter().any(|a| a.key == rec::agent(&m.node));
-                match judge(by_rank.get(&m.rank), alive) {
+                match judge(by_rank.get(&m.rank), view.alive(&m.node)) {
                     Verdict::Done => {}
                     Verdict::Pending => pending.push(m.rank),
                     Verdict::Fail(why) => {
@@ -269,10 +269,13 @@ impl<'a> Op<'a> {
                 ));
             }
             let wait = (deadline - now).min(Duration::from_secs(1));
-            // Not counted as etcd time: waiting here is waiting for the members.
-            self.coord
-                .watch(rec::ROOT, rev, wait)
+            // Not counted as etcd time: waiting here is waiting for the members. One watch of the root
+            // sees both the members' states and the agents' registrations.
+            let events = self
+                .coord
+                .watch(rec::ROOT, view.rev(), wait)
                 .map_err(|e| e.to_string())?;
+            view.apply(&events).map_err(|e| e.to_string())?;
         }
     }
 

@@ -288,6 +288,78 @@ fn every_member_locks_before_any_checkpoints_and_the_commit_records_them_all() {
     assert!(matches!(e, ClusterError::Usage(_)), "{e}");
 }
 
+/// The coordinator's side of an etcd: counts its reads and writes (not its watches, which wait for the
+/// members, nor its lease's refreshes, which follow the clock).
+struct Counting {
+    inner: Arc<dyn Coordinator>,
+    requests: std::sync::atomic::AtomicUsize,
+}
+
+impl Counting {
+    fn count(&self) {
+        self.requests.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Coordinator for Counting {
+    fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> coord::CoordResult<Revision> {
+        self.count();
+        self.inner.put(key, value, lease)
+    }
+    fn get(&self, key: &str) -> coord::CoordResult<Option<Kv>> {
+        self.count();
+        self.inner.get(key)
+    }
+    fn range(&self, prefix: &str) -> coord::CoordResult<(Vec<Kv>, Revision)> {
+        self.count();
+        self.inner.range(prefix)
+    }
+    fn delete_prefix(&self, prefix: &str) -> coord::CoordResult<u64> {
+        self.count();
+        self.inner.delete_prefix(prefix)
+    }
+    fn grant(&self, ttl: Duration) -> coord::CoordResult<LeaseId> {
+        self.count();
+        self.inner.grant(ttl)
+    }
+    fn keep_alive(&self, lease: LeaseId) -> coord::CoordResult<()> {
+        self.inner.keep_alive(lease)
+    }
+    fn revoke(&self, lease: LeaseId) -> coord::CoordResult<()> {
+        self.count();
+        self.inner.revoke(lease)
+    }
+    fn txn(&self, when: &[coord::Compare], then: &[coord::TxnOp]) -> coord::CoordResult<bool> {
+        self.count();
+        self.inner.txn(when, then)
+    }
+    fn watch(&self, prefix: &str, after: Revision, t: Duration) -> coord::CoordResult<Vec<Event>> {
+        self.inner.watch(prefix, after, t)
+    }
+}
+
+#[test]
+fn a_job_checkpoints_etcd_requests_do_not_grow_with_its_members() {
+    let nodes = ["a", "b", "c", "d", "e", "f", "g", "h"];
+    let c = Cluster::start(&nodes, &[]);
+    c.add("one", 0, "a");
+    for (rank, node) in nodes.iter().enumerate() {
+        c.add("eight", rank as u32, node);
+    }
+    let requests = |job: &str| {
+        let counting = Arc::new(Counting {
+            inner: c.arc(),
+            requests: Default::default(),
+        });
+        let m = checkpoint_job(Arc::clone(&counting) as Arc<dyn Coordinator>, &opts(job));
+        assert!(m.is_ok(), "{m:?}");
+        counting.requests.load(Ordering::SeqCst)
+    };
+    let (one, eight) = (requests("one"), requests("eight"));
+    // Reading every member's state again on each of their changes made it about 2 per member and step.
+    assert_eq!(one, eight, "1 member: {one} requests, 8 members: {eight}");
+}
+
 #[test]
 fn a_member_that_cannot_lock_aborts_the_job_and_every_other_member_unlocks() {
     let c = Cluster::start(&["a", "b"], &[(2, Fault::Lock)]);

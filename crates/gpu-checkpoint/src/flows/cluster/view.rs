@@ -1,0 +1,84 @@
+//! The coordinator's view of an operation's members: their states and which agents are alive. It is read
+//! once (two ranges) and then kept current from the changes a watch reports, so that waiting for N
+//! members costs a constant number of etcd requests, where reading both prefixes again on every change
+//! cost two round trips per member and step (the coordinator's etcd time grew with the job's size).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::coord::{CoordError, Coordinator, Event, Revision};
+use super::records::{self as rec, decode, MemberState, StateRecord};
+
+pub(super) struct View {
+    states_prefix: String,
+    /// The members' states, by key (a delete names only the key).
+    states: BTreeMap<String, StateRecord>,
+    /// The keys of the agents registered (their leases alive).
+    agents: BTreeSet<String>,
+    /// The revision the view is current to: a watch from there misses nothing.
+    rev: Revision,
+}
+
+impl View {
+    /// Reads operation `id`'s member states and the agents.
+    pub(super) fn read(coord: &dyn Coordinator, id: &str) -> Result<View, CoordError> {
+        let states_prefix = rec::states(id);
+        let (states, rev) = coord.range(&states_prefix)?;
+        // Read after the states: a change to the agents between the two reads is replayed by the watch
+        // (from the first read's revision) over a newer read, which leaves each key at its last value.
+        let (agents, _) = coord.range(&rec::agents())?;
+        let mut view = View {
+            states_prefix,
+            states: BTreeMap::new(),
+            agents: agents.into_iter().map(|kv| kv.key).collect(),
+            rev,
+        };
+        for kv in states {
+            view.states
+                .insert(kv.key.clone(), decode(&kv.key, &kv.value)?);
+        }
+        Ok(view)
+    }
+
+    /// The revision to watch from.
+    pub(super) fn rev(&self) -> Revision {
+        self.rev
+    }
+
+    /// Applies changes a watch (from [`View::rev`]) reported, in their order.
+    pub(super) fn apply(&mut self, events: &[Event]) -> Result<(), CoordError> {
+        for e in events {
+            let key = e.key();
+            if key.starts_with(&self.states_prefix) {
+                match e {
+                    Event::Put(kv) => {
+                        self.states
+                            .insert(kv.key.clone(), decode(&kv.key, &kv.value)?);
+                    }
+                    Event::Delete { key, .. } => {
+                        self.states.remove(key);
+                    }
+                }
+            } else if key.starts_with(&rec::agents()) {
+                match e {
+                    Event::Put(kv) => self.agents.insert(kv.key.clone()),
+                    Event::Delete { key, .. } => self.agents.remove(key),
+                };
+            }
+            self.rev = self.rev.max(e.revision());
+        }
+        Ok(())
+    }
+
+    /// Whether `node`'s agent is registered.
+    pub(super) fn alive(&self, node: &str) -> bool {
+        self.agents.contains(&rec::agent(node))
+    }
+
+    /// The members' states, by rank.
+    pub(super) fn by_rank(&self) -> BTreeMap<u32, MemberState> {
+        self.states
+            .values()
+            .map(|s| (s.rank, s.state.clone()))
+            .collect()
+    }
+}
