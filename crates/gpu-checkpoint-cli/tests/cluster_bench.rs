@@ -81,7 +81,11 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     let mut restores = Vec::new();
     println!("agents | job total ms | slowest member's work | etcd ms (share) | protocol (share) | job - plain ms");
     for n in [1usize, 2, 4, 8] {
-        let etcd = Etcd::start(&bin, dir.path(), 1);
+        // A fresh etcd per round, in a folder of its own: one started on the last round's data would
+        // find its `/ready` and be taken for another test's etcd.
+        let round = dir.path().join(format!("etcd-{n}-agents"));
+        gpu_checkpoint::util::create_private_dir_all(&round).unwrap();
+        let etcd = Etcd::start(&bin, &round, 1);
         let nodes: Vec<String> = (0..n).map(|i| format!("n{i}")).collect();
         let _agents: Vec<Agent> = nodes
             .iter()
