@@ -187,6 +187,19 @@ impl Store {
     /// or tidy one: where there is no store (a missing folder or prefix, or a folder that is not a store,
     /// an empty one included) it is "no checkpoint here" (exit 7), and no store is made.
     pub fn open_existing(storage: &str, opts: StoreOptions) -> Result<Store> {
+        Store::open_existing_cached(storage, opts, None)
+    }
+
+    /// [`Store::open_existing`] with, for an object store, a local read-through cache of chunks in folder
+    /// `cache` ([`backend::CachedBackend`]: a restore on a node that fetched the chunks before reads them
+    /// from its disk). A local folder store takes no cache: its chunks are on a disk already.
+    pub fn open_existing_cached(
+        storage: &str,
+        opts: StoreOptions,
+        cache: Option<&Path>,
+    ) -> Result<Store> {
+        #[cfg(not(feature = "s3"))]
+        let _ = cache;
         let none = || Error::NotFound {
             what: "any checkpoint (no store here)".into(),
             storage: storage.into(),
@@ -199,7 +212,14 @@ impl Store {
                 if backend.head(backend::STORE_FILE)?.is_none() {
                     return Err(none());
                 }
-                return Store::with_backend(Arc::new(backend), opts);
+                let backend: Arc<dyn Backend> = Arc::new(backend);
+                return match cache {
+                    Some(dir) => Store::with_backend(
+                        Arc::new(backend::CachedBackend::new(backend, dir)?),
+                        opts,
+                    ),
+                    None => Store::with_backend(backend, opts),
+                };
             }
         } else {
             let path = Path::new(storage);

@@ -12,6 +12,7 @@
 //! local capability, so it takes the object-store paths, leases included) and, with the `s3` feature,
 //! `S3Backend` (any S3-compatible server).
 
+mod cache;
 mod direct;
 mod files;
 mod local;
@@ -20,6 +21,7 @@ mod objects;
 #[cfg(feature = "s3")]
 mod s3;
 
+pub use cache::{CacheStats, CachedBackend};
 pub use local::{LocalBackend, DIRECT_IO_ENV};
 pub use memory::MemoryBackend;
 pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
