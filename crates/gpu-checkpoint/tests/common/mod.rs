@@ -1,3 +1,4 @@
 //! Helpers shared by the library's integration tests.
 
+pub mod garage;
 pub mod s3;
