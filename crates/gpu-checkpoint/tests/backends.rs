@@ -1,6 +1,6 @@
 //! One conformance suite, run against every backend: the local folder, the in-memory one, and (with the
-//! `s3` feature) real S3 servers started on 127.0.0.1 for each test: s3s-fs, and garage in the long test
-//! lane (`scripts/test.sh --long`). The same objects, the same checkpoints, the same damage, the same gc,
+//! `s3` feature) real S3 servers started on 127.0.0.1 for each test: s3s-fs, and garage and moto's server in
+//! the long test lane (`scripts/test.sh --long`). The same objects, the same checkpoints, the same damage, the same gc,
 //! whatever the storage.
 
 mod common;
@@ -98,11 +98,16 @@ fn memory() -> Option<Fixture> {
     })
 }
 
-/// A store client on the S3 server `server` (prefix `site/a`); `age` makes its objects older.
+/// A backend as the suite uses it, and how to make its objects older.
+#[cfg(feature = "s3")]
+type WithAge = (Arc<dyn Backend>, Box<dyn Fn(Duration)>);
+
+/// A store client on the S3 server `server` (prefix `site/a`); `wrap` gives the backend the suite uses
+/// and how to age its objects.
 #[cfg(feature = "s3")]
 fn s3_client(
     server: Box<dyn common::s3::Endpoint>,
-    wrap: impl FnOnce(Arc<dyn Backend>) -> (Arc<dyn Backend>, Box<dyn Fn(Duration)>),
+    wrap: impl FnOnce(Arc<dyn Backend>) -> WithAge,
 ) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let (access, secret) = server.keys();
@@ -144,14 +149,25 @@ fn s3() -> Option<Fixture> {
 #[cfg(feature = "s3")]
 fn garage() -> Option<Fixture> {
     let server = common::garage::GarageServer::start()?;
-    Some(s3_client(Box::new(server), |b| {
-        let aged = Arc::new(Aged {
-            inner: b,
-            shifts: Default::default(),
-        });
-        let a = aged.clone();
-        (aged, Box::new(move |by| a.age(by)))
-    }))
+    Some(s3_client(Box::new(server), aged))
+}
+
+/// moto's server (the long test lane), aged like garage.
+#[cfg(feature = "s3")]
+fn moto() -> Option<Fixture> {
+    let server = common::moto::MotoServer::start()?;
+    Some(s3_client(Box::new(server), aged))
+}
+
+/// `b` seen through [`Aged`], and how to age it.
+#[cfg(feature = "s3")]
+fn aged(b: Arc<dyn Backend>) -> WithAge {
+    let aged = Arc::new(Aged {
+        inner: b,
+        shifts: Default::default(),
+    });
+    let a = aged.clone();
+    (aged, Box::new(move |by| a.age(by)))
 }
 
 /// A backend that shows the chunks stored so far as older than the server says, by the times given to
@@ -244,7 +260,7 @@ impl Backend for Aged {
 }
 
 /// Runs each test against every backend: `local::NAME`, `memory::NAME`, `s3::NAME` and (the long lane)
-/// `garage::NAME`.
+/// `garage::NAME` and `moto::NAME`.
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod local { $( #[test] fn $name() { if let Some(f) = super::local() { super::$name(&f) } } )* }
@@ -253,6 +269,8 @@ macro_rules! conformance {
         mod s3 { $( #[test] fn $name() { if let Some(f) = super::s3() { super::$name(&f) } } )* }
         #[cfg(feature = "s3")]
         mod garage { $( #[test] fn $name() { if let Some(f) = super::garage() { super::$name(&f) } } )* }
+        #[cfg(feature = "s3")]
+        mod moto { $( #[test] fn $name() { if let Some(f) = super::moto() { super::$name(&f) } } )* }
     };
 }
 
