@@ -283,7 +283,32 @@ conformance!(
     a_writer_announces_itself_and_gc_waits_for_it,
     a_chunk_taken_while_a_writer_reused_it_fails_the_commit,
     list_inspect_and_delete_by_name,
+    a_read_after_a_write_or_delete_sees_it_even_if_prefetched_before,
 );
+
+fn a_read_after_a_write_or_delete_sees_it_even_if_prefetched_before(f: &Fixture) {
+    let b = &*f.backend;
+    b.init().unwrap();
+    let mut buf = Vec::new();
+    for (i, rewrite) in [true, false].into_iter().enumerate() {
+        let key = format!("x/prefetched-{i}");
+        b.put(&key, &[b"old"], true).unwrap();
+        // Read ahead and done (a read that stopped early leaves such a prefetch behind).
+        b.prefetch(&key);
+        std::thread::sleep(Duration::from_millis(300));
+        if rewrite {
+            b.put(&key, &[b"new"], true).unwrap();
+            assert!(b.get(&key, &mut buf).unwrap());
+            assert_eq!(buf, b"new", "a prefetch from before the write was served");
+        } else {
+            b.delete(&key).unwrap();
+            assert!(
+                !b.get(&key, &mut buf).unwrap(),
+                "a deleted object was served"
+            );
+        }
+    }
+}
 
 fn objects_are_written_whole_read_by_range_listed_by_prefix_and_deleted(f: &Fixture) {
     let b = &*f.backend;

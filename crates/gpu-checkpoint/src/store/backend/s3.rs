@@ -426,6 +426,7 @@ impl Backend for S3Backend {
 
     fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
         self.check_failed()?;
+        self.forget_prefetch(key);
         if let Some(e) = crate::fault::io_error("store.write") {
             return Err(Error::io("cannot write", self.describe(key))(e));
         }
@@ -557,6 +558,7 @@ impl Backend for S3Backend {
     }
 
     fn delete(&self, key: &str) -> Result<bool> {
+        self.forget_prefetch(key);
         // S3 answers a DELETE of a missing key with success: whether there was one is not known.
         match self.rt.block_on(self.store.delete(&self.path(key))) {
             Ok(()) => Ok(true),
@@ -583,6 +585,23 @@ impl Backend for S3Backend {
 
     fn work_root(&self) -> Option<&Path> {
         self.work_dir.as_deref()
+    }
+}
+
+impl S3Backend {
+    /// Drops (and cancels) a prefetch of `key` nobody read: this process is writing or deleting the
+    /// object, and a later read must see that, not the bytes fetched before. (A read that stopped early, a
+    /// restore that met a damaged chunk, leaves its prefetches behind; a re-checkpoint that writes the
+    /// damaged chunk again and a verify after it, through the same handle, read it again.)
+    fn forget_prefetch(&self, key: &str) {
+        let stale = self
+            .prefetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+        if let Some(t) = stale {
+            t.abort();
+        }
     }
 }
 
