@@ -7,7 +7,8 @@
 # the process; the standard way downloads the folder (`aws s3 cp --recursive`) and runs `criu restore -d`.
 # Last, the bytes an unchanged re-checkpoint stores: new chunks + manifest, of the image's bytes. Peak
 # memory: the largest resident set (GNU time's %M: gpu-checkpoint, or the CRIU it ran where that was
-# larger) of our checkpoints and restores, against the budget max(64 MiB, 1% of RAM).
+# larger) of our checkpoints and restores, against the budget max(64 MiB, 1% of RAM). And restores from S3
+# through a warm local read-through cache (`restore --cache-dir`) against restores without one.
 #
 # Usage (root): scripts/bench-s3.sh [MIB]        default: 256
 #   ROUNDS=3            rounds
@@ -143,6 +144,29 @@ for r in $(seq 1 "$ROUNDS"); do
     esac
     rm -rf "$DIR/store-$r"
 done
+# Restores from S3 through a warm local read-through cache (--cache-dir: the chunks come from the node's
+# disk, no request) against restores without it, alternated; the first restore (untimed) fills the cache.
+timed_restore() {
+    local t0 t1
+    kill -9 "$PID"
+    wait_free "$PID"
+    settle
+    t0=$(now)
+    "$GC" restore "$CID" --storage s3://bench/cached "$@" >/dev/null
+    t1=$(now)
+    ms "$t0" "$t1"
+}
+CID=$("$GC" checkpoint --pid "$PID" --storage s3://bench/cached --format json | field id)
+wait_free "$PID"
+"$GC" restore "$CID" --storage s3://bench/cached --cache-dir "$DIR/cache" >/dev/null
+C_RS= N_RS=
+for r in $(seq 1 "$ROUNDS"); do
+    if [ $((r % 2)) = 1 ]; then
+        C_RS+=" $(timed_restore --cache-dir "$DIR/cache")" N_RS+=" $(timed_restore)"
+    else
+        N_RS+=" $(timed_restore)" C_RS+=" $(timed_restore --cache-dir "$DIR/cache")"
+    fi
+done
 # An unchanged re-checkpoint: what it stores (sends) of the image.
 "$GC" checkpoint --pid "$PID" --storage s3://bench/again --leave-running --format json >/dev/null
 again=$("$GC" checkpoint --pid "$PID" --storage s3://bench/again --leave-running --format json)
@@ -160,6 +184,8 @@ printf '%-34s %8s %8s   ratio %s / %s\n' "gpu-checkpoint -> S3" "$sck" "$srs" "$
 printf '%-34s %8s %8s   ratio %s / %s\n' "gpu-checkpoint -> local store" "$lck" "$lrs" "$(ratio "$lck" "$ack")" "$(ratio "$lrs" "$ars")"
 awk -v n="$new" -v m="$man" -v l="$logical" 'BEGIN { printf "unchanged re-checkpoint: %d new + %d manifest bytes of %d (%.2f%%)\n", n, m, l, 100 * (n + m) / l }'
 echo "rounds (ms): S3 ck$S_CK rs$S_RS | local ck$L_CK rs$L_RS | criu+aws ck$A_CK rs$A_RS"
+crs=$(echo "$C_RS" | median) nrs=$(echo "$N_RS" | median)
+echo "restore from S3 through a warm --cache-dir: $crs ms, without: $nrs ms (ratio $(ratio "$crs" "$nrs")); rounds: cache$C_RS | none$N_RS"
 most() { tr ' ' '\n' | grep -v '^$' | sort -n | tail -1; }
 budget=$(awk '/^MemTotal:/ { m = $2 / 1024 / 100; printf "%.0f", (m > 64 ? m : 64) }' /proc/meminfo)
 echo "peak RSS (MiB, the largest of the rounds; gpu-checkpoint or its CRIU): S3 checkpoint $(echo "$S_CKM" | most)," \
