@@ -144,6 +144,25 @@ fn s3() -> Option<Fixture> {
     }))
 }
 
+/// s3s-fs through a local read-through cache of chunks ([`CachedBackend`](gpu_checkpoint::store::backend::CachedBackend),
+/// what `restore --cache-dir` uses): the same semantics as the server alone.
+#[cfg(feature = "s3")]
+fn cached() -> Option<Fixture> {
+    let server = common::s3::S3Server::start()?;
+    let objects = server.object_file("site/a");
+    Some(s3_client(Box::new(server), move |b| {
+        let cache = tempfile::tempdir().unwrap();
+        let backend =
+            gpu_checkpoint::store::backend::CachedBackend::new(b, &cache.path().join("c")).unwrap();
+        // The closure keeps the cache folder for the fixture's life.
+        let age = move |by| {
+            let _ = &cache;
+            age_files(&objects, by)
+        };
+        (Arc::new(backend), Box::new(age))
+    }))
+}
+
 /// Garage (the long test lane): its objects' times cannot be set, so the client sees them older through
 /// [`Aged`].
 #[cfg(feature = "s3")]
@@ -259,14 +278,16 @@ impl Backend for Aged {
     }
 }
 
-/// Runs each test against every backend: `local::NAME`, `memory::NAME`, `s3::NAME` and (the long lane)
-/// `garage::NAME` and `moto::NAME`.
+/// Runs each test against every backend: `local::NAME`, `memory::NAME`, `s3::NAME`, `cached::NAME` (s3s-fs
+/// through a read cache) and (the long lane) `garage::NAME` and `moto::NAME`.
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod local { $( #[test] fn $name() { if let Some(f) = super::local() { super::$name(&f) } } )* }
         mod memory { $( #[test] fn $name() { if let Some(f) = super::memory() { super::$name(&f) } } )* }
         #[cfg(feature = "s3")]
         mod s3 { $( #[test] fn $name() { if let Some(f) = super::s3() { super::$name(&f) } } )* }
+        #[cfg(feature = "s3")]
+        mod cached { $( #[test] fn $name() { if let Some(f) = super::cached() { super::$name(&f) } } )* }
         #[cfg(feature = "s3")]
         mod garage { $( #[test] fn $name() { if let Some(f) = super::garage() { super::$name(&f) } } )* }
         #[cfg(feature = "s3")]

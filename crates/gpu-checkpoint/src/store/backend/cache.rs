@@ -134,6 +134,13 @@ impl CachedBackend {
         }
     }
 
+    /// Removes the cached copy of chunk object `key`, if any.
+    fn forget(&self, key: &str) {
+        if let Some(id) = chunk_of_key(key) {
+            let _ = fs::remove_file(self.path(&id));
+        }
+    }
+
     fn write(&self, id: &ChunkId, stored: &[u8]) -> io::Result<()> {
         let path = self.path(id);
         let dir = path.parent().expect("fanned out");
@@ -168,7 +175,10 @@ impl Backend for CachedBackend {
     fn check_writable(&self) -> Result<()> {
         self.inner.check_writable()
     }
+    /// Writing or deleting a chunk through this handle drops its cached copy first, so that a read after
+    /// it sees what the store holds (the same bytes, except where a damaged chunk is written again).
     fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
+        self.forget(key);
         self.inner.put(key, parts, durable)
     }
     fn sync(&self, keys: &[String]) -> Result<()> {
@@ -202,6 +212,7 @@ impl Backend for CachedBackend {
         self.inner.list(prefix, f)
     }
     fn delete(&self, key: &str) -> Result<bool> {
+        self.forget(key);
         self.inner.delete(key)
     }
 
