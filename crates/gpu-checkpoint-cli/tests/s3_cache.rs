@@ -61,11 +61,9 @@ fn a_second_restore_reads_the_cache_without_requests_and_a_damaged_cached_chunk_
     let first = restore();
     assert!(first > 5, "the first restore fetched the chunks: {first}");
     let files = cached_files(&cache);
-    // Each cached chunk took a GET; a chunk may take two (a prefetch that started after the worker's own
-    // read), so the GETs bound the files from above, not exactly.
     assert!(
-        files.len() > 5 && files.len() as u64 <= first,
-        "{} cached for {first} GETs",
+        files.len() as u64 >= first,
+        "{} cached of {first}",
         files.len()
     );
     for f in &files {
@@ -97,12 +95,7 @@ fn a_second_restore_reads_the_cache_without_requests_and_a_damaged_cached_chunk_
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x20;
     std::fs::write(victim, &bytes).unwrap();
-    // One GET for it, or two where the read-ahead for it started after the worker found it damaged.
-    let again = restore();
-    assert!(
-        (1..=2).contains(&again),
-        "only the damaged chunk was fetched again: {again} GETs"
-    );
+    assert_eq!(restore(), 1, "only the damaged chunk was fetched again");
     bytes[mid] ^= 0x20;
     assert!(
         std::fs::read(victim).unwrap() == bytes,
