@@ -226,6 +226,10 @@ impl Backend for CachedBackend {
         self.inner.prefetch(key)
     }
 
+    fn memory_in_flight(&self) -> u64 {
+        self.inner.memory_in_flight()
+    }
+
     fn requests_in_flight(&self) -> usize {
         self.inner.requests_in_flight()
     }

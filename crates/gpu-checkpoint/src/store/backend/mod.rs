@@ -130,6 +130,12 @@ pub trait Backend: Send + Sync {
         0
     }
 
+    /// Bytes this backend may hold in puts sent in the background: an ingest's plan takes them out of
+    /// the memory budget. Default: none.
+    fn memory_in_flight(&self) -> u64 {
+        0
+    }
+
     /// The local file system's fast paths, where the store is a local folder; `None` for every other
     /// backend (they then take the plain object paths).
     fn local(&self) -> Option<&dyn LocalFs> {
