@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Benchmark: the store on S3 (s3s-fs on 127.0.0.1, started here with a private data folder) against the
+# Benchmark: the store on S3 (s3s-fs or garage on 127.0.0.1, started here with a private data folder) against the
 # standard way, `criu dump` into a folder followed by `aws s3 cp --recursive` of that folder, and against
 # the local store; an idle process holding N MiB of incompressible memory. Checkpoints stop the process
 # and restores bring it back, so every contender starts from the same state; the order rotates every
 # round (shared machines drift) and the figures are medians. Restores: ours streams from the bucket into
 # the process; the standard way downloads the folder (`aws s3 cp --recursive`) and runs `criu restore -d`.
-# Last, the bytes an unchanged re-checkpoint stores: new chunks + manifest, of the image's bytes.
+# Last, the bytes an unchanged re-checkpoint stores: new chunks + manifest, of the image's bytes. Peak
+# memory: the largest resident set (GNU time's %M: gpu-checkpoint, or the CRIU it ran where that was
+# larger) of our checkpoints and restores, against the budget max(64 MiB, 1% of RAM). And restores from S3
+# through a warm local read-through cache (`restore --cache-dir`) against restores without one.
 #
 # Usage (root): scripts/bench-s3.sh [MIB]        default: 256
 #   ROUNDS=3            rounds
 #   BENCH_DIR=DIR       images, local store and the server's data (default: target/bench-s3)
-# Builds gpu-checkpoint in release mode; needs CRIU (scripts/setup.sh), s3s-fs (scripts/install-s3s.sh)
-# and the AWS CLI (scripts/install-awscli.sh, called here: the benchmark alone needs it).
+#   S3_SERVER=s3s-fs    the server: s3s-fs (scripts/install-s3s.sh) or garage (scripts/install-garage.sh,
+#                       called here: 8 minutes or more to build, once per machine), one node on loopback
+# Builds gpu-checkpoint in release mode; needs CRIU (scripts/setup.sh), the server, the AWS CLI
+# (scripts/install-awscli.sh, called here: the benchmark alone needs it) and GNU time (installed here too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
@@ -20,44 +25,92 @@ cd "$(dirname "$0")/.."
 . scripts/lib/bench.sh
 bench_build "CRIU"
 scripts/install-awscli.sh >/dev/null
-S3S=${GPU_CHECKPOINT_S3S_FS:-${GPU_CHECKPOINT_CACHE:-/var/cache/gpu-checkpoint}/s3s-fs-0.14.1/bin/s3s-fs}
-[ -x "$S3S" ] || { echo "bench: s3s-fs missing: run scripts/install-s3s.sh" >&2; exit 5; }
+# shellcheck source=scripts/lib/apt-missing.sh
+. scripts/lib/apt-missing.sh
+# `time` alone is the shell's keyword: the program is asked for by its path.
+apt_install_missing /usr/bin/time:time
+S3_SERVER=${S3_SERVER:-s3s-fs}
 ROUNDS=${ROUNDS:-3}
 MIB=${1:-256}
 DIR=${BENCH_DIR:-target/bench-s3}
 rm -rf "$DIR"
-mkdir -p "$DIR/data/bench"
+mkdir -p "$DIR/data"
 chmod 700 "$DIR"
 DIR=$(cd "$DIR" && pwd)
 
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+hex() { od -An -tx1 -N"$1" /dev/urandom | tr -d ' \n'; }
+PORT=$(free_port)
+export AWS_ENDPOINT_URL=http://127.0.0.1:$PORT AWS_REGION=us-east-1
 # Test credentials of this private server only.
-export AWS_ACCESS_KEY_ID=gpu-checkpoint-bench AWS_SECRET_ACCESS_KEY=gpu-checkpoint-bench-secret AWS_REGION=us-east-1
-PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export AWS_ENDPOINT_URL=http://127.0.0.1:$PORT
-"$S3S" --host 127.0.0.1 --port "$PORT" --access-key "$AWS_ACCESS_KEY_ID" --secret-key "$AWS_SECRET_ACCESS_KEY" \
-    "$DIR/data" >/dev/null 2>&1 &
+case $S3_SERVER in
+s3s-fs)
+    S3S=${GPU_CHECKPOINT_S3S_FS:-${GPU_CHECKPOINT_CACHE:-/var/cache/gpu-checkpoint}/s3s-fs-0.14.1/bin/s3s-fs}
+    [ -x "$S3S" ] || { echo "bench: s3s-fs missing: run scripts/install-s3s.sh" >&2; exit 5; }
+    SERVER_NAME="s3s-fs 0.14.1"
+    export AWS_ACCESS_KEY_ID=gpu-checkpoint-bench AWS_SECRET_ACCESS_KEY=gpu-checkpoint-bench-secret
+    mkdir "$DIR/data/bench"
+    "$S3S" --host 127.0.0.1 --port "$PORT" --access-key "$AWS_ACCESS_KEY_ID" --secret-key "$AWS_SECRET_ACCESS_KEY" \
+        "$DIR/data" >/dev/null 2>&1 &
+    ;;
+garage)
+    GARAGE=${GPU_CHECKPOINT_GARAGE:-$(scripts/install-garage.sh | tail -1)}
+    SERVER_NAME="garage $("$GARAGE" --version 2>/dev/null | grep -o '[0-9][0-9.]*' | head -1) (one node, lmdb)"
+    # Garage's key format: GK + 12 bytes in hex, a secret of 32 bytes in hex; the bucket and the key are
+    # made by --single-node --default-bucket.
+    AWS_ACCESS_KEY_ID=GK$(hex 12) AWS_SECRET_ACCESS_KEY=$(hex 32)
+    export AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY
+    RPC=$(free_port)
+    (umask 077 && cat >"$DIR/garage.toml" <<CONF
+metadata_dir = "$DIR/data/meta"
+data_dir = "$DIR/data/blocks"
+db_engine = "lmdb"
+replication_factor = 1
+rpc_bind_addr = "127.0.0.1:$RPC"
+rpc_public_addr = "127.0.0.1:$RPC"
+rpc_secret = "$(hex 32)"
+[s3_api]
+s3_region = "$AWS_REGION"
+api_bind_addr = "127.0.0.1:$PORT"
+CONF
+    )
+    GARAGE_DEFAULT_ACCESS_KEY=$AWS_ACCESS_KEY_ID GARAGE_DEFAULT_SECRET_KEY=$AWS_SECRET_ACCESS_KEY \
+        GARAGE_DEFAULT_BUCKET=bench RUST_LOG=garage=warn \
+        "$GARAGE" -c "$DIR/garage.toml" server --single-node --default-bucket >"$DIR/garage.log" 2>&1 &
+    ;;
+*) echo "bench: S3_SERVER must be s3s-fs or garage" >&2; exit 2 ;;
+esac
 SERVER=$!
 PID=
-trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; kill "$SERVER" 2>/dev/null; rm -rf "$DIR"' EXIT
-until (: <"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do sleep 0.05; done
+# The server is waited for before its data goes (its status, 143 when killed, is not the script's: set -e).
+trap 'rc=$?; [ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null || true; rm -rf "$DIR"; exit $rc' EXIT
+until (: <"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; do
+    kill -0 "$SERVER" 2>/dev/null || { echo "bench: $S3_SERVER did not start" >&2; cat "$DIR"/*.log >&2 2>/dev/null; exit 5; }
+    sleep 0.05
+done
 AWS=(aws --endpoint-url "$AWS_ENDPOINT_URL" --only-show-errors)
 
 field() { grep -o "\"$1\": *[^,}]*" | head -1 | sed 's/.*: *//; s/"//g'; }
 
-# Ours into $1 (a fresh prefix or folder: no dedup against earlier rounds); appends to ${2}_CK / ${2}_RS.
+# Runs "$@" under GNU time; the peak resident set in KiB goes to $DIR/rss.
+rss() { /usr/bin/time -f %M -o "$DIR/rss" "$@"; }
+kib_to_mib() { awk -v k="$(cat "$DIR/rss")" 'BEGIN { printf "%.0f", k / 1024 }'; }
+
+# Ours into $1 (a fresh prefix or folder: no dedup against earlier rounds); appends to ${2}_CK / ${2}_RS,
+# and the peaks in MiB to ${2}_CKM / ${2}_RSM.
 ours() {
     local store=$1 tag=$2 t0 t1 id
     settle
     t0=$(now)
-    id=$("$GC" checkpoint --pid "$PID" --storage "$store" --format json | field id)
+    id=$(rss "$GC" checkpoint --pid "$PID" --storage "$store" --format json | field id)
     t1=$(now)
-    eval "${tag}_CK+=\" $(ms "$t0" "$t1")\""
+    eval "${tag}_CK+=\" $(ms "$t0" "$t1")\" ${tag}_CKM+=\" $(kib_to_mib)\""
     wait_free "$PID"
     settle
     t0=$(now)
-    "$GC" restore "$id" --storage "$store" >/dev/null
+    rss "$GC" restore "$id" --storage "$store" >/dev/null
     t1=$(now)
-    eval "${tag}_RS+=\" $(ms "$t0" "$t1")\""
+    eval "${tag}_RS+=\" $(ms "$t0" "$t1")\" ${tag}_RSM+=\" $(kib_to_mib)\""
 }
 
 # `criu dump` into a folder, then `aws s3 cp --recursive` of it; back: download, `criu restore -d`.
@@ -80,7 +133,7 @@ standard() {
     A_RS+=" $(ms "$t0" "$t1")"
 }
 
-S_CK= S_RS= L_CK= L_RS= A_CK= A_RS=
+S_CK= S_RS= L_CK= L_RS= A_CK= A_RS= S_CKM= S_RSM= L_CKM= L_RSM=
 PID=$("$BIN/workload" memory --mib "$MIB" --verify-ms 0 --state "$DIR/state" --detach)
 until grep -q 'phase=verifying' "$DIR/state" 2>/dev/null; do sleep 0.1; done
 for r in $(seq 1 "$ROUNDS"); do
@@ -91,6 +144,29 @@ for r in $(seq 1 "$ROUNDS"); do
     esac
     rm -rf "$DIR/store-$r"
 done
+# Restores from S3 through a warm local read-through cache (--cache-dir: the chunks come from the node's
+# disk, no request) against restores without it, alternated; the first restore (untimed) fills the cache.
+timed_restore() {
+    local t0 t1
+    kill -9 "$PID"
+    wait_free "$PID"
+    settle
+    t0=$(now)
+    "$GC" restore "$CID" --storage s3://bench/cached "$@" >/dev/null
+    t1=$(now)
+    ms "$t0" "$t1"
+}
+CID=$("$GC" checkpoint --pid "$PID" --storage s3://bench/cached --format json | field id)
+wait_free "$PID"
+"$GC" restore "$CID" --storage s3://bench/cached --cache-dir "$DIR/cache" >/dev/null
+C_RS= N_RS=
+for r in $(seq 1 "$ROUNDS"); do
+    if [ $((r % 2)) = 1 ]; then
+        C_RS+=" $(timed_restore --cache-dir "$DIR/cache")" N_RS+=" $(timed_restore)"
+    else
+        N_RS+=" $(timed_restore)" C_RS+=" $(timed_restore --cache-dir "$DIR/cache")"
+    fi
+done
 # An unchanged re-checkpoint: what it stores (sends) of the image.
 "$GC" checkpoint --pid "$PID" --storage s3://bench/again --leave-running --format json >/dev/null
 again=$("$GC" checkpoint --pid "$PID" --storage s3://bench/again --leave-running --format json)
@@ -100,7 +176,7 @@ PID=
 
 sck=$(echo "$S_CK" | median) srs=$(echo "$S_RS" | median) lck=$(echo "$L_CK" | median) lrs=$(echo "$L_RS" | median)
 ack=$(echo "$A_CK" | median) ars=$(echo "$A_RS" | median)
-echo "S3 benchmark: ${MIB} MiB of random memory, $ROUNDS rounds (medians in ms), s3s-fs 0.14.1 on 127.0.0.1, $("${AWS[@]}" --version 2>&1 | cut -d' ' -f1), $(nproc) cores"
+echo "S3 benchmark: ${MIB} MiB of random memory, $ROUNDS rounds (medians in ms), $SERVER_NAME on 127.0.0.1, $("${AWS[@]}" --version 2>&1 | cut -d' ' -f1), $(nproc) cores"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) (after)"
 printf '%-34s %8s %8s\n' "" checkpoint restore
 printf '%-34s %8s %8s\n' "criu dump + aws s3 cp (baseline)" "$ack" "$ars"
@@ -108,3 +184,11 @@ printf '%-34s %8s %8s   ratio %s / %s\n' "gpu-checkpoint -> S3" "$sck" "$srs" "$
 printf '%-34s %8s %8s   ratio %s / %s\n' "gpu-checkpoint -> local store" "$lck" "$lrs" "$(ratio "$lck" "$ack")" "$(ratio "$lrs" "$ars")"
 awk -v n="$new" -v m="$man" -v l="$logical" 'BEGIN { printf "unchanged re-checkpoint: %d new + %d manifest bytes of %d (%.2f%%)\n", n, m, l, 100 * (n + m) / l }'
 echo "rounds (ms): S3 ck$S_CK rs$S_RS | local ck$L_CK rs$L_RS | criu+aws ck$A_CK rs$A_RS"
+crs=$(echo "$C_RS" | median) nrs=$(echo "$N_RS" | median)
+echo "restore from S3 through a warm --cache-dir: $crs ms, without: $nrs ms (ratio $(ratio "$crs" "$nrs")); rounds: cache$C_RS | none$N_RS"
+most() { tr ' ' '\n' | grep -v '^$' | sort -n | tail -1; }
+budget=$(awk '/^MemTotal:/ { m = $2 / 1024 / 100; printf "%.0f", (m > 64 ? m : 64) }' /proc/meminfo)
+echo "peak RSS (MiB, the largest of the rounds; gpu-checkpoint or its CRIU): S3 checkpoint $(echo "$S_CKM" | most)," \
+    "restore $(echo "$S_RSM" | most); local checkpoint $(echo "$L_CKM" | most), restore $(echo "$L_RSM" | most);" \
+    "budget max(64 MiB, 1% of RAM) = $budget MiB"
+echo "peak RSS rounds (MiB): S3 ck$S_CKM rs$S_RSM | local ck$L_CKM rs$L_RSM"

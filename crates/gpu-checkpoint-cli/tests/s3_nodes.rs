@@ -14,12 +14,25 @@ use s3_support::*;
 #[test]
 fn checkpoint_on_node_a_restores_on_node_b_through_s3() {
     let Some((dir, server)) = scene() else { return };
+    node_a_to_node_b(dir.path(), &server);
+}
+
+/// The same against garage, a production object store (the long test lane: `scripts/test.sh --long`).
+#[test]
+fn checkpoint_on_node_a_restores_on_node_b_through_garage() {
+    let Some((dir, server)) = garage_scene() else {
+        return;
+    };
+    node_a_to_node_b(dir.path(), &server);
+}
+
+fn node_a_to_node_b(dir: &std::path::Path, server: &dyn s3::Endpoint) {
     let url = server.url("fleet/job");
     let (a, b) = (
-        Node::new(dir.path(), "node-a", &server),
-        Node::new(dir.path(), "node-b", &server),
+        Node::new(dir, "node-a", server),
+        Node::new(dir, "node-b", server),
     );
-    let (w, checksum) = memory_workload(dir.path(), "48");
+    let (w, checksum) = memory_workload(dir, "48");
     let pid = w.pid.to_string();
     let ck = a.checkpoint_json(w.pid, &url, &["--name", "job"]);
     assert_eq!(ck["stopped"], true);

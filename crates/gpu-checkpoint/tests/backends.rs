@@ -1,6 +1,7 @@
 //! One conformance suite, run against every backend: the local folder, the in-memory one, and (with the
-//! `s3` feature) a real S3 server, s3s-fs, started on 127.0.0.1 for each test. The same objects, the same
-//! checkpoints, the same damage, the same gc, whatever the storage.
+//! `s3` feature) real S3 servers started on 127.0.0.1 for each test: s3s-fs, and garage and moto's server in
+//! the long test lane (`scripts/test.sh --long`). The same objects, the same checkpoints, the same damage, the same gc,
+//! whatever the storage.
 
 mod common;
 
@@ -11,6 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use gpu_checkpoint::store::backend::{chunk_key, LEASES};
+#[cfg(feature = "s3")]
+use gpu_checkpoint::store::ObjectMeta;
 use gpu_checkpoint::store::{
     Backend, ChunkParams, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store,
     StoreOptions, GRACE,
@@ -43,7 +46,8 @@ struct Fixture {
     age: Box<dyn Fn(Duration)>,
     /// Whether the backend is a local folder (flock, no grace period).
     local: bool,
-    _server: Option<common::s3::S3Server>,
+    #[cfg(feature = "s3")]
+    _server: Option<Box<dyn common::s3::Endpoint>>,
 }
 
 impl Fixture {
@@ -75,6 +79,7 @@ fn local() -> Option<Fixture> {
         age: Box::new(move |by| age_files(&root, by)),
         dir,
         local: true,
+        #[cfg(feature = "s3")]
         _server: None,
     })
 }
@@ -88,44 +93,205 @@ fn memory() -> Option<Fixture> {
         age: Box::new(move |by| aged.age(by)),
         dir,
         local: false,
+        #[cfg(feature = "s3")]
         _server: None,
     })
 }
 
+/// A backend as the suite uses it, and how to make its objects older.
 #[cfg(feature = "s3")]
-fn s3() -> Option<Fixture> {
-    let server = common::s3::S3Server::start()?;
+type WithAge = (Arc<dyn Backend>, Box<dyn Fn(Duration)>);
+
+/// A store client on the S3 server `server` (prefix `site/a`); `wrap` gives the backend the suite uses
+/// and how to age its objects.
+#[cfg(feature = "s3")]
+fn s3_client(
+    server: Box<dyn common::s3::Endpoint>,
+    wrap: impl FnOnce(Arc<dyn Backend>) -> WithAge,
+) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
+    let (access, secret) = server.keys();
     let config = gpu_checkpoint::store::backend::S3Config {
-        bucket: server.bucket.clone(),
+        bucket: server.bucket().into(),
         prefix: "site/a".into(),
-        endpoint: Some(server.endpoint.clone()),
+        endpoint: Some(server.endpoint().into()),
         region: "us-east-1".into(),
-        access_key_id: Some(common::s3::ACCESS_KEY.into()),
-        secret_access_key: Some(common::s3::SECRET_KEY.into()),
+        access_key_id: Some(access.into()),
+        secret_access_key: Some(secret.into()),
         session_token: None,
         retry_timeout: Duration::from_secs(5),
         work_dir: Some(dir.path().join("work")),
     };
     fs::create_dir(dir.path().join("work")).unwrap();
     let backend = Arc::new(gpu_checkpoint::store::backend::S3Backend::new(config).unwrap());
-    let objects = server.object_file("site/a");
-    Some(Fixture {
+    let (backend, age) = wrap(backend);
+    Fixture {
         backend,
-        age: Box::new(move |by| age_files(&objects, by)),
+        age,
         dir,
         local: false,
         _server: Some(server),
-    })
+    }
 }
 
-/// Runs each test against every backend: `local::NAME`, `memory::NAME`, `s3::NAME`.
+#[cfg(feature = "s3")]
+fn s3() -> Option<Fixture> {
+    let server = common::s3::S3Server::start()?;
+    // s3s-fs's Last-Modified is its file's mtime: aged on its disk.
+    let objects = server.object_file("site/a");
+    Some(s3_client(Box::new(server), move |b| {
+        (b, Box::new(move |by| age_files(&objects, by)))
+    }))
+}
+
+/// s3s-fs through a local read-through cache of chunks ([`CachedBackend`](gpu_checkpoint::store::backend::CachedBackend),
+/// what `restore --cache-dir` uses): the same semantics as the server alone.
+#[cfg(feature = "s3")]
+fn cached() -> Option<Fixture> {
+    let server = common::s3::S3Server::start()?;
+    let objects = server.object_file("site/a");
+    Some(s3_client(Box::new(server), move |b| {
+        let cache = tempfile::tempdir().unwrap();
+        let backend =
+            gpu_checkpoint::store::backend::CachedBackend::new(b, &cache.path().join("c")).unwrap();
+        // The closure keeps the cache folder for the fixture's life.
+        let age = move |by| {
+            let _ = &cache;
+            age_files(&objects, by)
+        };
+        (Arc::new(backend), Box::new(age))
+    }))
+}
+
+/// Garage (the long test lane): its objects' times cannot be set, so the client sees them older through
+/// [`Aged`].
+#[cfg(feature = "s3")]
+fn garage() -> Option<Fixture> {
+    let server = common::garage::GarageServer::start()?;
+    Some(s3_client(Box::new(server), aged))
+}
+
+/// moto's server (the long test lane), aged like garage.
+#[cfg(feature = "s3")]
+fn moto() -> Option<Fixture> {
+    let server = common::moto::MotoServer::start()?;
+    Some(s3_client(Box::new(server), aged))
+}
+
+/// `b` seen through [`Aged`], and how to age it.
+#[cfg(feature = "s3")]
+fn aged(b: Arc<dyn Backend>) -> WithAge {
+    let aged = Arc::new(Aged {
+        inner: b,
+        shifts: Default::default(),
+    });
+    let a = aged.clone();
+    (aged, Box::new(move |by| a.age(by)))
+}
+
+/// A backend that shows the chunks stored so far as older than the server says, by the times given to
+/// [`Aged::age`]: gc's grace period made to pass on a server whose object times cannot be set. Chunks
+/// written after an `age` call keep their real time.
+#[cfg(feature = "s3")]
+struct Aged {
+    inner: Arc<dyn Backend>,
+    /// (when `age` was called, by how much)
+    shifts: std::sync::Mutex<Vec<(SystemTime, Duration)>>,
+}
+
+#[cfg(feature = "s3")]
+impl Aged {
+    fn age(&self, by: Duration) {
+        self.shifts.lock().unwrap().push((SystemTime::now(), by));
+    }
+
+    fn shifted(&self, mut meta: ObjectMeta) -> ObjectMeta {
+        if meta.key.starts_with(gpu_checkpoint::store::backend::CHUNKS) {
+            if let Some(m) = meta.modified {
+                let by: Duration = self
+                    .shifts
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(at, _)| m <= *at)
+                    .map(|(_, by)| *by)
+                    .sum();
+                meta.modified = Some(m - by);
+            }
+        }
+        meta
+    }
+}
+
+#[cfg(feature = "s3")]
+impl Backend for Aged {
+    fn location(&self) -> &str {
+        self.inner.location()
+    }
+    fn describe(&self, key: &str) -> String {
+        self.inner.describe(key)
+    }
+    fn init(&self) -> gpu_checkpoint::store::Result<()> {
+        self.inner.init()
+    }
+    fn check_writable(&self) -> gpu_checkpoint::store::Result<()> {
+        self.inner.check_writable()
+    }
+    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> gpu_checkpoint::store::Result<()> {
+        self.inner.put(key, parts, durable)
+    }
+    fn sync(&self, keys: &[String]) -> gpu_checkpoint::store::Result<()> {
+        self.inner.sync(keys)
+    }
+    fn get(&self, key: &str, buf: &mut Vec<u8>) -> gpu_checkpoint::store::Result<bool> {
+        self.inner.get(key, buf)
+    }
+    fn get_range(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+        buf: &mut Vec<u8>,
+    ) -> gpu_checkpoint::store::Result<bool> {
+        self.inner.get_range(key, range, buf)
+    }
+    fn head(&self, key: &str) -> gpu_checkpoint::store::Result<Option<ObjectMeta>> {
+        Ok(self.inner.head(key)?.map(|m| self.shifted(m)))
+    }
+    fn list(
+        &self,
+        prefix: &str,
+        f: &mut dyn FnMut(ObjectMeta),
+    ) -> gpu_checkpoint::store::Result<()> {
+        self.inner.list(prefix, &mut |m| f(self.shifted(m)))
+    }
+    fn delete(&self, key: &str) -> gpu_checkpoint::store::Result<bool> {
+        self.inner.delete(key)
+    }
+    fn prefetch(&self, key: &str) {
+        self.inner.prefetch(key)
+    }
+    fn requests_in_flight(&self) -> usize {
+        self.inner.requests_in_flight()
+    }
+    fn work_root(&self) -> Option<&Path> {
+        self.inner.work_root()
+    }
+}
+
+/// Runs each test against every backend: `local::NAME`, `memory::NAME`, `s3::NAME`, `cached::NAME` (s3s-fs
+/// through a read cache) and (the long lane) `garage::NAME` and `moto::NAME`.
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod local { $( #[test] fn $name() { if let Some(f) = super::local() { super::$name(&f) } } )* }
         mod memory { $( #[test] fn $name() { if let Some(f) = super::memory() { super::$name(&f) } } )* }
         #[cfg(feature = "s3")]
         mod s3 { $( #[test] fn $name() { if let Some(f) = super::s3() { super::$name(&f) } } )* }
+        #[cfg(feature = "s3")]
+        mod cached { $( #[test] fn $name() { if let Some(f) = super::cached() { super::$name(&f) } } )* }
+        #[cfg(feature = "s3")]
+        mod garage { $( #[test] fn $name() { if let Some(f) = super::garage() { super::$name(&f) } } )* }
+        #[cfg(feature = "s3")]
+        mod moto { $( #[test] fn $name() { if let Some(f) = super::moto() { super::$name(&f) } } )* }
     };
 }
 
@@ -138,7 +304,32 @@ conformance!(
     a_writer_announces_itself_and_gc_waits_for_it,
     a_chunk_taken_while_a_writer_reused_it_fails_the_commit,
     list_inspect_and_delete_by_name,
+    a_read_after_a_write_or_delete_sees_it_even_if_prefetched_before,
 );
+
+fn a_read_after_a_write_or_delete_sees_it_even_if_prefetched_before(f: &Fixture) {
+    let b = &*f.backend;
+    b.init().unwrap();
+    let mut buf = Vec::new();
+    for (i, rewrite) in [true, false].into_iter().enumerate() {
+        let key = format!("x/prefetched-{i}");
+        b.put(&key, &[b"old"], true).unwrap();
+        // Read ahead and done (a read that stopped early leaves such a prefetch behind).
+        b.prefetch(&key);
+        std::thread::sleep(Duration::from_millis(300));
+        if rewrite {
+            b.put(&key, &[b"new"], true).unwrap();
+            assert!(b.get(&key, &mut buf).unwrap());
+            assert_eq!(buf, b"new", "a prefetch from before the write was served");
+        } else {
+            b.delete(&key).unwrap();
+            assert!(
+                !b.get(&key, &mut buf).unwrap(),
+                "a deleted object was served"
+            );
+        }
+    }
+}
 
 fn objects_are_written_whole_read_by_range_listed_by_prefix_and_deleted(f: &Fixture) {
     let b = &*f.backend;

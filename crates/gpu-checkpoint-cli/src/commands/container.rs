@@ -174,7 +174,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
             "--container needs a CHECKPOINT (id or name), not --metadata",
         ));
     };
-    let store = args.store.open()?;
+    let store = args.store.open_cached(args.cache_dir.as_deref())?;
     // The runtime's flags: those given, else the checkpoint's.
     let info = store.get(&checkpoint)?;
     let recorded = CheckpointManifest::from_metadata(&info.metadata)

@@ -49,10 +49,18 @@ impl StoreArgs {
     /// Opens an existing store for the read-side commands (list, inspect, delete, verify, gc): a missing
     /// folder is "no such checkpoint" rather than a new empty store.
     pub fn open(&self) -> anyhow::Result<Store> {
+        self.open_cached(None)
+    }
+
+    /// [`StoreArgs::open`] with a local read-through cache folder for an object store's chunks (restore's
+    /// `--cache-dir`).
+    pub fn open_cached(&self, cache: Option<&std::path::Path>) -> anyhow::Result<Store> {
         self.endpoint_to_env();
-        Store::open_existing(&self.storage, StoreOptions::default()).map_err(|e| match e {
-            gpu_checkpoint::store::Error::Invalid(m) => super::usage(m),
-            e => anyhow::Error::new(e).context(format!("cannot open store {}", self.storage)),
+        Store::open_existing_cached(&self.storage, StoreOptions::default(), cache).map_err(|e| {
+            match e {
+                gpu_checkpoint::store::Error::Invalid(m) => super::usage(m),
+                e => anyhow::Error::new(e).context(format!("cannot open store {}", self.storage)),
+            }
         })
     }
 

@@ -24,6 +24,12 @@ pub struct Args {
     pub metadata: Option<PathBuf>,
     #[command(flatten)]
     pub store: StoreArgs,
+    /// A local read-through cache folder for a store on S3: chunks fetched are checked and kept there
+    /// (a private folder of this user: created 0700, refused if it is a link, another user's or open to
+    /// others), and a later restore on this node reads them from it without a request; a cached chunk that
+    /// fails its check is fetched again. Ignored for a store in a folder.
+    #[arg(long, value_name = "DIR", env = "GPU_CHECKPOINT_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
     /// The CRIU binary to use (default: $GPU_CHECKPOINT_CRIU, then `criu` on PATH if >= 4.0, then the
     /// project's own from scripts/install-criu.sh).
     #[arg(long, value_name = "PATH")]
@@ -97,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let given = args.criu_opts.options()?;
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
-    let store = args.store.open()?;
+    let store = args.store.open_cached(args.cache_dir.as_deref())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let device_map = match args.device_map.as_deref() {
         None => None,

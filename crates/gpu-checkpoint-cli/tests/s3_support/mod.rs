@@ -3,6 +3,8 @@
 //! fault-injecting proxy in front of the server (throttling, a slow server).
 #![allow(dead_code)] // each test file uses its own subset
 
+#[path = "../../../gpu-checkpoint/tests/common/garage.rs"]
+pub mod garage;
 pub mod proxy;
 #[path = "../../../gpu-checkpoint/tests/common/s3.rs"]
 pub mod s3;
@@ -20,7 +22,7 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(dir: &Path, name: &str, server: &s3::S3Server) -> Node {
+    pub fn new(dir: &Path, name: &str, server: &dyn s3::Endpoint) -> Node {
         let tmp = dir.join(name);
         std::fs::create_dir(&tmp).unwrap();
         Node {
@@ -96,6 +98,16 @@ pub fn scene() -> Option<(tempfile::TempDir, s3::S3Server)> {
         return None;
     }
     let server = s3::S3Server::start()?;
+    Some((tempfile::tempdir().unwrap(), server))
+}
+
+/// A private folder and a running garage (the long test lane), or `None` (the reason printed) where root
+/// or CRIU is missing outside CI, or outside the long lane.
+pub fn garage_scene() -> Option<(tempfile::TempDir, garage::GarageServer)> {
+    if !criu_ready() {
+        return None;
+    }
+    let server = garage::GarageServer::start()?;
     Some((tempfile::tempdir().unwrap(), server))
 }
 

@@ -1,6 +1,6 @@
 //! A fault-injecting HTTP proxy in front of the S3 server, on 127.0.0.1: it answers a chosen share of
 //! requests with `503 SlowDown` (what S3 says when it throttles), delays requests (a slow server), and
-//! counts what the client sent (the bytes an unchanged re-checkpoint costs).
+//! counts what the client sent (the bytes an unchanged re-checkpoint costs, the chunks a restore fetches).
 //!
 //! Each request gets its own connection to the server: the proxy adds `Connection: close` on both sides,
 //! so it never has to find where a response ends; it only reads a request's head and, by its
@@ -25,6 +25,8 @@ struct Shared {
     throttled: AtomicU64,
     /// PUTs of chunk objects that reached the server.
     chunk_puts: AtomicU64,
+    /// GETs of chunk objects that reached the server.
+    chunk_gets: AtomicU64,
     /// Request bytes (heads and bodies) passed on to the server.
     bytes_sent: AtomicU64,
     stop: AtomicBool,
@@ -92,6 +94,10 @@ impl FaultProxy {
         self.shared.chunk_puts.load(Ordering::SeqCst)
     }
 
+    pub fn chunk_gets(&self) -> u64 {
+        self.shared.chunk_gets.load(Ordering::SeqCst)
+    }
+
     pub fn bytes_sent(&self) -> u64 {
         self.shared.bytes_sent.load(Ordering::SeqCst)
     }
@@ -156,6 +162,9 @@ fn serve(mut client: TcpStream, upstream: SocketAddr, s: &Shared) -> std::io::Re
         .fetch_add((out.len() + body.len()) as u64, Ordering::SeqCst);
     if request_line.starts_with("PUT ") && request_line.contains("/chunks/") {
         s.chunk_puts.fetch_add(1, Ordering::SeqCst);
+    }
+    if request_line.starts_with("GET ") && request_line.contains("/chunks/") {
+        s.chunk_gets.fetch_add(1, Ordering::SeqCst);
     }
     std::io::copy(&mut server, &mut client)?;
     client.shutdown(std::net::Shutdown::Both)

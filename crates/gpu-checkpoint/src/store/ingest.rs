@@ -55,7 +55,18 @@ impl Plan {
     /// plus their zstd contexts. Workers are cut back before the budget (less a reserve for the rest of the
     /// tool) is exceeded.
     pub fn new(total: u64, threads: usize, params: ChunkParams, zstd_level: i32) -> Plan {
-        let budget = memory_budget(total) - RESERVE;
+        Self::within(total, 0, threads, params, zstd_level)
+    }
+
+    /// [`Plan::new`] with `taken` bytes of the budget held elsewhere (a backend's requests in flight).
+    pub fn within(
+        total: u64,
+        taken: u64,
+        threads: usize,
+        params: ChunkParams,
+        zstd_level: i32,
+    ) -> Plan {
+        let budget = (memory_budget(total) - RESERVE).saturating_sub(taken);
         let max = params.max_size as u64;
         let segment_size = if budget >= 128 * MIB {
             8 * max
@@ -288,8 +299,9 @@ impl Ingest {
         }
         let total: u64 = files.iter().map(|f| f.size).sum();
         let params = self.inner.opts.chunking;
-        let plan = Plan::new(
+        let plan = Plan::within(
             total,
+            self.inner.backend.memory_in_flight(),
             self.inner.ingest_threads(),
             params,
             self.inner.opts.zstd_level,

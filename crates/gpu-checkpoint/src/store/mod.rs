@@ -25,6 +25,7 @@ mod index;
 mod ingest;
 mod lease;
 pub mod manifest;
+mod open;
 mod read;
 mod stream;
 mod time;
@@ -157,62 +158,6 @@ pub enum ListEntry {
 }
 
 impl Store {
-    /// Opens the store at `path` (local filesystem), creating its layout (0700) if the folder is missing or
-    /// empty, and validating the format version of an existing one.
-    pub fn open(path: &Path, opts: StoreOptions) -> Result<Store> {
-        Store::with_backend(Arc::new(LocalBackend::new(path)), opts)
-    }
-
-    /// Opens the store `storage` names: `s3://BUCKET/PREFIX` (an object store, with the `s3` feature; see
-    /// [`backend::S3Config`] for the endpoint and credentials) or a local folder.
-    pub fn open_storage(storage: &str, opts: StoreOptions) -> Result<Store> {
-        if let Some(url) = storage.strip_prefix("s3://") {
-            #[cfg(feature = "s3")]
-            {
-                let config = backend::S3Config::from_env(url)?;
-                return Store::with_backend(Arc::new(backend::S3Backend::new(config)?), opts);
-            }
-            #[cfg(not(feature = "s3"))]
-            {
-                let _ = url;
-                return Err(Error::Invalid(format!(
-                    "storage {storage}: this build has no S3 support (build with the `s3` feature)"
-                )));
-            }
-        }
-        Store::open(Path::new(storage), opts)
-    }
-
-    /// Opens the existing store `storage` names (see [`Store::open_storage`]) for commands that only read
-    /// or tidy one: where there is no store (a missing folder or prefix, or a folder that is not a store,
-    /// an empty one included) it is "no checkpoint here" (exit 7), and no store is made.
-    pub fn open_existing(storage: &str, opts: StoreOptions) -> Result<Store> {
-        let none = || Error::NotFound {
-            what: "any checkpoint (no store here)".into(),
-            storage: storage.into(),
-        };
-        if let Some(_url) = storage.strip_prefix("s3://") {
-            #[cfg(feature = "s3")]
-            {
-                let config = backend::S3Config::from_env(_url)?;
-                let backend = backend::S3Backend::new(config)?;
-                if backend.head(backend::STORE_FILE)?.is_none() {
-                    return Err(none());
-                }
-                return Store::with_backend(Arc::new(backend), opts);
-            }
-        } else {
-            let path = Path::new(storage);
-            if path.exists() && !path.is_dir() {
-                return Err(Error::Invalid(format!("storage {storage} is not a folder")));
-            }
-            if !LocalBackend::holds_store(path)? {
-                return Err(none());
-            }
-        }
-        Store::open_storage(storage, opts)
-    }
-
     /// Opens a store on any backend (the in-memory one in tests, an object store).
     pub fn with_backend(backend: Arc<dyn Backend>, opts: StoreOptions) -> Result<Store> {
         opts.chunking.validate().map_err(Error::Invalid)?;

@@ -104,8 +104,9 @@ impl<'a> Streams<'a> {
     pub(super) fn new(ingest: &'a Ingest, expected_bytes: u64) -> Streams<'a> {
         let opts = &ingest.inner().opts;
         let params = opts.chunking;
-        let plan = Plan::new(
+        let plan = Plan::within(
             expected_bytes,
+            ingest.inner().backend.memory_in_flight(),
             ingest.inner().ingest_threads(),
             params,
             opts.zstd_level,

@@ -20,7 +20,18 @@ pub const SECRET_KEY: &str = "gpu-checkpoint-test-secret";
 
 /// Where s3s-fs is: `GPU_CHECKPOINT_S3S_FS`, or where `scripts/install-s3s.sh` puts it.
 pub fn s3s_fs_binary() -> Result<PathBuf, String> {
-    if let Ok(p) = std::env::var("GPU_CHECKPOINT_S3S_FS") {
+    cached_tool(
+        "GPU_CHECKPOINT_S3S_FS",
+        &format!("s3s-fs-{S3S_FS_VERSION}"),
+        "s3s-fs",
+    )
+}
+
+/// A tool the project's install scripts build into the cache outside the clone: `$ENV_VAR` if set, else
+/// `CACHE/DIR/bin/BIN` in `GPU_CHECKPOINT_CACHE` (default `/var/cache/gpu-checkpoint`) or
+/// `~/.cache/gpu-checkpoint`, the caches the scripts use.
+pub fn cached_tool(env_var: &str, dir: &str, bin: &str) -> Result<PathBuf, String> {
+    if let Ok(p) = std::env::var(env_var) {
         return Ok(PathBuf::from(p));
     }
     let mut caches = vec![PathBuf::from(
@@ -32,11 +43,11 @@ pub fn s3s_fs_binary() -> Result<PathBuf, String> {
     }
     caches
         .iter()
-        .map(|c| c.join(format!("s3s-fs-{S3S_FS_VERSION}/bin/s3s-fs")))
+        .map(|c| c.join(dir).join("bin").join(bin))
         .find(|p| p.is_file())
         .ok_or_else(|| {
             format!(
-                "s3s-fs {S3S_FS_VERSION} is not installed (looked in {})",
+                "{dir} is not installed (looked in {})",
                 caches
                     .iter()
                     .map(|c| c.display().to_string())
@@ -44,6 +55,38 @@ pub fn s3s_fs_binary() -> Result<PathBuf, String> {
                     .join(", ")
             )
         })
+}
+
+/// What a client needs to reach an S3 server under test (s3s-fs here, garage in the long lane): tests
+/// that run against either take this.
+pub trait Endpoint {
+    /// `s3://BUCKET/PREFIX`
+    fn url(&self, prefix: &str) -> String;
+    /// The environment a store client needs to reach the server (AWS variables, the standard way).
+    fn env(&self) -> Vec<(&'static str, String)>;
+    /// `http://127.0.0.1:PORT`
+    fn endpoint(&self) -> &str;
+    fn bucket(&self) -> &str;
+    /// The access key id and the secret key (the server's own test credentials).
+    fn keys(&self) -> (&str, &str);
+}
+
+impl Endpoint for S3Server {
+    fn url(&self, prefix: &str) -> String {
+        S3Server::url(self, prefix)
+    }
+    fn env(&self) -> Vec<(&'static str, String)> {
+        S3Server::env(self)
+    }
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+    fn bucket(&self) -> &str {
+        &self.bucket
+    }
+    fn keys(&self) -> (&str, &str) {
+        (ACCESS_KEY, SECRET_KEY)
+    }
 }
 
 /// A running s3s-fs with one bucket.
@@ -135,7 +178,7 @@ impl S3Server {
 
 /// Starts s3s-fs on `port` and waits until it answers; `None` when it exits first (the port was taken).
 fn spawn(bin: &Path, port: u16, data: &Path) -> Option<Child> {
-    let mut child = Command::new(bin)
+    let child = Command::new(bin)
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
         .arg(data)
@@ -144,8 +187,14 @@ fn spawn(bin: &Path, port: u16, data: &Path) -> Option<Child> {
         .stderr(Stdio::null())
         .spawn()
         .expect("s3s-fs starts");
+    listening(child, port, Duration::from_secs(10))
+}
+
+/// `child`, a server, once it accepts connections on 127.0.0.1:`port`; `None` when it exits first (the
+/// port was taken) or is not listening within `timeout` (then killed).
+pub fn listening(mut child: Child, port: u16, timeout: Duration) -> Option<Child> {
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(10) {
+    while t0.elapsed() < timeout {
         if let Ok(Some(_)) = child.try_wait() {
             return None;
         }

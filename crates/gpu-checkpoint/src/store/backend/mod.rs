@@ -12,6 +12,7 @@
 //! local capability, so it takes the object-store paths, leases included) and, with the `s3` feature,
 //! `S3Backend` (any S3-compatible server).
 
+mod cache;
 mod direct;
 mod files;
 mod local;
@@ -20,6 +21,7 @@ mod objects;
 #[cfg(feature = "s3")]
 mod s3;
 
+pub use cache::{CacheStats, CachedBackend};
 pub use local::{LocalBackend, DIRECT_IO_ENV};
 pub use memory::MemoryBackend;
 pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
@@ -125,6 +127,12 @@ pub trait Backend: Send + Sync {
     /// How many requests this backend wants in flight to be fast: 0 for a local disk (the workers' own
     /// reads keep it busy), tens for an object store, whose every request waits a network round trip.
     fn requests_in_flight(&self) -> usize {
+        0
+    }
+
+    /// Bytes this backend may hold in puts sent in the background: an ingest's plan takes them out of
+    /// the memory budget. Default: none.
+    fn memory_in_flight(&self) -> u64 {
         0
     }
 

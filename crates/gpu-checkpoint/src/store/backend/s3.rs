@@ -35,9 +35,12 @@ use crate::store::error::{Error, Result};
 
 /// Puts in flight at most (tens: each waits a round trip, and S3 serves thousands per prefix per second).
 const MAX_PUTS: usize = 32;
-/// Bytes of puts in flight at most, in KiB: what the background sending may add to the memory budget.
-const MAX_PUT_KIB: u32 = 32 * 1024;
-/// Reads fetched ahead at most.
+/// Bytes of puts in flight at most, in KiB: what the background sending holds. Part of the memory
+/// budget's floor (64 MiB, of which the pipeline's own buffers need 46 MiB at 4 MiB chunks), so two
+/// maximum chunks; 32 MiB put checkpoints of 256 MiB and 1 GiB at 109-121 MiB of peak RSS (`docs/store.md`).
+const MAX_PUT_KIB: u32 = 8 * 1024;
+/// Reads fetched ahead at most. Not yet within the memory budget: a restore from S3 peaks at 79-102 MiB
+/// (fewer made restores 2-2.6x slower; figures in `docs/store.md`).
 const MAX_PREFETCH: usize = 32;
 /// Objects above this are sent in parts (multipart upload), of this size each.
 const MULTIPART_PART: usize = 16 << 20;
@@ -426,6 +429,7 @@ impl Backend for S3Backend {
 
     fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
         self.check_failed()?;
+        self.forget_prefetch(key);
         if let Some(e) = crate::fault::io_error("store.write") {
             return Err(Error::io("cannot write", self.describe(key))(e));
         }
@@ -557,6 +561,7 @@ impl Backend for S3Backend {
     }
 
     fn delete(&self, key: &str) -> Result<bool> {
+        self.forget_prefetch(key);
         // S3 answers a DELETE of a missing key with success: whether there was one is not known.
         match self.rt.block_on(self.store.delete(&self.path(key))) {
             Ok(()) => Ok(true),
@@ -581,8 +586,29 @@ impl Backend for S3Backend {
         MAX_PUTS
     }
 
+    fn memory_in_flight(&self) -> u64 {
+        MAX_PUT_KIB as u64 * 1024
+    }
+
     fn work_root(&self) -> Option<&Path> {
         self.work_dir.as_deref()
+    }
+}
+
+impl S3Backend {
+    /// Drops (and cancels) a prefetch of `key` nobody read: this process is writing or deleting the
+    /// object, and a later read must see that, not the bytes fetched before. (A read that stopped early, a
+    /// restore that met a damaged chunk, leaves its prefetches behind; a re-checkpoint that writes the
+    /// damaged chunk again and a verify after it, through the same handle, read it again.)
+    fn forget_prefetch(&self, key: &str) {
+        let stale = self
+            .prefetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+        if let Some(t) = stale {
+            t.abort();
+        }
     }
 }
 
@@ -602,6 +628,36 @@ impl Drop for S3Backend {
 
 #[cfg(test)]
 mod tests {
+    use crate::store::backend::Backend;
+    use crate::store::ingest::{memory_budget, Plan, RESERVE};
+    use crate::store::ChunkParams;
+
+    #[test]
+    fn a_checkpoint_through_s3_plans_within_the_64_mib_floor() {
+        // No request is made: building the client only.
+        let s3 = super::S3Backend::new(super::S3Config {
+            bucket: "b".into(),
+            prefix: String::new(),
+            endpoint: Some("http://127.0.0.1:9".into()),
+            region: "us-east-1".into(),
+            access_key_id: Some("k".into()),
+            secret_access_key: Some("s".into()),
+            session_token: None,
+            retry_timeout: std::time::Duration::from_secs(1),
+            work_dir: None,
+        })
+        .unwrap();
+        let taken = s3.memory_in_flight();
+        assert!(taken >= super::MAX_PUT_KIB as u64 * 1024);
+        for threads in [1, 2, 16] {
+            let p = Plan::within(1 << 30, taken, threads, ChunkParams::default(), 1);
+            assert!(
+                p.memory() + taken + RESERVE <= memory_budget(1 << 30),
+                "{p:?} + {taken} in flight over 64 MiB"
+            );
+        }
+    }
+
     #[test]
     fn only_retried_request_errors_count_as_storage_unreachable() {
         let throttled = "Generic S3 error: Error performing PUT http://h/b/k in 3.1s, after 9 retries, \

@@ -72,49 +72,78 @@ pub(super) const PREFETCH_AHEAD: usize = 16;
 /// Asks the backend to read chunks ahead of the workers, in task order, from a thread of its own: on a
 /// cold cache even opening a chunk file waits for the disk (folder and inode), which must not hold up a
 /// worker.
+///
+/// A task is announced before its worker reads it or not at all: a task a worker took already is skipped,
+/// and a worker that takes the task being announced waits until the announcement is made. An announcement
+/// after the read would fetch the chunk a second time and, on the S3 backend, stay unread (and count
+/// against its read-ahead limit) for the rest of the handle's life.
 pub(super) struct Prefetcher {
     ahead: usize,
-    /// Tasks the workers have taken so far, and whether to stop.
-    state: Mutex<(usize, bool)>,
+    state: Mutex<PrefetchState>,
     cond: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct PrefetchState {
+    /// Tasks the workers have taken so far (the highest announced by [`Prefetcher::taken`]).
+    taken: usize,
+    stop: bool,
+    /// The task being announced to the backend right now.
+    announcing: Option<usize>,
 }
 
 impl Prefetcher {
     pub(super) fn new(ahead: usize) -> Prefetcher {
         Prefetcher {
             ahead,
-            state: Mutex::new((0, false)),
+            state: Mutex::default(),
             cond: std::sync::Condvar::new(),
         }
     }
 
-    /// Calls `fetch(i)` for tasks `0..n` in order, never more than `ahead` tasks beyond those taken.
+    fn lock(&self) -> std::sync::MutexGuard<'_, PrefetchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Calls `fetch(i)` for tasks `0..n` in order, never more than `ahead` tasks beyond those taken, and
+    /// never for a task a worker took already.
     pub(super) fn run(&self, n: usize, fetch: &dyn Fn(usize)) {
         for i in 0..n {
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            while !st.1 && i >= st.0 + self.ahead {
+            let mut st = self.lock();
+            while !st.stop && i >= st.taken + self.ahead {
                 st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
             }
-            if st.1 {
+            if st.stop {
                 return;
             }
+            if i < st.taken {
+                // Taken (and maybe read) already; later tasks may still be ahead of the workers.
+                continue;
+            }
+            st.announcing = Some(i);
             drop(st);
             fetch(i);
+            self.lock().announcing = None;
+            self.cond.notify_all();
         }
     }
 
-    /// The workers have taken the first `taken` tasks.
+    /// A worker has taken task `taken - 1` (and so the first `taken` tasks are taken or being taken).
+    /// Returns once no announcement of that task is under way: it was made, or will not be.
     pub(super) fn taken(&self, taken: usize) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if taken > st.0 {
-            st.0 = taken;
-            self.cond.notify_one();
+        let mut st = self.lock();
+        if taken > st.taken {
+            st.taken = taken;
+            self.cond.notify_all();
+        }
+        while taken > 0 && st.announcing == Some(taken - 1) {
+            st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
 
     pub(super) fn stop(&self) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
-        self.cond.notify_one();
+        self.lock().stop = true;
+        self.cond.notify_all();
     }
 }
 
@@ -122,32 +151,4 @@ impl Prefetcher {
 pub(super) type Task = (usize, usize, u64);
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Instant;
-
-    #[test]
-    fn the_prefetcher_stays_ahead_by_at_most_its_window_and_stops() {
-        let p = Prefetcher::new(3);
-        let fetched = Mutex::new(Vec::new());
-        std::thread::scope(|s| {
-            s.spawn(|| p.run(100, &|i| fetched.lock().unwrap().push(i)));
-            let wait_for = |n: usize| {
-                let t0 = Instant::now();
-                while fetched.lock().unwrap().len() < n {
-                    assert!(t0.elapsed().as_secs() < 10, "prefetcher stuck");
-                    std::thread::yield_now();
-                }
-            };
-            wait_for(3);
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            assert_eq!(*fetched.lock().unwrap(), vec![0, 1, 2], "nothing taken yet");
-            p.taken(5);
-            wait_for(8);
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            assert_eq!(fetched.lock().unwrap().len(), 8, "5 taken + 3 ahead");
-            p.stop();
-        });
-        assert_eq!(*fetched.lock().unwrap(), (0..8).collect::<Vec<_>>());
-    }
-}
+mod tests;
