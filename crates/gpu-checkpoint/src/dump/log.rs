@@ -129,6 +129,21 @@ mod tests {
         );
     }
 
+    /// Issue 18: CRIU's EBADRQC with no log said only "Invalid request code": the report says what failed.
+    #[test]
+    fn a_request_criu_could_not_set_up_is_explained() {
+        let f = failure(Op::Restore, Some(libc::EBADRQC), None, None);
+        let text = f.to_string();
+        assert!(text.contains("Invalid request code"), "{text}");
+        assert!(text.contains("could not set up the request"), "{text}");
+        assert!(text.contains("images folder"), "{text}");
+        let logged = Failure {
+            error_lines: vec!["Error (criu/x.c:1): something else".into()],
+            ..f
+        };
+        assert!(logged.hint().is_none(), "the log's own lines say why");
+    }
+
     #[test]
     fn missing_log_gives_no_lines() {
         assert!(log_error_lines(Path::new("/nonexistent/criu.log")).is_empty());

@@ -225,6 +225,15 @@ impl Failure {
     /// What the user can do about a failure the tool knows a way around.
     pub fn hint(&self) -> Option<&'static str> {
         let said = |needle: &str| self.error_lines.iter().any(|l| l.contains(needle));
+        // CRIU's RPC answers EBADRQC for any failure to set up the request, which comes before its log
+        // exists: alone, "Invalid request code" sends the user looking at the options (issue 18: it was the
+        // images folder, removed under CRIU).
+        if self.errno == Some(libc::EBADRQC) && self.error_lines.is_empty() {
+            return Some(
+                "hint: CRIU could not set up the request (EBADRQC): open the images folder, enter it, create \
+                 its log there, or take an option; check that the folder still exists and is writable",
+            );
+        }
         (self.op == Op::Dump && said("Can't dump file") && said("(chr ")).then_some(
             "hint: a process holds a character device CRIU cannot dump; if it only holds it open (no \
              mapping), `--reopen-device PATH` (the path `ls -l /proc/PID/fd` shows) records it and \

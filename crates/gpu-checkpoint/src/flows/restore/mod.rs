@@ -491,19 +491,28 @@ impl WorkDir {
                     continue;
                 }
             }
-            let made = crate::util::create_unique_private_dir(&parent, &prefix)
-                .and_then(|path| Ok((lock_dir(&path)?, path)));
-            match made {
-                Ok((Some(lock), path)) => return Ok(WorkDir { path, _lock: lock }),
-                Ok((None, path)) => {
-                    let source = std::io::Error::other("locked by another process");
-                    failed = Some(Error::WorkDir { path, source });
-                }
-                Err(source) => {
-                    failed = Some(Error::WorkDir {
-                        path: parent,
-                        source,
-                    })
+            // Between the mkdir and the lock, another restore's sweep ([`remove_stale_work_dirs`]) may take
+            // the new folder for a killed restore's and remove it; the lock is then on a deleted folder
+            // (issue 18: CRIU could not create its log there). Only a folder still at its path once locked
+            // is ours for good (a sweep removes only what it has locked); else a new one, a few times.
+            for _ in 0..3 {
+                let made = crate::util::create_unique_private_dir(&parent, &prefix)
+                    .and_then(|path| Ok((lock_dir(&path)?, path)));
+                match made {
+                    Ok((Some(lock), path)) if still_at(&lock, &path) => {
+                        return Ok(WorkDir { path, _lock: lock })
+                    }
+                    Ok((_, path)) => {
+                        let source =
+                            std::io::Error::other("removed or locked by another restore's sweep");
+                        failed = Some(Error::WorkDir { path, source });
+                    }
+                    Err(source) => {
+                        failed = Some(Error::WorkDir {
+                            path: parent.clone(),
+                            source,
+                        })
+                    }
                 }
             }
         }
@@ -543,6 +552,15 @@ fn lock_dir(dir: &Path) -> std::io::Result<Option<nix::fcntl::Flock<std::fs::Fil
     }
 }
 
+/// Whether the folder `lock` holds is still the one at `path` (not removed, nor replaced, meanwhile).
+fn still_at(lock: &nix::fcntl::Flock<std::fs::File>, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (lock.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(held), Ok(there)) => held.dev() == there.dev() && held.ino() == there.ino(),
+        _ => false,
+    }
+}
+
 /// Removes the work folders that killed restores left in a store (their lock died with them); folders of
 /// restores still running are locked and kept. Returns how many were removed. Run at the start of every
 /// restore and by `gc`.
@@ -557,12 +575,22 @@ pub fn remove_stale_work_dirs(storage: &Path) -> std::io::Result<u64> {
     for entry in entries {
         let path = entry?.path();
         // A link or a file is nothing a restore made: leave it (and never follow it).
-        if !std::fs::symlink_metadata(&path)?.is_dir() {
-            continue;
+        match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => continue,
+            // Removed meanwhile by its restore, or by another sweep.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
         }
-        if let Some(_lock) = lock_dir(&path)? {
-            std::fs::remove_dir_all(&path)?;
-            removed += 1;
+        // Another sweep may have removed it between our open and our lock: then it is gone already.
+        match lock_dir(&path) {
+            Ok(Some(lock)) if still_at(&lock, &path) => {
+                std::fs::remove_dir_all(&path)?;
+                removed += 1;
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(removed)
@@ -604,6 +632,37 @@ mod tests {
         assert!(a.path().starts_with(store.join(WORK_FOLDER)));
         let name = a.path().file_name().unwrap().to_string_lossy().into_owned();
         assert!(name.len() >= "X.".len() + 12, "{name}");
+    }
+
+    /// Issue 18: agents restoring at once on one store each sweep `restore-work` for stale folders. A sweep
+    /// that came between another restore's mkdir and its lock removed that restore's new folder, and the
+    /// restore went on locking a deleted folder: CRIU then could not create its log there and failed with
+    /// EBADRQC ("Invalid request code", CRIU's code for a request it could not set up). Every folder handed
+    /// out must still be there, and no sweep fails on what another removed, however they interleave.
+    #[test]
+    fn concurrent_sweeps_never_remove_a_new_work_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        std::fs::create_dir_all(&store).unwrap();
+        let lost = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..400 {
+                        remove_stale_work_dirs(&store).unwrap();
+                        let work = WorkDir::create(Some(&store), "ID").unwrap();
+                        if !work.path().is_dir() {
+                            lost.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            lost.into_inner(),
+            0,
+            "restores were handed a removed work folder"
+        );
     }
 
     /// A restore killed mid-way leaves its work folder (images, logs): the next restore or gc removes it,
