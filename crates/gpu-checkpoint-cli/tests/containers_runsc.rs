@@ -121,3 +121,126 @@ fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
     assert!(runsc.state(&copy).is_some_and(|(s, _)| s == "running"));
     counts_past(&bundle, &copy, revived);
 }
+
+/// `runsc exec ID /bin/sim-cuda-checkpoint ARGS...` -> stdout (the SIMULATED tool's own checks).
+fn sim_tool(runsc: &Runc, id: &str, args: &[&str]) -> String {
+    let o = runsc
+        .cmd()
+        .args(["exec", id, "/bin/sim-cuda-checkpoint"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "sim-cuda-checkpoint {args:?}: {}",
+        text(&o)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The simulator's kernel steps, summed over its workers (its `STATUS`).
+fn sim_steps(runsc: &Runc, id: &str) -> u64 {
+    let out = sim_tool(runsc, id, &["--status", "--pid", "1"]);
+    out.split_whitespace()
+        .find_map(|kv| kv.strip_prefix("steps="))
+        .map(|v| v.split(',').filter_map(|n| n.parse::<u64>().ok()).sum())
+        .unwrap_or_else(|| panic!("no steps in `{out}`"))
+}
+
+/// The in-sandbox freeze (docs/containers.md), shown with this runsc: the `cuda-cli` backend's commands
+/// run inside the sandbox by `runsc exec` on the guest PID, with the SIMULATED stand-in for
+/// `cuda-checkpoint`, around runsc's own checkpoint and restore. The simulated device memory is checked
+/// after the restore and the workload computes on. The simulator's control channel is an abstract
+/// socket of the sandbox's network stack: from the host it cannot be reached at all (checked first).
+#[test]
+fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_checkpoint() {
+    use gpu_checkpoint::freeze::cuda_cli::CudaCli;
+    use gpu_checkpoint::freeze::{GpuDriver, ProcessState};
+    if !runsc_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let runsc = Runc::runsc(dir.path());
+    let bundle = Bundle::new(
+        &dir.path().join("bundle"),
+        &["exec gpu-sim-workload --mib 8 --workers 2"],
+        &[],
+    );
+    let tool = sim_workload().with_file_name("sim-cuda-checkpoint");
+    assert!(
+        tool.exists(),
+        "{} is missing: cargo build -p gpu-checkpoint-workloads",
+        tool.display()
+    );
+    std::fs::copy(&tool, bundle.rootfs().join("bin/sim-cuda-checkpoint")).unwrap();
+    copy_libraries(&tool, &bundle.rootfs());
+    let id = format!("gc-{}-rg", std::process::id());
+    runsc.run(&id, &bundle);
+    // The backend inside the sandbox named `id`, on guest PIDs.
+    let inside = |id: &str| {
+        let mut wrapper: Vec<String> = vec![
+            "runsc".into(),
+            "--root".into(),
+            runsc.root.display().to_string(),
+        ];
+        wrapper.extend(runsc.global.iter().map(|g| g.to_string()));
+        wrapper.extend(["exec".into(), id.to_string()]);
+        CudaCli::wrapped(wrapper, "/bin/sim-cuda-checkpoint")
+    };
+    let gpu = inside(&id);
+    // The simulated GPU process is the sandbox's init: guest PID 1.
+    wait_for("the simulator answers inside the sandbox", &|| {
+        gpu.state(1).ok() == Some(ProcessState::Running)
+    });
+    // From the host, the sandbox's process has no simulator to talk to.
+    let (_, host_pid) = runsc.state(&id).unwrap();
+    assert!(
+        gpu_checkpoint::freeze::sim::status(host_pid).is_err(),
+        "the host reached the sandbox's simulator"
+    );
+
+    gpu.lock(1, Some(Duration::from_secs(10))).unwrap();
+    let at_lock = sim_steps(&runsc, &id);
+    gpu.checkpoint(1).unwrap();
+    assert_eq!(gpu.state(1).unwrap(), ProcessState::Checkpointed);
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let o = runsc
+        .cmd()
+        .args(["checkpoint", "--image-path"])
+        .arg(&images)
+        .arg(&id)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "runsc checkpoint: {}", text(&o));
+    let copy = format!("{id}-2");
+    let o = runsc
+        .cmd()
+        .args(["restore", "--detach", "--image-path"])
+        .arg(&images)
+        .arg("--bundle")
+        .arg(&bundle.dir)
+        .arg(&copy)
+        // The restored sandbox keeps the stdio it is given: never a pipe of ours.
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(o.success(), "runsc restore {copy}");
+    let gpu = inside(&copy);
+    assert_eq!(
+        gpu.state(1).unwrap(),
+        ProcessState::Checkpointed,
+        "the GPU state stays checkpointed across runsc's checkpoint and restore"
+    );
+    gpu.restore(1, &[]).unwrap();
+    gpu.unlock(1).unwrap();
+    assert_eq!(gpu.state(1).unwrap(), ProcessState::Running);
+    let verified = sim_tool(&runsc, &copy, &["--verify", "--pid", "1"]);
+    assert!(verified.starts_with("verified"), "{verified}");
+    let after = sim_steps(&runsc, &copy);
+    assert!(after >= at_lock, "steps went back: {after} < {at_lock}");
+    wait_for("the restored simulator computes on", &|| {
+        sim_steps(&runsc, &copy) > after
+    });
+}

@@ -128,7 +128,7 @@ impl Bundle {
 }
 
 /// Copies the shared libraries `bin` loads (as `ldd` lists them) into `rootfs` at the same paths.
-fn copy_libraries(bin: &Path, rootfs: &Path) {
+pub fn copy_libraries(bin: &Path, rootfs: &Path) {
     let out = Command::new("ldd").arg(bin).output().unwrap();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let path = match line.split_once("=>") {

@@ -17,6 +17,9 @@ pub const ENV_PATH: &str = "GPU_CHECKPOINT_CUDA_CHECKPOINT";
 
 pub struct CudaCli {
     path: PathBuf,
+    /// A command the utility runs under, e.g. `runsc [global args] exec ID`: the utility then runs
+    /// inside a gVisor sandbox, on the sandbox's (guest) PIDs, where the application's CUDA state is.
+    wrapper: Vec<String>,
 }
 
 impl CudaCli {
@@ -25,7 +28,10 @@ impl CudaCli {
         if let Some(p) = std::env::var_os(ENV_PATH) {
             let p = PathBuf::from(p);
             return if is_executable(&p) {
-                Ok(CudaCli { path: p })
+                Ok(CudaCli {
+                    path: p,
+                    wrapper: Vec::new(),
+                })
             } else {
                 Err(Error::CliFailed {
                     command: p.display().to_string(),
@@ -34,7 +40,10 @@ impl CudaCli {
             };
         }
         which(BINARY)
-            .map(|path| CudaCli { path })
+            .map(|path| CudaCli {
+                path,
+                wrapper: Vec::new(),
+            })
             .ok_or(Error::CliMissing)
     }
 
@@ -44,18 +53,35 @@ impl CudaCli {
 
     /// Uses the utility at `path` (tests point this at a stand-in script).
     pub fn with_path(path: impl Into<PathBuf>) -> Self {
-        CudaCli { path: path.into() }
+        CudaCli {
+            path: path.into(),
+            wrapper: Vec::new(),
+        }
+    }
+
+    /// The utility at `path` as seen by the command `wrapper` runs it under (`runsc ... exec ID`: a
+    /// path inside the sandbox); PIDs are then those the wrapped command sees.
+    pub fn wrapped(wrapper: Vec<String>, path: impl Into<PathBuf>) -> Self {
+        CudaCli {
+            path: path.into(),
+            wrapper,
+        }
     }
 
     /// Runs the utility; success returns stdout. A failure is mapped to the CUDA error it names, if any.
     fn run(&self, op: Op, pid: i32, args: &[String]) -> Result<String> {
-        let out = Command::new(&self.path)
-            .args(args)
-            .output()
-            .map_err(|e| Error::CliFailed {
-                command: self.command_line(args),
-                reason: e.to_string(),
-            })?;
+        let mut cmd = match self.wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(&self.path);
+                c
+            }
+            None => Command::new(&self.path),
+        };
+        let out = cmd.args(args).output().map_err(|e| Error::CliFailed {
+            command: self.command_line(args),
+            reason: e.to_string(),
+        })?;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         if out.status.success() {
@@ -83,7 +109,10 @@ impl CudaCli {
     }
 
     fn command_line(&self, args: &[String]) -> String {
-        std::iter::once(self.path.display().to_string())
+        self.wrapper
+            .iter()
+            .cloned()
+            .chain(std::iter::once(self.path.display().to_string()))
             .chain(args.iter().cloned())
             .collect::<Vec<_>>()
             .join(" ")
