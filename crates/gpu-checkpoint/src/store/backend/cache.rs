@@ -230,6 +230,10 @@ impl Backend for CachedBackend {
         self.inner.memory_in_flight()
     }
 
+    fn read_ahead_in_memory(&self) -> bool {
+        self.inner.read_ahead_in_memory()
+    }
+
     fn requests_in_flight(&self) -> usize {
         self.inner.requests_in_flight()
     }

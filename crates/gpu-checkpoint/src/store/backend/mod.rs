@@ -124,6 +124,13 @@ pub trait Backend: Send + Sync {
     /// does. Never fails; default: nothing.
     fn prefetch(&self, _key: &str) {}
 
+    /// Whether a [`Backend::prefetch`] holds the object's bytes in this process until it is read (an
+    /// object store's fetch ahead) rather than in the page cache: the read path then bounds its read-ahead
+    /// by bytes within the memory budget. Default: no.
+    fn read_ahead_in_memory(&self) -> bool {
+        false
+    }
+
     /// How many requests this backend wants in flight to be fast: 0 for a local disk (the workers' own
     /// reads keep it busy), tens for an object store, whose every request waits a network round trip.
     fn requests_in_flight(&self) -> usize {

@@ -39,9 +39,10 @@ const MAX_PUTS: usize = 32;
 /// budget's floor (64 MiB, of which the pipeline's own buffers need 46 MiB at 4 MiB chunks), so two
 /// maximum chunks; 32 MiB put checkpoints of 256 MiB and 1 GiB at 109-121 MiB of peak RSS (`docs/store.md`).
 const MAX_PUT_KIB: u32 = 8 * 1024;
-/// Reads fetched ahead at most. Not yet within the memory budget: a restore from S3 peaks at 79-102 MiB
-/// (fewer made restores 2-2.6x slower; figures in `docs/store.md`).
-const MAX_PREFETCH: usize = 32;
+/// Reads fetched ahead at most, a backstop: the read path bounds its read-ahead by bytes within the
+/// memory budget ([`Backend::read_ahead_in_memory`]) and announces no more than fit, since an announcement
+/// this drops is fetched later by a worker, one request at a time (`docs/store.md`).
+const MAX_PREFETCH: usize = 64;
 /// Objects above this are sent in parts (multipart upload), of this size each.
 const MULTIPART_PART: usize = 16 << 20;
 
@@ -588,6 +589,10 @@ impl Backend for S3Backend {
 
     fn memory_in_flight(&self) -> u64 {
         MAX_PUT_KIB as u64 * 1024
+    }
+
+    fn read_ahead_in_memory(&self) -> bool {
+        true
     }
 
     fn work_root(&self) -> Option<&Path> {

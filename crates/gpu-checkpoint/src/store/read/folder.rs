@@ -99,7 +99,10 @@ fn write_all(
     let (stored, count) = (AtomicU64::new(0), AtomicU64::new(0));
     progress.start("restore images", total);
     progress.advance(zero_bytes + skipped);
-    let chunk_of = |&(fi, ci, _): &Task| info.files[fi].chunks[ci].id;
+    let chunk_of = |&(fi, ci, _): &Task| {
+        let c = &info.files[fi].chunks[ci];
+        (c.id, c.len)
+    };
     let result = on_workers(inner, info, &tasks, chunk_of, |&(fi, ci, off), scratch| {
         let (raw, stored_len) = fetch_any(inner, info, scratch, fi, ci, off)?;
         let (file, path) = &files[fi];
@@ -140,7 +143,10 @@ pub(in crate::store) fn visit_chunks(
         .filter(|(f, _, off, c)| *f == fi && want(*off, c.len as u64))
         .map(|(_, ci, off, c)| (ci, off, c.len as u64))
         .collect();
-    let chunk_of = |&(ci, _, _): &(usize, u64, u64)| info.files[fi].chunks[ci].id;
+    let chunk_of = |&(ci, _, _): &(usize, u64, u64)| {
+        let c = &info.files[fi].chunks[ci];
+        (c.id, c.len)
+    };
     on_workers(inner, info, &tasks, chunk_of, |&(ci, off, len), scratch| {
         let Some(id) = info.files[fi].chunks[ci].id else {
             return visit(off, len, None).map(|()| progress.advance(len));

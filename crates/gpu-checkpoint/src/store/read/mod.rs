@@ -47,17 +47,54 @@ pub struct MaterializeStats {
     pub elapsed_ms: u64,
 }
 
-/// The worker plan of reading a checkpoint back (no compression level matters there).
-pub(super) fn read_workers(inner: &Inner, info: &CheckpointInfo) -> usize {
+/// The worker plan of reading a checkpoint back (no compression level matters there): how many read
+/// workers, and how many bytes of chunks the backend may hold fetched ahead of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ReadPlan {
+    pub workers: usize,
+    /// Bytes of announced, not yet taken chunks at most ([`Prefetcher`]); unbounded where read-ahead
+    /// goes to the page cache.
+    pub ahead_bytes: u64,
+}
+
+/// Chunks a backend that holds read-ahead in memory is asked to fetch ahead at most: tens of requests in
+/// flight hide an object store's latency (`docs/store.md`).
+pub(super) const MEMORY_AHEAD_CHUNKS: usize = 48;
+
+pub(super) fn read_plan(inner: &Inner, info: &CheckpointInfo) -> ReadPlan {
     let max = info.chunking.max_size as u64;
     // A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context.
     let per_worker = 2 * max + 2 * crate::store::ingest::MIB;
     let budget = crate::store::ingest::memory_budget(info.stats.logical_bytes)
         - crate::store::ingest::RESERVE;
-    inner
-        .read_threads()
-        .min((budget / per_worker) as usize)
-        .max(1)
+    let threads = inner.read_threads();
+    if !inner.backend.read_ahead_in_memory() {
+        return ReadPlan {
+            workers: threads.min((budget / per_worker) as usize).max(1),
+            ahead_bytes: u64::MAX,
+        };
+    }
+    // Fetched ahead, chunks wait for a worker in memory: a quarter of the budget for them (at the 64 MiB
+    // floor 14 MiB, 6-7 chunks of random memory), the rest for the workers. A fetched chunk costs the
+    // process about twice its bytes at its peak (the client's body buffers and the allocator's arenas
+    // around them): half the budget (28 MiB) peaked at 79-87 MiB of RSS, a quarter at 60, as fast. Each
+    // chunk's GET is announced early and runs while the workers verify and copy others, so a few
+    // (CPU-bound) workers and requests in flight beat many workers each waiting on its own GET
+    // (`docs/store.md`).
+    let ahead_bytes = (budget / 4).max(max + crate::store::chunk::HEADER_LEN as u64);
+    let workers = threads
+        .min((budget.saturating_sub(ahead_bytes) / per_worker) as usize)
+        .max(1);
+    ReadPlan {
+        workers,
+        ahead_bytes,
+    }
+}
+
+/// Bytes a chunk of raw length `len` may take fetched: at most its raw bytes and a header (a chunk stored
+/// compressed is stored only where that saves bytes).
+pub(super) fn fetched_len(len: u32) -> u64 {
+    len as u64 + crate::store::chunk::HEADER_LEN as u64
 }
 
 /// How many chunks ahead of the workers the backend is asked to start reading ([`Backend::prefetch_chunk`])
@@ -71,7 +108,9 @@ pub(super) const PREFETCH_AHEAD: usize = 16;
 
 /// Asks the backend to read chunks ahead of the workers, in task order, from a thread of its own: on a
 /// cold cache even opening a chunk file waits for the disk (folder and inode), which must not hold up a
-/// worker.
+/// worker. At most `ahead` tasks and `ahead_bytes` bytes of announced chunks (each task's size given to
+/// [`Prefetcher::run`]) are ahead of the workers at a time; a task's bytes count from its announcement
+/// until a worker takes it (from then on they are the worker's buffers, in the read plan).
 ///
 /// A task is announced before its worker reads it or not at all: a task a worker took already is skipped,
 /// and a worker that takes the task being announced waits until the announcement is made. An announcement
@@ -79,6 +118,7 @@ pub(super) const PREFETCH_AHEAD: usize = 16;
 /// against its read-ahead limit) for the rest of the handle's life.
 pub(super) struct Prefetcher {
     ahead: usize,
+    ahead_bytes: u64,
     state: Mutex<PrefetchState>,
     cond: std::sync::Condvar,
 }
@@ -90,12 +130,28 @@ struct PrefetchState {
     stop: bool,
     /// The task being announced to the backend right now.
     announcing: Option<usize>,
+    /// Announced tasks not taken yet, in order, with their sizes.
+    held: std::collections::VecDeque<(usize, u64)>,
+    held_bytes: u64,
+}
+
+impl PrefetchState {
+    fn release_taken(&mut self) {
+        while let Some(&(i, n)) = self.held.front() {
+            if i >= self.taken {
+                break;
+            }
+            self.held.pop_front();
+            self.held_bytes -= n;
+        }
+    }
 }
 
 impl Prefetcher {
-    pub(super) fn new(ahead: usize) -> Prefetcher {
+    pub(super) fn new(ahead: usize, ahead_bytes: u64) -> Prefetcher {
         Prefetcher {
             ahead,
+            ahead_bytes,
             state: Mutex::default(),
             cond: std::sync::Condvar::new(),
         }
@@ -105,12 +161,18 @@ impl Prefetcher {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Calls `fetch(i)` for tasks `0..n` in order, never more than `ahead` tasks beyond those taken, and
-    /// never for a task a worker took already.
-    pub(super) fn run(&self, n: usize, fetch: &dyn Fn(usize)) {
+    /// Calls `fetch(i)` for tasks `0..n` in order, never more than `ahead` tasks beyond those taken nor
+    /// more than `ahead_bytes` of announced, untaken tasks (`size(i)` each; one task at least, however
+    /// large), and never for a task a worker took already.
+    pub(super) fn run(&self, n: usize, size: &dyn Fn(usize) -> u64, fetch: &dyn Fn(usize)) {
         for i in 0..n {
+            let len = size(i);
             let mut st = self.lock();
-            while !st.stop && i >= st.taken + self.ahead {
+            while !st.stop
+                && i >= st.taken
+                && (i >= st.taken + self.ahead
+                    || (st.held_bytes > 0 && st.held_bytes + len > self.ahead_bytes))
+            {
                 st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
             }
             if st.stop {
@@ -121,6 +183,8 @@ impl Prefetcher {
                 continue;
             }
             st.announcing = Some(i);
+            st.held.push_back((i, len));
+            st.held_bytes += len;
             drop(st);
             fetch(i);
             self.lock().announcing = None;
@@ -134,11 +198,18 @@ impl Prefetcher {
         let mut st = self.lock();
         if taken > st.taken {
             st.taken = taken;
+            st.release_taken();
             self.cond.notify_all();
         }
         while taken > 0 && st.announcing == Some(taken - 1) {
             st = self.cond.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// Bytes of announced chunks no worker has taken yet.
+    #[cfg(test)]
+    pub(super) fn held_bytes(&self) -> u64 {
+        self.lock().held_bytes
     }
 
     pub(super) fn stop(&self) {

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use super::verify::{fetch_verified, verify_raw_in_place, Mapped};
-use super::{Prefetcher, PREFETCH_AHEAD};
+use super::{fetched_len, read_plan, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AHEAD};
 use crate::store::backend::Objects;
 use crate::store::chunk::Decoder;
 use crate::store::error::{Error, Result};
@@ -54,9 +54,19 @@ pub(in crate::store) fn stream_file(
         inner.opts.chunking,
         1,
     );
+    // Where the backend holds its read-ahead in memory, no more workers than the read plan's, which leave
+    // a quarter of the budget to it (the window below, a few of their chunks, stands for the ingest
+    // plan's segments).
+    let read = read_plan(inner, info);
+    let in_memory = inner.backend.read_ahead_in_memory();
+    let plan_workers = if in_memory {
+        plan.workers.min(read.workers)
+    } else {
+        plan.workers
+    };
     // Chunks decoded ahead of the writer: enough to keep every worker busy, within the memory budget.
-    let window = (2 * plan.workers + 2).min(stored.len().max(1));
-    let workers = plan.workers.min(stored.len()).max(1);
+    let window = (2 * plan_workers + 2).min(stored.len().max(1));
+    let workers = plan_workers.min(stored.len()).max(1);
 
     struct State {
         /// Next entry of `stored` to fetch.
@@ -78,11 +88,16 @@ pub(in crate::store) fn stream_file(
     });
     let cond = Condvar::new();
     let lock = || state.lock().unwrap_or_else(|p| p.into_inner());
-    let ahead = Prefetcher::new(PREFETCH_AHEAD);
+    let ahead = if in_memory {
+        Prefetcher::new(MEMORY_AHEAD_CHUNKS, read.ahead_bytes)
+    } else {
+        Prefetcher::new(PREFETCH_AHEAD, read.ahead_bytes)
+    };
 
     std::thread::scope(|s| {
         s.spawn(|| {
-            ahead.run(stored.len(), &|k| {
+            let size = |k: usize| fetched_len(file.chunks[stored[k]].len);
+            ahead.run(stored.len(), &size, &|k| {
                 if let Some(id) = file.chunks[stored[k]].id {
                     inner.backend.prefetch_chunk(&id);
                 }

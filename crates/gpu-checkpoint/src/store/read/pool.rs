@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::verify::Scratch;
-use super::{read_workers, Prefetcher, PREFETCH_AHEAD};
+use super::{fetched_len, read_plan, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AHEAD};
 use crate::store::backend::Objects;
 use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
@@ -17,16 +17,18 @@ use crate::util::AlignedBuf;
 /// tasks taken in order as workers come free. Stops at the first error, which it returns.
 ///
 /// Where the backend reads cold chunks with direct I/O, the workers wait on the device themselves and four
-/// more of them than cores keep it busy ([`read_workers`]); otherwise the chunk `chunk_of(task)` names is read ahead
-/// into the page cache [`PREFETCH_AHEAD`] tasks early.
+/// more of them than cores keep it busy ([`read_plan`]); otherwise the chunk `chunk_of(task)` names (id and raw length) is read ahead
+/// into the page cache [`PREFETCH_AHEAD`] tasks early, or, where the backend holds what it reads ahead in
+/// memory, as many as the read plan's `ahead_bytes` allow.
 pub(super) fn on_workers<T: Sync>(
     inner: &Inner,
     info: &CheckpointInfo,
     tasks: &[T],
-    chunk_of: impl Fn(&T) -> Option<ChunkId> + Sync,
+    chunk_of: impl Fn(&T) -> (Option<ChunkId>, u32) + Sync,
     work: impl Fn(&T, &mut Scratch) -> Result<()> + Sync,
 ) -> Result<()> {
-    let workers = read_workers(inner, info);
+    let plan = read_plan(inner, info);
+    let workers = plan.workers;
     let max_chunk = info.chunking.max_size as usize;
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -38,12 +40,20 @@ pub(super) fn on_workers<T: Sync>(
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(e);
     };
-    let ahead = Prefetcher::new(PREFETCH_AHEAD);
+    let ahead = if inner.backend.read_ahead_in_memory() {
+        Prefetcher::new(MEMORY_AHEAD_CHUNKS, plan.ahead_bytes)
+    } else {
+        Prefetcher::new(PREFETCH_AHEAD, plan.ahead_bytes)
+    };
     std::thread::scope(|s| {
         if !inner.backend.reads_uncached() {
             s.spawn(|| {
-                ahead.run(tasks.len(), &|i| {
-                    if let Some(id) = chunk_of(&tasks[i]) {
+                let size = |i: usize| match chunk_of(&tasks[i]) {
+                    (Some(_), len) => fetched_len(len),
+                    (None, _) => 0,
+                };
+                ahead.run(tasks.len(), &size, &|i| {
+                    if let (Some(id), _) = chunk_of(&tasks[i]) {
                         inner.backend.prefetch_chunk(&id);
                     }
                 })

@@ -12,10 +12,10 @@ use crate::store::{ChunkParams, NoProgress, Result, Store, StoreOptions};
 
 #[test]
 fn the_prefetcher_stays_ahead_by_at_most_its_window_and_stops() {
-    let p = Prefetcher::new(3);
+    let p = Prefetcher::new(3, u64::MAX);
     let fetched = Mutex::new(Vec::new());
     std::thread::scope(|s| {
-        s.spawn(|| p.run(100, &|i| fetched.lock().unwrap().push(i)));
+        s.spawn(|| p.run(100, &|_| 1, &|i| fetched.lock().unwrap().push(i)));
         let wait_for = |n: usize| {
             let t0 = Instant::now();
             while fetched.lock().unwrap().len() < n {
@@ -41,21 +41,21 @@ fn the_prefetcher_stays_ahead_by_at_most_its_window_and_stops() {
 
 #[test]
 fn a_task_taken_before_the_prefetcher_reached_it_is_not_announced() {
-    let p = Prefetcher::new(4);
+    let p = Prefetcher::new(4, u64::MAX);
     p.taken(2);
     let fetched = Mutex::new(Vec::new());
-    p.run(6, &|i| fetched.lock().unwrap().push(i));
+    p.run(6, &|_| 1, &|i| fetched.lock().unwrap().push(i));
     assert_eq!(*fetched.lock().unwrap(), vec![2, 3, 4, 5]);
 }
 
 #[test]
 fn a_worker_taking_the_task_being_announced_waits_for_the_announcement() {
-    let p = Prefetcher::new(4);
+    let p = Prefetcher::new(4, u64::MAX);
     let events = Mutex::new(Vec::new());
     let started = (Mutex::new(false), Condvar::new());
     std::thread::scope(|s| {
         s.spawn(|| {
-            p.run(1, &|_| {
+            p.run(1, &|_| 1, &|_| {
                 *started.0.lock().unwrap() = true;
                 started.1.notify_all();
                 std::thread::sleep(Duration::from_millis(100));
@@ -74,21 +74,52 @@ fn a_worker_taking_the_task_being_announced_waits_for_the_announcement() {
 }
 
 /// A memory backend that counts fetches the way the S3 backend makes them: a prefetch starts a fetch and
-/// stays pending until a read takes it; a read with none pending fetches. Its first prefetch is slow
-/// to start (it waits, at most `SLOW`, until a worker read its key): the late read-ahead that S3's
-/// latency makes likely, made certain.
+/// stays pending (its bytes held, as S3's are in memory) until a read takes it; a read with none pending
+/// fetches. `late_first`: its first prefetch is slow to start (it waits, at most `SLOW`, until a worker
+/// read its key): the late read-ahead that S3's latency makes likely, made certain. Otherwise every read
+/// is slow (2 ms, a GET's latency) and the read path is told the read-ahead is held in memory.
 struct CountingFetches {
     inner: MemoryBackend,
     state: Mutex<Fetches>,
     read: Condvar,
+    late_first: bool,
+}
+
+impl CountingFetches {
+    fn new(dir: &Path, late_first: bool) -> CountingFetches {
+        CountingFetches {
+            inner: MemoryBackend::new(dir),
+            state: Mutex::default(),
+            read: Condvar::new(),
+            late_first,
+        }
+    }
 }
 
 #[derive(Default)]
 struct Fetches {
     per_key: HashMap<String, usize>,
-    pending: HashMap<String, ()>,
+    /// Prefetched and not read yet, with their bytes.
+    pending: HashMap<String, u64>,
     read: Vec<String>,
     prefetches: usize,
+    pending_bytes: u64,
+    most_bytes: u64,
+    most_chunks: usize,
+}
+
+/// Small chunks, so that a small image has many.
+fn small_chunks() -> StoreOptions {
+    StoreOptions {
+        zstd_level: 1,
+        compress: true,
+        threads: 2,
+        chunking: ChunkParams {
+            min_size: 4096,
+            avg_size: 16384,
+            max_size: 65536,
+        },
+    }
 }
 
 const SLOW: Duration = Duration::from_millis(300);
@@ -110,9 +141,13 @@ impl Backend for CountingFetches {
         self.inner.sync(keys)
     }
     fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
+        if !self.late_first {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         let mut st = self.state.lock().unwrap();
-        if st.pending.remove(key).is_none() {
-            *st.per_key.entry(key.to_owned()).or_default() += 1;
+        match st.pending.remove(key) {
+            Some(n) => st.pending_bytes -= n,
+            None => *st.per_key.entry(key.to_owned()).or_default() += 1,
         }
         st.read.push(key.to_owned());
         self.read.notify_all();
@@ -132,17 +167,24 @@ impl Backend for CountingFetches {
         self.inner.delete(key)
     }
     fn prefetch(&self, key: &str) {
+        let n = self.inner.head(key).unwrap().map_or(0, |m| m.size);
         let mut st = self.state.lock().unwrap();
         st.prefetches += 1;
-        if st.prefetches == 1 {
+        if self.late_first && st.prefetches == 1 {
             let t0 = Instant::now();
             while !st.read.iter().any(|k| k == key) && t0.elapsed() < SLOW {
                 st = self.read.wait_timeout(st, SLOW / 10).unwrap().0;
             }
         }
-        if st.pending.insert(key.to_owned(), ()).is_none() {
+        if st.pending.insert(key.to_owned(), n).is_none() {
             *st.per_key.entry(key.to_owned()).or_default() += 1;
+            st.pending_bytes += n;
         }
+        st.most_bytes = st.most_bytes.max(st.pending_bytes);
+        st.most_chunks = st.most_chunks.max(st.pending.len());
+    }
+    fn read_ahead_in_memory(&self) -> bool {
+        !self.late_first
     }
     fn work_root(&self) -> Option<&Path> {
         self.inner.work_root()
@@ -152,22 +194,8 @@ impl Backend for CountingFetches {
 #[test]
 fn a_restore_fetches_every_chunk_once_and_leaves_no_read_ahead_pending() {
     let dir = tempfile::tempdir().unwrap();
-    let backend = Arc::new(CountingFetches {
-        inner: MemoryBackend::new(dir.path()),
-        state: Mutex::default(),
-        read: Condvar::new(),
-    });
-    let opts = StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-    };
-    let store = Store::with_backend(backend.clone(), opts).unwrap();
+    let backend = Arc::new(CountingFetches::new(dir.path(), true));
+    let store = Store::with_backend(backend.clone(), small_chunks()).unwrap();
     let ing = store.begin(Some("job")).unwrap();
     let pages = crate::testdata::XorShift64::new(0x9e37_79b9).bytes(1 << 20);
     std::fs::write(ing.staging_dir().join("pages-1.img"), &pages).unwrap();
@@ -192,5 +220,75 @@ fn a_restore_fetches_every_chunk_once_and_leaves_no_read_ahead_pending() {
         st.pending.is_empty(),
         "read-ahead left pending: {:?}",
         st.pending
+    );
+}
+
+#[test]
+fn the_prefetcher_holds_at_most_its_bytes_ahead_of_slow_workers() {
+    // Sizes 1..=7 bytes, at most 10 held (but never fewer than one task), 100 tasks allowed by count: only
+    // the bytes bound the window.
+    let size = |i: usize| (i % 7 + 1) as u64;
+    let p = Prefetcher::new(100, 10);
+    let most = Mutex::new(0u64);
+    let announced = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            p.run(60, &size, &|i| {
+                announced.lock().unwrap().push(i);
+                let held = p.held_bytes();
+                let mut m = most.lock().unwrap();
+                *m = (*m).max(held);
+            })
+        });
+        // A slow worker: takes a task every millisecond.
+        for i in 0..60 {
+            std::thread::sleep(Duration::from_millis(1));
+            p.taken(i + 1);
+        }
+        p.stop();
+    });
+    let most = *most.lock().unwrap();
+    assert!(most <= 10, "{most} bytes held ahead, bound 10");
+    assert!(most >= 7, "the window was never used ({most} bytes)");
+    let announced = announced.lock().unwrap();
+    assert!(announced.windows(2).all(|w| w[0] < w[1]), "{announced:?}");
+}
+
+#[test]
+fn a_restore_from_a_backend_holding_read_ahead_in_memory_stays_within_the_plan_and_reads_far_ahead()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(CountingFetches::new(dir.path(), false));
+    let store = Store::with_backend(backend.clone(), small_chunks()).unwrap();
+    let ing = store.begin(Some("job")).unwrap();
+    let pages = crate::testdata::XorShift64::new(0x5eed).bytes(2 << 20);
+    std::fs::write(ing.staging_dir().join("pages-1.img"), &pages).unwrap();
+    let info = ing.commit(serde_json::json!({}), &NoProgress).unwrap();
+    let plan = read_plan(&store.inner, &info);
+    assert!(plan.ahead_bytes < u64::MAX && plan.workers >= 1, "{plan:?}");
+
+    *backend.state.lock().unwrap() = Fetches::default();
+    let out = dir.path().join("out");
+    store.materialize("job", &out, &NoProgress).unwrap();
+    assert!(std::fs::read(out.join("pages-1.img")).unwrap() == pages);
+    let st = backend.state.lock().unwrap();
+    assert!(
+        st.most_bytes <= plan.ahead_bytes,
+        "{} bytes held ahead, plan {}",
+        st.most_bytes,
+        plan.ahead_bytes
+    );
+    // Deeper than the page cache's 16 (and the chunks the workers hold being read): with a slow GET, the
+    // requests in flight are what keep a restore from an object store fast.
+    assert!(
+        st.most_chunks > PREFETCH_AHEAD + plan.workers,
+        "only {} chunks read ahead ({} workers)",
+        st.most_chunks,
+        plan.workers
+    );
+    assert!(
+        st.pending.is_empty(),
+        "left pending: {:?}",
+        st.pending.keys()
     );
 }
