@@ -2,6 +2,9 @@
 //!
 //!   cargo test -p gpu-checkpoint-cli --test cluster_bench -- --ignored --nocapture
 //!
+//! `CLUSTER_BENCH_MIB` sets each rank's size (default 64 MiB), `CLUSTER_BENCH_AGENTS` the agent counts
+//! (default `1,2,4,8`), e.g. `CLUSTER_BENCH_MIB=512 CLUSTER_BENCH_AGENTS=8`.
+//!
 //! A job checkpoint (`--leave-running`, so that it can be repeated) of 1, 2, 4 and 8 agents on this
 //! machine, one SIMULATED GPU rank each, against a plain `gpu-checkpoint checkpoint --leave-running` of one
 //! such rank. Printed per size: the job's total (the command's wall time), the slowest member's own work
@@ -11,6 +14,15 @@
 //! Then the job's last checkpoint restored (`job restore`, every rank killed before each round) against a
 //! plain `gpu-checkpoint restore` of one rank: the job's total, its restore phase (every member restored,
 //! GPU-locked), the coordinator's etcd requests, and the job's time above the plain restore.
+//!
+//! The protocol's share is then broken down (medians, ms): the command's start, connect and reads before
+//! the operation (its wall time less the coordinator's own total), the coordinator's etcd requests, the
+//! watch wake-ups (the last member's state write until the coordinator saw it, summed over the waits;
+//! they include that write's round trip, also in the member's work, so the rest can be a little
+//! negative), and the rest (the agents' task pick-up and decision reads, the phases' slowest members
+//! differing). Beside it, not part of it: the barrier skew (the first to the last member reaching each
+//! state waited for, summed: members' work queueing on this machine's cores, inside the members' work)
+//! and the slowest member's state writes (its etcd requests, inside its work).
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
@@ -25,8 +37,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-const MIB: &str = "64";
 const RUNS: usize = 3;
+
+/// `name`'s value, or `default` when it is not set.
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
 
 #[test]
 #[ignore = "benchmark: run with --ignored --nocapture"]
@@ -35,10 +51,18 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     if !criu_ready() {
         return;
     }
+    let mib = env_or("CLUSTER_BENCH_MIB", "64");
+    let mib: u64 = mib.parse().expect("CLUSTER_BENCH_MIB: a number of MiB");
+    let mib = mib.to_string();
+    let sizes = env_or("CLUSTER_BENCH_AGENTS", "1,2,4,8");
+    let sizes = sizes.split(',').map(|n| n.trim().parse::<usize>());
+    let sizes: Vec<usize> = sizes
+        .collect::<Result<_, _>>()
+        .expect("CLUSTER_BENCH_AGENTS");
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     // The baseline: one rank, checkpointed alone.
-    let one = SimProcess::start(&["--mib", MIB]);
+    let one = SimProcess::start(&["--mib", &mib]);
     let mut plain_id = String::new();
     let plain: Vec<f64> = (0..RUNS)
         .map(|_| {
@@ -63,7 +87,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         })
         .collect();
     let plain = median(plain);
-    println!("plain checkpoint of one {MIB} MiB rank: {plain:.0} ms (median of {RUNS}, process start included)");
+    println!("plain checkpoint of one {mib} MiB rank: {plain:.0} ms (median of {RUNS}, process start included)");
     let plain_restore = median(
         (0..RUNS)
             .map(|_| {
@@ -77,10 +101,10 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             .collect(),
     );
     drop(one);
-    println!("plain restore of one {MIB} MiB rank: {plain_restore:.0} ms (median of {RUNS})");
-    let mut restores = Vec::new();
+    println!("plain restore of one {mib} MiB rank: {plain_restore:.0} ms (median of {RUNS})");
+    let (mut restores, mut breakdowns) = (Vec::new(), Vec::new());
     println!("agents | job total ms | slowest member's work | etcd ms (share) | protocol (share) | job - plain ms");
-    for n in [1usize, 2, 4, 8] {
+    for n in sizes {
         // A fresh etcd per round, in a folder of its own: one started on the last round's data would
         // find its `/ready` and be taken for another test's etcd.
         let round = dir.path().join(format!("etcd-{n}-agents"));
@@ -93,7 +117,9 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             // a short one (the job then aborts, correctly, and there is nothing to measure).
             .map(|node| Agent::spawn(&etcd, node, &store, dir.path(), &[], "30s", &[]))
             .collect();
-        let ranks: Vec<SimProcess> = (0..n).map(|_| SimProcess::start(&["--mib", MIB])).collect();
+        let ranks: Vec<SimProcess> = (0..n)
+            .map(|_| SimProcess::start(&["--mib", &mib]))
+            .collect();
         for (i, r) in ranks.iter().enumerate() {
             let out = gc(&[
                 "job",
@@ -113,6 +139,8 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         }
         let (mut total, mut etcd_ms, mut work, mut phases) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // start, member etcd, watch wake-ups, barrier skew
+        let mut parts: [Vec<f64>; 4] = Default::default();
         let mut id = String::new();
         for _ in 0..RUNS {
             let (wall, m) = timed_job(&etcd, &["checkpoint", "--job", "bench", "--leave-running"]);
@@ -122,6 +150,10 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             etcd_ms.push(tm["etcd"].as_f64().unwrap());
             work.push(tm["member_work_max"].as_f64().unwrap());
             let f = |k: &str| tm[k].as_f64().unwrap();
+            parts[0].push(wall - f("total"));
+            parts[1].push(f("member_etcd_max"));
+            parts[2].push(f("watch_wake"));
+            parts[3].push(f("barrier_skew"));
             phases.push(format!(
                 "prepare {:.0} checkpoint {:.0} commit {:.0} release {:.0}",
                 f("prepare"),
@@ -143,6 +175,8 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         }
         restores.push((n, median(r_total), median(r_phase), median(r_etcd)));
         let (t, e, w) = (median(total), median(etcd_ms), median(work));
+        let [start, member_etcd, wake, skew] = parts.map(median);
+        breakdowns.push((n, t, t - w, start, e, member_etcd, wake, skew));
         println!(
             "{n:>6} | {t:>12.0} | {w:>19.0} | {e:>7.1} ({:>4.1}%) | {:>10.0} ({:>4.1}%) | {:>14.0}   [{}]",
             100.0 * e / t,
@@ -150,6 +184,25 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             100.0 * (t - w) / t,
             t - plain,
             phases.last().unwrap()
+        );
+    }
+    println!(
+        "agents | protocol ms (share) = start + coordinator etcd + watch wake-ups + rest | \
+         barrier skew (not protocol) | slowest member's etcd (in its work)"
+    );
+    for (n, t, p, start, e, member_etcd, wake, skew) in breakdowns {
+        let share = |x: f64| 100.0 * x / t;
+        let rest = p - start - e - wake;
+        println!(
+            "{n:>6} | {p:>5.0} ({:>4.1}%) = {start:>4.0} ({:>4.1}%) + {e:>5.1} ({:>4.1}%) + {wake:>4.0} ({:>4.1}%) \
+             + {rest:>5.0} ({:>4.1}%) | {skew:>5.0} ({:>4.1}%) | {member_etcd:>5.1} ({:>4.1}%)",
+            share(p),
+            share(start),
+            share(e),
+            share(wake),
+            share(rest),
+            share(skew),
+            share(member_etcd)
         );
     }
     println!("agents | job restore total ms | restore phase ms | etcd ms (share) | job - plain ms");

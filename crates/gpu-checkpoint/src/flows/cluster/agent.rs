@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::coord::{Compare, CoordError, Coordinator, TxnOp};
+use super::coord::{Compare, CoordError, Coordinator, Event, Revision, TxnOp};
 use super::lease::LeaseGuard;
 use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
 use super::{AgentRecord, ClusterError, JobManifest};
@@ -142,6 +142,7 @@ pub fn run_agent(
                     durable_id: Default::default(),
                     stop,
                     waited_us: Default::default(),
+                    etcd_us: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
             }
@@ -201,9 +202,21 @@ struct Member<'c> {
     stop: &'c AtomicBool,
     /// Time spent waiting at the barriers, in microseconds.
     waited_us: std::sync::atomic::AtomicU64,
+    /// Time spent writing this member's states to etcd, in microseconds (its reads of the decision are
+    /// inside `waited_us`).
+    etcd_us: std::sync::atomic::AtomicU64,
 }
 
 impl Member<'_> {
+    /// Runs one etcd request, its time counted in `etcd_us`.
+    fn etcd<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.etcd_us
+            .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
+        r
+    }
+
     fn say(&self, state: MemberState) {
         let r = StateRecord {
             rank: self.task.member.rank,
@@ -212,7 +225,7 @@ impl Member<'_> {
             at_unix_ms: rec::now_ms(),
         };
         let key = rec::state(&self.task.op, self.task.member.rank);
-        if let Err(e) = self.coord.put(&key, &encode(&r), Some(self.lease)) {
+        if let Err(e) = self.etcd(|| self.coord.put(&key, &encode(&r), Some(self.lease))) {
             tracing::error!("writing {key}: {e}");
         }
     }
@@ -268,9 +281,23 @@ impl Member<'_> {
                     self.timeout
                 ));
             }
-            let wait = (deadline - now).min(Duration::from_secs(1));
-            if let Err(e) = self.coord.watch(&rec::op_prefix(&self.task.op), rev, wait) {
-                return unreachable(e);
+            // Wake-ups that bring only the members' states (the others reaching the barrier: up to one
+            // per member) say nothing about the decision: watch on from them without reading again.
+            let (mut rev, states) = (rev, rec::states(&self.task.op));
+            loop {
+                let now = Instant::now();
+                let wait = (deadline.max(now) - now).min(Duration::from_secs(1));
+                match self.coord.watch(&rec::op_prefix(&self.task.op), rev, wait) {
+                    Err(e) => return unreachable(e),
+                    Ok(events)
+                        if !events.is_empty()
+                            && events.iter().all(|e| e.key().starts_with(&states))
+                            && Instant::now() < deadline =>
+                    {
+                        rev = events.iter().map(Event::revision).fold(rev, Revision::max);
+                    }
+                    Ok(_) => break,
+                }
             }
         }
     }
@@ -454,6 +481,7 @@ impl Member<'_> {
         MemberState::Done {
             work_ms: started.elapsed().as_secs_f64() * 1000.0,
             waited_ms: self.waited_us.load(Ordering::SeqCst) as f64 / 1000.0,
+            etcd_ms: self.etcd_us.load(Ordering::SeqCst) as f64 / 1000.0,
         }
     }
 

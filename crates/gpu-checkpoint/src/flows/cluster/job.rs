@@ -260,6 +260,7 @@ impl<'a> Op<'a> {
                 }
             }
             if pending.is_empty() {
+                view.arrived(self.members.iter().map(|m| m.rank).collect());
                 return Ok(by_rank);
             }
             let now = Instant::now();
@@ -277,6 +278,12 @@ impl<'a> Op<'a> {
                 .map_err(|e| e.to_string())?;
             view.apply(&events).map_err(|e| e.to_string())?;
         }
+    }
+
+    /// The barrier skew and watch wake-ups summed over the waits so far (see [`JobTimings`]).
+    fn barriers(&self) -> (f64, f64) {
+        let view = self.view.borrow();
+        view.as_ref().map_or((0.0, 0.0), |v| (v.skew_ms, v.wake_ms))
     }
 
     fn decide(&self, decision: &str) -> Result<(), ClusterError> {
@@ -515,9 +522,15 @@ pub fn checkpoint_job(
     }) {
         Ok(states) => {
             for s in states.values() {
-                if let MemberState::Done { work_ms, waited_ms } = s {
+                if let MemberState::Done {
+                    work_ms,
+                    waited_ms,
+                    etcd_ms,
+                } = s
+                {
                     timings.member_work_max = timings.member_work_max.max(*work_ms - *waited_ms);
                     timings.member_waited_max = timings.member_waited_max.max(*waited_ms);
+                    timings.member_etcd_max = timings.member_etcd_max.max(*etcd_ms);
                 }
             }
         }
@@ -526,6 +539,7 @@ pub fn checkpoint_job(
     timings.release = ms(phase);
     timings.total = ms(started);
     timings.etcd = op.etcd_ms.get();
+    (timings.barrier_skew, timings.watch_wake) = op.barriers();
     manifest.timings_ms = timings;
     // The final timings, for `job status` (the committed record had them up to the commit).
     if let Err(e) = c.put(&rec::checkpoint(&id), &encode(&manifest), None) {
@@ -677,6 +691,7 @@ pub fn restore_job(
     timings.release = ms(phase);
     timings.total = ms(started);
     timings.etcd = op.etcd_ms.get();
+    (timings.barrier_skew, timings.watch_wake) = op.barriers();
     let restored = members
         .iter()
         .map(|m| RestoredMember {

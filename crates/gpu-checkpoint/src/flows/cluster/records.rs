@@ -221,8 +221,14 @@ pub enum MemberState {
     /// Restore: the member's tree is restored, GPU state included; waiting for `commit`.
     Restored { pid: i32 },
     /// The member finished its part after the commit: its whole part took `work_ms`, of which it waited
-    /// `waited_ms` at the barriers for the others and the coordinator.
-    Done { work_ms: f64, waited_ms: f64 },
+    /// `waited_ms` at the barriers for the others and the coordinator, and `etcd_ms` writing its states
+    /// to etcd (part of its work; its reads of the decision are part of its waits).
+    Done {
+        work_ms: f64,
+        waited_ms: f64,
+        #[serde(default)]
+        etcd_ms: f64,
+    },
     /// The member undid its part after an abort (unlocked and running, or its restored copy killed).
     Aborted,
     /// The member failed; it undid its part.
@@ -276,6 +282,18 @@ pub struct JobTimings {
     pub member_work_max: f64,
     #[serde(default)]
     pub member_waited_max: f64,
+    /// The largest of the members' own etcd request times (inside `member_work_max`'s member's work).
+    #[serde(default)]
+    pub member_etcd_max: f64,
+    /// Summed over the coordinator's waits: the time between the first and the last member reaching
+    /// the state waited for (by the members' clocks). Members' work queueing or differing in size, not
+    /// protocol; part of the coordinator's waits.
+    #[serde(default)]
+    pub barrier_skew: f64,
+    /// Summed over the coordinator's waits: from the last member's state write to the coordinator
+    /// seeing it (the agent's write round trip and the watch's wake-up).
+    #[serde(default)]
+    pub watch_wake: f64,
 }
 
 /// A committed job checkpoint: in etcd (`checkpoints/ID`) and in every member's store.

@@ -623,3 +623,20 @@ fn a_member_checkpoint_on_a_node_without_agent_stays_in_the_trash_until_a_later_
         .contains(&format!("deleted {}.member-1", m.id)));
     assert!(retention::trash(c.coord.as_ref(), None).unwrap().is_empty());
 }
+
+#[test]
+fn a_job_checkpoints_timings_break_the_protocol_down() {
+    let nodes = ["a", "b", "c"];
+    let c = Cluster::start(&nodes, &[]);
+    for (rank, node) in nodes.iter().enumerate() {
+        c.add("train", rank as u32, node);
+    }
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    let t = &m.timings_ms;
+    // The members report their own state writes; the waits their skew and wake-ups, within the total.
+    assert!(t.member_etcd_max > 0.0, "{t:?}");
+    assert!(t.member_etcd_max <= t.member_work_max, "{t:?}");
+    for part in [t.barrier_skew, t.watch_wake] {
+        assert!((0.0..=t.total + 1.0).contains(&part), "{t:?}");
+    }
+}

@@ -16,6 +16,9 @@ pub(super) struct View {
     agents: BTreeSet<String>,
     /// The revision the view is current to: a watch from there misses nothing.
     rev: Revision,
+    /// Summed over the waits: barrier skew and watch wake-up (see [`super::JobTimings`]).
+    pub(super) skew_ms: f64,
+    pub(super) wake_ms: f64,
 }
 
 impl View {
@@ -31,6 +34,8 @@ impl View {
             states: BTreeMap::new(),
             agents: agents.into_iter().map(|kv| kv.key).collect(),
             rev,
+            skew_ms: 0.0,
+            wake_ms: 0.0,
         };
         for kv in states {
             view.states
@@ -72,6 +77,17 @@ impl View {
     /// Whether `node`'s agent is registered.
     pub(super) fn alive(&self, node: &str) -> bool {
         self.agents.contains(&rec::agent(node))
+    }
+
+    /// Every one of `ranks` reached the state waited for: adds the time from the first to the last
+    /// writing it (members' clocks) to `skew_ms`, and from the last write until now to `wake_ms`.
+    pub(super) fn arrived(&mut self, ranks: BTreeSet<u32>) {
+        let times = self.states.values().filter(|s| ranks.contains(&s.rank));
+        let times: Vec<u64> = times.map(|s| s.at_unix_ms).collect();
+        if let (Some(first), Some(last)) = (times.iter().min(), times.iter().max()) {
+            self.skew_ms += (last - first) as f64;
+            self.wake_ms += rec::now_ms().saturating_sub(*last) as f64;
+        }
     }
 
     /// The members' states, by rank.
