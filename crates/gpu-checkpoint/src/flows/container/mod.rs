@@ -31,6 +31,7 @@ pub mod direct;
 mod error;
 mod fake;
 mod follow;
+mod guards;
 pub mod members;
 mod oci;
 mod restore;
@@ -61,6 +62,7 @@ use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
+use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
 pub struct ContainerFlow<'a> {
@@ -199,75 +201,6 @@ pub fn discover(
         processes,
         report,
     })
-}
-
-/// Resumes a container paused for its checkpoint when dropped, unless disarmed.
-struct ResumeGuard<'r> {
-    runtime: &'r dyn ContainerRuntime,
-    id: String,
-    armed: bool,
-}
-
-impl ResumeGuard<'_> {
-    fn resume_now(mut self) -> Result<(), Error> {
-        self.armed = false;
-        self.runtime.resume(&self.id)
-    }
-
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for ResumeGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = self.runtime.resume(&self.id) {
-                tracing::error!(
-                    "after the failed checkpoint, resuming the container failed too: {e}"
-                );
-            }
-        }
-    }
-}
-
-/// Brings a container its runtime stopped at checkpoint time back from the images when dropped, unless
-/// disarmed: the undo (and `--leave-running`) where the runtime cannot hold it paused (runsc).
-struct Revive<'r> {
-    runtime: &'r dyn ContainerRuntime,
-    id: String,
-    images: PathBuf,
-    bundle: PathBuf,
-    tcp_established: bool,
-    armed: bool,
-}
-
-impl Revive<'_> {
-    fn now(mut self) -> Result<(), Error> {
-        self.armed = false;
-        self.revive()
-    }
-
-    fn revive(&self) -> Result<(), Error> {
-        // The stopped container still holds its id.
-        self.runtime.delete(&self.id, true)?;
-        self.runtime.restore(&RestoreRequest {
-            id: &self.id,
-            images: &self.images,
-            bundle: &self.bundle,
-            tcp_established: self.tcp_established,
-        })
-    }
-}
-
-impl Drop for Revive<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = self.revive() {
-                tracing::error!("after the failed checkpoint, restoring the container from its images failed too: {e}");
-            }
-        }
-    }
 }
 
 /// A signal came since `interrupt` was made: the caller's guards undo as it returns the error.
