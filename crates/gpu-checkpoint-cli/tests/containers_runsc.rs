@@ -30,6 +30,21 @@ fn counts_past(bundle: &Bundle, id: &str, above: u64) -> u64 {
     }
 }
 
+/// `gpu-checkpoint ARGS` on the store and runsc, with `env`.
+fn gc(
+    store: &std::path::Path,
+    runsc: &Runc,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    std::process::Command::new(gpu_checkpoint())
+        .args(args)
+        .args(store_args(store, runsc))
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
     if !runsc_ready() {
@@ -46,14 +61,7 @@ fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
     let id = format!("gc-{}-rs", std::process::id());
     runsc.run(&id, &bundle);
     let first = counts_past(&bundle, &id, 0);
-    let gc = |args: &[&str], env: &[(&str, &str)]| {
-        std::process::Command::new(gpu_checkpoint())
-            .args(args)
-            .args(store_args(&store, &runsc))
-            .envs(env.iter().copied())
-            .output()
-            .unwrap()
-    };
+    let gc = |args: &[&str], env: &[(&str, &str)]| gc(&store, &runsc, args, env);
     let json = |o: std::process::Output| -> serde_json::Value {
         assert!(o.status.success(), "{}", text(&o));
         serde_json::from_slice(&o.stdout).unwrap()
@@ -147,6 +155,141 @@ fn sim_steps(runsc: &Runc, id: &str) -> u64 {
         .unwrap_or_else(|| panic!("no steps in `{out}`"))
 }
 
+/// A sandbox `id` running the SIMULATED GPU workload as its init (guest PID 1), with the SIMULATED
+/// stand-in for `cuda-checkpoint` at /bin/sim-cuda-checkpoint inside; returns once the simulator
+/// answers there.
+fn gpu_sandbox(dir: &std::path::Path, runsc: &Runc, id: &str) -> Bundle {
+    let bundle = Bundle::new(
+        &dir.join("bundle"),
+        &["exec gpu-sim-workload --mib 8 --workers 2"],
+        &[],
+    );
+    let tool = sim_workload().with_file_name("sim-cuda-checkpoint");
+    assert!(
+        tool.exists(),
+        "{} is missing: cargo build -p gpu-checkpoint-workloads",
+        tool.display()
+    );
+    std::fs::copy(&tool, bundle.rootfs().join("bin/sim-cuda-checkpoint")).unwrap();
+    copy_libraries(&tool, &bundle.rootfs());
+    runsc.run(id, &bundle);
+    wait_for("the simulator answers inside the sandbox", &|| {
+        runsc
+            .cmd()
+            .args([
+                "exec",
+                id,
+                "/bin/sim-cuda-checkpoint",
+                "--get-state",
+                "--pid",
+                "1",
+            ])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("running"))
+    });
+    bundle
+}
+
+/// `gpu-checkpoint checkpoint --container ID --runtime runsc --cuda-checkpoint-path TOOL`: the GPU state
+/// is frozen inside the sandbox around runsc's checkpoint, put back there after a failed store write
+/// (the sandbox brought back first), and restored inside the new sandbox, where the SIMULATED device
+/// memory is verified and the workload computes on. (The host sees no GPU state in this sandbox: the
+/// simulator's lives in the sentry, so without the tool the checkpoint would not freeze it at all.)
+#[test]
+fn gpu_checkpoint_freezes_a_gvisor_sandbox_gpu_state_inside_it() {
+    if !runsc_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let runsc = Runc::runsc(dir.path());
+    let id = format!("gc-{}-rt", std::process::id());
+    let bundle = gpu_sandbox(dir.path(), &runsc, &id);
+    let gc = |args: &[&str], env: &[(&str, &str)]| gc(&store, &runsc, args, env);
+    let ck = [
+        "checkpoint",
+        "--container",
+        &id,
+        "--cuda-checkpoint-path",
+        "/bin/sim-cuda-checkpoint",
+        "--format",
+        "json",
+    ];
+    // --leave-running: the sandbox is brought back from the images, then its GPU state inside.
+    let mut kept = ck.to_vec();
+    kept.push("--leave-running");
+    let o = gc(&kept, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("SIMULATED"), "{}", text(&o));
+    assert!(sim_tool(&runsc, &id, &["--get-state", "--pid", "1"]).contains("running"));
+    let steps = sim_steps(&runsc, &id);
+    wait_for("the simulator computes on after --leave-running", &|| {
+        sim_steps(&runsc, &id) > steps
+    });
+
+    // The store fails after runsc stopped the sandbox: it comes back, its GPU state restored inside.
+    let o = gc(&ck, &[("GPU_CHECKPOINT_FAULT", "store.write=eio")]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_eq!(
+        listed(&store).len(),
+        1,
+        "only the first checkpoint is stored"
+    );
+    assert!(sim_tool(&runsc, &id, &["--get-state", "--pid", "1"]).contains("running"));
+    let before = sim_steps(&runsc, &id);
+    wait_for("the revived simulator computes on", &|| {
+        sim_steps(&runsc, &id) > before
+    });
+
+    let o = gc(&ck, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(listed(&store).len(), 2);
+    assert_eq!(out["stopped"], true);
+    assert_eq!(
+        out["container"]["sandbox_gpu_tool"],
+        "/bin/sim-cuda-checkpoint"
+    );
+    assert_eq!(out["container"]["sandbox_gpu_pids"], serde_json::json!([1]));
+    assert_eq!(
+        runsc.state(&id),
+        None,
+        "the checkpointed sandbox is deleted"
+    );
+
+    let copy = format!("{id}-2");
+    let restore = || {
+        std::process::Command::new(gpu_checkpoint())
+            .args(["restore", out["id"].as_str().unwrap(), "--container", &copy])
+            .args(["--storage", store.to_str().unwrap(), "--runtime", "runsc"])
+            .output()
+            .unwrap()
+    };
+    // The tool gone from the sandbox: the GPU restore fails, no sandbox is left, the checkpoint stays.
+    let tool = bundle.rootfs().join("bin/sim-cuda-checkpoint");
+    let hidden = bundle.rootfs().join("bin/hidden-tool");
+    std::fs::rename(&tool, &hidden).unwrap();
+    let o = restore();
+    assert!(!o.status.success(), "{}", text(&o));
+    assert_eq!(
+        runsc.state(&copy),
+        None,
+        "the half-restored sandbox is removed"
+    );
+    assert_eq!(listed(&store).len(), 2, "the checkpoint stays");
+    std::fs::rename(&hidden, &tool).unwrap();
+    let o = restore();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("SIMULATED"), "{}", text(&o));
+    assert!(sim_tool(&runsc, &copy, &["--get-state", "--pid", "1"]).contains("running"));
+    let verified = sim_tool(&runsc, &copy, &["--verify", "--pid", "1"]);
+    assert!(verified.starts_with("verified"), "{verified}");
+    let after = sim_steps(&runsc, &copy);
+    wait_for("the restored simulator computes on", &|| {
+        sim_steps(&runsc, &copy) > after
+    });
+}
+
 /// The in-sandbox freeze (docs/containers.md), shown with this runsc: the `cuda-cli` backend's commands
 /// run inside the sandbox by `runsc exec` on the guest PID, with the SIMULATED stand-in for
 /// `cuda-checkpoint`, around runsc's own checkpoint and restore. The simulated device memory is checked
@@ -161,21 +304,8 @@ fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_check
     }
     let dir = tempfile::tempdir().unwrap();
     let runsc = Runc::runsc(dir.path());
-    let bundle = Bundle::new(
-        &dir.path().join("bundle"),
-        &["exec gpu-sim-workload --mib 8 --workers 2"],
-        &[],
-    );
-    let tool = sim_workload().with_file_name("sim-cuda-checkpoint");
-    assert!(
-        tool.exists(),
-        "{} is missing: cargo build -p gpu-checkpoint-workloads",
-        tool.display()
-    );
-    std::fs::copy(&tool, bundle.rootfs().join("bin/sim-cuda-checkpoint")).unwrap();
-    copy_libraries(&tool, &bundle.rootfs());
     let id = format!("gc-{}-rg", std::process::id());
-    runsc.run(&id, &bundle);
+    let bundle = gpu_sandbox(dir.path(), &runsc, &id);
     // The backend inside the sandbox named `id`, on guest PIDs.
     let inside = |id: &str| {
         let mut wrapper: Vec<String> = vec![
@@ -187,11 +317,8 @@ fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_check
         wrapper.extend(["exec".into(), id.to_string()]);
         CudaCli::wrapped(wrapper, "/bin/sim-cuda-checkpoint")
     };
-    let gpu = inside(&id);
     // The simulated GPU process is the sandbox's init: guest PID 1.
-    wait_for("the simulator answers inside the sandbox", &|| {
-        gpu.state(1).ok() == Some(ProcessState::Running)
-    });
+    let gpu = inside(&id);
     // From the host, the sandbox's process has no simulator to talk to.
     let (_, host_pid) = runsc.state(&id).unwrap();
     assert!(

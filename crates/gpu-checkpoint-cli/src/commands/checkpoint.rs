@@ -31,6 +31,11 @@ pub struct Args {
     /// own network configuration).
     #[arg(long, requires = "container")]
     pub runtime_checkpoint: bool,
+    /// With `--container` (runsc): a cuda-checkpoint-compatible tool, as a path inside the sandbox,
+    /// that freezes the GPU state inside the gVisor sandbox (run by `runsc exec` on its own PIDs);
+    /// recorded and run again by the restore. `sim-cuda-checkpoint` is the SIMULATED stand-in.
+    #[arg(long, value_name = "PATH", requires = "container")]
+    pub cuda_checkpoint_path: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub runtime: super::container::RuntimeArgs,
     #[command(flatten)]

@@ -109,6 +109,8 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
     opts.name = args.name;
     opts.leave_running = args.leave_running;
     opts.via_runtime = args.runtime_checkpoint;
+    say_if_simulated(args.cuda_checkpoint_path.as_deref());
+    opts.sandbox_gpu_tool = args.cuda_checkpoint_path;
     opts.tcp_established = args.criu_opts.options()?.tcp_established;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
@@ -167,6 +169,13 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
     Ok(())
 }
 
+/// The in-sandbox tool is the simulator's stand-in: said, never silent.
+fn say_if_simulated(tool: Option<&std::path::Path>) {
+    if tool.and_then(|t| t.file_name()) == Some(std::ffi::OsStr::new("sim-cuda-checkpoint")) {
+        eprintln!("SIMULATED GPU: the sandbox's GPU state is frozen by sim-cuda-checkpoint, a stand-in for cuda-checkpoint");
+    }
+}
+
 /// `restore CHECKPOINT --container ID`.
 pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
     let Some(checkpoint) = args.checkpoint.clone() else {
@@ -177,11 +186,11 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
     let store = args.store.open_cached(args.cache_dir.as_deref())?;
     // The runtime's flags: those given, else the checkpoint's.
     let info = store.get(&checkpoint)?;
-    let recorded = CheckpointManifest::from_metadata(&info.metadata)
+    let record = CheckpointManifest::from_metadata(&info.metadata)
         .ok()
-        .and_then(|m| m.container)
-        .map(|c| c.global_args)
-        .unwrap_or_default();
+        .and_then(|m| m.container);
+    say_if_simulated(record.as_ref().and_then(|c| c.sandbox_gpu_tool.as_deref()));
+    let recorded = record.map(|c| c.global_args).unwrap_or_default();
     let mut rt = args.runtime.clone();
     if rt.runtime_root.is_none() && rt.runtime_arg.is_empty() {
         let mut it = recorded.into_iter();

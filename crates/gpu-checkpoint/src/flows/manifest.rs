@@ -83,6 +83,14 @@ pub struct ContainerRecord {
     /// CRIU's `--tcp-established` was given (the restore gives it again).
     #[serde(default)]
     pub tcp_established: bool,
+    /// The cuda-checkpoint-compatible tool (a path inside the sandbox) that froze the GPU state inside
+    /// a gVisor sandbox: the restore runs it again there. `None`: no GPU state was frozen inside.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_gpu_tool: Option<std::path::PathBuf>,
+    /// The guest PIDs (inside the sandbox) whose GPU state that tool checkpointed; runsc's restore
+    /// gives them back unchanged, so they are never mapped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sandbox_gpu_pids: Vec<i32>,
 }
 
 /// One process of a container: its PID on the host and inside the container.

@@ -490,6 +490,8 @@ pub fn import_oci(
             bundle: PathBuf::new(),
             processes: Vec::new(),
             tcp_established: false,
+            sandbox_gpu_tool: None,
+            sandbox_gpu_pids: Vec::new(),
         }),
     };
     let metadata = serde_json::to_value(&manifest)

@@ -6,7 +6,9 @@
 //! 1. Refuse before touching anything: the runtime knows the container and it runs; the store is writable.
 //! 2. Find the container's processes from the host (`members.rs`: same cgroups and PID namespace as its
 //!    init), and detect's report of its tree (GPU processes by NVML or /proc, as for a process).
-//! 3. GPU freeze (lock + checkpoint) of its CUDA processes: undone on any later failure (a guard).
+//! 3. GPU freeze (lock + checkpoint) of its CUDA processes: undone on any later failure (a guard). In a
+//!    gVisor sandbox, by a cuda-checkpoint-compatible tool run inside it on guest PIDs (`sandbox.rs`),
+//!    its undo after the sandbox is brought back.
 //! 4. Where the runtime can (runc), pause the container, then dump it, leaving it running: by default
 //!    with our CRIU and the settings the runtime itself would give CRIU (`direct.rs`), the images
 //!    streamed into the store (no staged copy); else (runsc, or `via_runtime`) by the runtime's own
@@ -29,10 +31,12 @@ pub mod direct;
 mod error;
 mod fake;
 mod follow;
+mod guards;
 pub mod members;
 mod oci;
 mod restore;
 mod runtime;
+mod sandbox;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -58,6 +62,7 @@ use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
+use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
 pub struct ContainerFlow<'a> {
@@ -93,6 +98,9 @@ pub struct ContainerCheckpointOptions {
     /// even where CRIU could be driven directly: the fallback for a setting the direct path does not
     /// take over (docs/containers.md).
     pub via_runtime: bool,
+    /// A cuda-checkpoint-compatible tool, as a path inside the sandbox, that freezes the GPU state
+    /// inside a gVisor sandbox (`sandbox.rs`); without it such a sandbox is refused.
+    pub sandbox_gpu_tool: Option<PathBuf>,
 }
 
 impl ContainerCheckpointOptions {
@@ -107,6 +115,7 @@ impl ContainerCheckpointOptions {
             },
             tcp_established: false,
             via_runtime: false,
+            sandbox_gpu_tool: None,
         }
     }
 }
@@ -194,75 +203,6 @@ pub fn discover(
     })
 }
 
-/// Resumes a container paused for its checkpoint when dropped, unless disarmed.
-struct ResumeGuard<'r> {
-    runtime: &'r dyn ContainerRuntime,
-    id: String,
-    armed: bool,
-}
-
-impl ResumeGuard<'_> {
-    fn resume_now(mut self) -> Result<(), Error> {
-        self.armed = false;
-        self.runtime.resume(&self.id)
-    }
-
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for ResumeGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = self.runtime.resume(&self.id) {
-                tracing::error!(
-                    "after the failed checkpoint, resuming the container failed too: {e}"
-                );
-            }
-        }
-    }
-}
-
-/// Brings a container its runtime stopped at checkpoint time back from the images when dropped, unless
-/// disarmed: the undo (and `--leave-running`) where the runtime cannot hold it paused (runsc).
-struct Revive<'r> {
-    runtime: &'r dyn ContainerRuntime,
-    id: String,
-    images: PathBuf,
-    bundle: PathBuf,
-    tcp_established: bool,
-    armed: bool,
-}
-
-impl Revive<'_> {
-    fn now(mut self) -> Result<(), Error> {
-        self.armed = false;
-        self.revive()
-    }
-
-    fn revive(&self) -> Result<(), Error> {
-        // The stopped container still holds its id.
-        self.runtime.delete(&self.id, true)?;
-        self.runtime.restore(&RestoreRequest {
-            id: &self.id,
-            images: &self.images,
-            bundle: &self.bundle,
-            tcp_established: self.tcp_established,
-        })
-    }
-}
-
-impl Drop for Revive<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = self.revive() {
-                tracing::error!("after the failed checkpoint, restoring the container from its images failed too: {e}");
-            }
-        }
-    }
-}
-
 /// A signal came since `interrupt` was made: the caller's guards undo as it returns the error.
 fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
     if !interrupt.interrupted() {
@@ -331,11 +271,16 @@ impl ContainerFlow<'_> {
             }
             .into());
         }
-        if !self.runtime.gpu_from_host() && found.report.strategy.name != StrategyName::None {
+        let from_host = self.runtime.gpu_from_host();
+        let in_sandbox = match &opts.sandbox_gpu_tool {
+            Some(tool) if !from_host => Some((tool, sandbox::gpu_pids(self.runtime, id, tool)?)),
+            _ => None,
+        };
+        if in_sandbox.is_none() && !from_host && found.report.strategy.name != StrategyName::None {
             return Err(Error::Unsupported {
                 id: id.into(),
                 reason: format!(
-                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host (docs/containers.md)",
+                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host: name a cuda-checkpoint-compatible tool inside it (docs/containers.md)",
                     found.report.strategy.name,
                     self.runtime.name()
                 ),
@@ -375,7 +320,7 @@ impl ContainerFlow<'_> {
             leave_running: opts.leave_running,
             stopped: Vec::new(),
         })?;
-        if found.report.strategy.name != StrategyName::None {
+        if found.report.strategy.name != StrategyName::None && in_sandbox.is_none() {
             if let Some(backend) = self.gpu.backend() {
                 self.watch.tell(&Event::Gpu { backend })?;
             }
@@ -383,12 +328,36 @@ impl ContainerFlow<'_> {
         fault::at("checkpoint.before-freeze");
         check_interrupt(&interrupt)?;
 
-        // 3. GPU freeze; the guard puts it back on any way out before the commit.
+        // 3. GPU freeze; the guard puts it back on any way out before the commit. Inside a sandbox,
+        // by the tool there (its guard is dropped after the one that brings the sandbox back).
         let t = Instant::now();
+        let sandboxed = match &in_sandbox {
+            Some((tool, guest)) => Some(sandbox::SandboxFrozen::freeze(
+                self.runtime,
+                id,
+                tool,
+                guest,
+            )?),
+            None => None,
+        };
+        let host_report;
+        let report = if sandboxed.is_some() {
+            // The host side has nothing of its own to freeze.
+            host_report = Report {
+                strategy: detect::StrategyDecision {
+                    name: StrategyName::None,
+                    blockers: Vec::new(),
+                },
+                ..found.report.clone()
+            };
+            &host_report
+        } else {
+            &found.report
+        };
         let ctx = FreezeContext {
             root_pid: found.state.pid,
             pids: &pids,
-            report: &found.report,
+            report,
             leave_running: opts.leave_running,
             after_lock: None,
         };
@@ -490,6 +459,13 @@ impl ContainerFlow<'_> {
             }
             other => other,
         };
+        let sandboxed = match sandboxed {
+            Some(s) if opts.leave_running => {
+                s.thaw()?;
+                None
+            }
+            other => other,
+        };
         if opts.leave_running {
             let thaw = gpu.thaw()?;
             if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
@@ -541,6 +517,11 @@ impl ContainerFlow<'_> {
                 bundle: found.state.bundle.clone(),
                 processes: found.processes.clone(),
                 tcp_established: opts.tcp_established,
+                sandbox_gpu_tool: in_sandbox.as_ref().map(|(t, _)| t.to_path_buf()),
+                sandbox_gpu_pids: in_sandbox
+                    .as_ref()
+                    .map(|(_, p)| p.clone())
+                    .unwrap_or_default(),
             }),
         };
         let metadata = serde_json::to_value(&manifest)
@@ -566,6 +547,9 @@ impl ContainerFlow<'_> {
             }
             if let Some(mut r) = revive {
                 r.armed = false;
+            }
+            if let Some(mut s) = sandboxed {
+                s.armed = false;
             }
             self.stop(id, found.state.pid)?;
         }

@@ -158,6 +158,24 @@ impl ContainerRuntime for OciCli {
         self.kind == RuntimeKind::Runc
     }
 
+    fn exec_prefix(&self, id: &str) -> Option<Vec<String>> {
+        // Only a sandbox's GPU state is reached from inside (runc's is frozen from the host).
+        (self.kind == RuntimeKind::Runsc).then(|| {
+            let mut c = vec![self.binary.display().to_string()];
+            c.extend(self.global_args());
+            c.extend(["exec".to_string(), id.to_string()]);
+            c
+        })
+    }
+
+    fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {
+        let out = self.run(&["ps", "--format", "json", id])?;
+        super::sandbox::parse_ps(&out).ok_or_else(|| Error::Protocol {
+            runtime: self.kind.name().into(),
+            reason: format!("`ps --format json {id}` printed `{}`", out.trim()),
+        })
+    }
+
     fn direct_dump(&self, id: &str, init: i32) -> Result<Option<super::DirectDump>, Error> {
         if self.kind != RuntimeKind::Runc {
             return Ok(None);

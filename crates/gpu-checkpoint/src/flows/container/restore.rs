@@ -180,20 +180,31 @@ impl ContainerFlow<'_> {
         let state = self.runtime.state(id)?;
         fault::at("restore.after-criu");
 
-        // The GPU processes come back under new host PIDs: find each through its PID inside the container.
         let t = Instant::now();
-        let now = members::members(state.pid);
-        let map = pid_map(&record.processes, &now);
-        let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
-        let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
-        let gpu = self.gpu.finish_restore(
-            gpu_record.as_ref(),
-            &RestoredTree {
-                root_pid: state.pid,
-                pids: &pids,
-                before_unlock,
-            },
-        )?;
+        let gpu = match &record.sandbox_gpu_tool {
+            // Frozen inside the sandbox: put back there, on the same guest PIDs (a failure leaves
+            // no sandbox: `discard`).
+            Some(tool) => {
+                super::sandbox::restore(self.runtime, id, tool, &record.sandbox_gpu_pids)?;
+                None
+            }
+            None => {
+                // The GPU processes come back under new host PIDs: find each through its PID inside
+                // the container.
+                let now = members::members(state.pid);
+                let map = pid_map(&record.processes, &now);
+                let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
+                let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
+                self.gpu.finish_restore(
+                    gpu_record.as_ref(),
+                    &RestoredTree {
+                        root_pid: state.pid,
+                        pids: &pids,
+                        before_unlock,
+                    },
+                )?
+            }
+        };
         let gpu_ms = ms(t);
         discard.armed = false;
         if let Some(applied) = rootfs_changes {

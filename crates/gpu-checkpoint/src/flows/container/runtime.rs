@@ -82,6 +82,18 @@ pub trait ContainerRuntime {
     fn followed_image(&self) -> Option<&'static str> {
         None
     }
+    /// The command line (program first) that runs a program inside container `id` (`runsc ... exec
+    /// ID`): how the GPU step reaches a sandbox's CUDA state. `None` where the flow does not use it.
+    fn exec_prefix(&self, _id: &str) -> Option<Vec<String>> {
+        None
+    }
+    /// The PIDs of container `id`'s processes as seen inside it (`ps`).
+    fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {
+        Err(Error::Protocol {
+            runtime: self.name().into(),
+            reason: format!("no process list for {id}"),
+        })
+    }
     /// The container's state; [`Error::NoSuchContainer`] when the runtime does not know it.
     fn state(&self, id: &str) -> Result<ContainerState, Error>;
     /// Every container the runtime knows (`list`).
