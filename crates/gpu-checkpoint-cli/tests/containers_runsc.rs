@@ -128,6 +128,33 @@ fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
     assert!(o.status.success(), "{}", text(&o));
     assert!(runsc.state(&copy).is_some_and(|(s, _)| s == "running"));
     counts_past(&bundle, &copy, revived);
+
+    // Dropping the runtime deletes every sandbox it started: none of their processes is left.
+    let root = runsc.root.clone();
+    drop(runsc);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !sandbox_processes(&root).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(
+        sandbox_processes(&root),
+        Vec::<u32>::new(),
+        "runsc processes left"
+    );
+}
+
+/// The PIDs of runsc's processes (sandbox, gofer) that run with this state folder.
+fn sandbox_processes(root: &std::path::Path) -> Vec<u32> {
+    let flag = format!("--root={}", root.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|&b| b == 0).any(|arg| arg == flag.as_bytes()))
+        })
+        .collect()
 }
 
 /// `runsc exec ID /bin/sim-cuda-checkpoint ARGS...` -> stdout (the SIMULATED tool's own checks).

@@ -259,16 +259,32 @@ impl Runc {
     }
 }
 
+/// The container ids a runtime's state folder names: runc keeps a folder per container; runsc keeps
+/// files named `ID_sandbox:SANDBOX.state` (and `.lock`) side by side, whose names are not ids (`runsc
+/// delete` of such a name fails, which leaked every runsc sandbox these tests started).
+fn state_ids(names: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut ids: Vec<String> = names
+        .into_iter()
+        .map(|n| match n.split_once("_sandbox:") {
+            Some((id, _)) => id.to_string(),
+            None => n,
+        })
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
 impl Drop for Runc {
     fn drop(&mut self) {
-        let ids: Vec<String> = std::fs::read_dir(&self.root)
+        let names: Vec<String> = std::fs::read_dir(&self.root)
             .map(|d| {
                 d.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .collect()
             })
             .unwrap_or_default();
-        for id in ids {
+        for id in state_ids(names) {
             unmount_under(&self.root.join(&id));
             let _ = self.cmd().args(["delete", "--force", &id]).output();
         }
