@@ -217,6 +217,31 @@ fn gpu_sandbox(dir: &std::path::Path, runsc: &Runc, id: &str) -> Bundle {
     bundle
 }
 
+/// A SIMULATED GPU sandbox named after `tag` ([`gpu_sandbox`]) in a new folder beside a store path:
+/// (folder, store, runsc, id, bundle), or `None` (with the reason printed) where runsc is not ready.
+fn gpu_setup(tag: &str) -> Option<(tempfile::TempDir, std::path::PathBuf, Runc, String, Bundle)> {
+    if !runsc_ready() {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let runsc = Runc::runsc(dir.path());
+    let id = format!("gc-{}-{tag}", std::process::id());
+    let bundle = gpu_sandbox(dir.path(), &runsc, &id);
+    Some((dir, store, runsc, id, bundle))
+}
+
+/// Checkpoint arguments that freeze the sandbox's GPU state inside it with the SIMULATED tool.
+fn gpu_checkpoint_args(id: &str) -> Vec<&str> {
+    vec![
+        "checkpoint",
+        "--container",
+        id,
+        "--cuda-checkpoint-path",
+        "/bin/sim-cuda-checkpoint",
+    ]
+}
+
 /// `gpu-checkpoint checkpoint --container ID --runtime runsc --cuda-checkpoint-path TOOL`: the GPU state
 /// is frozen inside the sandbox around runsc's checkpoint, put back there after a failed store write
 /// (the sandbox brought back first), and restored inside the new sandbox, where the SIMULATED device
@@ -224,24 +249,12 @@ fn gpu_sandbox(dir: &std::path::Path, runsc: &Runc, id: &str) -> Bundle {
 /// simulator's lives in the sentry, so without the tool the checkpoint would not freeze it at all.)
 #[test]
 fn gpu_checkpoint_freezes_a_gvisor_sandbox_gpu_state_inside_it() {
-    if !runsc_ready() {
+    let Some((_dir, store, runsc, id, bundle)) = gpu_setup("rt") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    let runsc = Runc::runsc(dir.path());
-    let id = format!("gc-{}-rt", std::process::id());
-    let bundle = gpu_sandbox(dir.path(), &runsc, &id);
+    };
     let gc = |args: &[&str], env: &[(&str, &str)]| gc(&store, &runsc, args, env);
-    let ck = [
-        "checkpoint",
-        "--container",
-        &id,
-        "--cuda-checkpoint-path",
-        "/bin/sim-cuda-checkpoint",
-        "--format",
-        "json",
-    ];
+    let mut ck = gpu_checkpoint_args(&id);
+    ck.extend(["--format", "json"]);
     // --leave-running: the sandbox is brought back from the images, then its GPU state inside.
     let mut kept = ck.to_vec();
     kept.push("--leave-running");
@@ -397,4 +410,53 @@ fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_check
     wait_for("the restored simulator computes on", &|| {
         sim_steps(&runsc, &copy) > after
     });
+}
+
+/// The tool SIGKILLed (the guardian's case) right after it locked the sandbox's GPU processes inside it
+/// (`container.sandbox-locked`), then after runsc's checkpoint stopped the sandbox with its GPU state
+/// checkpointed inside (`checkpoint.after-dump`): the guardian brings the stopped sandbox back from the
+/// images, then restores and unlocks the GPU state inside it through the same `runsc exec`. Each time
+/// the sandbox runs, the SIMULATED GPU process is `running` (not locked), its device memory verifies,
+/// it computes on, and nothing is stored.
+#[test]
+fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlocked() {
+    use std::os::unix::process::ExitStatusExt;
+    let Some((_dir, store, runsc, id, _bundle)) = gpu_setup("rk") else {
+        return;
+    };
+    let ck = gpu_checkpoint_args(&id);
+    for point in ["container.sandbox-locked", "checkpoint.after-dump"] {
+        let fault = format!("{point}=kill");
+        // `output` returns once the guardian, which shares the tool's stderr, is done.
+        let o = gc(&store, &runsc, &ck, &[("GPU_CHECKPOINT_FAULT", &fault)]);
+        assert_eq!(o.status.signal(), Some(9), "{point}: {}", text(&o));
+        let said = text(&o);
+        assert!(
+            said.contains("put back the GPU state of 1 process(es) inside the sandbox"),
+            "{point}: the guardian did not unlock inside: {said}"
+        );
+        assert_eq!(
+            said.contains("restored the stopped sandbox from its images"),
+            point == "checkpoint.after-dump",
+            "{point}: runsc's checkpoint had stopped it only after the dump: {said}"
+        );
+        assert!(
+            runsc.state(&id).is_some_and(|(s, _)| s == "running"),
+            "{point}: the sandbox does not run: {}",
+            text(&o)
+        );
+        let state = sim_tool(&runsc, &id, &["--get-state", "--pid", "1"]);
+        assert!(
+            state.contains("running"),
+            "{point}: the GPU process is left {state}: {}",
+            text(&o)
+        );
+        let verified = sim_tool(&runsc, &id, &["--verify", "--pid", "1"]);
+        assert!(verified.starts_with("verified"), "{point}: {verified}");
+        let steps = sim_steps(&runsc, &id);
+        wait_for("the simulator computes on", &|| {
+            sim_steps(&runsc, &id) > steps
+        });
+        assert!(listed(&store).is_empty(), "{point}: nothing is stored");
+    }
 }

@@ -29,6 +29,8 @@ pub const POINTS: &[&str] = &[
     // checkpoint, `restore.before-criu` and `restore.after-criu` around its restore).
     "container.runtime-checkpoint",
     "container.runtime-restore",
+    // In a gVisor sandbox: its GPU processes locked by the tool inside it, not yet checkpointed.
+    "container.sandbox-locked",
     // The cluster flow (docs/cluster.md): an agent once its member is locked / durable / restored
     // (GPU state back, still locked), and the coordinator before and after the commit's transaction.
     "cluster.member-locked",

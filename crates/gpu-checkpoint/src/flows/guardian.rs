@@ -29,8 +29,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::container::SandboxUndo;
 use crate::exit::{Classify, ExitStatus};
-use crate::freeze::{Backend, ProcessState};
+use crate::freeze::{Backend, GpuDriver, ProcessState};
 use crate::proc::{self as tree, Held};
 
 /// The descriptor number the guardian finds its end of the socket at.
@@ -72,6 +73,13 @@ pub enum Event {
     },
     /// GPU state of the tree may be locked or checkpointed from now on, through this backend.
     Gpu { backend: Backend },
+    /// The tree is a sandbox its runtime cannot hold paused (runsc): to be brought back should the
+    /// runtime's checkpoint have stopped it, and its GPU state put back inside it. Told before its GPU
+    /// processes are locked inside it.
+    Sandbox(SandboxUndo),
+    /// The runtime's checkpoint, which stops the sandbox, is about to write its images into this
+    /// folder (a work folder of the tool's, which outlives it): what brings the sandbox back.
+    Stopping { images: std::path::PathBuf },
     /// The tree's container is held paused (frozen) by its runtime for the checkpoint: this command
     /// (program and arguments) resumes it, before the tree is continued or killed (a frozen process
     /// neither runs nor dies).
@@ -203,6 +211,9 @@ struct Watched {
     restore: Option<Vec<i32>>,
     /// The command that resumes the tree's paused container.
     resume: Option<Vec<String>>,
+    sandbox: Option<SandboxUndo>,
+    /// The images of the runtime's checkpoint that stops the sandbox.
+    stopping: Option<std::path::PathBuf>,
 }
 
 /// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
@@ -293,6 +304,8 @@ impl Watched {
             }
             Event::Gpu { backend } => self.gpu = Some(backend),
             Event::Paused { resume } => self.resume = Some(resume),
+            Event::Sandbox(s) => self.sandbox = Some(s),
+            Event::Stopping { images } => self.stopping = Some(images),
             Event::Durable => self.durable = true,
             Event::Restore { pids } => self.restore = Some(pids),
             Event::Done => {}
@@ -330,9 +343,17 @@ impl Watched {
             }
             return;
         }
-        // CRIU may still hold the tree (a dump in progress when the tool died fails or finishes by
-        // itself): a continue sent meanwhile would be lost.
-        wait_untraced(&tree.all.pids(), CRIU_LET_GO);
+        // Not durable: never after the commit, where the sandbox (stopped or running on) is as promised.
+        let sandbox = self
+            .sandbox
+            .as_ref()
+            .map(|s| format!("; {}", s.undo(self.stopping.as_deref())));
+        if sandbox.is_none() {
+            // CRIU may still hold the tree (a dump in progress when the tool died fails or finishes by
+            // itself): a continue sent meanwhile would be lost. (A sandbox is dumped by its runtime,
+            // not CRIU, and its sentry traces its own processes on the ptrace platform.)
+            wait_untraced(&tree.all.pids(), CRIU_LET_GO);
+        }
         if let Some(resume) = &self.resume {
             resume_settled(resume, &tree.all.pids());
         }
@@ -341,8 +362,9 @@ impl Watched {
         // The GPU restore runs in the processes themselves; continue again in case one was stopped meanwhile.
         tree.running.continue_all();
         say(&format!(
-            "the checkpoint was not durable: resumed the tree ({} processes) and put back the GPU state of {thawed}",
-            tree.running.pids().len()
+            "the checkpoint was not durable: resumed the tree ({} processes) and put back the GPU state of {thawed}{}",
+            tree.running.pids().len(),
+            sandbox.unwrap_or_default()
         ));
     }
 }
@@ -422,13 +444,17 @@ fn tracer(pid: i32) -> Option<i32> {
 /// Puts back the GPU state of every process of `pids` the driver says is locked or checkpointed; returns
 /// how many. Asked of the driver, not remembered: the tool may have died at any point of the freeze.
 fn thaw_gpu(backend: Backend, pids: &[i32]) -> usize {
-    let driver = match crate::freeze::open(backend) {
-        Ok(d) => d,
+    match crate::freeze::open(backend) {
+        Ok(driver) => put_back_gpu(&*driver, pids),
         Err(e) => {
             eprintln!("gpu-checkpoint guardian: cannot open the GPU backend {backend}: {e}");
-            return 0;
+            0
         }
-    };
+    }
+}
+
+/// [`thaw_gpu`] through `driver` (also the tool inside a sandbox, on guest PIDs).
+pub(crate) fn put_back_gpu(driver: &dyn GpuDriver, pids: &[i32]) -> usize {
     let mut thawed = 0;
     for &pid in pids {
         let done = match driver.state(pid) {
@@ -496,6 +522,20 @@ mod tests {
             },
             Event::Paused {
                 resume: vec!["runc".into(), "resume".into(), "c1".into()],
+            },
+            Event::Sandbox(SandboxUndo {
+                runtime: serde_json::from_value(serde_json::json!({"kind": "runsc",
+                    "binary": "/usr/sbin/runsc", "criu": null, "root": "/run/r",
+                    "extra": ["--platform=ptrace"]}))
+                .unwrap(),
+                id: "s1".into(),
+                bundle: "/b".into(),
+                tcp_established: false,
+                gpu_tool: Some("/bin/cuda-checkpoint".into()),
+                gpu_pids: vec![1, 7],
+            }),
+            Event::Stopping {
+                images: "/store/container-work/x.1".into(),
             },
             Event::Durable,
             Event::Restore { pids: vec![7] },

@@ -23,7 +23,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::Error;
+use crate::dump::{AfterDump, Criu, DumpRequest};
 use crate::dump::{CgroupMode, ContainerDump, CriuOptions, NetworkLock};
+use crate::store::{Progress, Store};
 
 /// The name runc's restore reads the init's standard descriptors from, in the images folder.
 pub const DESCRIPTORS: &str = "descriptors.json";
@@ -251,6 +253,45 @@ fn cgroup_mounts_under(proc: &Path, dir: &str) -> Vec<String> {
         .filter(|p| Path::new(p).parent() == Some(Path::new(dir)))
         .map(str::to_string)
         .collect()
+}
+
+/// Dumps the (paused) container with our CRIU and the runtime's settings, its images streamed into
+/// the store, the runtime's files (`descriptors.json`) written next to them. Returns the store's side
+/// of the dump; on error CRIU left the container as it was (paused: the caller's guard resumes it).
+pub(super) fn dump_direct(
+    criu: &dyn Criu,
+    d: &DirectDump,
+    found: &super::Discovered,
+    (store, progress, ingest): (&Store, &dyn Progress, &crate::store::Ingest),
+    opts: &super::ContainerCheckpointOptions,
+) -> crate::Result<Option<crate::store::Streamed>> {
+    for (name, bytes) in &d.files {
+        let path = ingest.staging_dir().join(name);
+        let failed = |source| Error::WorkDir {
+            path: path.clone(),
+            source,
+        };
+        let mut f = crate::util::create_new_private_file(&path).map_err(failed)?;
+        std::io::Write::write_all(&mut f, bytes).map_err(failed)?;
+    }
+    let options = CriuOptions {
+        tcp_established: opts.tcp_established,
+        ..d.options.clone()
+    };
+    let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
+    let req = DumpRequest {
+        pid: found.state.pid,
+        images_dir: ingest.staging_dir(),
+        log_file: crate::flows::checkpoint::DUMP_LOG,
+        // The container is paused: it stays so until the checkpoint is durable (or resumed).
+        after: AfterDump::KeepRunning,
+        options: &options,
+        stream: true,
+        env: &[],
+        container: Some(&d.settings),
+    };
+    let stored = crate::flows::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids)?;
+    stored.transpose()
 }
 
 #[cfg(test)]

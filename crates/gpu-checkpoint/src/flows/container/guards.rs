@@ -73,3 +73,97 @@ impl Drop for Revive<'_> {
         }
     }
 }
+
+/// What the guardian (`flows/guardian.rs`) is told about a sandbox its runtime cannot hold paused
+/// (runsc), to undo what a tool that died (SIGKILL, the OOM killer) before the commit left of its
+/// checkpoint, as [`Revive`] and the in-sandbox freeze's guard would have: the sandbox stopped by the
+/// runtime's checkpoint, its guest GPU processes locked or checkpointed inside it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SandboxUndo {
+    /// The tool's runtime command line: the same binary, root and global flags.
+    pub runtime: super::OciCli,
+    pub id: String,
+    pub bundle: PathBuf,
+    pub tcp_established: bool,
+    /// The cuda-checkpoint-compatible tool inside the sandbox and the guest PIDs it freezes, when the
+    /// checkpoint freezes GPU state inside the sandbox.
+    #[serde(default)]
+    pub gpu_tool: Option<PathBuf>,
+    #[serde(default)]
+    pub gpu_pids: Vec<i32>,
+}
+
+/// How long the guardian waits for the runtime's commands the dead tool left running on the sandbox
+/// (its checkpoint, which goes on without the tool) before acting on the sandbox anyway.
+const RUNTIME_LET_GO: std::time::Duration = std::time::Duration::from_secs(600);
+
+impl SandboxUndo {
+    /// Brings the sandbox back from `images` where the runtime's checkpoint into them stopped it, then
+    /// puts its guest GPU state back (restore, unlock: asked of the tool per PID, so it does not matter
+    /// where the freeze was when the tool died); says what it did.
+    pub fn undo(&self, images: Option<&std::path::Path>) -> String {
+        let mut said = Vec::new();
+        if let Some(images) = images {
+            // The runtime's checkpoint outlives the tool: it stops the sandbox when it finishes.
+            crate::proc::wait_until(RUNTIME_LET_GO, || self.runtime_commands());
+            let stopped = !matches!(self.runtime.state(&self.id), Ok(s) if s.status == "running");
+            let revived = stopped.then(|| {
+                Revive {
+                    runtime: &self.runtime,
+                    id: self.id.clone(),
+                    images: images.to_path_buf(),
+                    bundle: self.bundle.clone(),
+                    tcp_established: self.tcp_established,
+                    armed: true,
+                }
+                .now()
+            });
+            match revived {
+                Some(Err(e)) => said.push(format!(
+                    "could not restore the stopped sandbox from its images (kept in {}): {e}",
+                    images.display()
+                )),
+                // Restored (runsc has read them) or never stopped: the images are not needed any more.
+                done => {
+                    if done.is_some() {
+                        said.push("restored the stopped sandbox from its images".to_string());
+                    }
+                    super::unmount_under(images);
+                    let _ = std::fs::remove_dir_all(images);
+                }
+            }
+        }
+        if let Some(path) = &self.gpu_tool {
+            match super::sandbox::tool(&self.runtime, &self.id, path) {
+                Ok(cli) => {
+                    let n = crate::flows::guardian::put_back_gpu(&cli, &self.gpu_pids);
+                    said.push(format!(
+                        "put back the GPU state of {n} process(es) inside the sandbox"
+                    ));
+                }
+                Err(e) => said.push(format!(
+                    "cannot reach the GPU state inside the sandbox: {e}"
+                )),
+            }
+        }
+        said.join("; ")
+    }
+
+    /// The runtime's processes working on this sandbox that the tool started (same program and global
+    /// flags, the id last: its checkpoint, restore, delete).
+    fn runtime_commands(&self) -> Vec<i32> {
+        let prefix = self.runtime.argv();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let argv: Vec<&[u8]> = raw.split(|&b| b == 0).filter(|a| !a.is_empty()).collect();
+                argv.len() > prefix.len()
+                    && argv.iter().zip(&prefix).all(|(a, p)| *a == p.as_bytes())
+                    && argv.last() == Some(&self.id.as_bytes())
+            })
+            .collect()
+    }
+}

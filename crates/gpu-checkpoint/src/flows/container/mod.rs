@@ -57,11 +57,12 @@ use super::ms;
 use super::thaw::GpuThawGuard;
 use super::{Alone, Phases};
 use crate::detect::{self, DetectOptions, Report, StrategyName};
-use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
+use crate::dump::Criu;
 use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
+pub use guards::SandboxUndo;
 use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
@@ -320,6 +321,25 @@ impl ContainerFlow<'_> {
             leave_running: opts.leave_running,
             stopped: Vec::new(),
         })?;
+        // The tool inside a sandbox and the guest PIDs it freezes: for the guardian and the manifest.
+        let sandbox_gpu = match &in_sandbox {
+            Some((tool, guest)) => (Some(tool.to_path_buf()), guest.clone()),
+            None => (None, Vec::new()),
+        };
+        if let Some(runtime) = self
+            .runtime
+            .cli()
+            .filter(|_| !self.runtime.can_hold_paused())
+        {
+            self.watch.tell(&Event::Sandbox(SandboxUndo {
+                runtime,
+                id: id.to_string(),
+                bundle: found.state.bundle.clone(),
+                tcp_established: opts.tcp_established,
+                gpu_tool: sandbox_gpu.0.clone(),
+                gpu_pids: sandbox_gpu.1.clone(),
+            }))?;
+        }
         if found.report.strategy.name != StrategyName::None && in_sandbox.is_none() {
             if let Some(backend) = self.gpu.backend() {
                 self.watch.tell(&Event::Gpu { backend })?;
@@ -397,10 +417,16 @@ impl ContainerFlow<'_> {
         let images = own_images
             .as_ref()
             .map_or(ingest.staging_dir(), WorkDir::path);
+        if let Some(w) = &own_images {
+            self.watch.tell(&Event::Stopping {
+                images: w.path().to_path_buf(),
+            })?;
+        }
         injected("container.runtime-checkpoint", self.runtime)?;
         let streamed = match &direct {
             Some((criu, d)) => {
-                dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?.map(Ok)
+                direct::dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?
+                    .map(Ok)
             }
             None => {
                 let req = CheckpointRequest {
@@ -517,11 +543,8 @@ impl ContainerFlow<'_> {
                 bundle: found.state.bundle.clone(),
                 processes: found.processes.clone(),
                 tcp_established: opts.tcp_established,
-                sandbox_gpu_tool: in_sandbox.as_ref().map(|(t, _)| t.to_path_buf()),
-                sandbox_gpu_pids: in_sandbox
-                    .as_ref()
-                    .map(|(_, p)| p.clone())
-                    .unwrap_or_default(),
+                sandbox_gpu_tool: sandbox_gpu.0,
+                sandbox_gpu_pids: sandbox_gpu.1,
             }),
         };
         let metadata = serde_json::to_value(&manifest)
@@ -584,45 +607,6 @@ impl ContainerFlow<'_> {
         }
         Ok(())
     }
-}
-
-/// Dumps the (paused) container with our CRIU and the runtime's settings, its images streamed into
-/// the store, the runtime's files (`descriptors.json`) written next to them. Returns the store's side
-/// of the dump; on error CRIU left the container as it was (paused: the caller's guard resumes it).
-fn dump_direct(
-    criu: &dyn Criu,
-    d: &DirectDump,
-    found: &Discovered,
-    (store, progress, ingest): (&Store, &dyn Progress, &crate::store::Ingest),
-    opts: &ContainerCheckpointOptions,
-) -> crate::Result<Option<crate::store::Streamed>> {
-    for (name, bytes) in &d.files {
-        let path = ingest.staging_dir().join(name);
-        let failed = |source| Error::WorkDir {
-            path: path.clone(),
-            source,
-        };
-        let mut f = crate::util::create_new_private_file(&path).map_err(failed)?;
-        std::io::Write::write_all(&mut f, bytes).map_err(failed)?;
-    }
-    let options = CriuOptions {
-        tcp_established: opts.tcp_established,
-        ..d.options.clone()
-    };
-    let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
-    let req = DumpRequest {
-        pid: found.state.pid,
-        images_dir: ingest.staging_dir(),
-        log_file: super::checkpoint::DUMP_LOG,
-        // The container is paused: it stays so until the checkpoint is durable (or resumed).
-        after: AfterDump::KeepRunning,
-        options: &options,
-        stream: true,
-        env: &[],
-        container: Some(&d.settings),
-    };
-    let stored = super::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids)?;
-    stored.transpose()
 }
 
 /// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image

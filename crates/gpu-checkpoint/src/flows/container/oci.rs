@@ -46,8 +46,9 @@ impl std::str::FromStr for RuntimeKind {
     }
 }
 
-/// An OCI runtime's command line.
-#[derive(Debug, Clone)]
+/// An OCI runtime's command line. Serializable: the guardian is told it to act on a sandbox with the
+/// same runtime, root and flags as the tool (`guards::SandboxUndo`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OciCli {
     kind: RuntimeKind,
     binary: PathBuf,
@@ -128,6 +129,14 @@ impl OciCli {
             stderr: stderr.trim().to_string(),
             log: None,
         }
+    }
+
+    /// Every command's first arguments (program, `--criu`, global flags), as its processes show them.
+    pub(super) fn argv(&self) -> Vec<String> {
+        let c = self.command();
+        let mut argv = vec![c.get_program().to_string_lossy().into_owned()];
+        argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
+        argv
     }
 
     fn no_such(&self, id: &str) -> Error {
@@ -219,11 +228,13 @@ impl ContainerRuntime for OciCli {
     }
 
     fn resume_command(&self, id: &str) -> Vec<String> {
-        let c = self.command();
-        let mut argv = vec![c.get_program().to_string_lossy().into_owned()];
-        argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
+        let mut argv = self.argv();
         argv.extend(["resume".to_string(), id.to_string()]);
         argv
+    }
+
+    fn cli(&self) -> Option<OciCli> {
+        Some(self.clone())
     }
 
     fn followed_image(&self) -> Option<&'static str> {

@@ -87,6 +87,11 @@ pub trait ContainerRuntime {
     fn exec_prefix(&self, _id: &str) -> Option<Vec<String>> {
         None
     }
+    /// The runtime's command line, for the guardian to act on a sandbox as the tool would should the
+    /// tool die (`guards::SandboxUndo`); `None` for a runtime that is no command line (the fake).
+    fn cli(&self) -> Option<super::OciCli> {
+        None
+    }
     /// The PIDs of container `id`'s processes as seen inside it (`ps`).
     fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {
         Err(Error::Protocol {

@@ -14,7 +14,11 @@ use crate::freeze::{GpuDriver, ProcessState};
 const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The tool inside sandbox `id`, run through the runtime's `exec`.
-fn tool(runtime: &dyn ContainerRuntime, id: &str, path: &Path) -> Result<CudaCli, Error> {
+pub(super) fn tool(
+    runtime: &dyn ContainerRuntime,
+    id: &str,
+    path: &Path,
+) -> Result<CudaCli, Error> {
     let wrapper = runtime.exec_prefix(id).ok_or_else(|| Error::Unsupported {
         id: id.into(),
         reason: format!(
@@ -73,6 +77,8 @@ impl<'r> SandboxFrozen<'r> {
             cli.lock(p, Some(LOCK_TIMEOUT))?;
             frozen.locked.push(p);
         }
+        // Where a test kills the tool with the sandbox's GPU state locked (the guardian's case).
+        crate::fault::at("container.sandbox-locked");
         for &p in pids {
             cli.checkpoint(p)?;
             frozen.checkpointed.push(p);

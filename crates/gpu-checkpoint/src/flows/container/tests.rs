@@ -1,4 +1,5 @@
 use super::*;
+use crate::dump::CriuOptions;
 use crate::freeze::NoGpu;
 use crate::store::{NoProgress, StoreOptions};
 
