@@ -374,17 +374,6 @@ fn a_failed_restore_keeps_the_checkpoint_and_the_bundle() {
     let _ = &s.dir;
 }
 
-/// Deletes a named network namespace (`ip netns add`) when dropped.
-struct NetNs(String);
-
-impl Drop for NetNs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "delete", &self.0])
-            .status();
-    }
-}
-
 /// What the direct dump takes over from runc beyond the default spec's mounts: a bind mount from the host
 /// (an external mount keyed by its path in the container) and a network namespace the container joined
 /// by path, as CNI-based engines set it up (external, `net[INODE]:extRootNetNS`). runc restores both.
@@ -392,28 +381,13 @@ impl Drop for NetNs {
 fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_the_direct_dump() {
     let script = ["i=0; while true; do i=$((i+1)); echo $i > /data/n; sleep 0.1; done"];
     let Some(s) = setup(&script, &[]) else { return };
-    let has_ip = std::process::Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_ip {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "`ip` (iproute2) is missing in CI: scripts/install-containers.sh installs it"
-        );
-        eprintln!("SKIPPED: `ip` (iproute2) is missing; run scripts/setup.sh as root");
+    let Some(ns) = NetNs::add(&format!("gc-{}-ns", std::process::id())) else {
         return;
-    }
+    };
+    let ns_path = ns.path();
     let data = s.dir.path().join("data");
     std::fs::create_dir(&data).unwrap();
-    let ns = NetNs(format!("gc-{}-ns", std::process::id()));
-    let added = std::process::Command::new("ip")
-        .args(["netns", "add", &ns.0])
-        .status()
-        .unwrap();
-    assert!(added.success(), "ip netns add");
-    let ns_path = format!("/run/netns/{}", ns.0);
+    s.bundle.join_netns(&ns);
     let config_path = s.bundle.dir.join("config.json");
     let mut config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
@@ -423,11 +397,6 @@ fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_th
         .push(serde_json::json!({
             "destination": "/data", "type": "bind", "source": data, "options": ["rbind", "rw"]
         }));
-    for n in config["linux"]["namespaces"].as_array_mut().unwrap() {
-        if n["type"] == "network" {
-            n["path"] = ns_path.clone().into();
-        }
-    }
     std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
     let id = cid("mounts");
     s.runc.run(&id, &s.bundle);

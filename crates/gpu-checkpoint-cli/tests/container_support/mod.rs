@@ -122,6 +122,19 @@ impl Bundle {
         }
     }
 
+    /// The container joins `ns` by path instead of a network namespace of its own.
+    pub fn join_netns(&self, ns: &NetNs) {
+        let path = self.dir.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        for n in config["linux"]["namespaces"].as_array_mut().unwrap() {
+            if n["type"] == "network" {
+                n["path"] = ns.path().into();
+            }
+        }
+        std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    }
+
     pub fn rootfs(&self) -> PathBuf {
         self.dir.join("rootfs")
     }
@@ -288,6 +301,50 @@ impl Drop for Runc {
             unmount_under(&self.root.join(&id));
             let _ = self.cmd().args(["delete", "--force", &id]).output();
         }
+    }
+}
+
+/// A named network namespace (`ip netns add`), its loopback up, deleted when dropped: what CNI-based
+/// engines give a container to join by path.
+pub struct NetNs(pub String);
+
+impl NetNs {
+    /// `None` (skipped with the reason; a failure in CI) where `ip` (iproute2) is missing.
+    pub fn add(name: &str) -> Option<NetNs> {
+        let has_ip = Command::new("ip")
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !has_ip {
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "`ip` (iproute2) is missing in CI: scripts/install-containers.sh installs it"
+            );
+            eprintln!("SKIPPED: `ip` (iproute2) is missing; run scripts/setup.sh as root");
+            return None;
+        }
+        let ns = NetNs(name.to_string());
+        for args in [
+            &["netns", "add", name][..],
+            &["-n", name, "link", "set", "lo", "up"],
+        ] {
+            let st = Command::new("ip").args(args).status().unwrap();
+            assert!(st.success(), "ip {args:?}");
+        }
+        Some(ns)
+    }
+
+    pub fn path(&self) -> String {
+        format!("/run/netns/{}", self.0)
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.0])
+            .status();
     }
 }
 
