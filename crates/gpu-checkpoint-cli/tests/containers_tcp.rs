@@ -1,6 +1,7 @@
 //! An established TCP connection inside a real runc container, checkpointed with `--tcp-established`
 //! (by our CRIU directly, and through `--runtime-checkpoint`), stopped and restored: the same connection
-//! carries data both ways afterwards. Needs root, CRIU, runc, busybox-static and iproute2: fails in CI
+//! carries data both ways afterwards; with a CRIU configuration file (`org.criu.config`) that names the
+//! network lock method, the dump uses the file's (CRIU's images record it). Needs root, CRIU, runc, busybox-static and iproute2: fails in CI
 //! without them, skips locally.
 
 mod container_support;
@@ -24,25 +25,85 @@ fn established(init: i32) -> Vec<String> {
     conns
 }
 
+/// The network lock method CRIU recorded in a checkpoint's `inventory.img` (`inventory_entry`'s field
+/// 11, `network_lock_method`: CRIU's own numbering, 0 iptables, 1 nftables, 2 skip; not the RPC's, which
+/// starts at 1), read from its export.
+fn network_lock_method(store: &std::path::Path, ckpt: &str, dir: &std::path::Path) -> Option<u64> {
+    let archive = dir.join(format!("{ckpt}.tar"));
+    let o = gc_run(&[
+        "export",
+        ckpt,
+        "--format",
+        "oci-checkpoint",
+        "-o",
+        archive.to_str().unwrap(),
+        "--storage",
+        store.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "export: {}", text(&o));
+    let img = archive_entries(&archive).remove("checkpoint/inventory.img")?;
+    // The inventory's magic (no common magic before it), then one entry: its size and the message.
+    let msg = img.get(8..)?;
+    let varint = |at: &mut usize| -> Option<u64> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = *msg.get(*at)?;
+            *at += 1;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Some(v);
+            }
+        }
+        None
+    };
+    let mut at = 0;
+    while at < msg.len() {
+        let key = varint(&mut at)?;
+        match key & 7 {
+            0 if key >> 3 == 11 => return varint(&mut at),
+            0 => drop(varint(&mut at)?),
+            1 => at += 8,
+            2 => at += usize::try_from(varint(&mut at)?).ok()?,
+            5 => at += 4,
+            _ => return None,
+        }
+    }
+    None
+}
+
 /// `workload sockets --tcp-pair 1` in a container that joined a network namespace by path (its loopback
 /// up, as CNI sets one up: runc restores a namespace of its own empty, without the loopback the
 /// connection's addresses need): a client and a server in the container exchange a value chain over an
 /// established loopback connection every tick, and the workload stops on any error of it (it never
 /// reconnects). Checkpointed with `--tcp-established` (`extra` picks the path), the container stopped,
-/// then restored: the chain goes on over the same connection (the same ports), without an error.
-fn a_connection_survives(tag: &str, extra: &[&str], dump: &str) {
+/// then restored: the chain goes on over the same connection (the same ports), without an error. With
+/// `config`, the container names a CRIU configuration file of that text (`org.criu.config`); returns the
+/// network lock method CRIU recorded.
+fn a_connection_survives(
+    tag: &str,
+    extra: &[&str],
+    dump: &str,
+    config: Option<&str>,
+) -> Option<u64> {
     if !containers_ready() {
-        return;
+        return None;
     }
-    let Some(ns) = NetNs::add(&format!("gc-{}-{tag}", std::process::id())) else {
-        return;
-    };
+    let ns = NetNs::add(&format!("gc-{}-{tag}", std::process::id()))?;
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let runc = Runc::new(dir.path());
     let args = ["exec workload sockets --state /state/s --unix /tmp/u --tcp-pair 1"];
     let bundle = Bundle::new(&dir.path().join("bundle"), &args, &[]);
     bundle.join_netns(&ns);
+    if let Some(text) = config {
+        let file = dir.path().join("criu.conf");
+        std::fs::write(&file, text).unwrap();
+        let path = bundle.dir.join("config.json");
+        let mut spec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        spec["annotations"] = serde_json::json!({ "org.criu.config": file });
+        std::fs::write(&path, serde_json::to_vec(&spec).unwrap()).unwrap();
+    }
     let id = format!("gc-{}-{tag}", std::process::id());
     runc.run(&id, &bundle);
     let state = bundle.rootfs().join("state/s");
@@ -77,6 +138,7 @@ fn a_connection_survives(tag: &str, extra: &[&str], dump: &str) {
     assert_eq!(out["container"]["tcp_established"], true, "{out}");
     assert_eq!(runc.state(&id), None, "{tag}: the container is deleted");
     let rounds = field("tcp_rounds").unwrap();
+    let method = network_lock_method(&store, out["id"].as_str().unwrap(), dir.path());
 
     let o = gc(&["restore", out["id"].as_str().unwrap(), "--container", &id]);
     assert!(o.status.success(), "{tag}: restore: {}", text(&o));
@@ -88,14 +150,42 @@ fn a_connection_survives(tag: &str, extra: &[&str], dump: &str) {
     let rounds = field("tcp_rounds").unwrap();
     assert_eq!(field("errors"), Some(0), "{tag}");
     assert_eq!(field("tcp_value"), Some(chain(7, rounds)), "{tag}");
+    method
 }
+
+/// CRIU's network lock method: iptables, what runc's RPC leaves to CRIU (which its restore unlocks with).
+const IPTABLES: u64 = 0;
+/// What our command line otherwise names (`NetworkLock::default_method`).
+const NFTABLES: u64 = 1;
+const SKIP: u64 = 2;
 
 #[test]
 fn an_established_connection_survives_the_direct_dump_with_tcp_established() {
-    a_connection_survives("tcpd", &[], "direct");
+    if let Some(m) = a_connection_survives("tcpd", &[], "direct", None) {
+        assert_eq!(m, IPTABLES, "runc's method");
+    }
 }
 
 #[test]
 fn an_established_connection_survives_runcs_checkpoint_with_tcp_established() {
-    a_connection_survives("tcpr", &["--runtime-checkpoint"], "runtime");
+    if let Some(m) = a_connection_survives("tcpr", &["--runtime-checkpoint"], "runtime", None) {
+        assert_eq!(m, IPTABLES, "CRIU's RPC default");
+    }
+}
+
+/// A configuration file that names the lock method decides it on both paths: the direct dump's command
+/// line must not override it (it did, with nftables: `--network-lock` on CRIU's command line wins over
+/// its `--config` file).
+#[test]
+fn a_criu_configuration_file_names_the_network_lock_of_both_paths() {
+    let conf = "network-lock skip\n";
+    for (tag, extra, dump) in [
+        ("tcpcd", &[][..], "direct"),
+        ("tcpcr", &["--runtime-checkpoint"][..], "runtime"),
+    ] {
+        if let Some(m) = a_connection_survives(tag, extra, dump, Some(conf)) {
+            assert_ne!(m, NFTABLES, "{dump}: our default overrode the file");
+            assert_eq!(m, SKIP, "{dump}: the file's skip");
+        }
+    }
 }

@@ -198,6 +198,7 @@ impl CriuOptions {
                 ("ghost-limit", Some(v)) => self.ghost_limit = parse_size(v).ok(),
                 ("external", Some(v)) => self.external.push(v.to_string()),
                 ("skip-mnt", Some(v)) => self.skip_mnt.push(v.to_string()),
+                ("network-lock", Some(v)) => self.network_lock = v.parse().ok(),
                 _ => {}
             }
         }
@@ -394,10 +395,21 @@ impl CriuOptions {
     }
 
     /// The network lock method to pass: the one given, else the default where CRIU locks the network
-    /// (established connections).
+    /// (established connections) and `config_file` does not name one: CRIU's command line (and RPC) would
+    /// override the file's.
     fn network_lock_for(&self) -> Option<NetworkLock> {
-        self.network_lock
-            .or_else(|| self.tcp_established.then(NetworkLock::default_method))
+        self.network_lock.or_else(|| {
+            (self.tcp_established && self.config_file_network_lock().is_none())
+                .then(NetworkLock::default_method)
+        })
+    }
+
+    /// The network lock method `config_file` names, if any.
+    pub fn config_file_network_lock(&self) -> Option<NetworkLock> {
+        let text = std::fs::read_to_string(self.config_file.as_ref()?).ok()?;
+        let mut named = CriuOptions::default();
+        named.add_config(&text);
+        named.network_lock
     }
 }
 
@@ -524,6 +536,18 @@ mod tests {
         o.apply_rpc(&mut r);
         assert!(r.has_network_lock());
         assert!(o.cli_args().contains(&"--network-lock".to_string()));
+        // Unless the configuration file names one: ours would override it.
+        let conf = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(conf.path(), "network-lock skip\n").unwrap();
+        let o = CriuOptions {
+            config_file: Some(conf.path().to_path_buf()),
+            ..o
+        };
+        assert_eq!(o.config_file_network_lock(), Some(NetworkLock::Skip));
+        let mut r = rpc::Criu_opts::new();
+        o.apply_rpc(&mut r);
+        assert!(!r.has_network_lock());
+        assert!(!o.cli_args().contains(&"--network-lock".to_string()));
     }
 
     #[test]

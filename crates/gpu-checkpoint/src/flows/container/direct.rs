@@ -194,9 +194,10 @@ fn from_state(id: &str, state: &RuncState, proc: &Path) -> Result<DirectDump, Er
     }
     // CRIU's command line refuses a configuration file that is not there (its RPC ignores it).
     .filter(|p| p.is_file());
-    // runc leaves the lock method to CRIU's RPC default, iptables, which its restore (over the RPC too)
-    // unlocks with; our own default (nftables) would not match. A configuration file decides by itself.
-    if options.config_file.is_none() {
+    // runc leaves the lock method to CRIU's RPC default, iptables, or to the configuration file where it
+    // names one: so does the direct dump (our own default is nftables; a method on CRIU's command line
+    // would override the file's).
+    if options.config_file_network_lock().is_none() {
         options.network_lock = Some(NetworkLock::Iptables);
     }
     let freeze_cgroup = state
@@ -368,6 +369,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(d.options.config_file.as_deref(), Some(file.as_path()));
+        // The file (this test binary) names no lock method: runc's RPC default.
+        assert_eq!(d.options.network_lock, Some(NetworkLock::Iptables));
+        let conf = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(conf.path(), "# ours\n--network-lock skip\n").unwrap();
+        let label = format!("org.criu.config={}", conf.path().display());
+        let s = state(serde_json::json!({ "labels": [label] }));
+        let d = from_state("c1", &s, Path::new("/proc/self")).unwrap();
         assert_eq!(d.options.network_lock, None, "the file decides");
         let s = state(serde_json::json!({"labels": ["org.criu.config="]}));
         let d = from_state("c1", &s, Path::new("/proc/self")).unwrap();
