@@ -455,16 +455,8 @@ fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
     // CRIU runs as the tool's child (`criu dump --stream`, through the project's wrapper script) while
     // the images stream.
     let criu_child = || {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{tool_pid}/task")) else {
-            return false;
-        };
-        tasks.flatten().any(|t| {
-            let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-            kids.split_whitespace().any(|k| {
-                let argv = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
-                let argv = String::from_utf8_lossy(&argv);
-                argv.contains("criu") && argv.contains("dump") && argv.contains("--stream")
-            })
+        has_child(tool_pid, &|argv| {
+            argv.contains("criu") && argv.contains("dump") && argv.contains("--stream")
         })
     };
     let deadline = Instant::now() + Duration::from_secs(20);

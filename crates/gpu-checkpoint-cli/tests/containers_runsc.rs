@@ -412,12 +412,45 @@ fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_check
     });
 }
 
+/// Runs `gpu-checkpoint ARGS` and SIGKILLs it while its `runsc checkpoint` runs (a child of the tool
+/// whose command line has `checkpoint --image-path`); returns once the guardian, which shares the tool's
+/// stderr, is done.
+fn killed_during_runsc_checkpoint(
+    store: &std::path::Path,
+    runsc: &Runc,
+    args: &[&str],
+) -> std::process::Output {
+    let tool = std::process::Command::new(gpu_checkpoint())
+        .args(args)
+        .args(store_args(store, runsc))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = tool.id();
+    let runs_checkpoint = || {
+        has_child(pid as i32, &|argv| {
+            argv.contains("checkpoint\0--image-path")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !runs_checkpoint() {
+        assert!(Instant::now() < deadline, "runsc checkpoint never ran");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let mut tool = tool;
+    tool.kill().unwrap();
+    tool.wait_with_output().unwrap()
+}
+
 /// The tool SIGKILLed (the guardian's case) right after it locked the sandbox's GPU processes inside it
-/// (`container.sandbox-locked`), then after runsc's checkpoint stopped the sandbox with its GPU state
-/// checkpointed inside (`checkpoint.after-dump`): the guardian brings the stopped sandbox back from the
-/// images, then restores and unlocks the GPU state inside it through the same `runsc exec`. Each time
-/// the sandbox runs, the SIMULATED GPU process is `running` (not locked), its device memory verifies,
-/// it computes on, and nothing is stored.
+/// (`container.sandbox-locked`), then while runsc's checkpoint runs (which goes on without the tool and
+/// stops the sandbox), then after it stopped the sandbox with its GPU state checkpointed inside
+/// (`checkpoint.after-dump`): the guardian waits for runsc's checkpoint, brings the stopped sandbox back
+/// from the images, then restores and unlocks the GPU state inside it through the same `runsc exec`.
+/// Each time the sandbox runs, the SIMULATED GPU process is `running` (not locked), its device memory
+/// verifies, it computes on, and nothing is stored.
 #[test]
 fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlocked() {
     use std::os::unix::process::ExitStatusExt;
@@ -425,10 +458,17 @@ fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlo
         return;
     };
     let ck = gpu_checkpoint_args(&id);
-    for point in ["container.sandbox-locked", "checkpoint.after-dump"] {
+    for point in [
+        "container.sandbox-locked",
+        "during runsc checkpoint",
+        "checkpoint.after-dump",
+    ] {
         let fault = format!("{point}=kill");
         // `output` returns once the guardian, which shares the tool's stderr, is done.
-        let o = gc(&store, &runsc, &ck, &[("GPU_CHECKPOINT_FAULT", &fault)]);
+        let o = match point {
+            "during runsc checkpoint" => killed_during_runsc_checkpoint(&store, &runsc, &ck),
+            _ => gc(&store, &runsc, &ck, &[("GPU_CHECKPOINT_FAULT", &fault)]),
+        };
         assert_eq!(o.status.signal(), Some(9), "{point}: {}", text(&o));
         let said = text(&o);
         assert!(
@@ -437,8 +477,8 @@ fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlo
         );
         assert_eq!(
             said.contains("restored the stopped sandbox from its images"),
-            point == "checkpoint.after-dump",
-            "{point}: runsc's checkpoint had stopped it only after the dump: {said}"
+            point != "container.sandbox-locked",
+            "{point}: runsc's checkpoint stops it: {said}"
         );
         assert!(
             runsc.state(&id).is_some_and(|(s, _)| s == "running"),

@@ -348,6 +348,21 @@ impl Drop for NetNs {
     }
 }
 
+/// Whether a child of process `pid` (of any of its threads) has a command line (its arguments joined by
+/// NUL bytes) that `matches`: how the kill tests see the tool's CRIU or runtime at work.
+pub fn has_child(pid: i32, matches: &dyn Fn(&str) -> bool) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|t| {
+        let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        kids.split_whitespace().any(|k| {
+            let argv = std::fs::read(format!("/proc/{k}/cmdline")).unwrap_or_default();
+            matches(&String::from_utf8_lossy(&argv))
+        })
+    })
+}
+
 /// The gpu-checkpoint arguments that name the store and the runtime.
 pub fn store_args(store: &Path, runc: &Runc) -> Vec<String> {
     let mut a = vec!["--storage".to_string(), store.display().to_string()];
