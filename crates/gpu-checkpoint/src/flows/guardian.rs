@@ -10,7 +10,9 @@
 //! before saying [`Event::Done`]:
 //!
 //! * checkpoint, not yet durable: it waits until CRIU has let go of the tree, continues it, and puts GPU
-//!   state back (restore + unlock, asked of the driver per process, so nothing of its own is kept);
+//!   state back (restore + unlock, asked of the driver per process, so nothing of its own is kept); a
+//!   gVisor sandbox ([`Event::Sandbox`]) it restores from the images where the runtime's checkpoint
+//!   stopped it, and puts back the GPU state inside it through the runtime's `exec`;
 //! * checkpoint, durable: it finishes what the checkpoint promised: the tree is killed (unless
 //!   `--leave-running`);
 //! * restore: it kills the half-restored copy (the processes holding the checkpoint's PIDs that started

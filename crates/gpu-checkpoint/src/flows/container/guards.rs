@@ -76,7 +76,7 @@ impl Drop for Revive<'_> {
 
 /// What the guardian (`flows/guardian.rs`) is told about a sandbox its runtime cannot hold paused
 /// (runsc), to undo what a tool that died (SIGKILL, the OOM killer) before the commit left of its
-/// checkpoint, as [`Revive`] and the in-sandbox freeze's guard would have: the sandbox stopped by the
+/// checkpoint, as `Revive` and the in-sandbox freeze's guard would have: the sandbox stopped by the
 /// runtime's checkpoint, its guest GPU processes locked or checkpointed inside it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SandboxUndo {
