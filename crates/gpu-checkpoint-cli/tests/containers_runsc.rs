@@ -499,4 +499,35 @@ fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlo
         });
         assert!(listed(&store).is_empty(), "{point}: nothing is stored");
     }
+
+    // Killed once the checkpoint is durable: the guardian leaves the sandbox as the checkpoint left it
+    // (stopped by runsc's checkpoint), puts nothing back inside it, and the checkpoint restores.
+    let o = gc(
+        &store,
+        &runsc,
+        &ck,
+        &[("GPU_CHECKPOINT_FAULT", "checkpoint.after-commit=kill")],
+    );
+    assert_eq!(o.status.signal(), Some(9), "{}", text(&o));
+    let said = text(&o);
+    assert!(said.contains("the checkpoint was durable"), "{said}");
+    assert!(!said.contains("inside the sandbox"), "{said}");
+    assert!(!said.contains("restored the stopped sandbox"), "{said}");
+    assert!(
+        runsc.state(&id).is_none_or(|(s, _)| s != "running"),
+        "the checkpointed sandbox was brought back: {said}"
+    );
+    let stored = listed(&store);
+    assert_eq!(stored.len(), 1, "the durable checkpoint is kept");
+    let copy = format!("{id}-2");
+    let o = std::process::Command::new(gpu_checkpoint())
+        .args(["restore", stored[0]["id"].as_str().unwrap()])
+        .args(["--container", &copy])
+        .args(store_args(&store, &runsc))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(sim_tool(&runsc, &copy, &["--get-state", "--pid", "1"]).contains("running"));
+    let verified = sim_tool(&runsc, &copy, &["--verify", "--pid", "1"]);
+    assert!(verified.starts_with("verified"), "{verified}");
 }
