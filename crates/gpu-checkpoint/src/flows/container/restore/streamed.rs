@@ -63,16 +63,15 @@ fn bundle_refuses(bundle: &Path) -> Option<String> {
     if config["process"]["terminal"].as_bool() == Some(true) {
         return Some("the container has a terminal".into());
     }
-    match config["annotations"]["org.criu.config"].as_str() {
-        Some("") => None,
-        Some(file) => Some(format!(
-            "the bundle names a CRIU configuration file ({file})"
-        )),
-        None if Path::new("/etc/criu/runc.conf").exists() => {
-            Some("runc's CRIU configuration file /etc/criu/runc.conf exists".into())
-        }
-        None => None,
-    }
+    // CRIU ignores a file that does not exist, and so does the stand-in.
+    let file = match config["annotations"]["org.criu.config"].as_str() {
+        Some("") => return None,
+        Some(file) => file,
+        None => "/etc/criu/runc.conf",
+    };
+    Path::new(file)
+        .exists()
+        .then(|| format!("the CRIU configuration file {file} applies"))
 }
 
 /// Runs the runtime's restore of `req` (`req.streamed` set, `req.images` the private work folder) while
