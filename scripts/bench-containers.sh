@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark: a runc container holding N MiB of memory (an idle `workload memory`, incompressible),
 # checkpointed and restored by gpu-checkpoint (`checkpoint --container`, `restore --container`: our CRIU
-# dumps the container with runc's settings, its images streamed into the store; restore materializes them
-# and runs `runc restore`) and by plain `runc checkpoint` / `runc restore` with a folder on the same disk. Both
+# dumps the container with runc's settings, its images streamed into the store; restore runs `runc restore`
+# with its CRIU reading the images streamed from the store, `fetch` 0) and by plain `runc checkpoint` / `runc restore` with a folder on the same disk. Both
 # checkpoint with --leave-running (the container runs on between rounds) and restore under a new id next
 # to it (deleted afterwards). The order alternates every round; every timed step starts from the same
 # state (`settle`: dirty data written back, caches dropped); figures are medians over the rounds.

@@ -82,6 +82,11 @@ fn init_logging(verbosity: u8) {
 }
 
 fn main() {
+    // runc runs us as its CRIU (`swrk FD`) for a streamed container restore (`dump/swrk_proxy.rs`).
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some((criu, fd)) = gpu_checkpoint::dump::swrk_proxy::proxy_call(&args) {
+        std::process::exit(gpu_checkpoint::dump::swrk_proxy::run(&criu, fd));
+    }
     let cli = Cli::parse();
     init_logging(cli.log_verbose);
     let result = match cli.command {

@@ -93,7 +93,10 @@ impl Setup {
         ];
         let o = self.gc(&args, &[]);
         assert!(o.status.success(), "restore: {}", text(&o));
-        serde_json::from_slice(&o.stdout).unwrap()
+        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        // Every runc restore here reads its images streamed from the store (docs/containers.md).
+        assert_eq!(out["streamed"], true, "{out}");
+        out
     }
 
     /// Waits until the container's processes all answer the simulator's control channel.
@@ -481,4 +484,112 @@ fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
         .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "bad"));
     assert_eq!(bad, Some(0), "memory intact");
     assert!(listed(&s.store).is_empty(), "nothing stored");
+}
+
+/// Every file name that shows up under `dir` (two levels: the store's `container-work/ID.../NAME`) until
+/// `stop` is set, polled every millisecond.
+fn watch_names(
+    dir: std::path::PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<std::collections::BTreeSet<String>> {
+    std::thread::spawn(move || {
+        let mut seen = std::collections::BTreeSet::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            for work in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                for f in std::fs::read_dir(work.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                {
+                    seen.insert(f.file_name().to_string_lossy().into_owned());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        seen
+    })
+}
+
+/// runc's restore reads CRIU's images streamed from the store (through our `criu swrk` stand-in): no
+/// image is written into the work folder, the restore says so, and the container's memory is back. A
+/// damaged chunk first: the restore fails with the store's error (exit 7, naming the chunk), and leaves
+/// no container, no mount, an intact rootfs and the checkpoint.
+#[test]
+fn a_runc_restore_streams_the_images_from_the_store_and_a_damaged_chunk_fails_it_cleanly() {
+    let Some(s) = setup(&["exec workload memory --mib 16 --state /state/mem"], &[]) else {
+        return;
+    };
+    let id = cid("stream");
+    s.runc.run(&id, &s.bundle);
+    let mem = s.bundle.rootfs().join("state/mem");
+    let field = |key: &str| -> Option<u64> {
+        let recs = gpu_checkpoint_workloads::read_state(&mem).ok()?;
+        gpu_checkpoint_workloads::field_u64(recs.first()?, key)
+    };
+    wait_for("the workload", &|| field("verified").is_some_and(|v| v > 0));
+    let ck = s.checkpoint(&id, &[]);
+    let ckpt = ck["id"].as_str().unwrap();
+    assert_eq!(s.runc.state(&id), None);
+
+    // A damaged chunk of the page image.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck["manifest"].as_str().unwrap()).unwrap()).unwrap();
+    let files = manifest["files"].as_array().unwrap();
+    let pages = files
+        .iter()
+        .find(|f| f["path"].as_str().unwrap().starts_with("pages-"))
+        .expect("a page image");
+    let hash = pages["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|c| c["h"].as_str())
+        .expect("a stored chunk")
+        .to_string();
+    let chunk = s.store.join("chunks").join(&hash[..2]).join(&hash);
+    let original = std::fs::read(&chunk).unwrap();
+    let mut damaged = original.clone();
+    let mid = damaged.len() / 2;
+    damaged[mid] ^= 1;
+    std::fs::write(&chunk, &damaged).unwrap();
+    let restore = ["restore", ckpt, "--container", &id, "--format", "json"];
+    let o = s.gc(&restore, &[]);
+    assert_eq!(o.status.code(), Some(7), "{}", text(&o));
+    let err = text(&o);
+    assert!(err.contains(&hash[..16]), "names the chunk: {err}");
+    assert_eq!(s.runc.state(&id), None, "{:?}", s.runc.list());
+    assert!(s.runc.list().is_empty(), "{:?}", s.runc.list());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&id), "a mount of the container is left");
+    assert!(
+        s.bundle.rootfs().join("bin/busybox").is_file(),
+        "rootfs intact"
+    );
+    assert_eq!(listed(&s.store).len(), 1, "the checkpoint is intact");
+    std::fs::write(&chunk, &original).unwrap();
+
+    // Repaired: restored streamed, no image file in the work folder at any time.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = watch_names(s.store.join("container-work"), stop.clone());
+    let o = s.gc(&restore, &[]);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seen = watcher.join().unwrap();
+    assert!(o.status.success(), "restore: {}", text(&o));
+    let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(out["streamed"], true, "{out}");
+    assert!(
+        seen.contains("descriptors.json"),
+        "the watcher saw the work folder: {seen:?}"
+    );
+    let images: Vec<&String> = seen.iter().filter(|n| n.ends_with(".img")).collect();
+    assert!(
+        images.is_empty(),
+        "images written during the restore: {images:?}"
+    );
+    assert!(s.running(&id));
+    let verified = field("verified").unwrap();
+    wait_for("the memory verified again", &|| {
+        field("verified").is_some_and(|v| v > verified)
+    });
+    assert_eq!(field("bad"), Some(0), "memory intact");
 }

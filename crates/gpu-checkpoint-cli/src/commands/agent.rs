@@ -89,8 +89,13 @@ impl LocalWork {
     /// The container runtime, looked up when a member given by container needs it.
     fn runtime(&self) -> Result<OciCli, String> {
         let criu = (self.runtime == RuntimeKind::Runc).then(|| self.criu_path.clone());
-        OciCli::find(self.runtime, criu, self.runtime_root.clone(), Vec::new())
-            .map_err(|e| e.to_string())
+        let rt = OciCli::find(self.runtime, criu, self.runtime_root.clone(), Vec::new())
+            .map_err(|e| e.to_string())?;
+        // A restore has runc's CRIU read the images streamed from the store, through this binary.
+        Ok(match std::env::current_exe() {
+            Ok(exe) => rt.with_restore_proxy(exe),
+            Err(_) => rt,
+        })
     }
 
     /// A member given by container: the container flow, in phases.

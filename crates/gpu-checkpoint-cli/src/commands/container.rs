@@ -202,7 +202,11 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         }
     }
     let criu = our_criu(rt.runtime, args.criu.as_deref())?;
-    let runtime = rt.open(criu.as_ref().map(|c| c.0.path().to_path_buf()))?;
+    let mut runtime = rt.open(criu.as_ref().map(|c| c.0.path().to_path_buf()))?;
+    // runc's CRIU reads the images streamed from the store through this binary, run as its `criu swrk`.
+    if let Ok(exe) = std::env::current_exe() {
+        runtime = runtime.with_restore_proxy(exe);
+    }
     let progress = Bar::new(args.store.format == Format::Text);
     let mut gpu = FreezeHook::new(HookOptions {
         backend: args.gpu.gpu_backend.into(),
@@ -237,15 +241,22 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
                 "pid": out.pid,
                 "timings_ms": out.timings,
                 "gpu": out.gpu,
+                "streamed": out.streamed(),
+                "materialized_because": out.materialized_because,
             });
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Format::Text => {
             println!("{}", out.pid);
             let t = &out.timings;
+            let fetch = if out.streamed() {
+                "images streamed from the store".to_string()
+            } else {
+                format!("fetch {:.0} ms", t.fetch)
+            };
             eprintln!(
-                "restored checkpoint {} as {} container {} (init pid {}): fetch {:.0} ms, {} restore {:.0} ms, gpu {:.0} ms; total {:.0} ms",
-                out.checkpoint, runtime.kind().name(), out.id, out.pid, t.fetch, runtime.kind().name(), t.runtime_restore, t.gpu, t.total
+                "restored checkpoint {} as {} container {} (init pid {}): {fetch}, {} restore {:.0} ms, gpu {:.0} ms; total {:.0} ms",
+                out.checkpoint, runtime.kind().name(), out.id, out.pid, runtime.kind().name(), t.runtime_restore, t.gpu, t.total
             );
         }
     }

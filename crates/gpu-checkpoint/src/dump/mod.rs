@@ -17,6 +17,7 @@ mod log;
 pub mod options;
 mod rpc;
 pub mod streamer;
+pub mod swrk_proxy;
 
 use std::ffi::OsString;
 use std::fmt;

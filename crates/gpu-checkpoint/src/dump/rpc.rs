@@ -306,7 +306,7 @@ impl CriuRpc {
     }
 }
 
-fn send(fd: RawFd, data: &[u8]) -> std::io::Result<()> {
+pub(super) fn send(fd: RawFd, data: &[u8]) -> std::io::Result<()> {
     loop {
         // SAFETY: `data` is valid for `data.len()` bytes; MSG_NOSIGNAL turns a dead peer into EPIPE.
         let n = unsafe { libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
@@ -329,7 +329,7 @@ fn send(fd: RawFd, data: &[u8]) -> std::io::Result<()> {
 
 /// Receives one message; with MSG_TRUNC the result is the message's full length even when `buf` was
 /// too small, so the caller can tell a truncated message from a complete one.
-fn recv(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
+pub(super) fn recv(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
     loop {
         // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
         let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_TRUNC) };

@@ -22,6 +22,10 @@ pub struct FakeRuntime {
     pub sandboxed: bool,
     /// The settings of a direct CRIU dump it offers (`None`: it has no such path).
     pub direct: Option<super::DirectDump>,
+    /// Its restore reads the images streamed, as CRIU does, through the socket in the images folder.
+    pub streams: bool,
+    /// The bytes of `pages-1.img` its last streamed restore read.
+    pub streamed_pages: RefCell<Option<Vec<u8>>>,
 }
 
 impl FakeRuntime {
@@ -71,6 +75,21 @@ impl FakeRuntime {
         c.status = status.into();
         Ok(())
     }
+}
+
+/// Reads image `name` as CRIU's `--stream` restore does; fails on a short or missing image.
+fn read_streamed(dir: &std::path::Path, name: &str) -> std::io::Result<Vec<u8>> {
+    use crate::dump::streamer::{client, Mode};
+    use std::io::Read;
+    let mut sock = client::connect(dir, Mode::Serve)?;
+    let mut pipe = client::open(&mut sock, Mode::Serve, name)?
+        .ok_or_else(|| std::io::Error::other(format!("no {name}")))?;
+    let mut bytes = Vec::new();
+    pipe.read_to_end(&mut bytes)?;
+    if bytes.len() != 1 << 20 {
+        return Err(std::io::Error::other(format!("{} bytes", bytes.len())));
+    }
+    Ok(bytes)
 }
 
 impl ContainerRuntime for FakeRuntime {
@@ -140,15 +159,30 @@ impl ContainerRuntime for FakeRuntime {
             b"[\"/dev/null\",\"/dev/null\",\"/dev/null\"]",
         )?;
         write("pages-1.img", &vec![7u8; 1 << 20])?;
+        if self.streams {
+            // CRIU's images always hold one: what tells a restore they are CRIU's.
+            write("inventory.img", b"inventory")?;
+        }
         if !req.leave_running {
             self.containers.borrow_mut().remove(req.id);
         }
         Ok(())
     }
 
+    fn streams_restore(&self) -> bool {
+        self.streams
+    }
+
     fn restore(&self, req: &RestoreRequest<'_>) -> Result<(), Error> {
         self.call("restore", req.id)?;
-        if !req.images.join("pages-1.img").is_file() {
+        if req.streamed {
+            // What CRIU does: every image through the store's socket, never a file.
+            let pages = read_streamed(req.images, "pages-1.img").map_err(|e| Error::Protocol {
+                runtime: "fake".into(),
+                reason: format!("streamed pages-1.img: {e}"),
+            })?;
+            *self.streamed_pages.borrow_mut() = Some(pages);
+        } else if !req.images.join("pages-1.img").is_file() {
             return Err(Error::Protocol {
                 runtime: "fake".into(),
                 reason: "no images".into(),

@@ -60,6 +60,8 @@ impl Revive<'_> {
             images: &self.images,
             bundle: &self.bundle,
             tcp_established: self.tcp_established,
+            // The runtime's own images, in a folder (runsc).
+            streamed: false,
         })
     }
 }

@@ -58,6 +58,9 @@ pub struct OciCli {
     root: Option<PathBuf>,
     /// More global flags (`--runtime-arg`), before the command.
     extra: Vec<String>,
+    /// The program runc is given as its CRIU for a streamed restore (our binary, which then acts as
+    /// `dump/swrk_proxy.rs` and runs `criu` itself); `None`: restores materialize the images.
+    restore_proxy: Option<PathBuf>,
 }
 
 impl OciCli {
@@ -83,7 +86,17 @@ impl OciCli {
             criu: criu.filter(|_| kind == RuntimeKind::Runc),
             root,
             extra,
+            restore_proxy: None,
         })
+    }
+
+    /// Lets runc restore from streamed images through `exe`, a program that acts as
+    /// [`crate::dump::swrk_proxy`] when runc runs it as `EXE swrk FD` (the `gpu-checkpoint` binary).
+    pub fn with_restore_proxy(mut self, exe: PathBuf) -> OciCli {
+        if self.kind == RuntimeKind::Runc && self.criu.is_some() {
+            self.restore_proxy = Some(exe);
+        }
+        self
     }
 
     pub fn kind(&self) -> RuntimeKind {
@@ -99,8 +112,13 @@ impl OciCli {
     }
 
     fn command(&self) -> Command {
+        self.command_with(self.criu.as_deref())
+    }
+
+    /// The runtime's command with `criu` as runc's `--criu`.
+    fn command_with(&self, criu: Option<&Path>) -> Command {
         let mut c = Command::new(&self.binary);
-        if let Some(criu) = &self.criu {
+        if let Some(criu) = criu {
             c.arg("--criu").arg(criu);
         }
         c.args(self.global_args());
@@ -175,6 +193,10 @@ impl ContainerRuntime for OciCli {
             c.extend(["exec".to_string(), id.to_string()]);
             c
         })
+    }
+
+    fn streams_restore(&self) -> bool {
+        self.restore_proxy.is_some()
     }
 
     fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {
@@ -294,7 +316,21 @@ impl ContainerRuntime for OciCli {
             }
         }
         args.push(req.id);
-        let mut c = self.command();
+        let mut c = match (&self.restore_proxy, &self.criu) {
+            // runc runs the proxy as its CRIU and passes it our environment, which names the real one.
+            (Some(proxy), Some(criu)) if req.streamed => {
+                let mut c = self.command_with(Some(proxy));
+                c.env(crate::dump::swrk_proxy::REAL_CRIU_ENV, criu);
+                c
+            }
+            _ if req.streamed => {
+                return Err(Error::Protocol {
+                    runtime: self.kind.name().into(),
+                    reason: "a streamed restore without the CRIU stand-in".into(),
+                })
+            }
+            _ => self.command(),
+        };
         let stderr = match self.kind {
             RuntimeKind::Runc => Stdio::null(),
             RuntimeKind::Runsc => crate::util::create_new_private_file(&log)

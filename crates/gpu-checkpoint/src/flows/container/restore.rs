@@ -7,6 +7,8 @@ use std::time::Instant;
 use super::members::{self, pid_map};
 // Applying an imported archive's root file system changes: only the restore uses it.
 mod rootfs;
+// The images streamed from the store into the runtime's CRIU.
+mod streamed;
 use super::{injected, ContainerFlow, Error, WorkDir};
 use crate::fault;
 use crate::flows::{ms, CheckpointManifest, ContainerRecord};
@@ -27,9 +29,9 @@ pub struct ContainerRestoreOptions {
 /// Timings of one container restore, in milliseconds.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RestoreTimings {
-    /// Reading and verifying the images out of the store into the work folder.
+    /// Reading and verifying the images out of the store into the work folder (0 when streamed).
     pub fetch: f64,
-    /// The runtime's restore.
+    /// The runtime's restore (when streamed, with the store serving the images to its CRIU).
     pub runtime_restore: f64,
     /// The GPU step (restore + unlock); 0 without GPU state.
     pub gpu: f64,
@@ -46,6 +48,15 @@ pub struct ContainerRestoreOutcome {
     pub pid: i32,
     pub timings: RestoreTimings,
     pub gpu: Option<RestoreRecord>,
+    /// CRIU read the images streamed from the store (none materialized); `None` then, else why not.
+    pub materialized_because: Option<String>,
+}
+
+impl ContainerRestoreOutcome {
+    /// Whether the runtime's CRIU read its images streamed from the store.
+    pub fn streamed(&self) -> bool {
+        self.materialized_because.is_none()
+    }
 }
 
 /// Kills and deletes a restored container that must not run on (its GPU state did not come back, or
@@ -147,9 +158,13 @@ impl ContainerFlow<'_> {
         let gpu_record = manifest.gpu_record()?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
         let work = WorkDir::create(self.store, &info.id)?;
+        let materialized_because = streamed::why_not(self.runtime, &info, &bundle);
         let t = Instant::now();
-        self.store
-            .materialize(&info.id, work.path(), self.progress)?;
+        if let Some(why) = &materialized_because {
+            tracing::info!("restoring from materialized images: {why}");
+            self.store
+                .materialize(&info.id, work.path(), self.progress)?;
+        }
         let fetch = ms(t);
         fault::at("restore.before-criu");
         if interrupt.interrupted() {
@@ -170,12 +185,18 @@ impl ContainerFlow<'_> {
             armed: true,
         };
         injected("container.runtime-restore", self.runtime)?;
-        self.runtime.restore(&super::RestoreRequest {
+        let req = super::RestoreRequest {
             id,
             images: work.path(),
             bundle: &bundle,
             tcp_established: record.tcp_established,
-        })?;
+            streamed: materialized_because.is_none(),
+        };
+        if req.streamed {
+            streamed::restore(self.runtime, &req, self.store, &info, self.progress)?;
+        } else {
+            self.runtime.restore(&req)?;
+        }
         let runtime_restore = ms(t);
         let state = self.runtime.state(id)?;
         fault::at("restore.after-criu");
@@ -221,6 +242,7 @@ impl ContainerFlow<'_> {
                 total: ms(started),
             },
             gpu,
+            materialized_because,
         })
     }
 }

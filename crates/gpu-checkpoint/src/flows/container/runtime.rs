@@ -43,11 +43,15 @@ pub struct CheckpointRequest<'a> {
 pub struct RestoreRequest<'a> {
     /// The id the restored container gets (the checkpointed one's, or a new one).
     pub id: &'a str,
-    /// The folder of images (materialized from the store).
+    /// The folder of images: materialized from the store, or (`streamed`) holding only the runtime's
+    /// own files (`descriptors.json`) and the socket CRIU reads its images through.
     pub images: &'a Path,
     /// The bundle to restore into (the checkpointed container's unless told otherwise).
     pub bundle: &'a Path,
     pub tcp_established: bool,
+    /// CRIU reads its images streamed (`criu restore --stream`): only where
+    /// [`ContainerRuntime::streams_restore`] says so.
+    pub streamed: bool,
 }
 
 /// An OCI container runtime, as the container flow drives it. Every call blocks until the runtime's
@@ -91,6 +95,12 @@ pub trait ContainerRuntime {
     /// tool die (`guards::SandboxUndo`); `None` for a runtime that is no command line (the fake).
     fn cli(&self) -> Option<super::OciCli> {
         None
+    }
+    /// Whether [`ContainerRuntime::restore`] can have CRIU read its images streamed from the store's
+    /// socket in the images folder ([`RestoreRequest::streamed`]): runc with our `criu swrk` stand-in
+    /// (`dump/swrk_proxy.rs`). Where not, the images are materialized into the folder first.
+    fn streams_restore(&self) -> bool {
+        false
     }
     /// The PIDs of container `id`'s processes as seen inside it (`ps`).
     fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {

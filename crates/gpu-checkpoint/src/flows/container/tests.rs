@@ -256,3 +256,106 @@ fn a_failed_direct_dump_resumes_the_container_and_stores_nothing() {
     init.kill().unwrap();
     let _ = init.wait();
 }
+
+/// A checkpoint of `c1` by a fake runtime that restores streamed, and a bundle with a `config.json`.
+fn streamed_checkpoint(
+    dir: &std::path::Path,
+    store: &Store,
+    rt: &FakeRuntime,
+) -> (CheckpointInfo, std::path::PathBuf) {
+    let mut gpu = NoGpu;
+    let mut opts = ContainerCheckpointOptions::new("c1");
+    opts.leave_running = true;
+    let out = flow(rt, &mut gpu, store).checkpoint(&opts).unwrap();
+    let bundle = dir.join("bundle");
+    std::fs::create_dir_all(&bundle).unwrap();
+    std::fs::write(
+        bundle.join("config.json"),
+        br#"{"process": {"terminal": false}}"#,
+    )
+    .unwrap();
+    (out.info, bundle)
+}
+
+#[test]
+fn a_streamed_restore_serves_the_images_to_the_runtime_and_writes_none() {
+    let (dir, store, _init, mut rt) = setup(None);
+    rt.streams = true;
+    let (info, bundle) = streamed_checkpoint(dir.path(), &store, &rt);
+    let mut gpu = NoGpu;
+    let out = flow(&rt, &mut gpu, &store)
+        .restore(&ContainerRestoreOptions {
+            checkpoint: info.id.clone(),
+            id: "c2".into(),
+            bundle: Some(bundle.clone()),
+        })
+        .unwrap();
+    assert!(out.streamed(), "{:?}", out.materialized_because);
+    // The fake read the page image through the socket (it fails on a file), every byte of it.
+    assert_eq!(
+        rt.streamed_pages.borrow().as_deref(),
+        Some(&vec![7u8; 1 << 20][..])
+    );
+    assert_eq!(rt.status("c2").as_deref(), Some("running"));
+
+    // A terminal needs CRIU's RPC: the images are materialized, as before.
+    std::fs::write(
+        bundle.join("config.json"),
+        br#"{"process": {"terminal": true}}"#,
+    )
+    .unwrap();
+    *rt.streamed_pages.borrow_mut() = None;
+    let out = flow(&rt, &mut gpu, &store)
+        .restore(&ContainerRestoreOptions {
+            checkpoint: info.id.clone(),
+            id: "c3".into(),
+            bundle: Some(bundle),
+        })
+        .unwrap();
+    assert_eq!(
+        out.materialized_because.as_deref(),
+        Some("the container has a terminal")
+    );
+    assert!(rt.streamed_pages.borrow().is_none());
+}
+
+#[test]
+fn a_damaged_chunk_fails_a_streamed_restore_with_the_stores_error_and_leaves_no_container() {
+    let (dir, store, _init, mut rt) = setup(None);
+    rt.streams = true;
+    let (info, bundle) = streamed_checkpoint(dir.path(), &store, &rt);
+    let pages = info.files.iter().find(|f| f.path == "pages-1.img").unwrap();
+    let id = pages.chunks[0].id.as_ref().expect("a stored chunk");
+    let hex = id.to_hex();
+    let chunk = dir.path().join("store/chunks").join(&hex[..2]).join(&hex);
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    std::fs::write(&chunk, &bytes).unwrap();
+
+    let mut gpu = NoGpu;
+    let err = flow(&rt, &mut gpu, &store)
+        .restore(&ContainerRestoreOptions {
+            checkpoint: info.id.clone(),
+            id: "c2".into(),
+            bundle: Some(bundle),
+        })
+        .unwrap_err();
+    assert!(matches!(err, crate::Error::Store(_)), "{err:?}");
+    assert!(
+        err.to_string().contains(&hex[..16]),
+        "names the chunk: {err}"
+    );
+    assert!(
+        calls(&rt).contains(&"restore c2".to_string()),
+        "{:?}",
+        calls(&rt)
+    );
+    assert_eq!(rt.status("c2"), None, "no container left");
+    assert!(
+        rt.streamed_pages.borrow().is_none(),
+        "the fake got no whole image"
+    );
+    // The checkpoint is still there.
+    assert!(store.get(&info.id).is_ok());
+}

@@ -19,7 +19,7 @@
 //! restored again once the first copy has exited.
 
 mod preflight;
-mod stream;
+pub(crate) mod stream;
 mod uffd;
 
 pub use uffd::{available as uffd_available, FillStats};

@@ -29,21 +29,29 @@ pub(super) fn restore_streamed(
         }
     };
     let exists = |name: &str| info.files.iter().any(|f| f.path == name);
-    let send = |name: String, pipe| -> crate::Result<()> {
-        match store.stream_file_to_pipe(info, &name, &pipe, progress) {
-            Ok(_) => Ok(()),
-            // CRIU stopped reading (it failed, or needed only part of the image): its own result tells
-            // which.
-            Err(crate::store::Error::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::BrokenPipe =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
-    };
+    let send = |name: String, pipe| send_image(store, info, &name, &pipe, progress);
     progress.start("restore (streamed)", info.stats.logical_bytes);
     let result = serve_while(&listener, &exists, &send, || criu.restore(req));
     progress.finish();
     result
+}
+
+/// Writes image `name` into CRIU's `pipe`, every chunk verified first. A pipe CRIU closed early is not
+/// an error here (it failed, or needed only part of the image): its own result says which.
+pub(crate) fn send_image(
+    store: &Store,
+    info: &CheckpointInfo,
+    name: &str,
+    pipe: &std::fs::File,
+    progress: &dyn Progress,
+) -> crate::Result<()> {
+    match store.stream_file_to_pipe(info, name, pipe, progress) {
+        Ok(_) => Ok(()),
+        Err(crate::store::Error::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::BrokenPipe =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
 }
