@@ -22,6 +22,7 @@ pub mod records;
 pub mod retention;
 #[cfg(test)]
 mod tests;
+mod timings;
 mod view;
 
 use crate::exit::{Classify, ExitStatus};
