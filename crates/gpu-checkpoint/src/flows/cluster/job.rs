@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
-use super::records::{self as rec, decode, encode, MemberState, OpKind};
+use super::records::{
+    self as rec, decode, encode, encode_manifest, encode_task, MemberState, OpKind,
+};
 use super::timings::{Clock, EtcdTime};
 use super::view::View;
 use super::ClusterError;
@@ -202,7 +204,7 @@ impl<'a> Op<'a> {
         for t in &tasks {
             then.push(TxnOp::Put {
                 key: rec::task(&t.member.node, &t.op, t.member.rank),
-                value: encode(t),
+                value: encode_task(t),
                 lease: Some(lease.id()),
             });
         }
@@ -404,6 +406,7 @@ pub fn checkpoint_job(
         kind: OpKind::Checkpoint,
         members: members.clone(),
         started_unix_ms,
+        ordered: opts.ordered,
     };
     let t = &opts.timeouts;
     let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
@@ -484,7 +487,7 @@ pub fn checkpoint_job(
             &[
                 TxnOp::Put {
                     key: rec::checkpoint(&id),
-                    value: encode(&manifest),
+                    value: encode_manifest(&manifest),
                     lease: None,
                 },
                 TxnOp::Put {
@@ -522,7 +525,7 @@ pub fn checkpoint_job(
     clock.timings.release = clock.lap();
     manifest.timings_ms = op.timings(clock);
     // The final timings, for `job status` (the committed record had them up to the commit).
-    if let Err(e) = c.put(&rec::checkpoint(&id), &encode(&manifest), None) {
+    if let Err(e) = c.put(&rec::checkpoint(&id), &encode_manifest(&manifest), None) {
         tracing::warn!("recording job checkpoint {id}'s timings: {e}");
     }
     Ok(manifest)
@@ -642,6 +645,7 @@ pub fn restore_job(
         kind: OpKind::Restore,
         members: members.clone(),
         started_unix_ms: rec::now_ms(),
+        ordered: manifest.ordered,
     };
     let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
     clock.phase();
