@@ -30,16 +30,9 @@ fn start() -> Option<Scene> {
     )
 }
 
-/// Whether, in `events`, each rank's `call` began only after the rank before it had its `call`
-/// answered, and every rank made the call.
+/// Whether each of the 4 ranks' `call` began after the one before it was answered.
 fn in_rank_order(events: &[(usize, String, String)], call: &str) -> bool {
-    let at = |rank: usize, what: &str| {
-        events
-            .iter()
-            .position(|(r, c, w)| *r == rank && c == call && w == what)
-    };
-    (0..4).all(|r| at(r, "begin").is_some() && at(r, "OK").is_some())
-        && (1..4).all(|r| at(r, "begin") > at(r - 1, "OK"))
+    sim_support::in_rank_order(events, call, 4)
 }
 
 /// The job checkpoint `ordered` was taken with `--ordered`, `unordered` without: `job list` (text and
