@@ -143,6 +143,9 @@ pub fn run_agent(
                     stop,
                     waited_us: Default::default(),
                     etcd_us: Default::default(),
+                    picked_up_unix_ms: rec::now_ms(),
+                    saw_go_unix_ms: Default::default(),
+                    saw_commit_unix_ms: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
             }
@@ -205,6 +208,11 @@ struct Member<'c> {
     /// Time spent writing this member's states to etcd, in microseconds (its reads of the decision are
     /// inside `waited_us`).
     etcd_us: std::sync::atomic::AtomicU64,
+    /// When (ms since the epoch) the agent picked the task up, and the member learnt of `go` and of
+    /// `commit` (0: not yet): reported in `done`, for the coordinator's breakdown.
+    picked_up_unix_ms: u64,
+    saw_go_unix_ms: std::sync::atomic::AtomicU64,
+    saw_commit_unix_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Member<'_> {
@@ -234,6 +242,14 @@ impl Member<'_> {
     fn wait(&self, want: &str) -> Decision {
         let t = Instant::now();
         let d = self.wait_untimed(want);
+        let seen = match d {
+            Decision::Go => Some(&self.saw_go_unix_ms),
+            Decision::Commit => Some(&self.saw_commit_unix_ms),
+            _ => None,
+        };
+        if let Some(seen) = seen {
+            let _ = seen.compare_exchange(0, rec::now_ms(), Ordering::SeqCst, Ordering::SeqCst);
+        }
         self.waited_us
             .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
         d
@@ -398,7 +414,7 @@ impl Member<'_> {
         let started = Instant::now();
         match work.checkpoint(&self.task, &phases) {
             Ok(()) => {
-                let kept = match self.coord.get(&rec::checkpoint(&self.task.op)) {
+                let kept = match self.etcd(|| self.coord.get(&rec::checkpoint(&self.task.op))) {
                     Ok(Some(kv)) => decode::<JobManifest>(&kv.key, &kv.value)
                         .map_err(|e| e.to_string())
                         .and_then(|m| work.keep_manifest(&m)),
@@ -482,6 +498,9 @@ impl Member<'_> {
             work_ms: started.elapsed().as_secs_f64() * 1000.0,
             waited_ms: self.waited_us.load(Ordering::SeqCst) as f64 / 1000.0,
             etcd_ms: self.etcd_us.load(Ordering::SeqCst) as f64 / 1000.0,
+            picked_up_unix_ms: self.picked_up_unix_ms,
+            saw_go_unix_ms: self.saw_go_unix_ms.load(Ordering::SeqCst),
+            saw_commit_unix_ms: self.saw_commit_unix_ms.load(Ordering::SeqCst),
         }
     }
 

@@ -410,6 +410,7 @@ pub fn checkpoint_job(
     };
     let t = &opts.timeouts;
     let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
+    clock.sent_unix_ms = rec::now_ms();
     crate::fault::at("cluster.prepare");
 
     // 1. Prepare: every member locked.
@@ -430,6 +431,7 @@ pub fn checkpoint_job(
     clock.phase();
     op.decide("go")
         .map_err(|e| op.abort(e.to_string(), t.release))?;
+    clock.go_unix_ms = rec::now_ms();
     let states = op
         .wait_all("store their checkpoint", t.work, |s, alive| {
             match (s, gone(alive)) {
@@ -499,7 +501,7 @@ pub fn checkpoint_job(
         )
     });
     match committed {
-        Ok(true) => {}
+        Ok(true) => clock.commit_unix_ms = rec::now_ms(),
         Ok(false) => {
             return Err(op.abort(
                 "the coordinator's lease expired before the commit".into(),
@@ -648,6 +650,7 @@ pub fn restore_job(
         ordered: manifest.ordered,
     };
     let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
+    clock.sent_unix_ms = rec::now_ms();
     clock.phase();
     let states = op
         .wait_all("restore", timeouts.work, |s, alive| match s {
@@ -662,14 +665,16 @@ pub fn restore_job(
     clock.phase();
     op.decide("commit")
         .map_err(|e| op.abort(e.to_string(), timeouts.release))?;
+    clock.commit_unix_ms = rec::now_ms();
     clock.timings.commit = clock.lap();
     clock.phase();
-    if let Err(e) = op.wait_all("finish", timeouts.release, |s, alive| match s {
+    match op.wait_all("finish", timeouts.release, |s, alive| match s {
         Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
         _ if !alive => Verdict::Done,
         _ => Verdict::Pending,
     }) {
-        tracing::warn!("job {} is restored, but: {e}", manifest.job);
+        Ok(states) => clock.members_done(&states),
+        Err(e) => tracing::warn!("job {} is restored, but: {e}", manifest.job),
     }
     clock.timings.release = clock.lap();
     let timings = op.timings(clock);

@@ -263,12 +263,20 @@ pub enum MemberState {
     Restored { pid: i32 },
     /// The member finished its part after the commit: its whole part took `work_ms`, of which it waited
     /// `waited_ms` at the barriers for the others and the coordinator, and `etcd_ms` writing its states
-    /// to etcd (part of its work; its reads of the decision are part of its waits).
+    /// to etcd (part of its work; its reads of the decision are part of its waits). By its clock, when
+    /// its agent picked its task up and when it learnt of `go` and of `commit` (0: not known; older
+    /// agents), for the coordinator's breakdown of the protocol's time.
     Done {
         work_ms: f64,
         waited_ms: f64,
         #[serde(default)]
         etcd_ms: f64,
+        #[serde(default)]
+        picked_up_unix_ms: u64,
+        #[serde(default)]
+        saw_go_unix_ms: u64,
+        #[serde(default)]
+        saw_commit_unix_ms: u64,
     },
     /// The member undid its part after an abort (unlocked and running, or its restored copy killed).
     Aborted,
@@ -335,6 +343,16 @@ pub struct JobTimings {
     /// seeing it (the agent's write round trip and the watch's wake-up).
     #[serde(default)]
     pub watch_wake: f64,
+    /// From the tasks' transaction to the last member's agent picking its task up (its task watch's
+    /// wake-up; members' clocks against the coordinator's).
+    #[serde(default)]
+    pub task_pickup: f64,
+    /// From `go` written to the last member learning of it (its watch's wake-up, and reads if any).
+    #[serde(default)]
+    pub go_delivery: f64,
+    /// From `commit` written to the last member learning of it.
+    #[serde(default)]
+    pub commit_delivery: f64,
 }
 
 /// A committed job checkpoint: in etcd (`checkpoints/ID`) and in every member's store.

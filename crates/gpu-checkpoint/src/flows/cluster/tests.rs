@@ -636,7 +636,13 @@ fn a_job_checkpoints_timings_break_the_protocol_down() {
     // The members report their own state writes; the waits their skew and wake-ups, within the total.
     assert!(t.member_etcd_max > 0.0, "{t:?}");
     assert!(t.member_etcd_max <= t.member_work_max, "{t:?}");
-    for part in [t.barrier_skew, t.watch_wake] {
+    for part in [
+        t.barrier_skew,
+        t.watch_wake,
+        t.task_pickup,
+        t.go_delivery,
+        t.commit_delivery,
+    ] {
         assert!((0.0..=t.total + 1.0).contains(&part), "{t:?}");
     }
 }
