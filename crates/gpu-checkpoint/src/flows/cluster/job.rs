@@ -179,7 +179,7 @@ pub(super) struct Op<'a> {
     /// Time spent in etcd requests: the protocol's own round trips.
     etcd_ms: EtcdTime,
     /// The members' states and agents, read at the first wait and kept current by its watches.
-    view: std::cell::RefCell<Option<View>>,
+    view: std::cell::RefCell<Option<View<'a>>>,
 }
 
 impl<'a> Op<'a> {
@@ -270,11 +270,7 @@ impl<'a> Op<'a> {
             let wait = (deadline - now).min(Duration::from_secs(1));
             // Not counted as etcd time: waiting here is waiting for the members. One watch of the root
             // sees both the members' states and the agents' registrations.
-            let events = self
-                .coord
-                .watch(rec::ROOT, view.rev(), wait)
-                .map_err(|e| e.to_string())?;
-            view.apply(&events).map_err(|e| e.to_string())?;
+            view.next(wait).map_err(|e| e.to_string())?;
         }
     }
 
