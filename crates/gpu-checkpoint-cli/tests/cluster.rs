@@ -47,6 +47,24 @@ fn the_etcd_coordinator_keeps_the_promises_the_protocol_relies_on() {
         matches!(&events[0], Event::Put(kv) if kv.key == "/t/b"),
         "{events:?}"
     );
+    // A watch that stays open delivers the changes from that revision, then later ones as they come,
+    // each once, and nothing when nothing changes.
+    let mut stream = c.watch_stream("/t/", rev).unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < events.len() {
+        let more = stream.next(Duration::from_secs(5)).unwrap();
+        assert!(!more.is_empty(), "{seen:?}");
+        seen.extend(more);
+    }
+    assert_eq!(seen, events);
+    let later = c.put("/t/d", b"4", None).unwrap();
+    let more = stream.next(Duration::from_secs(5)).unwrap();
+    assert!(
+        matches!(&more[..], [Event::Put(kv)] if kv.key == "/t/d" && kv.mod_revision == later),
+        "{more:?}"
+    );
+    assert!(stream.next(Duration::from_millis(300)).unwrap().is_empty());
+    drop(stream);
     // A lease not refreshed expires, and its keys go with it.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while c.get("/t/b").unwrap().is_some() {

@@ -19,8 +19,11 @@
 //! the operation (its wall time less the coordinator's own total), the coordinator's etcd requests, the
 //! watch wake-ups (the last member's state write until the coordinator saw it, summed over the waits;
 //! they include that write's round trip, also in the member's work, so the rest can be a little
-//! negative), and the rest (the agents' task pick-up and decision reads, the phases' slowest members
-//! differing). Beside it, not part of it: the barrier skew (the first to the last member reaching each
+//! negative), and the rest, itself broken down: the agents' task pick-up (the tasks' transaction to the
+//! last member's agent picking its task up), the deliveries of `go` and of `commit` (each written until
+//! the last member learnt of it), and what is left (the phases' slowest members differing, the members'
+//! own finishing). Pick-up and deliveries are by the members' clocks against the coordinator's (one
+//! machine here). Beside it, not part of it: the barrier skew (the first to the last member reaching each
 //! state waited for, summed: members' work queueing on this machine's cores, inside the members' work)
 //! and the slowest member's state writes (its etcd requests, inside its work).
 #![cfg(feature = "cluster")]
@@ -139,8 +142,8 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         }
         let (mut total, mut etcd_ms, mut work, mut phases) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        // start, member etcd, watch wake-ups, barrier skew
-        let mut parts: [Vec<f64>; 4] = Default::default();
+        // start, member etcd, watch wake-ups, barrier skew, task pick-up, go and commit delivery
+        let mut parts: [Vec<f64>; 7] = Default::default();
         let mut id = String::new();
         for _ in 0..RUNS {
             let (wall, m) = timed_job(&etcd, &["checkpoint", "--job", "bench", "--leave-running"]);
@@ -154,6 +157,10 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             parts[1].push(f("member_etcd_max"));
             parts[2].push(f("watch_wake"));
             parts[3].push(f("barrier_skew"));
+            let or0 = |k: &str| tm[k].as_f64().unwrap_or(0.0);
+            parts[4].push(or0("task_pickup"));
+            parts[5].push(or0("go_delivery"));
+            parts[6].push(or0("commit_delivery"));
             phases.push(format!(
                 "prepare {:.0} checkpoint {:.0} commit {:.0} release {:.0}",
                 f("prepare"),
@@ -175,8 +182,18 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         }
         restores.push((n, median(r_total), median(r_phase), median(r_etcd)));
         let (t, e, w) = (median(total), median(etcd_ms), median(work));
-        let [start, member_etcd, wake, skew] = parts.map(median);
-        breakdowns.push((n, t, t - w, start, e, member_etcd, wake, skew));
+        let [start, member_etcd, wake, skew, pickup, go, commit] = parts.map(median);
+        breakdowns.push((
+            n,
+            t,
+            t - w,
+            start,
+            e,
+            member_etcd,
+            wake,
+            skew,
+            [pickup, go, commit],
+        ));
         println!(
             "{n:>6} | {t:>12.0} | {w:>19.0} | {e:>7.1} ({:>4.1}%) | {:>10.0} ({:>4.1}%) | {:>14.0}   [{}]",
             100.0 * e / t,
@@ -190,9 +207,11 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         "agents | protocol ms (share) = start + coordinator etcd + watch wake-ups + rest | \
          barrier skew (not protocol) | slowest member's etcd (in its work)"
     );
-    for (n, t, p, start, e, member_etcd, wake, skew) in breakdowns {
+    let mut rests = Vec::new();
+    for (n, t, p, start, e, member_etcd, wake, skew, rest_parts) in breakdowns {
         let share = |x: f64| 100.0 * x / t;
         let rest = p - start - e - wake;
+        rests.push((n, t, rest, rest_parts));
         println!(
             "{n:>6} | {p:>5.0} ({:>4.1}%) = {start:>4.0} ({:>4.1}%) + {e:>5.1} ({:>4.1}%) + {wake:>4.0} ({:>4.1}%) \
              + {rest:>5.0} ({:>4.1}%) | {skew:>5.0} ({:>4.1}%) | {member_etcd:>5.1} ({:>4.1}%)",
@@ -203,6 +222,23 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             share(rest),
             share(skew),
             share(member_etcd)
+        );
+    }
+    println!(
+        "agents | rest ms (share) = task pick-up + go delivery + commit delivery + other (slowest \
+         members differing, members finishing)"
+    );
+    for (n, t, rest, [pickup, go, commit]) in rests {
+        let share = |x: f64| 100.0 * x / t;
+        let other = rest - pickup - go - commit;
+        println!(
+            "{n:>6} | {rest:>5.0} ({:>4.1}%) = {pickup:>4.0} ({:>4.1}%) + {go:>4.0} ({:>4.1}%) + \
+             {commit:>4.0} ({:>4.1}%) + {other:>5.0} ({:>4.1}%)",
+            share(rest),
+            share(pickup),
+            share(go),
+            share(commit),
+            share(other)
         );
     }
     println!("agents | job restore total ms | restore phase ms | etcd ms (share) | job - plain ms");

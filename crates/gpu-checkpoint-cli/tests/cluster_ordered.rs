@@ -30,16 +30,46 @@ fn start() -> Option<Scene> {
     )
 }
 
-/// Whether, in `events`, each rank's `call` began only after the rank before it had its `call`
-/// answered, and every rank made the call.
+/// Whether each of the 4 ranks' `call` began after the one before it was answered.
 fn in_rank_order(events: &[(usize, String, String)], call: &str) -> bool {
-    let at = |rank: usize, what: &str| {
-        events
-            .iter()
-            .position(|(r, c, w)| *r == rank && c == call && w == what)
+    sim_support::in_rank_order(events, call, 4)
+}
+
+/// The job checkpoint `ordered` was taken with `--ordered`, `unordered` without: `job list` (text and
+/// JSON), `job status` and the members' stores say which is which, and the stored copy of the ordered
+/// one's manifest is version 2 (which a gpu-checkpoint that does not know about ordering refuses).
+fn assert_recorded(s: &Scene, ordered: &str, unordered: &str) {
+    let out = in_hub(&s.lab, &["job", "list"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let list = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = |id: &str| {
+        let found = list
+            .lines()
+            .find(|l| l.contains(&format!("checkpoint {id} ")));
+        found
+            .unwrap_or_else(|| panic!("{id} not in {list}"))
+            .to_string()
     };
-    (0..4).all(|r| at(r, "begin").is_some() && at(r, "OK").is_some())
-        && (1..4).all(|r| at(r, "begin") > at(r - 1, "OK"))
+    assert!(line(ordered).ends_with(", ordered"), "{list}");
+    assert!(!line(unordered).contains("ordered"), "{list}");
+    let out = in_hub(&s.lab, &["job", "list", "--format", "json"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed = |id: &str| {
+        let all = list["checkpoints"].as_array().unwrap();
+        all.iter().find(|c| c["id"] == id).unwrap()["ordered"].clone()
+    };
+    assert_eq!(listed(ordered), true, "{list}");
+    assert_eq!(listed(unordered), false, "{list}");
+    for (id, is_ordered, version) in [(ordered, true, 2), (unordered, false, 1)] {
+        let out = in_hub(&s.lab, &["job", "status", id]);
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(status["checkpoint"]["ordered"], is_ordered, "{status}");
+        let kept = std::fs::read(s.store().join("jobs").join(format!("{id}.json"))).unwrap();
+        let kept: serde_json::Value = serde_json::from_slice(&kept).unwrap();
+        assert_eq!(kept["schema"], "gpu-checkpoint/cluster", "{kept}");
+        assert_eq!(kept["schema_version"], version, "{kept}");
+        assert_eq!(kept["ordered"], is_ordered, "{kept}");
+    }
 }
 
 #[test]
@@ -50,6 +80,7 @@ fn an_ordered_job_checkpoint_locks_restores_and_unlocks_its_members_in_rank_orde
     // below is the option's doing.
     let out = in_hub(&s.lab, &[&ckpt[..], &["--leave-running"]].concat());
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let unordered_id = String::from_utf8_lossy(&out.stdout).trim().to_string();
     let unordered = s.sim_events();
     assert!(!in_rank_order(&unordered, "LOCK"), "{unordered:?}");
 
@@ -59,8 +90,10 @@ fn an_ordered_job_checkpoint_locks_restores_and_unlocks_its_members_in_rank_orde
     let ordered = s.sim_events()[unordered.len()..].to_vec();
     assert!(in_rank_order(&ordered, "LOCK"), "{ordered:?}");
     wait_gone(&s.pids());
+    assert_recorded(&s, &id, &unordered_id);
 
-    // The restore follows the checkpoint's order: restored, then unlocked, rank after rank.
+    // The restore, not told, follows the checkpoint's recorded order: restored, then unlocked, rank
+    // after rank.
     let seen = s.sim_events().len();
     let out = in_hub(&s.lab, &["job", "restore", &id, "--lease-ttl", "10s"]);
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());

@@ -254,7 +254,8 @@ impl MemberWork for LocalWork {
         if path.exists() {
             return Ok(());
         }
-        let json = serde_json::to_vec_pretty(m).map_err(|e| e.to_string())?;
+        // The record as etcd keeps it: versioned and self-describing (an ordered one is version 2).
+        let json = gpu_checkpoint::flows::cluster::records::encode_manifest(m);
         gpu_checkpoint::util::write_atomic(&path, &json).map_err(|e| e.to_string())
     }
 

@@ -370,10 +370,11 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
             }
             for m in &checkpoints {
                 println!(
-                    "checkpoint {} of job {}: {} members",
+                    "checkpoint {} of job {}: {} members{}",
                     m.id,
                     m.job,
-                    m.members.len()
+                    m.members.len(),
+                    if m.ordered { ", ordered" } else { "" }
                 );
             }
         }

@@ -190,3 +190,16 @@ pub fn checkpoint_args(pid: i32, store: &std::path::Path, extra: &[&str]) -> Vec
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
+
+/// Whether, in `events` (rank, driver call, `begin`/`OK`/`ERR`, in the order they happened), each of
+/// ranks `0..ranks` made `call`, and each began it only after the rank before it had its `call`
+/// answered.
+pub fn in_rank_order(events: &[(usize, String, String)], call: &str, ranks: usize) -> bool {
+    let at = |rank: usize, what: &str| {
+        events
+            .iter()
+            .position(|(r, c, w)| *r == rank && c == call && w == what)
+    };
+    (0..ranks).all(|r| at(r, "begin").is_some() && at(r, "OK").is_some())
+        && (1..ranks).all(|r| at(r, "begin") > at(r - 1, "OK"))
+}

@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::coord::{Compare, CoordError, Coordinator, Event, Revision, TxnOp};
+use super::coord::{Compare, CoordError, Coordinator, Revision, TxnOp};
+use super::follow::OpView;
 use super::lease::LeaseGuard;
 use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
 use super::{AgentRecord, ClusterError, JobManifest};
@@ -105,14 +106,20 @@ pub fn run_agent(
         // it and reads its tasks again rather than dying, as long as its lease lives.
         let mut rev = 0;
         let mut resync = true;
-        let mut fresh: Vec<(String, Vec<u8>)> = Vec::new();
+        // One watch of the node's tasks, open while it works: a task arrives in its events, where a
+        // watch opened again every half second had a gap (its opening's round trip) each time.
+        let mut tasks: Option<Box<dyn super::WatchStream + '_>> = None;
+        // Each task's key, value and revision (that of its operation's creation).
+        let mut fresh: Vec<(String, Vec<u8>, Revision)> = Vec::new();
         loop {
             if resync {
                 match c.range(&prefix) {
-                    Ok((tasks, r)) => {
+                    Ok((kvs, r)) => {
                         rev = r;
-                        fresh.extend(tasks.into_iter().map(|kv| (kv.key, kv.value)));
+                        let kvs = kvs.into_iter();
+                        fresh.extend(kvs.map(|kv| (kv.key, kv.value, kv.mod_revision)));
                         resync = false;
+                        tasks = None;
                     }
                     Err(e) => {
                         tracing::warn!("reading this node's tasks: {e}");
@@ -120,7 +127,7 @@ pub fn run_agent(
                     }
                 }
             }
-            for (key, value) in fresh.drain(..) {
+            for (key, value, created) in fresh.drain(..) {
                 if !seen.insert(key.clone()) {
                     continue;
                 }
@@ -133,6 +140,7 @@ pub fn run_agent(
                 };
                 let member = Member {
                     coord: c,
+                    view: std::sync::Mutex::new(OpView::at_start(c, &task.op, created)),
                     task,
                     node: opts.node.clone(),
                     lease: lease.id(),
@@ -143,6 +151,9 @@ pub fn run_agent(
                     stop,
                     waited_us: Default::default(),
                     etcd_us: Default::default(),
+                    picked_up_unix_ms: rec::now_ms(),
+                    saw_go_unix_ms: Default::default(),
+                    saw_commit_unix_ms: Default::default(),
                 };
                 scope.spawn(move || member.run(work));
             }
@@ -157,18 +168,28 @@ pub fn run_agent(
             if resync {
                 continue;
             }
-            match c.watch(&prefix, rev, Duration::from_millis(500)) {
+            let open = match tasks.take() {
+                Some(stream) => Ok(stream),
+                None => c.watch_stream(&prefix, rev),
+            };
+            let next = open.and_then(|mut stream| {
+                let events = stream.next(Duration::from_millis(500));
+                tasks = Some(stream);
+                events
+            });
+            match next {
                 Ok(events) => {
                     for e in events {
                         rev = rev.max(e.revision());
                         if let super::Event::Put(kv) = e {
-                            fresh.push((kv.key, kv.value));
+                            fresh.push((kv.key, kv.value, kv.mod_revision));
                         }
                     }
                 }
                 Err(e) => {
                     tracing::warn!("watching this node's tasks: {e}");
                     resync = true;
+                    tasks = None;
                     std::thread::sleep(Duration::from_millis(200));
                 }
             }
@@ -188,6 +209,8 @@ enum Decision {
 /// One member's task on this node.
 struct Member<'c> {
     coord: &'c dyn Coordinator,
+    /// The operation as this member knows it: one watch for the member's whole part.
+    view: std::sync::Mutex<OpView<'c>>,
     task: Task,
     node: String,
     lease: super::LeaseId,
@@ -205,6 +228,11 @@ struct Member<'c> {
     /// Time spent writing this member's states to etcd, in microseconds (its reads of the decision are
     /// inside `waited_us`).
     etcd_us: std::sync::atomic::AtomicU64,
+    /// When (ms since the epoch) the agent picked the task up, and the member learnt of `go` and of
+    /// `commit` (0: not yet): reported in `done`, for the coordinator's breakdown.
+    picked_up_unix_ms: u64,
+    saw_go_unix_ms: std::sync::atomic::AtomicU64,
+    saw_commit_unix_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Member<'_> {
@@ -234,6 +262,14 @@ impl Member<'_> {
     fn wait(&self, want: &str) -> Decision {
         let t = Instant::now();
         let d = self.wait_untimed(want);
+        let seen = match d {
+            Decision::Go => Some(&self.saw_go_unix_ms),
+            Decision::Commit => Some(&self.saw_commit_unix_ms),
+            _ => None,
+        };
+        if let Some(seen) = seen {
+            let _ = seen.compare_exchange(0, rec::now_ms(), Ordering::SeqCst, Ordering::SeqCst);
+        }
         self.waited_us
             .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
         d
@@ -251,14 +287,9 @@ impl Member<'_> {
             self.aborted.store(true, Ordering::SeqCst);
             Decision::Unreachable(format!("etcd: {e}"))
         };
+        let mut view = self.view.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            let read = self.coord.range(&rec::op_prefix(&self.task.op));
-            let (kvs, rev) = match read {
-                Ok(r) => r,
-                Err(e) => return unreachable(e),
-            };
-            let get = |k: String| kvs.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
-            match get(rec::decision(&self.task.op)).as_deref() {
+            match view.decision.as_deref() {
                 Some(b"abort") => {
                     return abort("the coordinator aborted the job's operation".into())
                 }
@@ -266,7 +297,7 @@ impl Member<'_> {
                 Some(b"go") if want == "go" => return Decision::Go,
                 _ => {}
             }
-            if get(rec::op(&self.task.op)).is_none() {
+            if !view.exists {
                 // The operation is gone: its coordinator ended it, or died. A commit survives both.
                 return match self.coord.get(&rec::checkpoint(&self.task.op)) {
                     Ok(Some(_)) if self.task.kind == OpKind::Checkpoint => Decision::Commit,
@@ -281,23 +312,10 @@ impl Member<'_> {
                     self.timeout
                 ));
             }
-            // Wake-ups that bring only the members' states (the others reaching the barrier: up to one
-            // per member) say nothing about the decision: watch on from them without reading again.
-            let (mut rev, states) = (rev, rec::states(&self.task.op));
-            loop {
-                let now = Instant::now();
-                let wait = (deadline.max(now) - now).min(Duration::from_secs(1));
-                match self.coord.watch(&rec::op_prefix(&self.task.op), rev, wait) {
-                    Err(e) => return unreachable(e),
-                    Ok(events)
-                        if !events.is_empty()
-                            && events.iter().all(|e| e.key().starts_with(&states))
-                            && Instant::now() < deadline =>
-                    {
-                        rev = events.iter().map(Event::revision).fold(rev, Revision::max);
-                    }
-                    Ok(_) => break,
-                }
+            // The decision comes in the watch's events; wake-ups with only other members' states
+            // cost no request.
+            if let Err(e) = view.next((deadline - now).min(Duration::from_secs(1))) {
+                return unreachable(e);
             }
         }
     }
@@ -311,38 +329,30 @@ impl Member<'_> {
         };
         let t = Instant::now();
         let deadline = t + self.timeout;
-        let op = &self.task.op;
+        let mut view = self.view.lock().unwrap_or_else(|p| p.into_inner());
         let result = loop {
-            let (kvs, rev) = match self.coord.range(&rec::op_prefix(op)) {
-                Ok(r) => r,
-                Err(e) => break Err(format!("etcd: {e}")),
-            };
-            let get = |k: String| kvs.iter().find(|kv| kv.key == k);
-            if get(rec::decision(op)).is_some_and(|kv| kv.value == b"abort") {
+            if view.decision.as_deref() == Some(b"abort") {
                 break Err("the coordinator aborted the job's operation".into());
             }
-            if get(rec::op(op)).is_none() {
+            if !view.exists {
                 break Err("the coordinator is gone (its lease expired)".into());
             }
-            if let Some(kv) = get(rec::state(op, prev)) {
-                match decode::<StateRecord>(&kv.key, &kv.value).map(|r| r.state) {
-                    Ok(s) if ready(&s) => break Ok(()),
-                    Ok(MemberState::Failed { .. } | MemberState::Aborted) => {
-                        break Err(format!("rank {prev}, before this one, failed"))
-                    }
-                    Ok(_) => {}
-                    Err(e) => break Err(e.to_string()),
+            match view.state(prev) {
+                Some(s) if ready(s) => break Ok(()),
+                Some(MemberState::Failed { .. } | MemberState::Aborted) => {
+                    break Err(format!("rank {prev}, before this one, failed"))
                 }
+                _ => {}
             }
             let now = Instant::now();
             if now >= deadline {
                 break Err(format!("rank {prev} was not ready in {:?}", self.timeout));
             }
-            let wait = (deadline - now).min(Duration::from_secs(1));
-            if let Err(e) = self.coord.watch(&rec::op_prefix(op), rev, wait) {
+            if let Err(e) = view.next((deadline - now).min(Duration::from_secs(1))) {
                 break Err(format!("etcd: {e}"));
             }
         };
+        drop(view);
         self.waited_us
             .fetch_add(t.elapsed().as_micros() as u64, Ordering::SeqCst);
         if result.is_err() {
@@ -398,7 +408,7 @@ impl Member<'_> {
         let started = Instant::now();
         match work.checkpoint(&self.task, &phases) {
             Ok(()) => {
-                let kept = match self.coord.get(&rec::checkpoint(&self.task.op)) {
+                let kept = match self.etcd(|| self.coord.get(&rec::checkpoint(&self.task.op))) {
                     Ok(Some(kv)) => decode::<JobManifest>(&kv.key, &kv.value)
                         .map_err(|e| e.to_string())
                         .and_then(|m| work.keep_manifest(&m)),
@@ -482,6 +492,9 @@ impl Member<'_> {
             work_ms: started.elapsed().as_secs_f64() * 1000.0,
             waited_ms: self.waited_us.load(Ordering::SeqCst) as f64 / 1000.0,
             etcd_ms: self.etcd_us.load(Ordering::SeqCst) as f64 / 1000.0,
+            picked_up_unix_ms: self.picked_up_unix_ms,
+            saw_go_unix_ms: self.saw_go_unix_ms.load(Ordering::SeqCst),
+            saw_commit_unix_ms: self.saw_commit_unix_ms.load(Ordering::SeqCst),
         }
     }
 

@@ -116,4 +116,43 @@ pub trait Coordinator: Send + Sync {
     /// The changes under `prefix` after revision `after`, waiting up to `timeout` for the first (an
     /// empty list: none came).
     fn watch(&self, prefix: &str, after: Revision, timeout: Duration) -> CoordResult<Vec<Event>>;
+    /// A watch of `prefix` from after revision `after` that stays open: one request to open it, then its
+    /// changes as they come, where each [`Coordinator::watch`] opens one again (a round trip per
+    /// wake-up). The default asks `watch` again on each [`WatchStream::next`], from the last change
+    /// seen: for coordinators without streams (the in-memory one, whose calls cost nothing).
+    fn watch_stream<'a>(
+        &'a self,
+        prefix: &str,
+        after: Revision,
+    ) -> CoordResult<Box<dyn WatchStream + 'a>> {
+        Ok(Box::new(Rewatch {
+            coord: self,
+            prefix: prefix.to_string(),
+            after,
+        }))
+    }
+}
+
+/// An open watch ([`Coordinator::watch_stream`]): every change under its prefix, in order, once.
+pub trait WatchStream: Send {
+    /// The next changes, waiting up to `timeout` for the first (an empty list: none came).
+    fn next(&mut self, timeout: Duration) -> CoordResult<Vec<Event>>;
+}
+
+/// [`Coordinator::watch_stream`]'s default: a [`Coordinator::watch`] per call, from the last change.
+struct Rewatch<'a, C: ?Sized> {
+    coord: &'a C,
+    prefix: String,
+    after: Revision,
+}
+
+impl<C: Coordinator + ?Sized> WatchStream for Rewatch<'_, C> {
+    fn next(&mut self, timeout: Duration) -> CoordResult<Vec<Event>> {
+        let events = self.coord.watch(&self.prefix, self.after, timeout)?;
+        self.after = events
+            .iter()
+            .map(Event::revision)
+            .fold(self.after, Revision::max);
+        Ok(events)
+    }
 }

@@ -14,7 +14,7 @@ use etcd_client::{
 use tokio::runtime::Runtime;
 
 use super::coord::{
-    Compare, CoordError, CoordResult, Coordinator, Event, Kv, LeaseId, Revision, TxnOp,
+    Compare, CoordError, CoordResult, Coordinator, Event, Kv, LeaseId, Revision, TxnOp, WatchStream,
 };
 
 /// How long one etcd request may take.
@@ -197,15 +197,40 @@ impl Coordinator for EtcdCoordinator {
     }
 
     fn watch(&self, prefix: &str, after: Revision, timeout: Duration) -> CoordResult<Vec<Event>> {
+        self.watch_stream(prefix, after)?.next(timeout)
+    }
+
+    fn watch_stream<'a>(
+        &'a self,
+        prefix: &str,
+        after: Revision,
+    ) -> CoordResult<Box<dyn WatchStream + 'a>> {
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(after + 1);
-        let mut stream = self
+        let stream = self
             .call(|mut c| {
                 let opts = opts.clone();
                 async move { c.watch(prefix, Some(opts)).await }
             })
             .map_err(request)?;
+        Ok(Box::new(EtcdWatch {
+            rt: &self.rt,
+            stream,
+        }))
+    }
+}
+
+/// An open etcd watch: its gRPC stream stays open between [`WatchStream::next`] calls (the changes
+/// meanwhile wait in it), and closes on drop, which ends the watch in etcd.
+struct EtcdWatch<'a> {
+    rt: &'a Runtime,
+    stream: etcd_client::WatchStream,
+}
+
+impl WatchStream for EtcdWatch<'_> {
+    fn next(&mut self, timeout: Duration) -> CoordResult<Vec<Event>> {
+        let stream = &mut self.stream;
         self.rt.block_on(async {
             let deadline = tokio::time::Instant::now() + timeout;
             loop {
@@ -225,7 +250,7 @@ impl Coordinator for EtcdCoordinator {
                     .filter_map(|e| {
                         let kv = e.kv()?;
                         Some(match e.event_type() {
-                            EventType::Put => Event::Put(Self::kv(kv)),
+                            EventType::Put => Event::Put(EtcdCoordinator::kv(kv)),
                             EventType::Delete => Event::Delete {
                                 key: String::from_utf8_lossy(kv.key()).into_owned(),
                                 revision: kv.mod_revision(),

@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
-use super::records::{self as rec, decode, encode, MemberState, OpKind};
+use super::records::{
+    self as rec, decode, encode, encode_manifest, encode_task, MemberState, OpKind,
+};
+use super::timings::{Clock, EtcdTime};
 use super::view::View;
 use super::ClusterError;
 use super::{AgentRecord, JobManifest, JobMember, JobTimings, MemberRecord, Task};
-use crate::flows::ms;
 
 /// The coordinator's timings and timeouts.
 #[derive(Debug, Clone)]
@@ -174,19 +176,15 @@ pub(super) struct Op<'a> {
     pub(super) id: String,
     members: Vec<MemberRecord>,
     lease: LeaseGuard,
-    /// Time spent in etcd requests (not in watches, which wait for the members), in milliseconds: the
-    /// protocol's own round trips.
-    etcd_ms: std::cell::Cell<f64>,
+    /// Time spent in etcd requests: the protocol's own round trips.
+    etcd_ms: EtcdTime,
     /// The members' states and agents, read at the first wait and kept current by its watches.
-    view: std::cell::RefCell<Option<View>>,
+    view: std::cell::RefCell<Option<View<'a>>>,
 }
 
 impl<'a> Op<'a> {
     pub(super) fn etcd<T>(&self, f: impl FnOnce() -> T) -> T {
-        let t = Instant::now();
-        let r = f();
-        self.etcd_ms.set(self.etcd_ms.get() + ms(t));
-        r
+        self.etcd_ms.time(f)
     }
 
     /// Starts the operation: its record and every member's task, in one transaction, under the lease.
@@ -206,7 +204,7 @@ impl<'a> Op<'a> {
         for t in &tasks {
             then.push(TxnOp::Put {
                 key: rec::task(&t.member.node, &t.op, t.member.rank),
-                value: encode(t),
+                value: encode_task(t),
                 lease: Some(lease.id()),
             });
         }
@@ -272,18 +270,15 @@ impl<'a> Op<'a> {
             let wait = (deadline - now).min(Duration::from_secs(1));
             // Not counted as etcd time: waiting here is waiting for the members. One watch of the root
             // sees both the members' states and the agents' registrations.
-            let events = self
-                .coord
-                .watch(rec::ROOT, view.rev(), wait)
-                .map_err(|e| e.to_string())?;
-            view.apply(&events).map_err(|e| e.to_string())?;
+            view.next(wait).map_err(|e| e.to_string())?;
         }
     }
 
-    /// The barrier skew and watch wake-ups summed over the waits so far (see [`JobTimings`]).
-    fn barriers(&self) -> (f64, f64) {
+    /// The operation's timings, ended now.
+    fn timings(&self, clock: Clock) -> JobTimings {
         let view = self.view.borrow();
-        view.as_ref().map_or((0.0, 0.0), |v| (v.skew_ms, v.wake_ms))
+        let barriers = view.as_ref().map_or((0.0, 0.0), |v| (v.skew_ms, v.wake_ms));
+        clock.finish(&self.etcd_ms, barriers)
     }
 
     fn decide(&self, decision: &str) -> Result<(), ClusterError> {
@@ -372,7 +367,7 @@ pub fn checkpoint_job(
     coord: Arc<dyn Coordinator>,
     opts: &JobCheckpointOptions,
 ) -> Result<JobManifest, ClusterError> {
-    let started = Instant::now();
+    let mut clock = Clock::start();
     let started_unix_ms = rec::now_ms();
     let c = coord.as_ref();
     let job = &opts.job;
@@ -407,14 +402,15 @@ pub fn checkpoint_job(
         kind: OpKind::Checkpoint,
         members: members.clone(),
         started_unix_ms,
+        ordered: opts.ordered,
     };
     let t = &opts.timeouts;
     let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
-    let mut timings = JobTimings::default();
+    clock.sent_unix_ms = rec::now_ms();
     crate::fault::at("cluster.prepare");
 
     // 1. Prepare: every member locked.
-    let phase = Instant::now();
+    clock.phase();
     let gone = |alive: bool| (!alive).then(|| "its agent is gone (lease expired)".to_string());
     op.wait_all("lock", t.prepare, |s, alive| match (s, gone(alive)) {
         (Some(MemberState::Failed { error }), _) => Verdict::Fail(error.clone()),
@@ -424,13 +420,14 @@ pub fn checkpoint_job(
         _ => Verdict::Pending,
     })
     .map_err(|why| op.abort(why, t.release))?;
-    timings.prepare = ms(phase);
+    clock.timings.prepare = clock.lap();
     let locked_unix_ms = rec::now_ms();
 
     // 2. Every member locked: go.
-    let phase = Instant::now();
+    clock.phase();
     op.decide("go")
         .map_err(|e| op.abort(e.to_string(), t.release))?;
+    clock.go_unix_ms = rec::now_ms();
     let states = op
         .wait_all("store their checkpoint", t.work, |s, alive| {
             match (s, gone(alive)) {
@@ -442,12 +439,12 @@ pub fn checkpoint_job(
             }
         })
         .map_err(|why| op.abort(why, t.release))?;
-    timings.checkpoint = ms(phase);
+    clock.timings.checkpoint = clock.lap();
 
     // 3. Commit: the manifest and the decision in one transaction, only while the operation (the
     // coordinator's lease) is alive; a coordinator that lost its lease cannot commit what the agents
     // are undoing.
-    let phase = Instant::now();
+    clock.phase();
     let mut manifest = JobManifest {
         id: id.clone(),
         job: job.clone(),
@@ -476,7 +473,7 @@ pub fn checkpoint_job(
             locked_unix_ms,
             committed_unix_ms: rec::now_ms(),
         },
-        timings_ms: timings.clone(),
+        timings_ms: clock.timings.clone(),
     };
     crate::fault::at("cluster.before-commit");
     let committed = op.etcd(|| {
@@ -488,7 +485,7 @@ pub fn checkpoint_job(
             &[
                 TxnOp::Put {
                     key: rec::checkpoint(&id),
-                    value: encode(&manifest),
+                    value: encode_manifest(&manifest),
                     lease: None,
                 },
                 TxnOp::Put {
@@ -500,7 +497,7 @@ pub fn checkpoint_job(
         )
     });
     match committed {
-        Ok(true) => {}
+        Ok(true) => clock.commit_unix_ms = rec::now_ms(),
         Ok(false) => {
             return Err(op.abort(
                 "the coordinator's lease expired before the commit".into(),
@@ -510,39 +507,23 @@ pub fn checkpoint_job(
         // Unknown: the transaction may have applied. The agents decide from the manifest's key.
         Err(e) => return Err(op.abort(format!("the commit failed: {e}"), t.release)),
     }
-    timings.commit = ms(phase);
+    clock.timings.commit = clock.lap();
     crate::fault::at("cluster.after-commit");
 
     // 4. Committed: the members stop their trees (or leave them running) and keep the manifest.
-    let phase = Instant::now();
+    clock.phase();
     match op.wait_all("finish", t.release, |s, alive| match s {
         Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
         _ if !alive => Verdict::Done,
         _ => Verdict::Pending,
     }) {
-        Ok(states) => {
-            for s in states.values() {
-                if let MemberState::Done {
-                    work_ms,
-                    waited_ms,
-                    etcd_ms,
-                } = s
-                {
-                    timings.member_work_max = timings.member_work_max.max(*work_ms - *waited_ms);
-                    timings.member_waited_max = timings.member_waited_max.max(*waited_ms);
-                    timings.member_etcd_max = timings.member_etcd_max.max(*etcd_ms);
-                }
-            }
-        }
+        Ok(states) => clock.members_done(&states),
         Err(e) => tracing::warn!("job checkpoint {id} is committed, but: {e}"),
     }
-    timings.release = ms(phase);
-    timings.total = ms(started);
-    timings.etcd = op.etcd_ms.get();
-    (timings.barrier_skew, timings.watch_wake) = op.barriers();
-    manifest.timings_ms = timings;
+    clock.timings.release = clock.lap();
+    manifest.timings_ms = op.timings(clock);
     // The final timings, for `job status` (the committed record had them up to the commit).
-    if let Err(e) = c.put(&rec::checkpoint(&id), &encode(&manifest), None) {
+    if let Err(e) = c.put(&rec::checkpoint(&id), &encode_manifest(&manifest), None) {
         tracing::warn!("recording job checkpoint {id}'s timings: {e}");
     }
     Ok(manifest)
@@ -602,7 +583,7 @@ pub fn restore_job(
     device_maps: &BTreeMap<String, String>,
     timeouts: &Timeouts,
 ) -> Result<JobRestoreOutcome, ClusterError> {
-    let started = Instant::now();
+    let mut clock = Clock::start();
     let c = coord.as_ref();
     let manifest = checkpoint(c, id)?;
     if let Some(old) = node_map
@@ -662,10 +643,11 @@ pub fn restore_job(
         kind: OpKind::Restore,
         members: members.clone(),
         started_unix_ms: rec::now_ms(),
+        ordered: manifest.ordered,
     };
     let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
-    let mut timings = JobTimings::default();
-    let phase = Instant::now();
+    clock.sent_unix_ms = rec::now_ms();
+    clock.phase();
     let states = op
         .wait_all("restore", timeouts.work, |s, alive| match s {
             Some(MemberState::Failed { error }) => Verdict::Fail(error.clone()),
@@ -675,23 +657,23 @@ pub fn restore_job(
             _ => Verdict::Pending,
         })
         .map_err(|why| op.abort(why, timeouts.release))?;
-    timings.checkpoint = ms(phase);
-    let phase = Instant::now();
+    clock.timings.checkpoint = clock.lap();
+    clock.phase();
     op.decide("commit")
         .map_err(|e| op.abort(e.to_string(), timeouts.release))?;
-    timings.commit = ms(phase);
-    let phase = Instant::now();
-    if let Err(e) = op.wait_all("finish", timeouts.release, |s, alive| match s {
+    clock.commit_unix_ms = rec::now_ms();
+    clock.timings.commit = clock.lap();
+    clock.phase();
+    match op.wait_all("finish", timeouts.release, |s, alive| match s {
         Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
         _ if !alive => Verdict::Done,
         _ => Verdict::Pending,
     }) {
-        tracing::warn!("job {} is restored, but: {e}", manifest.job);
+        Ok(states) => clock.members_done(&states),
+        Err(e) => tracing::warn!("job {} is restored, but: {e}", manifest.job),
     }
-    timings.release = ms(phase);
-    timings.total = ms(started);
-    timings.etcd = op.etcd_ms.get();
-    (timings.barrier_skew, timings.watch_wake) = op.barriers();
+    clock.timings.release = clock.lap();
+    let timings = op.timings(clock);
     let restored = members
         .iter()
         .map(|m| RestoredMember {

@@ -15,19 +15,23 @@ pub mod agent;
 pub mod coord;
 #[cfg(feature = "cluster")]
 mod etcd;
+mod follow;
 pub mod job;
 mod lease;
 mod memory;
 pub mod records;
+#[cfg(test)]
+mod request_tests;
 pub mod retention;
 #[cfg(test)]
 mod tests;
+mod timings;
 mod view;
 
 use crate::exit::{Classify, ExitStatus};
 
 pub use agent::{run_agent, AgentOptions, MemberWork};
-pub use coord::{CoordError, Coordinator, Event, Kv, LeaseId, Revision};
+pub use coord::{CoordError, Coordinator, Event, Kv, LeaseId, Revision, WatchStream};
 #[cfg(feature = "cluster")]
 pub use etcd::EtcdCoordinator;
 pub use job::{

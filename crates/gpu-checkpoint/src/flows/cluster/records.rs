@@ -25,8 +25,17 @@ use super::coord::CoordError;
 pub const ROOT: &str = "/gpu-checkpoint/v1/";
 /// The `schema` of the records.
 pub const SCHEMA: &str = "gpu-checkpoint/cluster";
-/// The version of the records this build writes and reads.
-pub const SCHEMA_VERSION: u32 = 1;
+/// The newest version of the records this build reads.
+pub const SCHEMA_VERSION: u32 = ORDERED_VERSION;
+/// The version of the records with nothing of a later version in them: what every gpu-checkpoint
+/// reads, so it is what this build writes wherever it can.
+pub const BASE_VERSION: u32 = 1;
+/// The records of ordered operations (a job manifest with `ordered`, a task with `after`) are written
+/// with this version. A gpu-checkpoint that knows only version 1 ignores fields it does not know, so it
+/// would read them as unordered and lock or restore members sharing CUDA IPC memory out of order; it
+/// refuses version 2 instead. Unordered ones stay version 1, which every gpu-checkpoint reads (and
+/// version 1 manifests, which have no `ordered`, read as unordered).
+pub const ORDERED_VERSION: u32 = 2;
 
 pub fn agents() -> String {
     format!("{ROOT}agents/")
@@ -106,14 +115,42 @@ struct Envelope<T> {
     body: T,
 }
 
-/// A record as the bytes etcd keeps.
+/// A record as the bytes etcd keeps, of [`BASE_VERSION`].
 pub fn encode<T: Serialize>(body: &T) -> Vec<u8> {
+    encode_as(body, BASE_VERSION)
+}
+
+fn encode_as<T: Serialize>(body: &T, schema_version: u32) -> Vec<u8> {
     serde_json::to_vec(&Envelope {
         schema: SCHEMA.into(),
-        schema_version: SCHEMA_VERSION,
+        schema_version,
         body,
     })
     .expect("records are plain data")
+}
+
+/// A job manifest as etcd and the members' stores keep it: [`ORDERED_VERSION`] if ordered.
+pub fn encode_manifest(m: &JobManifest) -> Vec<u8> {
+    encode_as(
+        m,
+        if m.ordered {
+            ORDERED_VERSION
+        } else {
+            BASE_VERSION
+        },
+    )
+}
+
+/// A task as etcd keeps it: [`ORDERED_VERSION`] if the member waits for another (`after`).
+pub fn encode_task(t: &Task) -> Vec<u8> {
+    encode_as(
+        t,
+        if t.after.is_some() {
+            ORDERED_VERSION
+        } else {
+            BASE_VERSION
+        },
+    )
 }
 
 /// A record from etcd's bytes; refuses another schema or a newer version.
@@ -174,6 +211,10 @@ pub struct OpRecord {
     pub kind: OpKind,
     pub members: Vec<MemberRecord>,
     pub started_unix_ms: u64,
+    /// Members locked (or restored and unlocked) in rank order: `job checkpoint --ordered`, or the
+    /// restore of an ordered job checkpoint.
+    #[serde(default)]
+    pub ordered: bool,
 }
 
 /// One member's part of an operation, for the agent of its node.
@@ -222,12 +263,20 @@ pub enum MemberState {
     Restored { pid: i32 },
     /// The member finished its part after the commit: its whole part took `work_ms`, of which it waited
     /// `waited_ms` at the barriers for the others and the coordinator, and `etcd_ms` writing its states
-    /// to etcd (part of its work; its reads of the decision are part of its waits).
+    /// to etcd (part of its work; its reads of the decision are part of its waits). By its clock, when
+    /// its agent picked its task up and when it learnt of `go` and of `commit` (0: not known; older
+    /// agents), for the coordinator's breakdown of the protocol's time.
     Done {
         work_ms: f64,
         waited_ms: f64,
         #[serde(default)]
         etcd_ms: f64,
+        #[serde(default)]
+        picked_up_unix_ms: u64,
+        #[serde(default)]
+        saw_go_unix_ms: u64,
+        #[serde(default)]
+        saw_commit_unix_ms: u64,
     },
     /// The member undid its part after an abort (unlocked and running, or its restored copy killed).
     Aborted,
@@ -294,6 +343,16 @@ pub struct JobTimings {
     /// seeing it (the agent's write round trip and the watch's wake-up).
     #[serde(default)]
     pub watch_wake: f64,
+    /// From the tasks' transaction to the last member's agent picking its task up (its task watch's
+    /// wake-up; members' clocks against the coordinator's).
+    #[serde(default)]
+    pub task_pickup: f64,
+    /// From `go` written to the last member learning of it (its watch's wake-up, and reads if any).
+    #[serde(default)]
+    pub go_delivery: f64,
+    /// From `commit` written to the last member learning of it.
+    #[serde(default)]
+    pub commit_delivery: f64,
 }
 
 /// A committed job checkpoint: in etcd (`checkpoints/ID`) and in every member's store.
@@ -302,7 +361,8 @@ pub struct JobManifest {
     pub id: String,
     pub job: String,
     pub leave_running: bool,
-    /// Checkpointed in rank order (`job checkpoint --ordered`): restored in that order too.
+    /// Checkpointed in rank order (`job checkpoint --ordered`): restored in that order too. Written as
+    /// [`ORDERED_VERSION`] when set; absent (version 1 manifests) means unordered.
     #[serde(default)]
     pub ordered: bool,
     pub members: Vec<JobMember>,
@@ -332,7 +392,7 @@ mod tests {
         let bytes = encode(&m);
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["schema"], SCHEMA);
-        assert_eq!(v["schema_version"], SCHEMA_VERSION);
+        assert_eq!(v["schema_version"], BASE_VERSION);
         assert_eq!(decode::<MemberRecord>("k", &bytes).unwrap(), m);
         let mut newer = v.clone();
         newer["schema_version"] = (SCHEMA_VERSION + 1).into();
@@ -345,6 +405,36 @@ mod tests {
             at_unix_ms: 5,
         };
         assert_eq!(decode::<StateRecord>("k", &encode(&s)).unwrap(), s);
+    }
+
+    #[test]
+    fn ordered_manifests_and_tasks_are_a_newer_version_and_old_manifests_read_as_unordered() {
+        // A manifest as a version 1 gpu-checkpoint wrote it: no `ordered`.
+        let old = br#"{"schema":"gpu-checkpoint/cluster","schema_version":1,"id":"j-1","job":"j",
+            "leave_running":true,"members":[],"cut":{"started_unix_ms":1,"locked_unix_ms":2,
+            "committed_unix_ms":3},"timings_ms":{"prepare":0,"checkpoint":0,"commit":0,
+            "release":0,"total":0,"etcd":0}}"#;
+        let mut m: JobManifest = decode("k", old).unwrap();
+        assert!(!m.ordered);
+        let version = |bytes: &[u8]| {
+            let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+            v["schema_version"].as_u64().unwrap()
+        };
+        assert_eq!(version(&encode_manifest(&m)), 1);
+        m.ordered = true;
+        let bytes = encode_manifest(&m);
+        assert_eq!(version(&bytes), 2);
+        assert!(decode::<JobManifest>("k", &bytes).unwrap().ordered);
+        // A task as a version 1 coordinator wrote it: no `after`.
+        let old = br#"{"schema":"gpu-checkpoint/cluster","schema_version":1,"op":"j-1","job":"j",
+            "kind":"checkpoint","member":{"rank":1,"node":"a","pid":1,"container":null},
+            "leave_running":false,"lock_timeout_ms":null,"quiesce":null,"checkpoint":null}"#;
+        let mut t: Task = decode("k", old).unwrap();
+        assert_eq!(t.after, None);
+        assert_eq!(version(&encode_task(&t)), 1);
+        t.after = Some(0);
+        assert_eq!(version(&encode_task(&t)), 2);
+        assert_eq!(decode::<Task>("k", &encode_task(&t)).unwrap(), t);
     }
 
     #[test]

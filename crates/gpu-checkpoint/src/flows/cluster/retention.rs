@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
 use super::job::{self, checkpoint_job, JobCheckpointOptions, Op, Timeouts, Verdict};
-use super::records::{self as rec, encode, MemberState, OpKind};
+use super::records::{self as rec, MemberState, OpKind};
 use super::{ClusterError, JobManifest, MemberRecord, Task};
 
 /// What deleting one job checkpoint did.
@@ -45,7 +45,7 @@ pub fn delete_job_checkpoint(
             TxnOp::Delete(rec::checkpoint(id)),
             TxnOp::Put {
                 key: rec::trash(id),
-                value: encode(&manifest),
+                value: rec::encode_manifest(&manifest),
                 lease: None,
             },
         ],
@@ -113,6 +113,7 @@ fn purge(
             kind: OpKind::Delete,
             members: record_members,
             started_unix_ms: rec::now_ms(),
+            ordered: false,
         };
         let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
         // Every member says done or failed; an agent that dies meanwhile leaves its member for later.

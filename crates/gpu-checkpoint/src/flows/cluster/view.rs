@@ -1,14 +1,20 @@
 //! The coordinator's view of an operation's members: their states and which agents are alive. It is read
 //! once (two ranges) and then kept current from the changes a watch reports, so that waiting for N
 //! members costs a constant number of etcd requests, where reading both prefixes again on every change
-//! cost two round trips per member and step (the coordinator's etcd time grew with the job's size).
+//! cost two round trips per member and step (the coordinator's etcd time grew with the job's size). The
+//! watch is opened once and stays open for the operation: a watch opened again at each wake-up put its
+//! opening's round trip between one member's state and the next.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
-use super::coord::{CoordError, Coordinator, Event, Revision};
+use super::coord::{CoordError, Coordinator, Event, Revision, WatchStream};
 use super::records::{self as rec, decode, MemberState, StateRecord};
 
-pub(super) struct View {
+pub(super) struct View<'a> {
+    coord: &'a dyn Coordinator,
+    /// One watch of the root (the states and the agents' registrations), from the first wait on.
+    stream: Option<Box<dyn WatchStream + 'a>>,
     states_prefix: String,
     /// The members' states, by key (a delete names only the key).
     states: BTreeMap<String, StateRecord>,
@@ -21,15 +27,17 @@ pub(super) struct View {
     pub(super) wake_ms: f64,
 }
 
-impl View {
+impl<'a> View<'a> {
     /// Reads operation `id`'s member states and the agents.
-    pub(super) fn read(coord: &dyn Coordinator, id: &str) -> Result<View, CoordError> {
+    pub(super) fn read(coord: &'a dyn Coordinator, id: &str) -> Result<View<'a>, CoordError> {
         let states_prefix = rec::states(id);
         let (states, rev) = coord.range(&states_prefix)?;
         // Read after the states: a change to the agents between the two reads is replayed by the watch
         // (from the first read's revision) over a newer read, which leaves each key at its last value.
         let (agents, _) = coord.range(&rec::agents())?;
         let mut view = View {
+            coord,
+            stream: None,
             states_prefix,
             states: BTreeMap::new(),
             agents: agents.into_iter().map(|kv| kv.key).collect(),
@@ -44,13 +52,23 @@ impl View {
         Ok(view)
     }
 
-    /// The revision to watch from.
-    pub(super) fn rev(&self) -> Revision {
-        self.rev
+    /// Waits up to `wait` for changes and applies them. A broken watch is the error, and the next
+    /// call opens it again from where the view is.
+    pub(super) fn next(&mut self, wait: Duration) -> Result<(), CoordError> {
+        if self.stream.is_none() {
+            self.stream = Some(self.coord.watch_stream(rec::ROOT, self.rev)?);
+        }
+        match self.stream.as_mut().expect("opened above").next(wait) {
+            Ok(events) => self.apply(&events),
+            Err(e) => {
+                self.stream = None;
+                Err(e)
+            }
+        }
     }
 
-    /// Applies changes a watch (from [`View::rev`]) reported, in their order.
-    pub(super) fn apply(&mut self, events: &[Event]) -> Result<(), CoordError> {
+    /// Applies changes the watch reported, in their order.
+    fn apply(&mut self, events: &[Event]) -> Result<(), CoordError> {
         for e in events {
             let key = e.key();
             if key.starts_with(&self.states_prefix) {

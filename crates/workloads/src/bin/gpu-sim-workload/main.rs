@@ -16,7 +16,8 @@
 //!   message `FAULT a,b`, or the file named by `GPU_SIM_FAULT_FILE` (read at every call, so it reaches a
 //!   copy restored by CRIU). Names: `lock-timeout`, `checkpoint`, `restore`, `restore-oom`.
 //! * `GPU_SIM_EVENT_FILE=PATH`: every driver call (LOCK, CHECKPOINT, RESTORE, UNLOCK) appends `PID CALL
-//!   begin` and `PID CALL OK|ERR` to PATH, so tests see the order of the calls across processes.
+//!   begin` and `PID CALL OK|ERR` to PATH, so tests see the order of the calls across processes
+//!   (`GPU_SIM_EVENT_TAG`, if set, in place of the PID: for processes in containers).
 //!
 //! Options (`--help`): [`options::Options`]; tests, scripts and docs start it as
 //! `gpu-sim-workload --daemon --mib 64 --children 2`.

@@ -76,11 +76,14 @@ pub fn serve(listener: &UnixListener, sim: &Sim, lockstep: Option<&Lockstep>) ->
 /// Appends `PID EVENT` to the file named by `GPU_SIM_EVENT_FILE`, if set: the driver calls in the
 /// order they happened across processes (one `O_APPEND` write per line), for tests of the order in
 /// which a job's members are locked and restored. Read at every call, so a restored copy records too.
+/// `GPU_SIM_EVENT_TAG`, if set, is written in place of the PID: processes in containers have PIDs of
+/// their own PID namespace, the same in every container.
 fn record_event(event: &str) {
     let Some(path) = std::env::var_os("GPU_SIM_EVENT_FILE") else {
         return;
     };
-    let line = format!("{} {event}\n", std::process::id());
+    let who = std::env::var("GPU_SIM_EVENT_TAG").unwrap_or_else(|_| std::process::id().to_string());
+    let line = format!("{who} {event}\n");
     let _ = std::fs::OpenOptions::new()
         .append(true)
         .create(true)
