@@ -261,16 +261,22 @@ fn unix_and_tcp_listening_sockets_work_after_restore() {
     assert_eq!(value, chain(1, seq));
 }
 
-#[test]
-fn established_tcp_connection_survives_with_tcp_established() {
-    let Some((dir, store)) = scene() else { return };
-    let sock = dir.path().join("wl.sock");
+/// `workload sockets --tcp-pair 1` (an established loopback connection inside the process), ticking.
+fn tcp_pair_workload(dir: &Path) -> Workload {
+    let sock = dir.join("wl.sock");
     let w = Workload::start(
         "sockets",
-        dir.path(),
+        dir,
         &["--unix", sock.to_str().unwrap(), "--tcp-pair", "1"],
     );
     w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "tcp_rounds") >= 3);
+    w
+}
+
+#[test]
+fn established_tcp_connection_survives_with_tcp_established() {
+    let Some((dir, store)) = scene() else { return };
+    let w = tcp_pair_workload(dir.path());
     let ck = checkpoint(w.pid, &store, &["--tcp-established"]);
     assert!(!w.alive());
     let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
@@ -285,6 +291,46 @@ fn established_tcp_connection_survives_with_tcp_established() {
         num(&after[0], "tcp_value"),
         chain(7, num(&after[0], "tcp_rounds"))
     );
+}
+
+/// A checkpoint with `--tcp-established` that fails after CRIU's dump (SIGTERM there: exit 10; the store
+/// failing as it takes the staged images: exit 1): CRIU left the tree stopped with its connections in TCP repair mode and locked
+/// (per connection: an nftables set, or iptables rules), and the undo releases them before continuing the
+/// tree: the established connection carries the ping-pong both ways again, without an error.
+#[test]
+fn a_failed_checkpoint_with_tcp_established_leaves_the_connection_working() {
+    let Some((dir, store)) = scene() else { return };
+    let w = tcp_pair_workload(dir.path());
+    let cells = [
+        ("nftables", "checkpoint.after-dump=term", 10, false),
+        ("nftables", "store.write=eio", 1, true),
+        ("iptables", "checkpoint.after-dump=term", 10, false),
+    ];
+    for (lock, fault, code, staged) in cells {
+        let mut args = vec!["--tcp-established", "--network-lock", lock];
+        if staged {
+            args.push("--staged");
+        }
+        let out = run_checkpoint_env(w.pid, &store, &args, &[("GPU_CHECKPOINT_FAULT", fault)]);
+        fails_with(&out, code);
+        assert!(w.alive() && !w.stopped(), "{fault}: the tree runs");
+        let r0 = num(
+            &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+            "tcp_rounds",
+        );
+        let after = w.wait_state("the connection carrying on", |r| {
+            num(&r[0], "tcp_rounds") > r0 + 5 || !w.alive()
+        });
+        assert!(w.alive(), "{fault}: the workload ended on its connection");
+        assert_eq!(num(&after[0], "errors"), 0, "{fault}: {after:?}");
+        assert!(num(&after[0], "tcp_rounds") > r0 + 5, "{fault}: {after:?}");
+        assert_eq!(
+            num(&after[0], "tcp_value"),
+            chain(7, num(&after[0], "tcp_rounds")),
+            "{fault}"
+        );
+        assert!(list_ids(&store).is_empty(), "{fault}: nothing listed");
+    }
 }
 
 #[test]

@@ -336,11 +336,16 @@ impl Flow<'_> {
         )?;
         timings.dump = ms(t);
         let process_tree = dumped_tree(pid, &report);
-        let stopped_tree = ContinueGuard::new(
-            &process_tree.iter().map(|p| p.pid).collect::<Vec<_>>(),
-            &stopped_before,
-            after == AfterDump::Stop,
-        );
+        let dumped_pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
+        let mut stopped_tree =
+            ContinueGuard::new(&dumped_pids, &stopped_before, after == AfterDump::Stop);
+        if opts.criu.tcp_established && after == AfterDump::Stop {
+            stopped_tree.release_network(crate::dump::NetworkHold::after_dump(
+                &dumped_pids,
+                &ingest.staging_dir().join(DUMP_LOG),
+                opts.criu.effective_network_lock(),
+            ));
+        }
         // CRIU finished, but the store may not have taken every image.
         let streamed = stored.transpose()?;
         let reopened = match &plugin {
