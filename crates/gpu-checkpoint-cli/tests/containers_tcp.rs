@@ -301,7 +301,8 @@ fn a_peer_outside_the_container_keeps_its_connection_through_the_direct_dump() {
     a_peer_outside_keeps_its_connection("tcpod", &[]);
 }
 
-/// A checkpoint with `--tcp-established` that fails after the direct dump (SIGTERM there: exit 10), in a
+/// A checkpoint with `--tcp-established` that fails after the direct dump (SIGTERM there: exit 10; SIGKILL
+/// there: the guardian undoes it), in a
 /// container running busybox `nc -l -e cat` for a peer outside it and `workload sockets --tcp-pair 1` (a
 /// connection inside): CRIU left the paused container's processes stopped, their connections in repair
 /// mode and the namespace locked (iptables), so that the kill after a commit would close nothing. The
@@ -323,23 +324,35 @@ fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connect
     let state = bundle.rootfs().join("state/s");
     let rounds = || -> Option<u64> { field_u64(read_state(&state).ok()?.first()?, "tcp_rounds") };
     wait_for("the TCP ping-pong", &|| rounds().is_some_and(|r| r >= 3));
-    let o = std::process::Command::new(gpu_checkpoint())
-        .args(["checkpoint", "--container", &id, "--tcp-established"])
-        .args(store_args(&store, &runc))
-        .env("GPU_CHECKPOINT_FAULT", "checkpoint.after-dump=term")
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(10), "{}", text(&o));
-    assert!(
-        runc.state(&id).is_some_and(|(s, _)| s == "running"),
-        "{:?} {}",
-        runc.state(&id),
-        text(&o)
-    );
-    for pid in runc.pids(&id) {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-        let state = stat.rsplit(") ").next().unwrap().chars().next();
-        assert_ne!(state, Some('T'), "pid {pid} left stopped: {stat}");
+    for (action, code) in [("term", Some(10)), ("kill", None)] {
+        let o = std::process::Command::new(gpu_checkpoint())
+            .args(["checkpoint", "--container", &id, "--tcp-established"])
+            .args(store_args(&store, &runc))
+            .env(
+                "GPU_CHECKPOINT_FAULT",
+                format!("checkpoint.after-dump={action}"),
+            )
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), code, "{}", text(&o));
+        // Killed, the tool leaves it to the guardian, which resumes the container a moment later.
+        let stopped = || {
+            runc.pids(&id).into_iter().any(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                stat.rsplit(") ").next().and_then(|s| s.chars().next()) == Some('T')
+            })
+        };
+        wait_for("the container resumed", &|| {
+            runc.state(&id).is_some_and(|(s, _)| s == "running") && !stopped()
+        });
+        peer.get_ref()
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(echo(&mut peer, action), action, "the peer's connection");
+        let r0 = rounds().unwrap();
+        wait_for("the ping-pong inside going on", &|| {
+            rounds().is_some_and(|r| r > r0 + 5)
+        });
     }
     let o = gc_run(&[
         "list",
@@ -353,14 +366,6 @@ fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connect
         listed.as_array().is_none_or(|a| a.is_empty()),
         "nothing stored: {listed}"
     );
-    peer.get_ref()
-        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .unwrap();
-    assert_eq!(echo(&mut peer, "again"), "again", "the peer's connection");
-    let r0 = rounds().unwrap();
-    wait_for("the ping-pong inside going on", &|| {
-        rounds().is_some_and(|r| r > r0 + 5)
-    });
     let errors = field_u64(read_state(&state).unwrap().first().unwrap(), "errors");
     assert_eq!(errors, Some(0));
 }

@@ -37,7 +37,8 @@ const TCP_REPAIR: libc::c_int = 19;
 const TCP_REPAIR_OFF: libc::c_int = 0;
 
 /// What a dump that left the tree stopped holds of its network: released by [`NetworkHold::release`].
-#[derive(Debug, Default)]
+/// Serializable: the flow tells it to the guardian, which releases it if the tool dies first.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetworkHold {
     /// The tree: each TCP socket of these processes in repair mode is taken out of it.
     pids: Vec<i32>,
@@ -45,8 +46,8 @@ pub struct NetworkHold {
     rules: Vec<Vec<String>>,
     /// The nftables table (family inet) CRIU made for its per-connection lock.
     nft_table: Option<String>,
-    /// The tree's network namespace, when it is not ours and CRIU locked it whole with iptables.
-    netns: Option<std::fs::File>,
+    /// A process of the tree whose network namespace CRIU locked whole with iptables (it is not ours).
+    netns_of: Option<i32>,
 }
 
 impl NetworkHold {
@@ -55,19 +56,17 @@ impl NetworkHold {
     pub fn after_dump(pids: &[i32], log: &Path, method: NetworkLock) -> NetworkHold {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let (rules, nft_table) = logged_lock(&text);
-        let netns = pids.first().and_then(|&root| {
-            let theirs = format!("/proc/{root}/ns/net");
-            let other = std::fs::metadata(&theirs).ok()?.ino()
-                != std::fs::metadata("/proc/self/ns/net").ok()?.ino();
-            (other && method == NetworkLock::Iptables)
-                .then(|| std::fs::File::open(&theirs).ok())
-                .flatten()
+        let netns_of = pids.first().copied().filter(|&root| {
+            let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).ok();
+            method == NetworkLock::Iptables
+                && ino(&format!("/proc/{root}/ns/net"))
+                    .is_some_and(|i| Some(i) != ino("/proc/self/ns/net"))
         });
         NetworkHold {
             pids: pids.to_vec(),
             rules,
             nft_table,
-            netns,
+            netns_of,
         }
     }
 
@@ -94,8 +93,14 @@ impl NetworkHold {
                 tracing::warn!("deleting CRIU's nftables table inet {table}: {e}");
             }
         }
-        if let Some(ns) = &self.netns {
-            unlock_netns(ns);
+        // The tree is stopped and held: its PIDs are still its own.
+        match self
+            .netns_of
+            .map(|pid| std::fs::File::open(format!("/proc/{pid}/ns/net")))
+        {
+            Some(Ok(ns)) => unlock_netns(&ns),
+            Some(Err(e)) => tracing::warn!("the tree's network namespace: {e}"),
+            None => {}
         }
         repaired
     }

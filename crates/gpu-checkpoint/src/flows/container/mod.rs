@@ -436,13 +436,11 @@ impl ContainerFlow<'_> {
                 )?;
                 if let Some(p) = paused.as_mut().filter(|_| direct::leaves_stopped(opts)) {
                     p.stopped = Some(crate::proc::Held::open(&pids));
-                    p.network = Some(crate::dump::NetworkHold::after_dump(
-                        &pids,
-                        &ingest
-                            .staging_dir()
-                            .join(crate::flows::checkpoint::DUMP_LOG),
-                        d.options.effective_network_lock(),
-                    ));
+                    let log = ingest.staging_dir().join(super::checkpoint::DUMP_LOG);
+                    let lock = d.options.effective_network_lock();
+                    let hold = crate::dump::NetworkHold::after_dump(&pids, &log, lock);
+                    super::checkpoint::tell_network(self.watch, &hold);
+                    p.network = Some(hold);
                 }
                 stored.map(Ok)
             }
