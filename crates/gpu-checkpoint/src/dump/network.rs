@@ -412,4 +412,50 @@ mod tests {
         assert_eq!(table.as_deref(), Some("CRIU-abc-1"));
         assert_eq!(logged_lock("nothing"), (Vec::new(), None));
     }
+
+    /// Repair mode needs CAP_NET_ADMIN: as root, one end of a loopback connection of this process is put
+    /// in repair mode (as CRIU's dump does); the release finds it among our descriptors, turns it out of
+    /// repair mode, and the connection carries data both ways again. A table that is not there is no
+    /// error of the release.
+    #[test]
+    fn a_socket_in_repair_mode_is_released() {
+        use std::io::{Read, Write};
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: TCP_REPAIR needs root");
+            return;
+        }
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let on: libc::c_int = 1;
+        // SAFETY: setsockopt on a socket we own, with an int option.
+        let rc = unsafe {
+            libc::setsockopt(
+                a.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                TCP_REPAIR,
+                (&on as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "{}", io::Error::last_os_error());
+        assert!(
+            a.write_all(b"x").is_err(),
+            "a socket in repair mode sends nothing"
+        );
+        let hold = NetworkHold {
+            pids: vec![std::process::id() as i32],
+            ..Default::default()
+        };
+        assert!(hold.release() >= 1, "our socket in repair mode");
+        a.write_all(b"ping").unwrap();
+        let mut buf = [0u8; 4];
+        b.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"ping");
+        b.write_all(b"pong").unwrap();
+        a.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"pong");
+        nft_delete_table(NFPROTO_INET, "CRIU-not-there").unwrap();
+    }
 }
