@@ -167,28 +167,36 @@ fn repair_off(pid: i32) -> io::Result<usize> {
         let tcp = get_int(&sock, libc::SOL_SOCKET, libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP);
         // Several processes (or descriptors) may share a socket: the first one turns it off.
         if tcp && get_int(&sock, libc::IPPROTO_TCP, TCP_REPAIR) == Some(1) {
-            let off = TCP_REPAIR_OFF;
-            // SAFETY: setsockopt on a descriptor we own, with an int option.
-            let rc = unsafe {
-                libc::setsockopt(
-                    sock.as_raw_fd(),
-                    libc::IPPROTO_TCP,
-                    TCP_REPAIR,
-                    (&off as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if rc == 0 {
-                n += 1;
-            } else {
-                tracing::warn!(
-                    "TCP_REPAIR off on fd {target} of {pid}: {}",
-                    io::Error::last_os_error()
-                );
+            match set_int(
+                sock.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                TCP_REPAIR,
+                TCP_REPAIR_OFF,
+            ) {
+                Ok(()) => n += 1,
+                Err(e) => tracing::warn!("TCP_REPAIR off on fd {target} of {pid}: {e}"),
             }
         }
     }
     Ok(n)
+}
+
+fn set_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> io::Result<()> {
+    // SAFETY: setsockopt with an int we own, its size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 fn get_int(fd: &OwnedFd, level: libc::c_int, opt: libc::c_int) -> Option<libc::c_int> {
@@ -428,18 +436,7 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (mut b, _) = l.accept().unwrap();
-        let on: libc::c_int = 1;
-        // SAFETY: setsockopt on a socket we own, with an int option.
-        let rc = unsafe {
-            libc::setsockopt(
-                a.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                TCP_REPAIR,
-                (&on as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(rc, 0, "{}", io::Error::last_os_error());
+        set_int(a.as_raw_fd(), libc::IPPROTO_TCP, TCP_REPAIR, 1).unwrap();
         assert!(
             a.write_all(b"x").is_err(),
             "a socket in repair mode sends nothing"
