@@ -71,6 +71,22 @@ fn network_lock_method(store: &std::path::Path, ckpt: &str, dir: &std::path::Pat
     None
 }
 
+/// `gpu-checkpoint checkpoint --container ID --tcp-established --format json`, with `extra`.
+fn checkpoint_tcp(
+    store: &std::path::Path,
+    runc: &Runc,
+    id: &str,
+    extra: &[&str],
+) -> std::process::Output {
+    std::process::Command::new(gpu_checkpoint())
+        .args(["checkpoint", "--container", id, "--tcp-established"])
+        .args(["--format", "json"])
+        .args(extra)
+        .args(store_args(store, runc))
+        .output()
+        .unwrap()
+}
+
 /// `workload sockets --tcp-pair 1` in a container that joined a network namespace by path (its loopback
 /// up, as CNI sets one up: runc restores a namespace of its own empty, without the loopback the
 /// connection's addresses need): a client and a server in the container exchange a value chain over an
@@ -122,16 +138,7 @@ fn a_connection_survives(
             .output()
             .unwrap()
     };
-    let mut ck = vec![
-        "checkpoint",
-        "--container",
-        &id,
-        "--tcp-established",
-        "--format",
-        "json",
-    ];
-    ck.extend_from_slice(extra);
-    let o = gc(&ck);
+    let o = checkpoint_tcp(&store, &runc, &id, extra);
     assert!(o.status.success(), "{tag}: checkpoint: {}", text(&o));
     let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(out["dump"], dump, "{out}");
@@ -188,4 +195,177 @@ fn a_criu_configuration_file_names_the_network_lock_of_both_paths() {
             assert_eq!(m, SKIP, "{dump}: the file's skip");
         }
     }
+}
+
+/// Connects to `127.0.0.1:port` inside network namespace `ns` (from a thread that entered it: the socket
+/// keeps its namespace wherever it is used), retrying until something listens.
+fn connect_in(ns: &NetNs, port: u16) -> std::net::TcpStream {
+    let path = ns.path();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::File::open(&path).unwrap();
+        // SAFETY: setns on a descriptor we own; it changes only this thread's namespace.
+        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => return s,
+                Err(e) if std::time::Instant::now() > deadline => panic!("connect: {e}"),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            }
+        }
+    })
+    .join()
+    .unwrap()
+}
+
+/// Sends `line` and reads back what the container's `cat` echoes.
+fn echo(s: &mut std::io::BufReader<std::net::TcpStream>, line: &str) -> String {
+    use std::io::{BufRead, Write};
+    s.get_mut()
+        .write_all(format!("{line}\n").as_bytes())
+        .unwrap();
+    let mut back = String::new();
+    s.read_line(&mut back).unwrap();
+    back.trim_end().to_string()
+}
+
+/// A peer outside the container, in the namespace it joined, connected to busybox `nc -l -e cat` in it:
+/// checkpointed with `--tcp-established` (the container stopped), the peer writes while the container
+/// is gone (CRIU's network lock drops the segments instead of the kernel resetting the connection), and
+/// after the restore the echo of that line and of a new one come back over the same connection.
+fn a_peer_outside_keeps_its_connection(tag: &str, extra: &[&str]) {
+    use std::io::BufRead;
+    if !containers_ready() {
+        return;
+    }
+    let Some(ns) = NetNs::add(&format!("gc-{}-{tag}", std::process::id())) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let (runc, id, mut peer, _bundle) = nc_container(dir.path(), &ns, tag, &[]);
+    let o = checkpoint_tcp(&store, &runc, &id, extra);
+    assert!(o.status.success(), "{tag}: checkpoint: {}", text(&o));
+    assert_eq!(runc.state(&id), None, "{tag}: the container is deleted");
+    let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ckpt = out["id"].as_str().unwrap();
+    // Written while nothing in the container holds the connection.
+    std::io::Write::write_all(peer.get_mut(), b"during\n").unwrap();
+    let o = std::process::Command::new(gpu_checkpoint())
+        .args(["restore", ckpt, "--container", &id])
+        .args(store_args(&store, &runc))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{tag}: restore: {}", text(&o));
+    peer.get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut back = String::new();
+    peer.read_line(&mut back).unwrap();
+    assert_eq!(
+        back, "during\n",
+        "{tag}: the line written while checkpointed"
+    );
+    assert_eq!(echo(&mut peer, "after"), "after", "{tag}");
+}
+
+/// A peer connected to busybox `nc -l -e cat` in a container that joined namespace `ns`, after the shell
+/// commands `before` (run in the background): (runtime, container id, the peer's end, the bundle).
+fn nc_container(
+    dir: &std::path::Path,
+    ns: &NetNs,
+    tag: &str,
+    before: &[&str],
+) -> (
+    Runc,
+    String,
+    std::io::BufReader<std::net::TcpStream>,
+    Bundle,
+) {
+    let runc = Runc::new(dir);
+    let mut script = before.to_vec();
+    script.push("exec nc -l -p 5000 -e cat");
+    let bundle = Bundle::new(&dir.join("bundle"), &script, &[]);
+    bundle.join_netns(ns);
+    let id = format!("gc-{}-{tag}", std::process::id());
+    runc.run(&id, &bundle);
+    let mut peer = std::io::BufReader::new(connect_in(ns, 5000));
+    assert_eq!(echo(&mut peer, "before"), "before");
+    (runc, id, peer, bundle)
+}
+
+#[test]
+fn a_peer_outside_the_container_keeps_its_connection_through_the_direct_dump() {
+    a_peer_outside_keeps_its_connection("tcpod", &[]);
+}
+
+/// A checkpoint with `--tcp-established` that fails after the direct dump (SIGTERM there: exit 10; SIGKILL
+/// there: the guardian undoes it), in a
+/// container running busybox `nc -l -e cat` for a peer outside it and `workload sockets --tcp-pair 1` (a
+/// connection inside): CRIU left the paused container's processes stopped, their connections in repair
+/// mode and the namespace locked (iptables), so that the kill after a commit would close nothing. The
+/// undo releases them and resumes the container: it runs, none of its processes is stopped, nothing is
+/// stored, the peer's line is echoed over the same connection, and the ping-pong inside goes on without
+/// an error.
+#[test]
+fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connections_working() {
+    if !containers_ready() {
+        return;
+    }
+    let Some(ns) = NetNs::add(&format!("gc-{}-tcpf", std::process::id())) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let inside = "workload sockets --state /state/s --unix /tmp/u --tcp-pair 1 &";
+    let (runc, id, mut peer, bundle) = nc_container(dir.path(), &ns, "tcpf", &[inside]);
+    let state = bundle.rootfs().join("state/s");
+    let rounds = || -> Option<u64> { field_u64(read_state(&state).ok()?.first()?, "tcp_rounds") };
+    wait_for("the TCP ping-pong", &|| rounds().is_some_and(|r| r >= 3));
+    for (action, code) in [("term", Some(10)), ("kill", None)] {
+        let o = std::process::Command::new(gpu_checkpoint())
+            .args(["checkpoint", "--container", &id, "--tcp-established"])
+            .args(store_args(&store, &runc))
+            .env(
+                "GPU_CHECKPOINT_FAULT",
+                format!("checkpoint.after-dump={action}"),
+            )
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), code, "{}", text(&o));
+        // Killed, the tool leaves it to the guardian, which resumes the container a moment later.
+        let stopped = || {
+            runc.pids(&id).into_iter().any(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                stat.rsplit(") ").next().and_then(|s| s.chars().next()) == Some('T')
+            })
+        };
+        wait_for("the container resumed", &|| {
+            runc.state(&id).is_some_and(|(s, _)| s == "running") && !stopped()
+        });
+        peer.get_ref()
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(echo(&mut peer, action), action, "the peer's connection");
+        let r0 = rounds().unwrap();
+        wait_for("the ping-pong inside going on", &|| {
+            rounds().is_some_and(|r| r > r0 + 5)
+        });
+    }
+    let o = gc_run(&[
+        "list",
+        "--storage",
+        store.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    let listed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+    assert!(
+        listed.as_array().is_none_or(|a| a.is_empty()),
+        "nothing stored: {listed}"
+    );
+    let errors = field_u64(read_state(&state).unwrap().first().unwrap(), "errors");
+    assert_eq!(errors, Some(0));
 }

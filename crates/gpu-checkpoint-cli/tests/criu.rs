@@ -10,16 +10,6 @@ use std::path::Path;
 use common::*;
 use gpu_checkpoint_workloads::{chain, Record};
 
-/// A temporary folder and a store path in it, when root and CRIU are there (see [`criu_ready`]).
-fn scene() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
-    if !criu_ready() {
-        return None;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    Some((dir, store))
-}
-
 /// The stored chunks (hashes, in order) of a checkpoint's page image, from its manifest.
 fn page_chunks(ck: &serde_json::Value) -> Vec<String> {
     let manifest: serde_json::Value =
@@ -100,7 +90,9 @@ fn cycle_restoring_with(
 
 #[test]
 fn counter_continues_and_restores_twice() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("counter", dir.path(), &[]);
     w.wait_state("a few ticks", |r| r.len() == 1 && num(&r[0], "seq") >= 5);
     let (before, ck) = cycle(&w, &store, 1);
@@ -166,7 +158,9 @@ fn threads_continue() {
 
 /// Four threads, one value chain each: checkpoint, restore with `restore_extra`, every chain goes on.
 fn threads_case(restore_extra: &[&str]) {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("threads", dir.path(), &["--threads", "4"]);
     w.wait_state("4 threads ticking", |r| {
         r.len() == 4 && r.iter().all(|t| num(t, "seq") >= 3)
@@ -200,7 +194,9 @@ fn children_and_threads_continue_after_a_streamed_restore() {
 /// A parent and two children talking over pipes: checkpoint with `extra`, restore with `restore_extra`,
 /// the conversations go on under the same PIDs.
 fn pipes_case(extra: &[&str], restore_extra: &[&str]) {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("pipes", dir.path(), &["--children", "2"]);
     w.wait_state("both children answering", |r| {
         r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)
@@ -221,7 +217,9 @@ fn pipes_case(extra: &[&str], restore_extra: &[&str]) {
 
 #[test]
 fn unix_and_tcp_listening_sockets_work_after_restore() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let sock = dir.path().join("wl.sock");
     let w = Workload::start("sockets", dir.path(), &["--unix", sock.to_str().unwrap()]);
     let r = w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
@@ -262,34 +260,10 @@ fn unix_and_tcp_listening_sockets_work_after_restore() {
 }
 
 #[test]
-fn established_tcp_connection_survives_with_tcp_established() {
-    let Some((dir, store)) = scene() else { return };
-    let sock = dir.path().join("wl.sock");
-    let w = Workload::start(
-        "sockets",
-        dir.path(),
-        &["--unix", sock.to_str().unwrap(), "--tcp-pair", "1"],
-    );
-    w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "tcp_rounds") >= 3);
-    let ck = checkpoint(w.pid, &store, &["--tcp-established"]);
-    assert!(!w.alive());
-    let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
-    let r0 = num(&before[0], "tcp_rounds");
-    wait_pid_free(w.pid);
-    assert_eq!(restore(ck["id"].as_str().unwrap(), &store), w.pid);
-    let after = w.wait_state("the connection carrying on", |r| {
-        num(&r[0], "tcp_rounds") > r0 + 5
-    });
-    assert_eq!(num(&after[0], "errors"), 0);
-    assert_eq!(
-        num(&after[0], "tcp_value"),
-        chain(7, num(&after[0], "tcp_rounds"))
-    );
-}
-
-#[test]
 fn file_mappings_and_open_files_continue() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let data = dir.path().join("data");
     std::fs::create_dir(&data).unwrap();
     let w = Workload::start("files", dir.path(), &["--dir", data.to_str().unwrap()]);
@@ -322,7 +296,9 @@ fn file_mappings_and_open_files_continue() {
 
 #[test]
 fn one_gib_of_memory_survives_with_its_checksum() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let (w, checksum) = memory_workload(dir.path(), "1024");
     // Restored right away, as a user would: the checkpoint returns once the killed process is exiting,
     // possibly still freeing its GiB, and restore waits for its PID instead of calling it taken.
@@ -394,7 +370,9 @@ fn one_gib_of_memory_survives_with_its_checksum() {
 
 #[test]
 fn leave_running_keeps_the_original_and_the_copy_works_after_it_exits() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("counter", dir.path(), &[]);
     w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
     let ck = checkpoint(w.pid, &store, &["--leave-running", "--name", "periodic"]);
@@ -454,7 +432,7 @@ fn assert_untouched(w: &Workload, store: &Path) {
 /// reported, CRIU fails on the broken pipe) and staged (CRIU fails to write, its log is kept and named).
 #[test]
 fn disk_full_during_the_dump_leaves_the_process_running() {
-    let Some((dir, _)) = scene() else { return };
+    let Some((dir, _)) = criu_scene() else { return };
     let w = Workload::start("memory", dir.path(), &["--mib", "64"]);
     w.wait_state("filled", |r| {
         r.len() == 1 && r[0].get("phase").map(String::as_str) == Some("verifying")
@@ -500,7 +478,9 @@ fn disk_full_during_the_dump_leaves_the_process_running() {
 /// under the PID, and the checkpoint is intact: repaired, it restores.
 #[test]
 fn a_damaged_chunk_stops_a_restore() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("counter", dir.path(), &[]);
     w.wait_state("a few ticks", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
     let ck = checkpoint(w.pid, &store, &[]);
@@ -560,7 +540,9 @@ fn a_damaged_chunk_stops_a_restore() {
 /// memory's checksum (before the fix: exit 0, the process killed, `verify` exit 7 and no restore).
 #[test]
 fn a_re_checkpoint_rewrites_a_damaged_chunk_of_unchanged_memory() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let (w, checksum) = memory_workload(dir.path(), "64");
     let first = checkpoint(w.pid, &store, &["--leave-running"]);
     assert!(w.alive());
@@ -596,7 +578,7 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_of_unchanged_memory() {
 /// holds (107 bytes); checkpoint and restore still stream.
 #[test]
 fn a_store_with_a_long_path_still_streams() {
-    let Some((dir, _)) = scene() else { return };
+    let Some((dir, _)) = criu_scene() else { return };
     let store = dir
         .path()
         .join("s".repeat(80))
@@ -624,7 +606,7 @@ fn a_store_with_a_long_path_still_streams() {
 
 #[test]
 fn unwritable_storage_is_refused_before_touching_the_process() {
-    let Some((dir, _)) = scene() else { return };
+    let Some((dir, _)) = criu_scene() else { return };
     let fs = Tmpfs::mount("size=1m,ro");
     let w = Workload::start("counter", dir.path(), &[]);
     w.wait_state("ticking", |r| r.len() == 1);
@@ -635,7 +617,9 @@ fn unwritable_storage_is_refused_before_touching_the_process() {
 
 #[test]
 fn missing_process_concurrent_checkpoint_and_missing_checkpoint() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
 
     // A PID that is gone: exit 3, nothing stored.
     let gone = Workload::start("counter", dir.path(), &[]);
@@ -702,7 +686,9 @@ fn doctor_reports_criu_and_its_check() {
 
 #[test]
 fn logs_piped_into_a_file_carry_no_colour_codes() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("counter", dir.path(), &[]);
     let out = std::process::Command::new(gc_bin())
         .args(["checkpoint", "--pid", &w.pid.to_string(), "--storage"])
@@ -741,7 +727,9 @@ fn sleeper_at(want: i32) -> Option<std::process::Child> {
 
 #[test]
 fn restore_refuses_a_thread_id_in_use_and_names_its_holder() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("threads", dir.path(), &["--threads", "2"]);
     w.wait_state("2 threads ticking", |r| r.len() == 2);
     let tids: Vec<i32> = std::fs::read_dir(format!("/proc/{}/task", w.pid))
@@ -774,7 +762,9 @@ fn restore_refuses_a_thread_id_in_use_and_names_its_holder() {
 /// that child, is refused with exit 8 instead of failing inside CRIU, and the tree runs on.
 #[test]
 fn a_checkpoint_overlapping_a_running_one_is_a_conflict() {
-    let Some((dir, store)) = scene() else { return };
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
     let w = Workload::start("pipes", dir.path(), &["--children", "2"]);
     w.wait_state("both children answering", |r| {
         r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)

@@ -17,6 +17,16 @@ pub fn gc_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpu-checkpoint"))
 }
 
+/// A temporary folder and a store path in it, when root and CRIU are there (see [`criu_ready`]).
+pub fn criu_scene() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    if !criu_ready() {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    Some((dir, store))
+}
+
 /// Whether tests needing root and CRIU can run. In CI (`CI=true`) their absence fails the test; locally
 /// the test is skipped with the reason printed.
 pub fn criu_ready() -> bool {

@@ -14,6 +14,7 @@ mod discover;
 mod fake;
 pub mod images;
 mod log;
+mod network;
 pub mod options;
 mod rpc;
 pub mod streamer;
@@ -29,6 +30,7 @@ pub use container::ContainerDump;
 pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
+pub use network::NetworkHold;
 pub use options::{CgroupMode, CriuOptions, NetworkLock, RestoreOptions};
 pub use rpc::CriuRpc;
 

@@ -86,6 +86,9 @@ pub enum Event {
     /// (program and arguments) resumes it, before the tree is continued or killed (a frozen process
     /// neither runs nor dies).
     Paused { resume: Vec<String> },
+    /// CRIU's dump left the tree stopped with its TCP connections in repair mode and locked
+    /// (`--tcp-established`): released before the tree is continued.
+    Network(crate::dump::NetworkHold),
     /// The checkpoint is durable: from now on the tree is to be stopped, not put back.
     Durable,
     /// A restore is about to create processes with these PIDs.
@@ -216,6 +219,8 @@ struct Watched {
     sandbox: Option<SandboxUndo>,
     /// The images of the runtime's checkpoint that stops the sandbox.
     stopping: Option<std::path::PathBuf>,
+    /// What CRIU's dump left of the tree's network.
+    network: Option<crate::dump::NetworkHold>,
 }
 
 /// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
@@ -308,6 +313,7 @@ impl Watched {
             Event::Paused { resume } => self.resume = Some(resume),
             Event::Sandbox(s) => self.sandbox = Some(s),
             Event::Stopping { images } => self.stopping = Some(images),
+            Event::Network(hold) => self.network = Some(hold),
             Event::Durable => self.durable = true,
             Event::Restore { pids } => self.restore = Some(pids),
             Event::Done => {}
@@ -355,6 +361,12 @@ impl Watched {
             // itself): a continue sent meanwhile would be lost. (A sandbox is dumped by its runtime,
             // not CRIU, and its sentry traces its own processes on the ptrace platform.)
             wait_untraced(&tree.all.pids(), CRIU_LET_GO);
+        }
+        if let Some(hold) = &self.network {
+            let n = hold.release();
+            say(&format!(
+                "took {n} TCP sockets out of repair mode and unlocked the network"
+            ));
         }
         if let Some(resume) = &self.resume {
             resume_settled(resume, &tree.all.pids());

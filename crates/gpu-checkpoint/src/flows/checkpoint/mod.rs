@@ -336,11 +336,18 @@ impl Flow<'_> {
         )?;
         timings.dump = ms(t);
         let process_tree = dumped_tree(pid, &report);
-        let stopped_tree = ContinueGuard::new(
-            &process_tree.iter().map(|p| p.pid).collect::<Vec<_>>(),
-            &stopped_before,
-            after == AfterDump::Stop,
-        );
+        let dumped_pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
+        let mut stopped_tree =
+            ContinueGuard::new(&dumped_pids, &stopped_before, after == AfterDump::Stop);
+        if opts.criu.tcp_established && after == AfterDump::Stop {
+            let hold = crate::dump::NetworkHold::after_dump(
+                &dumped_pids,
+                &ingest.staging_dir().join(DUMP_LOG),
+                opts.criu.effective_network_lock(),
+            );
+            tell_network(self.watch, &hold);
+            stopped_tree.release_network(hold);
+        }
         // CRIU finished, but the store may not have taken every image.
         let streamed = stored.transpose()?;
         let reopened = match &plugin {
@@ -580,6 +587,17 @@ fn check_options(pid: i32, report: &Report, criu: &CriuOptions) -> Result<(), Er
 /// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
 /// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
 /// full), CRIU only saw a broken pipe: the store's error says why.
+/// Tells the guardian what CRIU's dump left of the network, which it releases should the tool die before
+/// the commit; a guardian that cannot be told leaves it to the flow's own undo.
+pub(in crate::flows) fn tell_network(
+    watch: &dyn crate::flows::Watch,
+    hold: &crate::dump::NetworkHold,
+) {
+    if let Err(e) = watch.tell(&Event::Network(hold.clone())) {
+        tracing::warn!("the guardian was not told of the locked network: {e}");
+    }
+}
+
 pub(in crate::flows) fn dump_tree(
     criu: &dyn Criu,
     store: &Store,

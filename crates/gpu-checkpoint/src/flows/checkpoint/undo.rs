@@ -24,6 +24,9 @@ pub(super) struct ContinueGuard {
     resume: tree::Held,
     /// CRIU left the tree stopped (no `--leave-running`) and nothing has taken it over yet.
     armed: bool,
+    /// With `--tcp-established`: the connections CRIU left in repair mode and locked, released before
+    /// the tree is continued (a continued tree's connections would be dead otherwise).
+    network: Option<crate::dump::NetworkHold>,
 }
 
 impl ContinueGuard {
@@ -39,7 +42,13 @@ impl ContinueGuard {
             tree: tree::Held::open(pids),
             resume: tree::Held::open(&resume),
             armed: stopped,
+            network: None,
         }
+    }
+
+    /// The undo also releases what CRIU's dump left of the network (see [`crate::dump::NetworkHold`]).
+    pub(super) fn release_network(&mut self, hold: crate::dump::NetworkHold) {
+        self.network = Some(hold);
     }
 
     /// The checkpoint is durable: the tree is the caller's again (to kill, or to leave running).
@@ -52,6 +61,10 @@ impl ContinueGuard {
 impl Drop for ContinueGuard {
     fn drop(&mut self) {
         if self.armed {
+            if let Some(hold) = &self.network {
+                let n = hold.release();
+                tracing::debug!("{n} TCP sockets taken out of repair mode");
+            }
             self.resume.continue_all();
         }
     }

@@ -256,6 +256,16 @@ fn cgroup_mounts_under(proc: &Path, dir: &str) -> Vec<String> {
         .collect()
 }
 
+/// Whether the direct dump leaves the (paused) container's processes stopped rather than running:
+/// with `--tcp-established` when the container is to be stopped. CRIU's `--leave-running` takes the
+/// connections out of repair mode and unlocks the network after the dump, so the kill once the
+/// checkpoint is durable would close them (FIN) under a peer outside the container, which then sees the
+/// connection end; left stopped, they stay in repair mode and locked until the restore (as under `runc
+/// checkpoint` without `--leave-running`), and are closed silently.
+pub(super) fn leaves_stopped(opts: &super::ContainerCheckpointOptions) -> bool {
+    opts.tcp_established && !opts.leave_running
+}
+
 /// Dumps the (paused) container with our CRIU and the runtime's settings, its images streamed into
 /// the store, the runtime's files (`descriptors.json`) written next to them. Returns the store's side
 /// of the dump; on error CRIU left the container as it was (paused: the caller's guard resumes it).
@@ -285,7 +295,11 @@ pub(super) fn dump_direct(
         images_dir: ingest.staging_dir(),
         log_file: crate::flows::checkpoint::DUMP_LOG,
         // The container is paused: it stays so until the checkpoint is durable (or resumed).
-        after: AfterDump::KeepRunning,
+        after: if leaves_stopped(opts) {
+            AfterDump::Stop
+        } else {
+            AfterDump::KeepRunning
+        },
         options: &options,
         stream: true,
         env: &[],

@@ -10,12 +10,30 @@ pub(super) struct ResumeGuard<'r> {
     pub(super) runtime: &'r dyn ContainerRuntime,
     pub(super) id: String,
     pub(super) armed: bool,
+    /// Processes CRIU left stopped (SIGSTOP, its `--leave-stopped`): continued once the container is
+    /// resumed.
+    pub(super) stopped: Option<crate::proc::Held>,
+    /// With `--tcp-established` and the processes left stopped: the connections CRIU left in repair mode
+    /// and locked, released before the container resumes (see [`crate::dump::NetworkHold`]).
+    pub(super) network: Option<crate::dump::NetworkHold>,
 }
 
 impl ResumeGuard<'_> {
     pub(super) fn resume_now(mut self) -> Result<(), Error> {
         self.armed = false;
-        self.runtime.resume(&self.id)
+        self.resume()
+    }
+
+    fn resume(&self) -> Result<(), Error> {
+        if let Some(hold) = &self.network {
+            let n = hold.release();
+            tracing::debug!("{n} TCP sockets taken out of repair mode");
+        }
+        let resumed = self.runtime.resume(&self.id);
+        if let Some(stopped) = &self.stopped {
+            stopped.continue_all();
+        }
+        resumed
     }
 
     pub(super) fn disarm(mut self) {
@@ -26,7 +44,7 @@ impl ResumeGuard<'_> {
 impl Drop for ResumeGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
-            if let Err(e) = self.runtime.resume(&self.id) {
+            if let Err(e) = self.resume() {
                 tracing::error!(
                     "after the failed checkpoint, resuming the container failed too: {e}"
                 );

@@ -393,7 +393,7 @@ impl ContainerFlow<'_> {
         // 4. The runtime's checkpoint, with the container held paused where the runtime can.
         let hold = self.runtime.can_hold_paused();
         let t = Instant::now();
-        let paused = if hold {
+        let mut paused = if hold {
             self.watch.tell(&Event::Paused {
                 resume: self.runtime.resume_command(id),
             })?;
@@ -402,6 +402,8 @@ impl ContainerFlow<'_> {
                 runtime: self.runtime,
                 id: id.to_string(),
                 armed: true,
+                stopped: None,
+                network: None,
             })
         } else {
             None
@@ -425,8 +427,22 @@ impl ContainerFlow<'_> {
         injected("container.runtime-checkpoint", self.runtime)?;
         let streamed = match &direct {
             Some((criu, d)) => {
-                direct::dump_direct(*criu, d, &found, (self.store, self.progress, &ingest), opts)?
-                    .map(Ok)
+                let stored = direct::dump_direct(
+                    *criu,
+                    d,
+                    &found,
+                    (self.store, self.progress, &ingest),
+                    opts,
+                )?;
+                if let Some(p) = paused.as_mut().filter(|_| direct::leaves_stopped(opts)) {
+                    p.stopped = Some(crate::proc::Held::open(&pids));
+                    let log = ingest.staging_dir().join(super::checkpoint::DUMP_LOG);
+                    let lock = d.options.effective_network_lock();
+                    let hold = crate::dump::NetworkHold::after_dump(&pids, &log, lock);
+                    super::checkpoint::tell_network(self.watch, &hold);
+                    p.network = Some(hold);
+                }
+                stored.map(Ok)
             }
             None => {
                 let req = CheckpointRequest {

@@ -1,0 +1,98 @@
+//! Established TCP connections of a process tree with real CRIU and `--tcp-established`: they survive a
+//! checkpoint and restore, and a checkpoint that fails after CRIU's dump (the tool's undo, or the
+//! guardian's when the tool is killed) leaves them working. Needs root and CRIU: fails in CI without
+//! them, skips locally with the reason.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use gpu_checkpoint_workloads::chain;
+
+/// `workload sockets --tcp-pair 1` (an established loopback connection inside the process), ticking.
+fn tcp_pair_workload(dir: &Path) -> Workload {
+    let sock = dir.join("wl.sock");
+    let w = Workload::start(
+        "sockets",
+        dir,
+        &["--unix", sock.to_str().unwrap(), "--tcp-pair", "1"],
+    );
+    w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "tcp_rounds") >= 3);
+    w
+}
+
+#[test]
+fn established_tcp_connection_survives_with_tcp_established() {
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
+    let w = tcp_pair_workload(dir.path());
+    let ck = checkpoint(w.pid, &store, &["--tcp-established"]);
+    assert!(!w.alive());
+    let before = gpu_checkpoint_workloads::read_state(&w.state).unwrap();
+    let r0 = num(&before[0], "tcp_rounds");
+    wait_pid_free(w.pid);
+    assert_eq!(restore(ck["id"].as_str().unwrap(), &store), w.pid);
+    let after = w.wait_state("the connection carrying on", |r| {
+        num(&r[0], "tcp_rounds") > r0 + 5
+    });
+    assert_eq!(num(&after[0], "errors"), 0);
+    assert_eq!(
+        num(&after[0], "tcp_value"),
+        chain(7, num(&after[0], "tcp_rounds"))
+    );
+}
+
+/// A checkpoint with `--tcp-established` that fails after CRIU's dump (SIGTERM there: exit 10; the store
+/// failing as it takes the staged images: exit 1): CRIU left the tree stopped with its connections in TCP repair mode and locked
+/// (per connection: an nftables set, or iptables rules), and the undo releases them before continuing the
+/// tree (the guardian does, when the tool is killed there): the established connection carries the
+/// ping-pong both ways again, without an error.
+#[test]
+fn a_failed_checkpoint_with_tcp_established_leaves_the_connection_working() {
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
+    let w = tcp_pair_workload(dir.path());
+    // (lock method, fault, exit code: None when killed, staged)
+    let cells = [
+        ("nftables", "checkpoint.after-dump=term", Some(10), false),
+        ("nftables", "store.write=eio", Some(1), true),
+        ("iptables", "checkpoint.after-dump=term", Some(10), false),
+        ("nftables", "checkpoint.after-dump=kill", None, false),
+        ("iptables", "checkpoint.after-dump=kill", None, false),
+    ];
+    for (lock, fault, code, staged) in cells {
+        let mut args = vec!["--tcp-established", "--network-lock", lock];
+        if staged {
+            args.push("--staged");
+        }
+        let out = run_checkpoint_env(w.pid, &store, &args, &[("GPU_CHECKPOINT_FAULT", fault)]);
+        match code {
+            Some(code) => drop(fails_with(&out, code)),
+            None => {
+                // The guardian releases the network and continues the tree.
+                assert_eq!(out.status.code(), None, "{fault}: killed");
+                w.wait_state("the guardian's continue", |_| !w.stopped());
+            }
+        }
+        assert!(w.alive() && !w.stopped(), "{fault}: the tree runs");
+        let r0 = num(
+            &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+            "tcp_rounds",
+        );
+        let after = w.wait_state("the connection carrying on", |r| {
+            num(&r[0], "tcp_rounds") > r0 + 5 || !w.alive()
+        });
+        assert!(w.alive(), "{fault}: the workload ended on its connection");
+        assert_eq!(num(&after[0], "errors"), 0, "{fault}: {after:?}");
+        assert!(num(&after[0], "tcp_rounds") > r0 + 5, "{fault}: {after:?}");
+        assert_eq!(
+            num(&after[0], "tcp_value"),
+            chain(7, num(&after[0], "tcp_rounds")),
+            "{fault}"
+        );
+        assert!(list_ids(&store).is_empty(), "{fault}: nothing listed");
+    }
+}

@@ -1,0 +1,458 @@
+//! What a dump with `--tcp-established` leaves behind when CRIU leaves the tree stopped, and its release.
+//!
+//! CRIU puts every established TCP socket of the tree in repair mode (`TCP_REPAIR`) and locks the network
+//! so that no segment reaches or leaves the connections while they are dumped. With `--leave-stopped` it
+//! keeps both for the kill that follows a durable checkpoint: the connections then end without a FIN or a
+//! reset, and a restore takes them over. CRIU's own `network_unlock` (criu/net.c, criu/sk-tcp.c) only runs
+//! when the dump fails or the tree is left running. When the checkpoint fails after CRIU's dump, the undo
+//! must release them as `network_unlock` would before the tree is continued, or every connection of the
+//! continued tree is dead (a write fails with EPIPE in repair mode, the peer's segments are dropped).
+//!
+//! What the lock is follows from CRIU's choices, read from its dump log (debug level, which we always ask
+//! for) where it names them:
+//! - a tree in our network namespace: each connection is locked on its own, with `iptables -I ... -j DROP`
+//!   rules (both directions; CRIU logs each command: the release deletes exactly those) or, with
+//!   nftables, as elements of a set in the table `inet CRIU-<run id>` CRIU made for this dump (named in
+//!   the logged commands: the release deletes that table, as CRIU's unlock does);
+//! - a tree in a network namespace of its own (a container): the whole namespace is locked, with the
+//!   iptables chain `CRIU` jumped to from INPUT and OUTPUT; the release removes the jumps and the chain in
+//!   that namespace, as CRIU's `iptables_network_unlock_internal` does.
+//!
+//! The sockets are taken out of repair mode with `TCP_REPAIR_OFF` (CRIU's `libsoccr_resume`), which sends
+//! a window probe so that the peer learns the window again. CRIU also puts back each socket's
+//! `SO_REUSEADDR`, which repair mode overwrote; we cannot know its old value (CRIU kept it in the images),
+//! and it is left off: it only matters to a `bind`, which an established socket never makes again.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use super::NetworkLock;
+
+/// `TCP_REPAIR` and its values, from `linux/tcp.h` (libc has no constants for them).
+const TCP_REPAIR: libc::c_int = 19;
+const TCP_REPAIR_OFF: libc::c_int = 0;
+
+/// What a dump that left the tree stopped holds of its network: released by [`NetworkHold::release`].
+/// Serializable: the flow tells it to the guardian, which releases it if the tool dies first.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetworkHold {
+    /// The tree: each TCP socket of these processes in repair mode is taken out of it.
+    pids: Vec<i32>,
+    /// The per-connection `iptables`/`ip6tables` rules CRIU inserted, as argument lists (`-I` in them).
+    rules: Vec<Vec<String>>,
+    /// The nftables table (family inet) CRIU made for its per-connection lock.
+    nft_table: Option<String>,
+    /// A process of the tree whose network namespace CRIU locked whole with iptables (it is not ours).
+    netns_of: Option<i32>,
+}
+
+impl NetworkHold {
+    /// What the dump of `pids` (root first) left, from CRIU's dump log `log` and the lock `method` it
+    /// was asked for. Call it right after CRIU's dump returned, while the log is there.
+    pub fn after_dump(pids: &[i32], log: &Path, method: NetworkLock) -> NetworkHold {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let (rules, nft_table) = logged_lock(&text);
+        let netns_of = pids.first().copied().filter(|&root| {
+            let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).ok();
+            method == NetworkLock::Iptables
+                && ino(&format!("/proc/{root}/ns/net"))
+                    .is_some_and(|i| Some(i) != ino("/proc/self/ns/net"))
+        });
+        NetworkHold {
+            pids: pids.to_vec(),
+            rules,
+            nft_table,
+            netns_of,
+        }
+    }
+
+    /// Releases the connections as CRIU's `network_unlock` does: the per-connection locks and repair mode
+    /// first, the namespace's lock last. Best effort: each failure is logged and the rest still done.
+    /// Returns the number of sockets taken out of repair mode.
+    pub fn release(&self) -> usize {
+        for rule in &self.rules {
+            let deleted: Vec<&str> = rule
+                .iter()
+                .map(|a| if a == "-I" { "-D" } else { a.as_str() })
+                .collect();
+            run_quiet(&deleted, None, None);
+        }
+        let mut repaired = 0;
+        for &pid in &self.pids {
+            match repair_off(pid) {
+                Ok(n) => repaired += n,
+                Err(e) => tracing::warn!("taking the TCP sockets of {pid} out of repair mode: {e}"),
+            }
+        }
+        if let Some(table) = &self.nft_table {
+            if let Err(e) = nft_delete_table(NFPROTO_INET, table) {
+                tracing::warn!("deleting CRIU's nftables table inet {table}: {e}");
+            }
+        }
+        // The tree is stopped and held: its PIDs are still its own.
+        match self
+            .netns_of
+            .map(|pid| std::fs::File::open(format!("/proc/{pid}/ns/net")))
+        {
+            Some(Ok(ns)) => unlock_netns(&ns),
+            Some(Err(e)) => tracing::warn!("the tree's network namespace: {e}"),
+            None => {}
+        }
+        repaired
+    }
+}
+
+/// The per-connection lock CRIU logged: its `iptables -I` commands and the nftables table its set
+/// elements went into.
+fn logged_lock(log: &str) -> (Vec<Vec<String>>, Option<String>) {
+    let mut rules = Vec::new();
+    let mut table = None;
+    for line in log.lines() {
+        let Some(cmd) = bracketed(line, "Running iptables [") else {
+            if let Some(cmd) = bracketed(line, "Running nftables [") {
+                // add element inet CRIU-<run id> conns4 { ... }
+                let words: Vec<&str> = cmd.split_ascii_whitespace().collect();
+                if let ["add", "element", "inet", name, ..] = words[..] {
+                    table.get_or_insert_with(|| name.to_string());
+                }
+            }
+            continue;
+        };
+        let args: Vec<String> = cmd.split_ascii_whitespace().map(String::from).collect();
+        let known = matches!(
+            args.first().map(String::as_str),
+            Some("iptables" | "ip6tables")
+        );
+        if known && args.iter().any(|a| a == "-I") {
+            rules.push(args);
+        }
+    }
+    (rules, table)
+}
+
+fn bracketed<'l>(line: &'l str, prefix: &str) -> Option<&'l str> {
+    let at = line.find(prefix)? + prefix.len();
+    line[at..].rfind(']').map(|end| &line[at..at + end])
+}
+
+/// Takes every TCP socket of `pid` that is in repair mode out of it; returns how many.
+fn repair_off(pid: i32) -> io::Result<usize> {
+    let pidfd = crate::proc::pidfd_open(pid)?;
+    let mut n = 0;
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let entry = entry?;
+        let is_socket = std::fs::read_link(entry.path())
+            .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"));
+        let Some(target) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<RawFd>().ok())
+        else {
+            continue;
+        };
+        if !is_socket {
+            continue;
+        }
+        // SAFETY: pidfd_getfd with a valid pidfd; the result is a new descriptor we own.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
+        if fd < 0 {
+            continue; // closed since the listing
+        }
+        // SAFETY: the syscall returned a fresh descriptor, owned from here on.
+        let sock = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let tcp = get_int(&sock, libc::SOL_SOCKET, libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP);
+        // Several processes (or descriptors) may share a socket: the first one turns it off.
+        if tcp && get_int(&sock, libc::IPPROTO_TCP, TCP_REPAIR) == Some(1) {
+            match set_int(
+                sock.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                TCP_REPAIR,
+                TCP_REPAIR_OFF,
+            ) {
+                Ok(()) => n += 1,
+                Err(e) => tracing::warn!("TCP_REPAIR off on fd {target} of {pid}: {e}"),
+            }
+        }
+    }
+    Ok(n)
+}
+
+fn set_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> io::Result<()> {
+    // SAFETY: setsockopt with an int we own, its size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn get_int(fd: &OwnedFd, level: libc::c_int, opt: libc::c_int) -> Option<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into an int we own, its size given.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(v)
+}
+
+/// Removes CRIU's chain `CRIU` and the jumps to it from the namespace `ns`, as
+/// `iptables_network_unlock_internal` does: the jumps (twice if one is still there, for the nft backend of
+/// iptables), then the chain, for IPv4 and, where the kernel has it, IPv6.
+fn unlock_netns(ns: &std::fs::File) {
+    const JUMPS: &str = "*filter\n:CRIU - [0:0]\n-D INPUT -j CRIU\n-D OUTPUT -j CRIU\nCOMMIT\n";
+    const CHAIN: &str = "*filter\n:CRIU - [0:0]\n-X CRIU\nCOMMIT\n";
+    let ipv6 = Path::new("/proc/net/if_inet6").exists();
+    let restore = |text: &str| {
+        run_quiet(
+            &["iptables-restore", "-w", "--noflush"],
+            Some(ns),
+            Some(text),
+        );
+        if ipv6 {
+            run_quiet(
+                &["ip6tables-restore", "-w", "--noflush"],
+                Some(ns),
+                Some(text),
+            );
+        }
+    };
+    restore(JUMPS);
+    if run_quiet(&["iptables", "-C", "INPUT", "-j", "CRIU"], Some(ns), None) {
+        restore(JUMPS);
+    }
+    restore(CHAIN);
+}
+
+/// Runs `args` (in network namespace `ns`, with `input` on its stdin); true when it exits 0. A failure is
+/// logged at debug level: a rule or chain already gone is not an error of the release.
+fn run_quiet(args: &[&str], ns: Option<&std::fs::File>, input: Option<&str>) -> bool {
+    let mut cmd = Command::new(args[0]);
+    cmd.args(&args[1..])
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(ns) = ns {
+        let fd = ns.as_raw_fd();
+        // SAFETY: only setns (async-signal-safe) runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let out = cmd.spawn().and_then(|mut child| {
+        if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+            use std::io::Write;
+            stdin.write_all(text.as_bytes())?;
+        }
+        child.wait_with_output()
+    });
+    match out {
+        Ok(o) if o.status.success() => true,
+        Ok(o) => {
+            tracing::debug!(
+                "{}: {} {}",
+                args.join(" "),
+                o.status,
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            false
+        }
+        Err(e) => {
+            tracing::debug!("{}: {e}", args.join(" "));
+            false
+        }
+    }
+}
+
+const NFPROTO_INET: u8 = 1;
+
+/// Deletes nftables table `name` of `family` over netlink, as `nft delete table` would (one batch:
+/// begin, NFT_MSG_DELTABLE, end). A table already gone is no error.
+fn nft_delete_table(family: u8, name: &str) -> io::Result<()> {
+    const NETLINK_NETFILTER: libc::c_int = 12;
+    const NFNL_SUBSYS_NFTABLES: u16 = 10;
+    const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+    const NFNL_MSG_BATCH_END: u16 = 0x11;
+    const NFT_MSG_DELTABLE: u16 = 2;
+    const NFTA_TABLE_NAME: u16 = 1;
+    // SAFETY: plain socket(2); the descriptor is owned right after.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            NETLINK_NETFILTER,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let timeout = libc::timeval {
+        tv_sec: 5,
+        tv_usec: 0,
+    };
+    // SAFETY: setsockopt with a timeval we own.
+    unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&timeout as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    let mut attr = name.as_bytes().to_vec();
+    attr.push(0);
+    let mut payload = ((4 + attr.len()) as u16).to_ne_bytes().to_vec();
+    payload.extend_from_slice(&NFTA_TABLE_NAME.to_ne_bytes());
+    payload.extend_from_slice(&attr);
+    while !payload.len().is_multiple_of(4) {
+        payload.push(0);
+    }
+    let mut batch = Vec::new();
+    let flags = libc::NLM_F_REQUEST as u16;
+    let subsys = NFNL_SUBSYS_NFTABLES.to_be_bytes();
+    nl_message(
+        &mut batch,
+        NFNL_MSG_BATCH_BEGIN,
+        flags,
+        1,
+        [0, 0],
+        subsys,
+        &[],
+    );
+    let del = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE;
+    let ack = flags | libc::NLM_F_ACK as u16;
+    nl_message(&mut batch, del, ack, 2, [family, 0], [0, 0], &payload);
+    nl_message(
+        &mut batch,
+        NFNL_MSG_BATCH_END,
+        flags,
+        3,
+        [0, 0],
+        subsys,
+        &[],
+    );
+    // SAFETY: send on our socket from a buffer we own; the kernel is the default destination.
+    let sent = unsafe { libc::send(sock.as_raw_fd(), batch.as_ptr().cast(), batch.len(), 0) };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut buf = [0u8; 4096];
+    // SAFETY: recv into a buffer we own.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The answer: nlmsghdr (16 bytes) of type NLMSG_ERROR, then the errno (negative, 0 for success).
+    if n < 20 || u16::from_ne_bytes([buf[4], buf[5]]) != libc::NLMSG_ERROR as u16 {
+        return Err(io::Error::other("unexpected netlink answer"));
+    }
+    match -i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]) {
+        0 | libc::ENOENT => Ok(()),
+        errno => Err(io::Error::from_raw_os_error(errno)),
+    }
+}
+
+/// Appends one netlink message: `nlmsghdr`, `nfgenmsg` (family, version, res_id), payload.
+fn nl_message(
+    out: &mut Vec<u8>,
+    kind: u16,
+    flags: u16,
+    seq: u32,
+    [family, version]: [u8; 2],
+    res_id: [u8; 2],
+    payload: &[u8],
+) {
+    let len = (16 + 4 + payload.len()) as u32;
+    out.extend_from_slice(&len.to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(&flags.to_ne_bytes());
+    out.extend_from_slice(&seq.to_ne_bytes());
+    out.extend_from_slice(&0u32.to_ne_bytes());
+    out.extend_from_slice(&[family, version]);
+    out.extend_from_slice(&res_id);
+    out.extend_from_slice(payload);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lock_is_read_from_criu_log() {
+        let log = "(00.1) \tRunning iptables [iptables -w -t filter -I INPUT --protocol tcp -m mark ! --mark 0xC114 --source 127.0.0.1 --sport 1 --destination 127.0.0.1 --dport 2 -j DROP]\n\
+                   (00.2) \tRunning nftables [add element inet CRIU-abc-1 conns4 { 127.0.0.1 . 1 . 127.0.0.1 . 2 }]\n\
+                   (00.3) \tRunning iptables [iptables -w -t filter -D INPUT --protocol tcp]\n";
+        let (rules, table) = logged_lock(log);
+        assert_eq!(rules.len(), 1, "only the inserted rules");
+        assert_eq!(rules[0][0], "iptables");
+        assert_eq!(rules[0].last().unwrap(), "DROP");
+        assert_eq!(table.as_deref(), Some("CRIU-abc-1"));
+        assert_eq!(logged_lock("nothing"), (Vec::new(), None));
+    }
+
+    /// Repair mode needs CAP_NET_ADMIN: as root, one end of a loopback connection of this process is put
+    /// in repair mode (as CRIU's dump does); the release finds it among our descriptors, turns it out of
+    /// repair mode, and the connection carries data both ways again. A table that is not there is no
+    /// error of the release.
+    #[test]
+    fn a_socket_in_repair_mode_is_released() {
+        use std::io::{Read, Write};
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: TCP_REPAIR needs root");
+            return;
+        }
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        set_int(a.as_raw_fd(), libc::IPPROTO_TCP, TCP_REPAIR, 1).unwrap();
+        assert!(
+            a.write_all(b"x").is_err(),
+            "a socket in repair mode sends nothing"
+        );
+        let hold = NetworkHold {
+            pids: vec![std::process::id() as i32],
+            ..Default::default()
+        };
+        assert!(hold.release() >= 1, "our socket in repair mode");
+        a.write_all(b"ping").unwrap();
+        let mut buf = [0u8; 4];
+        b.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"ping");
+        b.write_all(b"pong").unwrap();
+        a.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"pong");
+        nft_delete_table(NFPROTO_INET, "CRIU-not-there").unwrap();
+    }
+}
