@@ -2,10 +2,10 @@
 //! members through the container flow (the runtime's checkpoint with the GPU frozen from the host), in
 //! the job's two phases. Real etcd, 2 agents, one runc container per node running a SIMULATED GPU
 //! process; the second test with `--ordered`, a member's failed dump and the agents in network
-//! namespaces; the others (`Faults`) with issue 18's faults: an agent killed after its lock and during
-//! its dump, the coordinator killed after the commit, a node cut off during prepare. Needs root, CRIU,
-//! runc, busybox-static and etcd (and iproute2 for the namespaces): fails in CI without them, skips
-//! locally.
+//! namespaces; the others (`Faults`) with issue 18's faults: an agent killed before and after its lock
+//! and during its dump, the coordinator killed before and after the commit, a node cut off during
+//! prepare. Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the namespaces): fails in
+//! CI without them, skips locally.
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
@@ -452,6 +452,11 @@ fn an_agent_killed_after_its_container_member_locked_aborts_the_job_and_the_cont
 }
 
 #[test]
+fn an_agent_killed_before_its_containers_lock_aborts_the_job_and_the_containers_run_on() {
+    container_agent_killed_at("checkpoint.before-freeze");
+}
+
+#[test]
 fn an_agent_killed_during_its_containers_dump_aborts_the_job_and_the_containers_run_on() {
     // After runc's (direct) dump, before the store commit: the container is paused and its GPU
     // state checkpointed; b's guardian puts the GPU state back and resumes it.
@@ -462,19 +467,40 @@ fn an_agent_killed_during_its_containers_dump_aborts_the_job_and_the_containers_
 fn a_coordinator_killed_after_committing_a_job_of_containers_leaves_it_committed_and_restorable() {
     let Some(s) = Faults::start("") else { return };
     let before: Vec<u64> = s.ids.iter().map(|id| steps(gpu_pid(&s.runc, id))).collect();
-    let mut cmd = Lab::exec(&s.lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")));
-    let out = cmd
-        .args(CHECKPOINT)
-        .args(["--etcd", "http://127.0.0.1:2379"])
-        .env("GPU_CHECKPOINT_FAULT", "cluster.after-commit=kill")
-        .output()
-        .unwrap();
+    s.kill_coordinator_at("cluster.after-commit");
     // Killed after the commit's transaction: the job checkpoint is committed, never half so.
-    assert_eq!(out.status.code(), None, "not killed: {}", text(&out));
     let cps = s.job_checkpoints();
     assert_eq!(cps.len(), 1, "{}", s.logs());
     // The agents finish without the coordinator: both containers checkpointed and deleted.
     s.assert_deleted_then_restores(&cps[0], 2, &before);
+}
+
+#[test]
+fn a_coordinator_killed_before_committing_a_job_of_containers_leaves_them_running_and_nothing_kept()
+{
+    let Some(s) = Faults::start("") else { return };
+    let before = s.processes();
+    // Every member durable (its container paused, GPU state checkpointed, member checkpoint stored):
+    // the agents see the operation's lease expire without a commit and undo all of it.
+    s.kill_coordinator_at("cluster.before-commit");
+    s.assert_undone(&before);
+}
+
+impl Faults {
+    /// `job checkpoint` run in the hub with the fault `POINT=kill`: it must die by it.
+    fn kill_coordinator_at(&self, point: &str) {
+        let mut cmd = Lab::exec(
+            &self.lab.hub,
+            Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
+        );
+        let out = cmd
+            .args(CHECKPOINT)
+            .args(["--etcd", "http://127.0.0.1:2379"])
+            .env("GPU_CHECKPOINT_FAULT", format!("{point}=kill"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), None, "not killed: {}", text(&out));
+    }
 }
 
 #[test]
