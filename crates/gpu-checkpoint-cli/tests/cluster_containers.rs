@@ -4,7 +4,7 @@
 //! process; the second test with `--ordered`, a member's failed dump and the agents in network
 //! namespaces; the others (`Faults`) with issue 18's faults: an agent killed before and after its lock
 //! and during its dump, the coordinator killed before and after the commit, a node cut off during
-//! prepare. Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the namespaces): fails in
+//! prepare and during its dump. Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the namespaces): fails in
 //! CI without them, skips locally.
 #![cfg(feature = "cluster")]
 
@@ -487,6 +487,16 @@ fn a_coordinator_killed_before_committing_a_job_of_containers_leaves_them_runnin
 }
 
 impl Faults {
+    /// Waits until an agent is registered for `node` (again).
+    fn wait_registered(&self, node: &str) {
+        wait_for(&format!("an agent registered for {node}"), &|| {
+            let out = in_hub(&self.lab, &["job", "list", "--format", "json"]);
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            let agents = v["agents"].as_array().cloned().unwrap_or_default();
+            agents.iter().any(|a| a["node"] == node)
+        });
+    }
+
     /// `job checkpoint` run in the hub with the fault `POINT=kill`: it must die by it.
     fn kill_coordinator_at(&self, point: &str) {
         let mut cmd = Lab::exec(
@@ -515,11 +525,46 @@ fn a_node_cut_off_during_the_prepare_of_a_job_of_containers_aborts_it_and_a_late
     // b's link back as it was: b's agent (the same process) registers again under a new lease, and a
     // new job checkpoint commits (before: the agent ended on its lost lease, and node b had none).
     s.lab.heal("b");
-    wait_for("b's agent registered again", &|| {
-        let out = in_hub(&s.lab, &["job", "list", "--format", "json"]);
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        let agents = v["agents"].as_array().cloned().unwrap_or_default();
-        agents.iter().any(|a| a["node"] == "b")
+    s.wait_registered("b");
+    s.assert_commits_and_restores();
+}
+
+#[test]
+fn a_node_cut_off_during_its_containers_dump_aborts_the_job_and_resolves_its_kept_checkpoint() {
+    // b's agent holds its dumped container (paused, GPU state checkpointed, before the store commit)
+    // for 4 s: b is cut off then.
+    let Some(s) = Faults::start("checkpoint.after-dump=sleep:4000") else {
+        return;
+    };
+    let before = s.processes();
+    let hub = s.lab.hub.clone();
+    let job = std::thread::spawn(move || {
+        Lab::exec(&hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
+            .args(CHECKPOINT)
+            .args(["--etcd", "http://127.0.0.1:2379"])
+            .output()
+            .unwrap()
     });
+    wait_for("b's agent at its dump", &|| {
+        read(&s.agents[1].log).contains("injected fault at checkpoint.after-dump")
+    });
+    s.lab.cut("b");
+    let out = job.join().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());
+    assert!(text(&out).contains("agent is gone"), "{}", text(&out));
+    // b's member checkpoint, stored while b was cut off, is kept in doubt (named by no job
+    // checkpoint) with its container running again; a's is deleted.
+    wait_for("b's container running with its checkpoint kept", &|| {
+        let kept = listed(&s.store);
+        kept.len() == 1
+            && kept[0]["metadata"]["container"]["id"] == s.ids[1].as_str()
+            && s.runc
+                .state(&s.ids[1])
+                .is_some_and(|(st, _)| st == "running")
+    });
+    // b back on the network: its agent learns of the abort and deletes it, and registers again.
+    s.lab.heal("b");
+    s.assert_undone(&before);
+    s.wait_registered("b");
     s.assert_commits_and_restores();
 }
