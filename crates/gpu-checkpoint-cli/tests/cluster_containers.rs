@@ -4,8 +4,8 @@
 //! process; the second test with `--ordered`, a member's failed dump and the agents in network
 //! namespaces; the others (`Faults`) with issue 18's faults: an agent killed before and after its lock
 //! and during its dump, the coordinator killed before and after the commit, a node cut off during
-//! prepare and during its dump. Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the namespaces): fails in
-//! CI without them, skips locally.
+//! prepare and during its dump. Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the
+//! namespaces): fails in CI without them, skips locally.
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
