@@ -14,7 +14,7 @@ use std::process::Output;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cluster_support::netns::{in_hub, Lab};
+use cluster_support::netns::{cut_during_prepare, in_hub, Lab};
 use gpu_checkpoint::freeze::sim;
 use scene::Scene;
 use sim_support::{assert_healthy, status, text};
@@ -78,18 +78,8 @@ fn agents_in_network_namespaces_commit_and_one_cut_off_during_prepare_aborts_the
     assert_eq!(sim_support::listed(&s.store()).len(), 4);
     assert_healthy(&s.pids());
 
-    // b's link is cut while the members quiesce (the prepare phase lasts at least 3 s).
-    let hub = s.lab.hub.clone();
-    let job = std::thread::spawn(move || {
-        Lab::exec(&hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
-            .args(ckpt)
-            .args(["--quiesce", "sleep 3", "--etcd", "http://127.0.0.1:2379"])
-            .output()
-            .unwrap()
-    });
-    std::thread::sleep(Duration::from_secs(1));
-    s.lab.cut("b");
-    let out = job.join().unwrap();
+    // b's link is cut while the members quiesce.
+    let out = cut_during_prepare(&s.lab, "b", &ckpt);
     // Aborted: b's agent lease expired; a's members were told to undo, b's undid on their own (their
     // agent lost etcd, so no `go` could come).
     assert_eq!(out.status.code(), Some(1), "{}\n{}", text(&out), s.logs());

@@ -288,3 +288,20 @@ pub fn start_agent(
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// `gpu-checkpoint ARGS --quiesce "sleep 3"` in the hub (a job checkpoint), `node` cut off a second
+/// in: during the prepare phase, which the quiesce hook makes last at least 3 s.
+pub fn cut_during_prepare(lab: &Lab, node: &str, args: &[&str]) -> Output {
+    let hub = lab.hub.clone();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let job = std::thread::spawn(move || {
+        Lab::exec(&hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
+            .args(args)
+            .args(["--quiesce", "sleep 3", "--etcd", "http://127.0.0.1:2379"])
+            .output()
+            .unwrap()
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    lab.cut(node);
+    job.join().unwrap()
+}

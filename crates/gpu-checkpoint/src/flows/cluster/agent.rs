@@ -61,9 +61,12 @@ impl AgentOptions {
     }
 }
 
-/// Registers the agent and serves its node's tasks until `stop` is set or its lease is lost (an error:
-/// coordinators have aborted what it was doing). Tasks under way when `stop` comes are finished (or
-/// undone) first.
+/// Registers the agent and serves its node's tasks until `stop` is set. Tasks under way when `stop`
+/// comes are finished (or undone) first. A lost lease (the node cut off from etcd for longer than its
+/// TTL: coordinators have aborted what it was doing) ends the tasks under way as they end on their own
+/// (undone, or kept in doubt until etcd answers), then the agent registers again under a new lease
+/// once etcd answers: a node whose link comes back takes part in the next job operation without a
+/// restart. Another agent registered for the node meanwhile ends it (`Busy`).
 pub fn run_agent(
     coord: Arc<dyn Coordinator>,
     opts: &AgentOptions,
@@ -71,8 +74,40 @@ pub fn run_agent(
     stop: &AtomicBool,
 ) -> Result<(), ClusterError> {
     rec::check_name("node", &opts.node).map_err(ClusterError::Usage)?;
+    // Tasks already taken up stay taken up across registrations (their operations' keys may remain).
+    let mut seen = HashSet::new();
+    let mut lease = register(&coord, opts)?;
+    loop {
+        match serve(&coord, opts, work, stop, &lease, &mut seen) {
+            Err(ClusterError::Coord(super::CoordError::LeaseLost(id))) => {
+                tracing::warn!(
+                    "agent for node {}: lease {id:x} lost; registering again",
+                    opts.node
+                );
+                lease.abandon();
+                lease = loop {
+                    if stop.load(Ordering::SeqCst) {
+                        return Ok(());
+                    }
+                    match register(&coord, opts) {
+                        Ok(l) => break l,
+                        Err(e @ ClusterError::Busy { .. }) => return Err(e),
+                        Err(e) => {
+                            tracing::warn!("registering node {} again: {e}", opts.node);
+                            std::thread::sleep(Duration::from_millis(500));
+                        }
+                    }
+                };
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Puts the agent's record under a new lease, if no agent is registered for its node.
+fn register(coord: &Arc<dyn Coordinator>, opts: &AgentOptions) -> Result<LeaseGuard, ClusterError> {
     let c = coord.as_ref();
-    let lease = LeaseGuard::grant(Arc::clone(&coord), opts.lease_ttl)?;
+    let lease = LeaseGuard::grant(Arc::clone(coord), opts.lease_ttl)?;
     let record = AgentRecord {
         node: opts.node.clone(),
         pid: std::process::id(),
@@ -99,8 +134,21 @@ pub fn run_agent(
         opts.node,
         lease.id()
     );
+    Ok(lease)
+}
+
+/// Serves the node's tasks under `lease` until `stop` is set or the lease is lost (returned as
+/// `LeaseLost` once every task under way has ended).
+fn serve(
+    coord: &Arc<dyn Coordinator>,
+    opts: &AgentOptions,
+    work: &dyn MemberWork,
+    stop: &AtomicBool,
+    lease: &LeaseGuard,
+    seen: &mut HashSet<String>,
+) -> Result<(), ClusterError> {
+    let c = coord.as_ref();
     let prefix = rec::tasks(&opts.node);
-    let mut seen = HashSet::new();
     std::thread::scope(|scope| {
         // etcd may fail a request now and then (a member restarting, a loaded machine): the agent logs
         // it and reads its tasks again rather than dying, as long as its lease lives.

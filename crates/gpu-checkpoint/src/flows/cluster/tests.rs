@@ -584,3 +584,25 @@ fn a_job_checkpoints_timings_break_the_protocol_down() {
         assert!((0.0..=t.total + 1.0).contains(&part), "{t:?}");
     }
 }
+
+#[test]
+fn an_agent_whose_lease_expired_registers_again_and_takes_part_in_the_next_job() {
+    let c = Cluster::start(&["a"], &[]);
+    c.add("train", 0, "a");
+    // a's lease runs out (its node cut off from etcd for longer than the TTL): its record goes.
+    let old = c.coord.leases();
+    assert_eq!(old.len(), 1);
+    c.coord.expire(old[0]);
+    // Once etcd answers again the agent registers under a new lease (before: it ended with an error).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while job::agents(c.coord.as_ref()).unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a did not register again"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_ne!(c.coord.leases(), old);
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    assert_eq!(m.members.len(), 1);
+}
