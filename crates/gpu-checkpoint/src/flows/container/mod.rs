@@ -62,7 +62,7 @@ use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
-pub use guards::SandboxUndo;
+pub use guards::{RestoreUndo, SandboxUndo};
 use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
