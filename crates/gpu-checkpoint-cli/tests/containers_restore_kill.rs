@@ -27,10 +27,14 @@ fn setup(args: &[&str]) -> Option<Setup> {
     if !containers_ready() {
         return None;
     }
+    setup_with(args, Runc::new)
+}
+
+fn setup_with(args: &[&str], runtime: fn(&Path) -> Runc) -> Option<Setup> {
     let dir = tempfile::tempdir().unwrap();
     Some(Setup {
         store: dir.path().join("store"),
-        runc: Runc::new(dir.path()),
+        runc: runtime(dir.path()),
         bundle: Bundle::new(&dir.path().join("bundle"), args, &[]),
         dir,
     })
@@ -69,15 +73,18 @@ impl Setup {
         self.store.join("container-work")
     }
 
-    /// Processes in container `id`'s cgroup (runc names it after the id; CRIU restores into it): the
-    /// container's, restored or half-restored.
+    /// The container's processes, restored or half-restored: in container `id`'s cgroup (runc names it
+    /// after the id; CRIU restores into it), or runsc's sandbox and gofer (given this state folder).
     fn in_container(&self, id: &str) -> Vec<i32> {
+        let flag = format!("--root={}", self.runc.root.display());
         std::fs::read_dir("/proc")
             .unwrap()
             .flatten()
             .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
             .filter(|p| {
+                let argv = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
                 std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(id))
+                    || argv.split(|&b| b == 0).any(|a| a == flag.as_bytes())
             })
             .collect()
     }
@@ -157,6 +164,24 @@ fn killed_by_sigkill(tool: Child) {
     );
 }
 
+/// SIGKILLs `tool` while its descendant `step` (named `what`) still runs; returns once the tool and
+/// its guardian are gone (the pipes of its output closed).
+fn kill_while(tool: Child, step: i32, what: &str) {
+    assert!(
+        gpu_checkpoint::proc::is_alive(step),
+        "{what} finished before the kill"
+    );
+    let t = Instant::now();
+    // SAFETY: kill has no memory-safety preconditions; the tool is this test's child.
+    assert_eq!(unsafe { libc::kill(tool.id() as i32, libc::SIGKILL) }, 0);
+    killed_by_sigkill(tool);
+    // Said, not asserted: the guardian holds the tool's stderr until it has undone the restore.
+    eprintln!(
+        "killed during {what}: undone {} ms after the kill",
+        t.elapsed().as_millis()
+    );
+}
+
 /// The memory workload's `verified` and `bad` counts.
 fn memory(mem: &Path) -> (u64, Option<u64>) {
     let recs = gpu_checkpoint_workloads::read_state(mem).unwrap_or_default();
@@ -183,13 +208,7 @@ fn a_runc_restore_killed_half_way_leaves_nothing_and_the_checkpoint_restores() {
     let tool = s.spawn_restore(&ckpt, &id, None);
     let criu = wait_descendant(&tool, "CRIU's streamed restore", &is_streaming_criu);
     std::thread::sleep(Duration::from_millis(50));
-    assert!(
-        gpu_checkpoint::proc::is_alive(criu),
-        "CRIU finished before the kill: the images no longer stream"
-    );
-    // SAFETY: kill has no memory-safety preconditions; the tool is this test's child.
-    assert_eq!(unsafe { libc::kill(tool.id() as i32, libc::SIGKILL) }, 0);
-    killed_by_sigkill(tool);
+    kill_while(tool, criu, "CRIU's streamed restore");
     s.assert_nothing_left(&id, "killed while the images stream");
 
     // 2. The tool killed right after `runc restore` returned: the restored container runs; deleted.
@@ -255,4 +274,44 @@ fn a_gpu_container_restore_killed_during_its_gpu_restore_leaves_nothing() {
     wait_for("the GPU workload restored", &gpu_up);
     let (_, init) = s.runc.state(&id).unwrap();
     assert_healthy(&[init]);
+}
+
+/// runsc: the tool killed while `runsc restore` runs (the images materialized: runsc cannot read them
+/// streamed). The guardian lets it finish, deletes the sandbox and removes the work folder.
+#[test]
+fn a_runsc_restore_killed_half_way_leaves_nothing_and_the_checkpoint_restores() {
+    if !runsc_ready() {
+        return;
+    }
+    let counter = ["exec workload counter --state /state/c"];
+    let Some(s) = setup_with(&counter, Runc::runsc) else {
+        return;
+    };
+    let id = format!("gc-{}-rkill-rs", std::process::id());
+    s.runc.run(&id, &s.bundle);
+    let state = s.bundle.rootfs().join("state/c");
+    let seq = || {
+        gpu_checkpoint_workloads::read_state(&state)
+            .ok()
+            .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "seq"))
+            .unwrap_or(0)
+    };
+    wait_for("the counter", &|| seq() > 0);
+    let ckpt = checkpoint_container(&s.store, &s.runc, &id);
+    assert_eq!(s.runc.state(&id), None);
+
+    let tool = s.spawn_restore(&ckpt, &id, None);
+    let runsc_restore = wait_descendant(&tool, "runsc restore", &|a| {
+        a.contains("runsc") && a.contains("restore") && a.contains(&id)
+    });
+    kill_while(tool, runsc_restore, "runsc's restore");
+    s.assert_nothing_left(&id, "killed during runsc's restore");
+
+    let o = s
+        .spawn_restore(&ckpt, &id, None)
+        .wait_with_output()
+        .unwrap();
+    assert!(o.status.success(), "restore: {}", text(&o));
+    let at = seq();
+    wait_for("the counter going on", &|| seq() > at);
 }
