@@ -233,6 +233,12 @@ fn a_runc_restore_killed_half_way_leaves_nothing_and_the_checkpoint_restores() {
     let o = tool.wait_with_output().unwrap();
     assert!(!o.status.success(), "the restore failed: {}", text(&o));
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    // CRIU, still restoring without the stand-in when runc failed, was killed by the tool's undo.
+    assert!(
+        text(&o).contains("left by the failed restore"),
+        "{}",
+        text(&o)
+    );
     s.assert_nothing_left(&id, "the stand-in killed");
 
     // And the checkpoint restores, streamed, its memory intact.

@@ -293,3 +293,24 @@ pub(super) fn kill_leftovers(work: &std::path::Path) -> usize {
     roots.retain(|&p| p != std::process::id() as i32 && ours(p));
     kill_trees(&roots)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_runs_in_the_work_folder_is_killed_and_an_older_pidfile_process_is_not() {
+        let work = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .current_dir(work.path())
+            .spawn()
+            .unwrap();
+        // PID 1 started before this process: a pidfile naming it (a PID reused since) is not acted on.
+        std::fs::write(work.path().join(crate::dump::swrk_proxy::PIDFILE), "1\n").unwrap();
+        assert_eq!(kill_leftovers(work.path()), 1);
+        let st = child.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(9));
+        assert_eq!(kill_leftovers(work.path()), 0);
+    }
+}
