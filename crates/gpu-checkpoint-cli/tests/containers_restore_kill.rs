@@ -241,6 +241,17 @@ fn a_runc_restore_killed_half_way_leaves_nothing_and_the_checkpoint_restores() {
     );
     s.assert_nothing_left(&id, "the stand-in killed");
 
+    // 4. CRIU itself SIGKILLed while the images stream: the stand-in and runc fail; the tool's undo
+    // kills the tasks CRIU left half-restored.
+    let tool = s.spawn_restore(&ckpt, &id, None);
+    let criu = wait_descendant(&tool, "CRIU's streamed restore", &is_streaming_criu);
+    std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: kill has no memory-safety preconditions; CRIU is this test's descendant.
+    assert_eq!(unsafe { libc::kill(criu, libc::SIGKILL) }, 0);
+    let o = tool.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    s.assert_nothing_left(&id, "CRIU killed");
+
     // And the checkpoint restores, streamed, its memory intact.
     s.restore(&ckpt, &id);
     assert!(

@@ -291,7 +291,11 @@ pub(super) fn kill_leftovers(work: &std::path::Path) -> usize {
         roots.push(pid);
     }
     roots.retain(|&p| p != std::process::id() as i32 && ours(p));
-    kill_trees(&roots)
+    let killed = kill_trees(&roots);
+    if killed > 0 {
+        tracing::warn!("killed {killed} process(es) left by the failed restore");
+    }
+    killed
 }
 
 #[cfg(test)]

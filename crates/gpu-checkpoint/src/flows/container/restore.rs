@@ -74,10 +74,7 @@ impl Drop for Discard<'_> {
         if !self.armed {
             return;
         }
-        let killed = super::guards::kill_leftovers(&self.work);
-        if killed > 0 {
-            tracing::warn!("killed {killed} process(es) left by the failed restore");
-        }
+        super::guards::kill_leftovers(&self.work);
         if self.runtime.state(&self.id).is_err() {
             return;
         }
