@@ -1,7 +1,7 @@
 //! A runc container restore killed half-way leaves nothing behind: the tool SIGKILLed while CRIU reads
 //! the images streamed from the store, right after `runc restore` returned, and during the GPU restore
-//! of a SIMULATED GPU container (the guardian undoes it), and runc's `criu swrk` stand-in killed while
-//! the images stream (the tool's own undo). Each time: no container in `runc list`, no mount under
+//! of a SIMULATED GPU container, and while `runsc restore` runs (the guardian undoes it); runc's `criu
+//! swrk` stand-in, and CRIU itself, killed while the images stream (the tool's own undo). Each time: no container in `runc list`, no mount under
 //! runc's state folder, the store or the bundle, no process left in the container's cgroup, the rootfs intact, and
 //! the checkpoint restores afterwards with its memory verified. Needs root, CRIU, runc and
 //! busybox-static: fails in CI without them, skips locally.
