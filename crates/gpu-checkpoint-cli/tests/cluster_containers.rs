@@ -34,7 +34,7 @@ fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_contain
     let store = dir.path().join("store");
     let root = runc.root.display().to_string();
     let extra = ["--runtime-root", root.as_str()];
-    let _agents: Vec<Agent> = ["a", "b"]
+    let agents: Vec<Agent> = ["a", "b"]
         .iter()
         .map(|n| Agent::spawn(&etcd, n, &store, dir.path(), &[], "10s", &extra))
         .collect();
@@ -90,6 +90,12 @@ fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_contain
         let pid = gpu_pid(id);
         assert!(steps(pid) >= before);
         assert_healthy(&[pid]);
+    }
+    // Each agent's runc restore had CRIU read the images streamed from the store.
+    for (agent, id) in agents.iter().zip(&ids) {
+        let log = std::fs::read_to_string(&agent.log).unwrap();
+        let said = format!("restored container {id}: images streamed from the store");
+        assert!(log.contains(&said), "agent {}: {log}", agent.node);
     }
 }
 

@@ -29,6 +29,8 @@ pub const POINTS: &[&str] = &[
     // checkpoint, `restore.before-criu` and `restore.after-criu` around its restore).
     "container.runtime-checkpoint",
     "container.runtime-restore",
+    // A container restore's GPU processes: their GPU state restored, not yet unlocked.
+    "container.gpu-restored",
     // In a gVisor sandbox: its GPU processes locked by the tool inside it, not yet checkpointed.
     "container.sandbox-locked",
     // The cluster flow (docs/cluster.md): an agent once its member is locked / durable / restored

@@ -139,6 +139,8 @@ impl LocalWork {
     ) -> Result<i32, String> {
         let runtime = self.runtime()?;
         let mut gpu = self.hook(None, map);
+        // Deletes the half-restored container should the agent die mid-way.
+        let guardian = super::start_guardian().map_err(|e| e.to_string())?;
         let mut flow = ContainerFlow {
             runtime: &runtime,
             gpu: &mut gpu,
@@ -146,16 +148,26 @@ impl LocalWork {
             progress: &NoProgress,
             criu: None,
             direct: None,
-            watch: &gpu_checkpoint::flows::guardian::NoWatch,
+            watch: &guardian,
         };
         let opts = ContainerRestoreOptions {
             checkpoint: checkpoint.to_string(),
             id: container.to_string(),
             bundle: None,
         };
-        flow.restore_phased(&opts, Some(before_unlock))
-            .map(|o| o.pid)
-            .map_err(|e| e.to_string())
+        let out = flow
+            .restore_phased(&opts, Some(before_unlock))
+            .map_err(|e| e.to_string())?;
+        // Said in the agent's log: how the runtime's CRIU got the images.
+        match &out.materialized_because {
+            None => {
+                tracing::info!("restored container {container}: images streamed from the store")
+            }
+            Some(why) => {
+                tracing::info!("restored container {container}: images materialized first ({why})")
+            }
+        }
+        Ok(out.pid)
     }
 }
 

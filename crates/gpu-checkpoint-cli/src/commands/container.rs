@@ -216,6 +216,9 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         },
         ..HookOptions::default()
     });
+    // Deletes the half-restored container and the work folder should this process die mid-way; told
+    // it is done (dropped) after the flow's own undo.
+    let guardian = super::start_guardian()?;
     let mut flow = ContainerFlow {
         runtime: &runtime,
         gpu: &mut gpu,
@@ -223,7 +226,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         progress: &progress,
         criu: criu.map(|c| c.1),
         direct: None,
-        watch: &gpu_checkpoint::flows::guardian::NoWatch,
+        watch: &guardian,
     };
     let result = flow.restore(&ContainerRestoreOptions {
         checkpoint,

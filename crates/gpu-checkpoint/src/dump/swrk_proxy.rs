@@ -36,7 +36,7 @@ use super::rpc::{recv, send};
 pub const REAL_CRIU_ENV: &str = "GPU_CHECKPOINT_SWRK_PROXY_CRIU";
 
 /// The file the restored init's PID is written to, in the work folder.
-const PIDFILE: &str = "restored.pid";
+pub(crate) const PIDFILE: &str = "restored.pid";
 
 /// runc's requests are a few KiB.
 const MAX_MESSAGE: usize = 1 << 20;

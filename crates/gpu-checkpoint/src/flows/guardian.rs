@@ -16,7 +16,11 @@
 //! * checkpoint, durable: it finishes what the checkpoint promised: the tree is killed (unless
 //!   `--leave-running`);
 //! * restore: it kills the half-restored copy (the processes holding the checkpoint's PIDs that started
-//!   after the guardian), so that the checkpoint, which a restore never changes, can be restored again.
+//!   after the guardian), so that the checkpoint, which a restore never changes, can be restored again;
+//! * container restore ([`Event::ContainerRestore`], until [`Event::Restored`]): it lets the runtime's
+//!   restore the tool left fail or finish (or kills it), unmounts what it left in the runtime's state
+//!   folder, deletes the half-restored container and removes the work folder, so that the checkpoint
+//!   restores again under the same id.
 //!
 //! It keeps no state on disk. The flows talk to it through the [`Watch`] trait; library users and tests
 //! that start no guardian pass [`NoWatch`].
@@ -31,7 +35,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::container::SandboxUndo;
+use super::container::{RestoreUndo, SandboxUndo};
 use crate::exit::{Classify, ExitStatus};
 use crate::freeze::{Backend, GpuDriver, ProcessState};
 use crate::proc::{self as tree, Held};
@@ -93,6 +97,11 @@ pub enum Event {
     Durable,
     /// A restore is about to create processes with these PIDs.
     Restore { pids: Vec<i32> },
+    /// A container restore is about to run the runtime's restore: what deletes the half-restored
+    /// container and removes the work folder.
+    ContainerRestore(RestoreUndo),
+    /// The container restore succeeded: the container is the runtime's, nothing to undo any more.
+    Restored,
     /// The flow finished or undid everything itself: nothing is left to do.
     Done,
 }
@@ -221,6 +230,8 @@ struct Watched {
     stopping: Option<std::path::PathBuf>,
     /// What CRIU's dump left of the tree's network.
     network: Option<crate::dump::NetworkHold>,
+    /// A container restore under way.
+    container_restore: Option<RestoreUndo>,
 }
 
 /// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
@@ -316,6 +327,8 @@ impl Watched {
             Event::Network(hold) => self.network = Some(hold),
             Event::Durable => self.durable = true,
             Event::Restore { pids } => self.restore = Some(pids),
+            Event::ContainerRestore(undo) => self.container_restore = Some(undo),
+            Event::Restored => self.container_restore = None,
             Event::Done => {}
         }
     }
@@ -323,6 +336,10 @@ impl Watched {
     fn tool_died(&self, tool: i32) {
         let say =
             |what: &str| eprintln!("gpu-checkpoint guardian: the tool (pid {tool}) died; {what}");
+        if let Some(undo) = &self.container_restore {
+            say(&format!("undid the container restore: {}", undo.undo()));
+            return;
+        }
         if let Some(pids) = &self.restore {
             let killed = kill_restored_copy(pids);
             say(&format!(
@@ -553,6 +570,15 @@ mod tests {
             },
             Event::Durable,
             Event::Restore { pids: vec![7] },
+            Event::ContainerRestore(RestoreUndo {
+                runtime: serde_json::from_value(serde_json::json!({"kind": "runc",
+                    "binary": "/usr/sbin/runc", "criu": "/usr/sbin/criu", "root": "/run/r",
+                    "extra": [], "restore_proxy": "/usr/bin/gpu-checkpoint"}))
+                .unwrap(),
+                id: "c1".into(),
+                work: "/store/container-work/x.2".into(),
+            }),
+            Event::Restored,
             Event::Done,
         ] {
             let line = serde_json::to_string(&e).unwrap();

@@ -24,7 +24,8 @@
 //! container detached under the id asked for (it manages it afterwards: `runc list`, `runc kill`), then
 //! the GPU state is restored + unlocked in its processes, found again under their new host PIDs through
 //! their PIDs inside the container. A failure kills and deletes the restored container (after unmounting
-//! what the runtime left mounted: `oci.rs`); the checkpoint is never changed.
+//! what the runtime left mounted: `oci.rs`); the checkpoint is never changed. Should this process die
+//! half-way, the guardian, told before the runtime's restore, does the same (`guards::RestoreUndo`).
 
 pub mod archive;
 pub mod direct;
@@ -62,7 +63,7 @@ use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
-pub use guards::SandboxUndo;
+pub use guards::{RestoreUndo, SandboxUndo};
 use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
@@ -77,9 +78,9 @@ pub struct ContainerFlow<'a> {
     /// them ([`ContainerRuntime::direct_dump`]: runc), its images streamed into the store; `None`: the
     /// runtime's own checkpoint into the staging folder.
     pub direct: Option<&'a dyn Criu>,
-    /// Who is told each step of a checkpoint, to undo or finish it should this process die
+    /// Who is told each step of a checkpoint or restore, to undo or finish it should this process die
     /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
-    /// container once the checkpoint is durable.
+    /// container once the checkpoint is durable; it deletes a half-restored container.
     pub watch: &'a dyn super::Watch,
 }
 

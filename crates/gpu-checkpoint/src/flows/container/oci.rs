@@ -104,7 +104,7 @@ impl OciCli {
     }
 
     /// The runtime's state folder for container `id`.
-    fn state_dir(&self, id: &str) -> PathBuf {
+    pub(super) fn state_dir(&self, id: &str) -> PathBuf {
         self.root
             .clone()
             .unwrap_or_else(|| PathBuf::from(self.kind.default_root()))

@@ -9,9 +9,9 @@ use super::members::{self, pid_map};
 mod rootfs;
 // The images streamed from the store into the runtime's CRIU.
 mod streamed;
-use super::{injected, ContainerFlow, Error, WorkDir};
+use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};
 use crate::fault;
-use crate::flows::{ms, CheckpointManifest, ContainerRecord};
+use crate::flows::{ms, CheckpointManifest, ContainerRecord, Event};
 use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
 use crate::interrupt::InterruptGuard;
 
@@ -64,6 +64,8 @@ impl ContainerRestoreOutcome {
 struct Discard<'r> {
     runtime: &'r dyn super::ContainerRuntime,
     id: String,
+    /// The work folder: what still runs there (CRIU, left by a killed `criu swrk` stand-in) is killed.
+    work: PathBuf,
     armed: bool,
 }
 
@@ -72,6 +74,7 @@ impl Drop for Discard<'_> {
         if !self.armed {
             return;
         }
+        super::guards::kill_leftovers(&self.work);
         if self.runtime.state(&self.id).is_err() {
             return;
         }
@@ -158,6 +161,15 @@ impl ContainerFlow<'_> {
         let gpu_record = manifest.gpu_record()?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
         let work = WorkDir::create(self.store, &info.id)?;
+        // Should this process die before the restore has succeeded, the guardian deletes what the
+        // runtime restored and removes the work folder (`guards::RestoreUndo`).
+        if let Some(runtime) = self.runtime.cli() {
+            self.watch.tell(&Event::ContainerRestore(RestoreUndo {
+                runtime,
+                id: id.to_string(),
+                work: work.path().to_path_buf(),
+            }))?;
+        }
         let materialized_because = streamed::why_not(self.runtime, &info, &bundle);
         let t = Instant::now();
         if let Some(why) = &materialized_because {
@@ -182,6 +194,7 @@ impl ContainerFlow<'_> {
         let mut discard = Discard {
             runtime: self.runtime,
             id: id.to_string(),
+            work: work.path().to_path_buf(),
             armed: true,
         };
         injected("container.runtime-restore", self.runtime)?;
@@ -216,18 +229,27 @@ impl ContainerFlow<'_> {
                 let map = pid_map(&record.processes, &now);
                 let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
                 let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
+                // The GPU state back, still locked: a point to inject faults at, then the caller's
+                // barrier (a job restore's).
+                let barrier = |root: i32| {
+                    fault::at("container.gpu-restored");
+                    before_unlock.map_or(Ok(()), |b| b(root))
+                };
                 self.gpu.finish_restore(
                     gpu_record.as_ref(),
                     &RestoredTree {
                         root_pid: state.pid,
                         pids: &pids,
-                        before_unlock,
+                        before_unlock: Some(&barrier),
                     },
                 )?
             }
         };
         let gpu_ms = ms(t);
         discard.armed = false;
+        if let Err(e) = self.watch.tell(&Event::Restored) {
+            tracing::warn!("telling the guardian the container restore succeeded: {e}");
+        }
         if let Some(applied) = rootfs_changes {
             applied.keep();
         }

@@ -99,7 +99,15 @@ pub(super) fn restore(
         crate::flows::restore::stream::send_image(store, info, &name, &pipe, progress)
     };
     progress.start("restore (streamed)", info.stats.logical_bytes);
-    let (restored, served) = serve_while(&listener, &exists, &send, || runtime.restore(req));
+    let (restored, served) = serve_while(&listener, &exists, &send, || {
+        let restored = runtime.restore(req);
+        if restored.is_err() {
+            // CRIU can outlive a failed runtime restore (runc's `criu swrk` stand-in killed: seen here
+            // left stopped), holding the image pipe the store would write into for ever.
+            super::super::guards::kill_leftovers(req.images);
+        }
+        restored
+    });
     progress.finish();
     served?;
     restored.map_err(Into::into)
