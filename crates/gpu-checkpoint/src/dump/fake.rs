@@ -21,6 +21,8 @@ pub enum FakeCriuCall {
         after: AfterDump,
         /// The CRIU options the dump was asked for.
         options: CriuOptions,
+        /// Whether the images went through the image streamer.
+        stream: bool,
     },
     Restore {
         images_dir: PathBuf,
@@ -156,6 +158,7 @@ impl Criu for FakeCriu {
                 images_dir: req.images_dir.to_path_buf(),
                 after: req.after,
                 options: req.options.clone(),
+                stream: req.stream,
             });
             (s.dump_error.clone(), s.image_bytes, s.odd_file)
         };

@@ -62,6 +62,20 @@ pub enum ImageTransfer {
 }
 
 impl ImageTransfer {
+    /// Whether a checkpoint's dump streams its images (CRIU's `--stream`), given whether the tree runs on
+    /// right after it (`leave_running`).
+    ///
+    /// A tree left running is dumped through files: streamed, its memory could be stored as it is *after*
+    /// it resumed. CRIU's parasite vmsplices the frozen pages into a pipe and CRIU splices them on into the
+    /// streamer's pipe (16 MiB), which moves references to the process's own pages, not copies; CRIU then
+    /// lets the tree go while those pages still wait in the pipe, and every write the tree makes before
+    /// the store reads them lands in the checkpoint. Under load the store reads late, and the restored
+    /// process got a mix of two moments (it segfaulted). Written to a file, each page is copied into the
+    /// page cache before CRIU resumes the tree. A stopped tree never writes again, so it streams.
+    pub fn dump_streams(self, leave_running: bool) -> bool {
+        self != ImageTransfer::Staged && !leave_running
+    }
+
     /// `Staged` when asked for (the CLI's `--staged`), else the default, `Stream`.
     pub fn staged_if(staged: bool) -> ImageTransfer {
         if staged {

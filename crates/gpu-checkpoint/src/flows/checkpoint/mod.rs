@@ -264,7 +264,7 @@ impl Flow<'_> {
         let stopped_before: Vec<i32> = stopped_before.iter().map(|(p, _)| *p).collect();
         let mut timings = Timings {
             detect: ms(t),
-            streamed: self.images != ImageTransfer::Staged,
+            streamed: ImageTransfer::dump_streams(self.images, opts.leave_running),
             ..Timings::default()
         };
         let criu = CriuInfo {
@@ -322,7 +322,8 @@ impl Flow<'_> {
             log_file: DUMP_LOG,
             after,
             options: &opts.criu,
-            stream: self.images != ImageTransfer::Staged,
+            // Not for a tree left running: its pages would be read from the pipe after it wrote them.
+            stream: ImageTransfer::dump_streams(self.images, opts.leave_running),
             env: &criu_env,
             container: None,
         };

@@ -292,6 +292,7 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
                 .join(&out.info.id),
             after: AfterDump::Stop,
             options: CriuOptions::default(),
+            stream: true,
         }]
     );
     assert!(out.stopped && !p.running());
@@ -321,6 +322,20 @@ fn leave_running_thaws_right_after_the_dump_and_keeps_the_tree() {
     assert_eq!(gpu.events()[1].1, 1, "thaw comes after the dump");
     assert!(!out.stopped && p.running());
     assert_eq!(s.store.list().unwrap().len(), 1);
+    // Through files, not the streamer: streamed, the pages the tree wrote after CRIU let it go while
+    // they still waited in the pipe (references to its own pages) would be stored.
+    assert!(
+        matches!(
+            s.criu.calls().as_slice(),
+            [FakeCriuCall::Dump {
+                after: AfterDump::KeepRunning,
+                stream: false,
+                ..
+            }]
+        ),
+        "{:?}",
+        s.criu.calls()
+    );
 }
 
 #[test]
