@@ -90,3 +90,56 @@ impl ImageTransfer {
 pub(crate) fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1000.0
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+
+    use super::ImageTransfer;
+
+    /// Why [`ImageTransfer::dump_streams`] refuses a tree left running: what CRIU hands the streamer is
+    /// the process's own pages, not a copy. Like CRIU's parasite, the page is vmspliced into a pipe; like
+    /// CRIU's `write_pages_loc`, spliced on into the streamer's pipe; the "process" then writes it, and the
+    /// streamer reads the write.
+    #[test]
+    fn pages_spliced_into_the_streamers_pipe_are_the_processs_own() {
+        assert!(ImageTransfer::Stream.dump_streams(false));
+        assert!(!ImageTransfer::Stream.dump_streams(true));
+        assert!(!ImageTransfer::Staged.dump_streams(false));
+
+        let mut page = vec![b'A'; 4096].into_boxed_slice();
+        let at = page.as_mut_ptr();
+        let (r1, w1) = nix::unistd::pipe().unwrap();
+        let (r2, w2) = nix::unistd::pipe().unwrap();
+        let iov = libc::iovec {
+            iov_base: at.cast(),
+            iov_len: page.len(),
+        };
+        // SAFETY: one valid iovec over `page`, which outlives the read below.
+        let n = unsafe { libc::vmsplice(w1.as_raw_fd(), &iov, 1, 0) };
+        assert_eq!(n, 4096);
+        // SAFETY: plain splice between two pipes we own.
+        let n = unsafe {
+            libc::splice(
+                r1.as_raw_fd(),
+                std::ptr::null_mut(),
+                w2.as_raw_fd(),
+                std::ptr::null_mut(),
+                4096,
+                libc::SPLICE_F_MOVE,
+            )
+        };
+        assert_eq!(n, 4096);
+        // The tree resumes and writes its memory (volatile: the compiler must not drop the write).
+        // SAFETY: `at` points into `page`, which is ours and alive.
+        unsafe { std::ptr::write_volatile(at, b'B') };
+        let mut got = vec![0u8; 4096];
+        std::fs::File::from(r2).read_exact(&mut got).unwrap();
+        assert_eq!(
+            got[0], b'B',
+            "the write after the splice is what the streamer reads"
+        );
+        drop(page);
+    }
+}
