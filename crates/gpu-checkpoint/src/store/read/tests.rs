@@ -207,20 +207,28 @@ fn a_restore_fetches_every_chunk_once_and_leaves_no_read_ahead_pending() {
         .collect();
     assert!(chunks.len() > 20, "{} chunks", chunks.len());
 
-    *backend.state.lock().unwrap() = Fetches::default();
-    let out = dir.path().join("out");
-    store.materialize("job", &out, &NoProgress).unwrap();
-    assert!(std::fs::read(out.join("pages-1.img")).unwrap() == pages);
-    let st = backend.state.lock().unwrap();
-    assert!(st.prefetches > 0, "nothing was read ahead");
-    for key in &chunks {
-        assert_eq!(st.per_key.get(key), Some(&1), "{key} fetched so many times");
+    // Whether the prefetcher gets ahead of the workers at all is up to the scheduler (on a loaded machine
+    // the workers may fetch everything first): try a few times for a restore that read ahead; every try
+    // must fetch each chunk exactly once and leave nothing pending.
+    for attempt in 0..5 {
+        *backend.state.lock().unwrap() = Fetches::default();
+        let out = dir.path().join(format!("out{attempt}"));
+        store.materialize("job", &out, &NoProgress).unwrap();
+        assert!(std::fs::read(out.join("pages-1.img")).unwrap() == pages);
+        let st = backend.state.lock().unwrap();
+        for key in &chunks {
+            assert_eq!(st.per_key.get(key), Some(&1), "{key} fetched so many times");
+        }
+        assert!(
+            st.pending.is_empty(),
+            "read-ahead left pending: {:?}",
+            st.pending
+        );
+        if st.prefetches > 0 {
+            return;
+        }
     }
-    assert!(
-        st.pending.is_empty(),
-        "read-ahead left pending: {:?}",
-        st.pending
-    );
+    panic!("nothing was read ahead in 5 restores");
 }
 
 #[test]
