@@ -298,8 +298,12 @@ impl Faults {
             dir,
         };
         s.agents = vec![s.agent("a", ""), s.agent("b", b_faults)];
+        // Each test of this binary has its own containers: the tests run in parallel, and one id for all
+        // had them run, checkpoint and delete each other's containers.
+        static SCENES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let scene = SCENES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for (rank, node) in ["a", "b"].iter().enumerate() {
-            let id = format!("gc-{}-f-{node}", std::process::id());
+            let id = format!("gc-{}-f{scene}-{node}", std::process::id());
             let gpu = ["exec", "gpu-sim-workload", "--mib", "4", "--workers", "1"];
             let bundle = Bundle::new(&s.dir.path().join(format!("bundle-{node}")), &gpu, &[]);
             s.runc.run(&id, &bundle);
