@@ -311,6 +311,15 @@ fn detect_verbose_never_prints_a_credential() {
         .env("CUDA_VISIBLE_DEVICES", "0")
         .spawn()
         .unwrap();
+    // `spawn` returns once the exec has begun (the close-on-exec pipe closed), but the kernel fills the
+    // new environment block a little later: read before that, /proc/PID/environ is empty (a fresh CI run
+    // on 2 loaded cores did exactly that). Wait for the exec to finish before asking detect.
+    let environ = format!("/proc/{}/environ", child.id());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !std::fs::read(&environ).is_ok_and(|e| !e.is_empty()) {
+        assert!(std::time::Instant::now() < deadline, "{environ} stayed empty");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
         .args(["detect", "--pid", &child.id().to_string(), "--verbose"])
         .output()
