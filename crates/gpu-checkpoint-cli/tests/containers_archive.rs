@@ -138,6 +138,22 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
     let out = gc_run(&["export", &imp_id, "-o", &a2, "--storage", &s2]);
     assert!(out.status.success(), "export of the import: {}", text(&out));
     assert_eq!(archive_entries(&archive2), files);
+    // Its root file system changes are the engine's own: a base to diff against is refused (exit 2).
+    let a3 = dir.path().join("ck3.tar").display().to_string();
+    let rootfs = bundle.rootfs().display().to_string();
+    let out = gc_run(&[
+        "export",
+        &imp_id,
+        "-o",
+        &a3,
+        "--storage",
+        &s2,
+        "--rootfs-base",
+        &rootfs,
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--rootfs-base"), "{}", text(&out));
+    assert!(!std::path::Path::new(&a3).exists());
 
     // runc restores the imported checkpoint, once told the bundle (the archive does not say where).
     let mut args = vec!["restore", &imp_id, "--container", &id, "--format", "json"];

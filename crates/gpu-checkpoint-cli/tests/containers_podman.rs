@@ -186,7 +186,14 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
     let podman = Podman::new(dir.path());
     // A runc container whose bundle is also a podman image. podman's image root folder is 0555 and
     // CRIU checks the root's mode on restore: the bundle's is made the same.
-    let bundle = Bundle::new(&dir.path().join("bundle"), &[COUNTER], &[]);
+    // Once the image is made from it, the container adds a file (the root folder is 0555 and runc's
+    // default capabilities do not override it: into /state), removes one of the image's and keeps
+    // a file of its own open (CRIU's restore needs that one in the root file system): the archive must
+    // carry them for podman, which restores on top of the image.
+    let script = format!(
+        "echo added > /state/new.txt; rm /bin/nc; exec 3>>/state/app.log; echo start >&3; {COUNTER}"
+    );
+    let bundle = Bundle::new(&dir.path().join("bundle"), &[&script], &[]);
     let rootfs = bundle.rootfs();
     std::fs::set_permissions(&rootfs, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
     let image = "localhost/gpu-checkpoint-ours:1";
@@ -229,12 +236,38 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
     let o = export(&bad, &["--podman-image", image, "--podman-image-id", "abc"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 
+    // The root file system changes, against the image's root file system.
+    let base = podman.ok(&["image", "mount", &image_id]);
     let ours = dir.path().join("ours.tar").display().to_string();
     let o = export(
         &ours,
-        &["--podman-image", image, "--podman-image-id", &image_id],
+        &[
+            "--podman-image",
+            image,
+            "--podman-image-id",
+            &image_id,
+            "--rootfs-base",
+            &base,
+        ],
     );
     assert!(o.status.success(), "export: {}", text(&o));
+    let files = archive_entries(std::path::Path::new(&ours));
+    let deleted: Vec<String> = serde_json::from_slice(&files["deleted.files"]).unwrap();
+    assert_eq!(deleted, ["/bin/nc"]);
+    let mut diff = tar::Archive::new(&files["rootfs-diff.tar"][..]);
+    let mut carried: Vec<String> = diff
+        .entries()
+        .unwrap()
+        .map(|e| e.unwrap().path().unwrap().display().to_string())
+        .collect();
+    carried.sort();
+    assert_eq!(
+        carried,
+        ["state/app.log", "state/new.txt", "tmp/c"],
+        "{}",
+        text(&o)
+    );
+    podman.ok(&["image", "unmount", &image_id]);
     podman.ok(&["container", "restore", "--import", &ours]);
     let state = podman.ok(&["inspect", "--format", "{{.State.Status}}", &id]);
     assert_eq!(state, "running");
@@ -242,6 +275,20 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
         podman.ok(&["inspect", "--format", "{{.ImageName}}", &id]),
         image
     );
+    assert_eq!(
+        podman.ok(&["exec", &id, "busybox", "cat", "/state/new.txt"]),
+        "added"
+    );
+    assert_eq!(
+        podman.ok(&["exec", &id, "busybox", "cat", "/state/app.log"]),
+        "start"
+    );
+    let o = podman
+        .cmd()
+        .args(["exec", &id, "busybox", "test", "-e", "/bin/nc"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "/bin/nc was removed by the container");
     // The shell's counter goes on from where it was when checkpointed, under podman.
     let restored_at = podman.counter(&id);
     assert!(restored_at >= at, "counter restarted: {restored_at} < {at}");

@@ -43,6 +43,12 @@ pub struct ExportArgs {
     /// That image's id (64 hexadecimal digits: `podman image inspect --format '{{.Id}}' NAME`).
     #[arg(long, value_name = "ID", requires = "podman_image")]
     pub podman_image_id: Option<String>,
+    /// The root file system the container started from (for podman: `podman image mount ID`): the
+    /// bundle's rootfs is compared with it and the archive carries the differences (`rootfs-diff.tar`,
+    /// `deleted.files`), which an engine restoring on top of the image applies. Without it the archive
+    /// carries none, and the restore needs a root file system as it was at the checkpoint.
+    #[arg(long, value_name = "DIR")]
+    pub rootfs_base: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -73,6 +79,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         &args.checkpoint,
         &args.output,
         podman.as_ref(),
+        args.rootfs_base.as_deref(),
         &Bar::new(true),
     )?;
     println!(
@@ -82,6 +89,21 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         bytes(out.bytes),
         out.entries.len()
     );
+    match &out.rootfs_changes {
+        Some(c) => {
+            println!(
+                "root file system changes: {} added or changed, {} removed",
+                c.changed, c.deleted
+            );
+            for s in &c.skipped {
+                eprintln!("warning: not carried in rootfs-diff.tar: {s}");
+            }
+        }
+        None if podman.is_some() => eprintln!(
+            "note: no --rootfs-base: the archive carries no root file system changes; the engine restores on the image's files as they are"
+        ),
+        None => {}
+    }
     Ok(())
 }
 

@@ -18,6 +18,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
 use serde::Serialize;
@@ -30,6 +31,9 @@ use crate::store::{CheckpointInfo, Progress, Store};
 
 /// The runtime's images in the archive.
 pub const CHECKPOINT_DIR: &str = "checkpoint";
+/// The root file system's added and changed files (a tar), and its removed paths (JSON).
+const ROOTFS_DIFF: &str = "rootfs-diff.tar";
+const DELETED_FILES: &str = "deleted.files";
 /// The engine's container config (JSON).
 pub const CONFIG_DUMP: &str = "config.dump";
 /// The OCI runtime spec (JSON).
@@ -64,6 +68,19 @@ pub struct ExportOutcome {
     pub entries: Vec<String>,
     /// The archive's size.
     pub bytes: u64,
+    /// With `--rootfs-base`: the root file system changes the archive carries.
+    pub rootfs_changes: Option<RootfsSummary>,
+}
+
+/// How many root file system changes an export carries, and what it left out.
+#[derive(Debug, Clone, Serialize)]
+pub struct RootfsSummary {
+    /// Entries in `rootfs-diff.tar` (added or changed).
+    pub changed: usize,
+    /// Paths in `deleted.files`.
+    pub deleted: usize,
+    /// Entries not carried (devices, pipes, sockets, other file systems), with why.
+    pub skipped: Vec<String>,
 }
 
 /// What `import` stored.
@@ -210,6 +227,7 @@ pub fn export_oci(
     checkpoint: &str,
     dest: &Path,
     podman: Option<&PodmanImage>,
+    rootfs_base: Option<&Path>,
     progress: &dyn Progress,
 ) -> crate::Result<ExportOutcome> {
     let (info, _, record) = super::restore::load(store, checkpoint)?;
@@ -252,12 +270,47 @@ pub fn export_oci(
         };
         let json = serde_json::to_vec_pretty(&config).expect("plain struct");
         extra.push((CONFIG_DUMP.into(), json));
-    } else if podman.is_some() {
+    } else if podman.is_some() || rootfs_base.is_some() {
         return Err(bad(
             dest,
-            "the checkpoint was imported from an archive: its config.dump (and image) is the engine's own; --podman-image is for checkpoints taken by checkpoint --container",
+            "the checkpoint was imported from an archive: its config.dump, image and root file system changes are the engine's own; --podman-image and --rootfs-base are for checkpoints taken by checkpoint --container",
         ));
     }
+    // The container's root file system changes against the one it started from, read now from the
+    // bundle (for a container the checkpoint stopped, they are as they were at the checkpoint).
+    let mut diff_tar = None;
+    let rootfs_changes = match rootfs_base {
+        Some(base) => {
+            let rootfs = super::restore::rootfs::rootfs_of(&record.bundle)?;
+            let changes = super::rootfs_diff::diff(base, &rootfs)?;
+            if !changes.changed.is_empty() {
+                // Beside the images in the private work folder: it may be large.
+                let path = work.path().join(".rootfs-diff.tar");
+                let f = File::options()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&path)
+                    .map_err(io(&path))?;
+                super::rootfs_diff::write_diff_tar(&rootfs, &changes, BufWriter::new(&f))?;
+                diff_tar = Some(path);
+            }
+            if !changes.deleted.is_empty() {
+                extra.push((DELETED_FILES.into(), changes.deleted_files()));
+            }
+            Some(RootfsSummary {
+                changed: changes.changed.len(),
+                deleted: changes.deleted.len(),
+                skipped: changes
+                    .skipped
+                    .iter()
+                    .map(|(p, why)| format!("{}: {why}", p.display()))
+                    .collect(),
+            })
+        }
+        None => None,
+    };
     if !stored.iter().any(|f| f == "oci/spec.dump") {
         let spec = record.bundle.join("config.json");
         let json = std::fs::read(&spec).map_err(|e| {
@@ -295,11 +348,16 @@ pub fn export_oci(
         append(&mut tar, name, data.len() as u64, &data[..], mtime).map_err(write)?;
         entries.push(name.clone());
     }
-    for rel in &stored {
-        let path = work.path().join(rel);
+    let mut files: Vec<(String, PathBuf)> = stored
+        .iter()
+        .map(|rel| (archive_name(rel), work.path().join(rel)))
+        .collect();
+    if let Some(path) = diff_tar {
+        files.push((ROOTFS_DIFF.into(), path));
+    }
+    for (name, path) in files {
         let f = File::open(&path).map_err(io(&path))?;
         let size = f.metadata().map_err(io(&path))?.len();
-        let name = archive_name(rel);
         append(&mut tar, &name, size, BufReader::new(f), mtime).map_err(write)?;
         entries.push(name);
     }
@@ -323,6 +381,7 @@ pub fn export_oci(
         path: dest.to_path_buf(),
         entries,
         bytes,
+        rootfs_changes,
     })
 }
 

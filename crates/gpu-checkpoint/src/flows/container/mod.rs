@@ -36,6 +36,7 @@ mod guards;
 pub mod members;
 mod oci;
 mod restore;
+pub mod rootfs_diff;
 mod runtime;
 mod sandbox;
 

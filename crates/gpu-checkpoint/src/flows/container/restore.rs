@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::members::{self, pid_map};
 // Applying an imported archive's root file system changes: only the restore uses it.
-mod rootfs;
+pub(super) mod rootfs;
 // The images streamed from the store into the runtime's CRIU.
 mod streamed;
 use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};

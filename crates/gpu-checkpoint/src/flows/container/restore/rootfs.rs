@@ -32,7 +32,7 @@ fn refused(rootfs: &Path, reason: impl Into<String>) -> crate::Error {
 }
 
 /// The bundle's root file system: `root.path` of its `config.json`, relative to the bundle or absolute.
-pub(super) fn rootfs_of(bundle: &Path) -> crate::Result<PathBuf> {
+pub(in crate::flows::container) fn rootfs_of(bundle: &Path) -> crate::Result<PathBuf> {
     let config = bundle.join("config.json");
     let spec: serde_json::Value = fs::read(&config)
         .map_err(|e| e.to_string())
