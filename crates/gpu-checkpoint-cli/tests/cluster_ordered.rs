@@ -101,4 +101,28 @@ fn an_ordered_job_checkpoint_locks_restores_and_unlocks_its_members_in_rank_orde
     assert!(in_rank_order(&restore, "RESTORE"), "{restore:?}");
     assert!(in_rank_order(&restore, "UNLOCK"), "{restore:?}");
     assert_healthy(&s.pids());
+
+    // One member registered again as sharing CUDA IPC memory (`job add --ordered`) makes the job's
+    // checkpoints ordered without asking (`job list` says so); the one asked without is ordered too.
+    let (pid, node) = (s.pids()[2].to_string(), scene::node_of(2));
+    let add = [
+        "job", "add", "--job", "train", "--rank", "2", "--node", node, "--pid", &pid,
+    ];
+    let out = in_hub(&s.lab, &[&add[..], &["--ordered"]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    let out = in_hub(&s.lab, &["job", "list"]);
+    let list = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("job train: ") && l.ends_with(", ordered")),
+        "{list}"
+    );
+    let seen = s.sim_events().len();
+    let out = in_hub(&s.lab, &[&ckpt[..], &["--leave-running"]].concat());
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let locks = s.sim_events()[seen..].to_vec();
+    assert!(in_rank_order(&locks, "LOCK"), "{locks:?}");
+    assert_recorded(&s, &id, &unordered_id);
+    assert_healthy(&s.pids());
 }

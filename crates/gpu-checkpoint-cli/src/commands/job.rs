@@ -68,6 +68,11 @@ pub struct AddArgs {
     /// checkpoints and restores it with the container flow.
     #[arg(long)]
     pub container: Option<String>,
+    /// The member's processes share CUDA IPC memory with other members' (driver r610 and later): every
+    /// checkpoint of the job locks its members in rank order (as `job checkpoint --ordered`), and
+    /// restores in that order.
+    #[arg(long)]
+    pub ordered: bool,
     #[command(flatten)]
     pub etcd: EtcdArgs,
 }
@@ -178,11 +183,19 @@ fn add(a: AddArgs) -> anyhow::Result<()> {
         node: a.node,
         pid: a.pid,
         container: a.container,
+        ordered: a.ordered,
     };
     job::add_member(coord.as_ref(), &a.job, &m)?;
     eprintln!(
-        "job {}: rank {} on node {} registered",
-        a.job, m.rank, m.node
+        "job {}: rank {} on node {} registered{}",
+        a.job,
+        m.rank,
+        m.node,
+        if m.ordered {
+            " (ordered: the job's checkpoints go in rank order)"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
@@ -366,7 +379,12 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
                     .iter()
                     .map(|m| format!("{}@{}", m.rank, m.node))
                     .collect();
-                println!("job {name}: {}", m.join(" "));
+                let ordered = members.iter().any(|m| m.ordered);
+                println!(
+                    "job {name}: {}{}",
+                    m.join(" "),
+                    if ordered { ", ordered" } else { "" }
+                );
             }
             for m in &checkpoints {
                 println!(

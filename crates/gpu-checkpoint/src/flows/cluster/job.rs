@@ -86,7 +86,7 @@ pub fn add_member(
             "a member is a PID or a container, one of the two".into(),
         ));
     }
-    coord.put(&rec::member(job, m.rank), &encode(m), None)?;
+    coord.put(&rec::member(job, m.rank), &rec::encode_member(m), None)?;
     Ok(())
 }
 
@@ -379,6 +379,9 @@ pub fn checkpoint_job(
         )));
     }
     preflight(c, job, &members)?;
+    // A member registered as sharing CUDA IPC memory (`job add --ordered`) makes every checkpoint of
+    // the job ordered, asked for or not: out of order its locks could hang on memory another holds.
+    let ordered = opts.ordered || members.iter().any(|m| m.ordered);
     let id = format!("{job}-{started_unix_ms}");
     let tasks = members
         .iter()
@@ -393,7 +396,7 @@ pub fn checkpoint_job(
             checkpoint: None,
             device_map: None,
             job_checkpoint: None,
-            after: before(&members, m.rank, opts.ordered),
+            after: before(&members, m.rank, ordered),
         })
         .collect();
     let record = rec::OpRecord {
@@ -402,7 +405,7 @@ pub fn checkpoint_job(
         kind: OpKind::Checkpoint,
         members: members.clone(),
         started_unix_ms,
-        ordered: opts.ordered,
+        ordered,
     };
     let t = &opts.timeouts;
     let op = Op::start(c, Arc::clone(&coord), record, tasks, t.lease_ttl)?;
@@ -449,7 +452,7 @@ pub fn checkpoint_job(
         id: id.clone(),
         job: job.clone(),
         leave_running: opts.leave_running,
-        ordered: opts.ordered,
+        ordered,
         members: members
             .iter()
             .map(|m| {
@@ -605,6 +608,7 @@ pub fn restore_job(
                     node,
                     pid: m.pid,
                     container: None,
+                    ordered: false,
                 },
                 m,
             )

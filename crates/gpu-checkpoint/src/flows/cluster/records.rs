@@ -129,28 +129,29 @@ fn encode_as<T: Serialize>(body: &T, schema_version: u32) -> Vec<u8> {
     .expect("records are plain data")
 }
 
+/// [`ORDERED_VERSION`] for a record that orders its operation, else [`BASE_VERSION`].
+fn version_if_ordered(ordered: bool) -> u32 {
+    if ordered {
+        ORDERED_VERSION
+    } else {
+        BASE_VERSION
+    }
+}
+
 /// A job manifest as etcd and the members' stores keep it: [`ORDERED_VERSION`] if ordered.
 pub fn encode_manifest(m: &JobManifest) -> Vec<u8> {
-    encode_as(
-        m,
-        if m.ordered {
-            ORDERED_VERSION
-        } else {
-            BASE_VERSION
-        },
-    )
+    encode_as(m, version_if_ordered(m.ordered))
+}
+
+/// A member as etcd keeps it: [`ORDERED_VERSION`] if it must be checkpointed in rank order (a
+/// gpu-checkpoint that does not know about ordering would checkpoint its job unordered).
+pub fn encode_member(m: &MemberRecord) -> Vec<u8> {
+    encode_as(m, version_if_ordered(m.ordered))
 }
 
 /// A task as etcd keeps it: [`ORDERED_VERSION`] if the member waits for another (`after`).
 pub fn encode_task(t: &Task) -> Vec<u8> {
-    encode_as(
-        t,
-        if t.after.is_some() {
-            ORDERED_VERSION
-        } else {
-            BASE_VERSION
-        },
-    )
+    encode_as(t, version_if_ordered(t.after.is_some()))
 }
 
 /// A record from etcd's bytes; refuses another schema or a newer version.
@@ -191,6 +192,10 @@ pub struct MemberRecord {
     pub pid: Option<i32>,
     /// Or its container (recorded; the agent does not resolve containers yet).
     pub container: Option<String>,
+    /// Its processes share CUDA IPC memory with other members' (`job add --ordered`): every checkpoint
+    /// of the job is then ordered. Written as [`ORDERED_VERSION`] when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ordered: bool,
 }
 
 /// What an operation does.
@@ -388,12 +393,22 @@ mod tests {
             node: "n1".into(),
             pid: Some(42),
             container: None,
+            ordered: false,
         };
-        let bytes = encode(&m);
+        let bytes = encode_member(&m);
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["schema"], SCHEMA);
         assert_eq!(v["schema_version"], BASE_VERSION);
         assert_eq!(decode::<MemberRecord>("k", &bytes).unwrap(), m);
+        assert!(!String::from_utf8_lossy(&bytes).contains("ordered"));
+        // A member sharing CUDA IPC memory is a version 2 record (older tools refuse it).
+        let o = MemberRecord {
+            ordered: true,
+            ..m.clone()
+        };
+        let v2: serde_json::Value = serde_json::from_slice(&encode_member(&o)).unwrap();
+        assert_eq!(v2["schema_version"], ORDERED_VERSION);
+        assert_eq!(decode::<MemberRecord>("k", &encode_member(&o)).unwrap(), o);
         let mut newer = v.clone();
         newer["schema_version"] = (SCHEMA_VERSION + 1).into();
         let e = decode::<MemberRecord>("k", &serde_json::to_vec(&newer).unwrap()).unwrap_err();

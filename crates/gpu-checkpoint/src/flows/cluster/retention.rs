@@ -88,6 +88,7 @@ fn purge(
                 node: m.node.clone(),
                 pid: m.pid,
                 container: None,
+                ordered: false,
             })
             .collect();
         let tasks = record_members

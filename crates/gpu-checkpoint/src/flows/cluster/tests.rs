@@ -182,6 +182,7 @@ impl Cluster {
                 node: node.into(),
                 pid: Some(100 + rank as i32),
                 container: None,
+                ordered: false,
             },
         )
         .unwrap();
