@@ -87,6 +87,10 @@ fn main() {
     if let Some((criu, fd)) = gpu_checkpoint::dump::swrk_proxy::proxy_call(&args) {
         std::process::exit(gpu_checkpoint::dump::swrk_proxy::run(&criu, fd));
     }
+    // ... and CRIU runs us as the proxy's action script, which tells runc of the restored tree.
+    if let Some(socket) = gpu_checkpoint::dump::swrk_notify::notify_call() {
+        std::process::exit(gpu_checkpoint::dump::swrk_notify::notify(&socket));
+    }
     let cli = Cli::parse();
     init_logging(cli.log_verbose);
     let result = match cli.command {

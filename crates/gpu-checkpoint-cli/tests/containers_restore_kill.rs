@@ -233,12 +233,9 @@ fn a_runc_restore_killed_half_way_leaves_nothing_and_the_checkpoint_restores() {
     let o = tool.wait_with_output().unwrap();
     assert!(!o.status.success(), "the restore failed: {}", text(&o));
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    // CRIU, still restoring without the stand-in when runc failed, was killed by the tool's undo.
-    assert!(
-        text(&o).contains("left by the failed restore"),
-        "{}",
-        text(&o)
-    );
+    // CRIU, restoring on without the stand-in, either was still at it when runc failed (the tool's undo
+    // kills it: "left by the failed restore") or reached post-restore, where its action script finds
+    // nobody to tell runc, fails, and CRIU kills the tree it restored before it ran. Either way:
     s.assert_nothing_left(&id, "the stand-in killed");
 
     // 4. CRIU itself SIGKILLed while the images stream: the stand-in and runc fail; the tool's undo

@@ -18,6 +18,7 @@ mod network;
 pub mod options;
 mod rpc;
 pub mod streamer;
+pub mod swrk_notify;
 pub mod swrk_proxy;
 
 use std::ffi::OsString;

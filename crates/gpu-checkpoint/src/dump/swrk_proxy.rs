@@ -17,8 +17,11 @@
 //!   restore (`setup-namespaces`, which runs the bundle's prestart hooks; `orphan-pts-master`, a
 //!   terminal) are not sent: the caller does not stream a bundle with hooks or a terminal.
 //!
-//! The command line has no notifications, so `post-restore` is sent once CRIU has finished (the tree
-//! already runs) rather than before the tree resumes; if runc then refuses, the restored tree is killed.
+//! The command line has no notifications, but it has action scripts, which CRIU runs at the same
+//! moments it would notify its RPC client: `post-restore` comes once every process is restored and
+//! before any of them resumes. So CRIU is given this program again as its `--action-script`, through
+//! which the proxy tells runc then, and a refusal makes CRIU kill the tree before it ever ran, as its
+//! service does (`swrk_notify.rs`).
 
 use std::ffi::OsString;
 use std::os::fd::RawFd;
@@ -30,6 +33,7 @@ use protobuf::{Message, MessageField};
 use rust_criu::rust_criu_protobuf::rpc;
 
 use super::rpc::{recv, send};
+use super::swrk_notify::{tell_runc, Gate, NOTIFY_ENV};
 
 /// The real CRIU's path. Set on runc's command line by the container restore; its presence makes
 /// `gpu-checkpoint swrk FD` act as this proxy.
@@ -347,15 +351,34 @@ fn restore(real: &Path, fd: RawFd, req: rpc::Criu_req) -> i32 {
             return failed(fd, &why);
         }
     };
+    // runc hears of the restored tree from our action script, before the tree resumes
+    // (`swrk_notify.rs`).
+    let exe = std::env::current_exe();
+    let gate = Gate::open(&t.work);
+    let (exe, mut gate) = match (exe, gate) {
+        (Ok(e), Ok(g)) => (e, g),
+        (Err(e), _) | (_, Err(e)) => {
+            note(Some(&t), &format!("the post-restore script: {e}"));
+            return failed(fd, &format!("the post-restore script: {e}"));
+        }
+    };
     // runc's descriptors (stdio, the images and work folders, namespaces) are inherited as they are.
-    let status = Command::new(real)
+    let criu = Command::new(real)
         .arg("restore")
         .args(&t.args)
+        .arg("--action-script")
+        .arg(&exe)
+        .env(NOTIFY_ENV, gate.path())
         .current_dir(&t.images)
         .env_remove(REAL_CRIU_ENV)
-        .status();
+        .spawn();
+    let status = criu.and_then(|mut c| gate.serve(&mut c, &mut |pid| tell_runc(fd, pid)));
     match status {
-        Ok(s) if s.success() => {}
+        Ok(s) if s.success() && gate.told() => {}
+        Ok(s) if s.success() => {
+            note(Some(&t), "CRIU ran no post-restore script");
+            return failed(fd, "CRIU ran no post-restore script");
+        }
         Ok(s) => return failed(fd, &format!("criu restore --stream exited ({s})")),
         Err(e) => {
             note(Some(&t), &format!("running {}: {e}", real.display()));
@@ -380,24 +403,6 @@ fn restore(real: &Path, fd: RawFd, req: rpc::Criu_req) -> i32 {
         unsafe { libc::kill(pid, libc::SIGKILL) };
         failed(fd, why)
     };
-    let mut notify = rpc::Criu_notify::new();
-    notify.set_script("post-restore".into());
-    notify.set_pid(pid);
-    let mut resp = rpc::Criu_resp::new();
-    resp.set_type(rpc::Criu_req_type::NOTIFY);
-    resp.set_success(true);
-    resp.notify = MessageField::some(notify);
-    if !answer(fd, &resp) {
-        return kill("runc went away before post-restore");
-    }
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    let ack = recv(fd, &mut buf)
-        .ok()
-        .filter(|&n| n > 0 && n <= buf.len())
-        .and_then(|n| rpc::Criu_req::parse_from_bytes(&buf[..n]).ok());
-    if !ack.is_some_and(|r| r.notify_success()) {
-        return kill("runc refused the restored container (post-restore)");
-    }
     let mut done = rpc::Criu_restore_resp::new();
     done.set_pid(pid);
     let mut resp = rpc::Criu_resp::new();
@@ -408,6 +413,7 @@ fn restore(real: &Path, fd: RawFd, req: rpc::Criu_req) -> i32 {
         return kill("runc went away before the answer");
     }
     // runc closes its end once it has the answer, then waits for us.
+    let mut buf = [0u8; 64];
     let _ = recv(fd, &mut buf);
     0
 }
