@@ -19,6 +19,10 @@
 #   BENCH_DIR=DIR       where stores and images go (default: target/bench-criu, on the repository's disk)
 #   COMPRESSION=none    the store setting for our checkpoint (default: the tool's default, zstd level 1)
 #   CONTENT=mixed       the workload's memory (default: random, incompressible)
+#   LEAVE_RUNNING=1     instead: `--leave-running` checkpoints only, streamed (CRIU leaves the tree stopped,
+#                       the tool continues it once the store has read every image) against `--staged`
+#                       (CRIU resumes it after writing the files), alternated; the wall time and how long
+#                       the tree was held stopped (`timings_ms.paused`), no restore
 # Builds gpu-checkpoint in release mode (a debug build's hashing and compression are many times slower)
 # and needs CRIU (scripts/setup.sh installs the project's; scripts/env.sh finds it).
 set -euo pipefail
@@ -87,6 +91,48 @@ plain() {
     t1=$(now)
     P_RS+=" $(ms "$t0" "$t1")"
 }
+
+# One `--leave-running` checkpoint ($1 = "" or "--staged") of the running $PID into a fresh store; appends
+# the wall time and the time the tree was held stopped to the arrays named by $2.
+leave_running() {
+    rm -rf "$DIR/store"
+    local mode=$1 tag=$2 t0 t1 out
+    settle
+    t0=$(now)
+    out=$("$GC" checkpoint --pid "$PID" --storage "$DIR/store" --format json --leave-running $mode ${COMPRESSION:+--compression "$COMPRESSION"})
+    t1=$(now)
+    eval "${tag}_CK+=\" $(ms "$t0" "$t1")\""
+    eval "${tag}_PA+=\" $(echo "$out" | grep -o '"paused": [0-9.]*' | awk '{ printf "%.0f", $2 }')\""
+}
+
+if [ "${LEAVE_RUNNING:-}" = 1 ]; then
+    echo "--leave-running checkpoints: streamed (the default) vs --staged, $ROUNDS rounds alternated, medians in ms (compression: ${COMPRESSION:-default}, memory: ${CONTENT:-random})"
+    echo "disk: $(df -h "$DIR" | awk 'NR == 2 { print $1 " (" $2 ")" }'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "wall: the command; paused: the tree held stopped (timings_ms.paused: CRIU's start until it ran again)"
+    printf '%-6s | %-22s | %-22s | %s\n' "size" "streamed: wall paused" "staged: wall paused" "streamed/staged: wall paused"
+    for mib in "${SIZES[@]}"; do
+        S_CK= S_PA= G_CK= G_PA=
+        PID=$("$BIN/workload" memory --mib "$mib" --content "${CONTENT:-random}" --verify-ms 0 --state "$DIR/state" --detach)
+        until grep -q 'phase=verifying' "$DIR/state" 2>/dev/null; do sleep 0.1; done
+        for r in $(seq 1 "$ROUNDS"); do
+            if [ $((r % 2)) = 1 ]; then
+                leave_running "" S; leave_running --staged G
+            else
+                leave_running --staged G; leave_running "" S
+            fi
+        done
+        kill -9 "$PID"
+        wait_free "$PID"
+        PID=
+        sck=$(echo "$S_CK" | median) spa=$(echo "$S_PA" | median)
+        gck=$(echo "$G_CK" | median) gpa=$(echo "$G_PA" | median)
+        printf '%-6s | %6s %6s        | %6s %6s        | %s %s\n' "${mib}M" "$sck" "$spa" "$gck" "$gpa" \
+            "$(ratio "$sck" "$gck")" "$(ratio "$spa" "$gpa")"
+        echo "  rounds: streamed wall$S_CK, paused$S_PA; staged wall$G_CK, paused$G_PA"
+    done
+    echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+    exit 0
+fi
 
 echo "gpu-checkpoint (compression: ${COMPRESSION:-default}, memory: ${CONTENT:-random}) vs plain CRIU ($("$CRIU" --version | head -1)), $ROUNDS rounds per size, medians in ms"
 echo "disk: $(df -h "$DIR" | awk 'NR == 2 { print $1 " (" $2 ")" }'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"

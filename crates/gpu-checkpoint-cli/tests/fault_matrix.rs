@@ -26,6 +26,8 @@ enum Expect {
     Running,
     /// The checkpoint is durable, the tree was stopped, and the checkpoint restores.
     Durable,
+    /// `--leave-running`: the checkpoint is durable and the tree runs on.
+    DurableRunning,
 }
 
 /// The tree under test: a CPU-only process re-verifying its memory, or SIMULATED GPU processes.
@@ -182,18 +184,22 @@ fn assert_restores(t: &Tree, id: &str, store: &Path, cell: &str) {
     }
 }
 
-/// One checkpoint cell: start a tree, checkpoint it with `fault`, check what `expect` says.
-fn checkpoint_cell(gpu: bool, staged: bool, fault: &str, expect: Expect) {
+/// One checkpoint cell: start a tree, checkpoint it with `fault` (and `extra` arguments: `--staged`,
+/// `--leave-running`), check what `expect` says.
+fn checkpoint_cell(gpu: bool, extra: &[&str], fault: &str, expect: Expect) {
     let cell = format!(
         "{} {} {fault}",
         if gpu { "gpu" } else { "cpu" },
-        if staged { "staged" } else { "streamed" }
+        if extra.is_empty() {
+            "streamed".to_string()
+        } else {
+            extra.join(" ")
+        }
     );
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let t = Tree::start(gpu, dir.path());
-    let staged_arg: &[&str] = if staged { &["--staged"] } else { &[] };
-    let o = checkpoint_with_fault(&t, &store, staged_arg, fault);
+    let o = checkpoint_with_fault(&t, &store, extra, fault);
     let out = text(&o);
     match expect {
         Expect::Running => {
@@ -214,17 +220,22 @@ fn checkpoint_cell(gpu: bool, staged: bool, fault: &str, expect: Expect) {
             assert_store_verifies(&store, &cell);
             assert_restores(&t, &listed[0], &store, &cell);
         }
+        Expect::DurableRunning => {
+            assert_eq!(ids(&store).len(), 1, "{cell}: {out}");
+            t.assert_running_intact(&cell);
+        }
     }
     assert_store_verifies(&store, &cell);
     // What the cell says of the tool's end: a SIGTERM is exit 10 when it undid the checkpoint, a SIGKILL
-    // is a death by signal, and the guardian says what it did.
+    // is a death by signal, and the guardian says what it did (nothing to do for a durable checkpoint of
+    // a tree that runs on).
     if fault.ends_with("=term") && expect == Expect::Running {
         assert_eq!(o.status.code(), Some(10), "{cell}: {out}");
     }
     if fault.ends_with("=kill") {
         assert_eq!(o.status.code(), None, "{cell}: killed by a signal: {out}");
         assert!(
-            out.contains("guardian"),
+            expect == Expect::DurableRunning || out.contains("guardian"),
             "{cell}: the guardian said nothing: {out}"
         );
     }
@@ -244,12 +255,31 @@ const CHECKPOINT_CELLS: &[(&str, Expect)] = &[
     ("store.write=enospc", Expect::Running),
 ];
 
+/// `--leave-running`, streamed: CRIU leaves the tree stopped and the tool continues it once the store
+/// has read every image, before the GPU thaw. Killed before that continue, the guardian continues it.
+const LEAVE_RUNNING_CELLS: &[(&str, Expect)] = &[
+    ("checkpoint.after-dump=kill", Expect::Running),
+    ("checkpoint.after-dump=term", Expect::Running),
+    ("checkpoint.after-commit=kill", Expect::DurableRunning),
+    ("store.write=eio", Expect::Running),
+];
+
 fn checkpoint_matrix(gpu: bool, staged: bool) {
     if !criu_ready() {
         return;
     }
+    let extra: &[&str] = if staged { &["--staged"] } else { &[] };
     for (fault, expect) in CHECKPOINT_CELLS {
-        checkpoint_cell(gpu, staged, fault, *expect);
+        checkpoint_cell(gpu, extra, fault, *expect);
+    }
+}
+
+fn leave_running_matrix(gpu: bool) {
+    if !criu_ready() {
+        return;
+    }
+    for (fault, expect) in LEAVE_RUNNING_CELLS {
+        checkpoint_cell(gpu, &["--leave-running"], fault, *expect);
     }
 }
 
@@ -271,6 +301,16 @@ fn checkpoint_faults_gpu_streamed() {
 #[test]
 fn checkpoint_faults_gpu_staged() {
     checkpoint_matrix(true, true);
+}
+
+#[test]
+fn leave_running_checkpoint_faults_cpu() {
+    leave_running_matrix(false);
+}
+
+#[test]
+fn leave_running_checkpoint_faults_gpu() {
+    leave_running_matrix(true);
 }
 
 /// Restore steps: a kill before CRIU or before the GPU restore leaves no copy running (the guardian

@@ -220,6 +220,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "  detect {:.0} ms, freeze {:.0} ms, {dump} {:.0} ms, {write} {:.0} ms, stop {:.0} ms; total {:.0} ms",
                 t.detect, t.freeze, t.dump, t.write, t.stop, t.total
             );
+            if !out.stopped {
+                eprintln!(
+                    "  the tree was held stopped {:.0} ms ({})",
+                    t.paused,
+                    if t.continued {
+                        "until the store had read every image"
+                    } else {
+                        "while CRIU wrote its images"
+                    }
+                );
+            }
             if let Some(line) = gpu_summary(&out.manifest) {
                 eprintln!("  {line}");
             }

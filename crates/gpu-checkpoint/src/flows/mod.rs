@@ -19,7 +19,7 @@ pub(crate) mod thaw;
 
 use std::time::Instant;
 
-use crate::dump::Criu;
+use crate::dump::{AfterDump, Criu};
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
 pub use guardian::{Event, Watch};
@@ -62,18 +62,30 @@ pub enum ImageTransfer {
 }
 
 impl ImageTransfer {
-    /// Whether a checkpoint's dump streams its images (CRIU's `--stream`), given whether the tree runs on
-    /// right after it (`leave_running`).
+    /// Whether a checkpoint's dump streams its images (CRIU's `--stream`): unless staged, whether the
+    /// tree runs on after it or not (see [`ImageTransfer::after_dump`] for how a tree left running stays
+    /// safe).
+    pub fn dump_streams(self) -> bool {
+        self != ImageTransfer::Staged
+    }
+
+    /// What CRIU is told to do with the tree at the end of a checkpoint's dump, given whether the tree
+    /// runs on after the checkpoint (`leave_running`).
     ///
-    /// A tree left running is dumped through files: streamed, its memory could be stored as it is *after*
-    /// it resumed. CRIU's parasite vmsplices the frozen pages into a pipe and CRIU splices them on into the
-    /// streamer's pipe (16 MiB), which moves references to the process's own pages, not copies; CRIU then
-    /// lets the tree go while those pages still wait in the pipe, and every write the tree makes before
-    /// the store reads them lands in the checkpoint. Under load the store reads late, and the restored
-    /// process got a mix of two moments (it segfaulted). Written to a file, each page is copied into the
-    /// page cache before CRIU resumes the tree. A stopped tree never writes again, so it streams.
-    pub fn dump_streams(self, leave_running: bool) -> bool {
-        self != ImageTransfer::Staged && !leave_running
+    /// A streamed dump never lets CRIU resume the tree (`--leave-running`): CRIU's parasite vmsplices the
+    /// frozen pages into a pipe and CRIU splices them on into the streamer's pipe (16 MiB), which moves
+    /// references to the process's own pages, not copies; CRIU resumes the tree while those pages still
+    /// wait in the pipe, and every write the tree makes before the store reads them lands in the
+    /// checkpoint (a restored process got a mix of two moments and segfaulted). So CRIU leaves the tree
+    /// stopped (`--leave-stopped`), and the checkpoint flow continues it itself once the store has read
+    /// every image (the streamed dump returns only then), before its GPU state is put back and before the
+    /// commit. Staged, each page is copied into a file before CRIU resumes the tree: CRIU lets it go.
+    pub fn after_dump(self, leave_running: bool) -> AfterDump {
+        if leave_running && !self.dump_streams() {
+            AfterDump::KeepRunning
+        } else {
+            AfterDump::Stop
+        }
     }
 
     /// `Staged` when asked for (the CLI's `--staged`), else the default, `Stream`.
@@ -97,17 +109,28 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     use super::ImageTransfer;
+    use crate::dump::AfterDump;
 
-    /// Why [`ImageTransfer::dump_streams`] refuses a tree left running: what CRIU hands the streamer is
-    /// the process's own pages, not a copy. Like CRIU's parasite, the page is vmspliced into a pipe; like
+    /// Every dump streams but a staged one; only a staged one lets CRIU resume the tree.
+    #[test]
+    fn a_streamed_dump_leaves_the_tree_stopped_even_when_it_runs_on() {
+        assert!(ImageTransfer::Stream.dump_streams());
+        assert!(!ImageTransfer::Staged.dump_streams());
+        assert_eq!(ImageTransfer::Stream.after_dump(true), AfterDump::Stop);
+        assert_eq!(ImageTransfer::Stream.after_dump(false), AfterDump::Stop);
+        assert_eq!(
+            ImageTransfer::Staged.after_dump(true),
+            AfterDump::KeepRunning
+        );
+        assert_eq!(ImageTransfer::Staged.after_dump(false), AfterDump::Stop);
+    }
+
+    /// Why [`ImageTransfer::after_dump`] never lets CRIU resume a streamed tree: what CRIU hands the
+    /// streamer is the process's own pages, not a copy. Like CRIU's parasite, the page is vmspliced into a pipe; like
     /// CRIU's `write_pages_loc`, spliced on into the streamer's pipe; the "process" then writes it, and the
     /// streamer reads the write.
     #[test]
     fn pages_spliced_into_the_streamers_pipe_are_the_processs_own() {
-        assert!(ImageTransfer::Stream.dump_streams(false));
-        assert!(!ImageTransfer::Stream.dump_streams(true));
-        assert!(!ImageTransfer::Staged.dump_streams(false));
-
         let mut page = vec![b'A'; 4096].into_boxed_slice();
         let at = page.as_mut_ptr();
         let (r1, w1) = nix::unistd::pipe().unwrap();

@@ -19,6 +19,10 @@
 //!   `--children K` (default 4) forked children that read it, so parent and children share its pages
 //!   (copy-on-write); each process also has a page and a MiB of its own in the same mapping, and
 //!   re-verifies its view every `--verify-ms MS` (default 500)      records: proc pid checksum verified bad
+//! - `generations` `--mib N` (default 64) of memory, one thread, no pause: each generation checks that
+//!   every page holds the previous generation's number, then writes its own into every page; a page
+//!   of another generation (a restored snapshot of two moments: torn) ends it with exit 3
+//!   records: pid gen torn (and page found, when torn)
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -55,8 +59,9 @@ fn main() {
         "files" => files(&opts),
         "memory" => memory(&opts),
         "cow" => cow(&opts),
+        "generations" => generations(&opts),
         _ => Err(format!(
-            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow)"
+            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow, generations)"
         )),
     };
     if let Err(e) = result {
@@ -580,5 +585,60 @@ fn cow(opts: &Opts) -> Result<(), String> {
             ),
         )?;
         sleep_ms(every);
+    }
+}
+
+/// `--mib N` of memory whose pages all hold one generation number between generations. A checkpoint is
+/// one moment of the process, so a restored copy finds every page as that moment left it: the pages
+/// written so far in the generation under way hold its number, the others the previous one, and the
+/// copy finishes the generation from where the registers say it was. A checkpoint that stored some pages
+/// as they were later (a torn snapshot: CRIU let the process run while the store still had to read
+/// pages that are references to its own) gives the copy a page of a later generation: the next check
+/// finds it. Pages are checked bottom up and written top down, so that the top pages (the last CRIU
+/// dumps) are written again as early as possible in every generation. Single-threaded, without pauses:
+/// the faster a generation, the sooner a later one reaches the pages a torn snapshot took late.
+fn generations(opts: &Opts) -> Result<(), String> {
+    let mib = opts.num("mib", 64)? as usize;
+    let s = state(opts, 1)?;
+    let pages = mib << 8;
+    let mut buf = vec![0u64; pages * PAGE_WORDS];
+    let page = |buf: &mut [u64], p: usize| buf[p * PAGE_WORDS..].as_mut_ptr();
+    // Generation 0: every page written once, so that every page is present (and dumped).
+    for p in 0..pages {
+        // SAFETY: a word inside `buf`, which is ours (volatile: the compiler must not drop a write of
+        // zero into zeroed memory, nor keep a page's word in a register across generations).
+        unsafe { std::ptr::write_volatile(page(&mut buf, p), 0) };
+    }
+    let mut gen = 0u64;
+    let mut said = std::time::Instant::now();
+    let report = |gen: u64, torn: &str| {
+        put(
+            &s,
+            0,
+            &format!("pid={} gen={gen} mib={mib} torn={torn}", pid()),
+        )
+    };
+    report(gen, "0")?;
+    loop {
+        for p in 0..pages {
+            // SAFETY: as above.
+            let found = unsafe { std::ptr::read_volatile(page(&mut buf, p)) };
+            if found != gen {
+                report(gen, &format!("1 page={p} found={found}"))?;
+                eprintln!(
+                    "workload: TORN: page {p} of {pages} holds generation {found}, not {gen}"
+                );
+                std::process::exit(3);
+            }
+        }
+        gen += 1;
+        for p in (0..pages).rev() {
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(page(&mut buf, p), gen) };
+        }
+        if said.elapsed() >= std::time::Duration::from_millis(50) {
+            report(gen, "0")?;
+            said = std::time::Instant::now();
+        }
     }
 }

@@ -3,11 +3,13 @@
 //! Order, and why:
 //! 1. Everything that can refuse does so before the process is touched: the PID exists, the store is
 //!    writable, no other checkpoint of this PID runs (per-PID lock), detect does not say `unsupported`.
-//! 2. GPU freeze (the [`crate::freeze::GpuHook`]), then CRIU dumps the tree into the store's staging
-//!    folder. CRIU never kills the tree: it leaves it running (`--leave-running`) or stopped (SIGSTOP, the
-//!    default), so a failure of anything until the checkpoint is durable is undone by continuing the tree
-//!    and putting its GPU state back. Guards do that when dropped (`undo.rs`), so that no way out of the
-//!    flow can forget it.
+//! 2. GPU freeze (the [`crate::freeze::GpuHook`]), then CRIU dumps the tree into the store (streamed) or
+//!    its staging folder (`--staged`). CRIU never kills the tree: it leaves it stopped (SIGSTOP), or
+//!    running for a staged `--leave-running` dump ([`crate::flows::ImageTransfer::after_dump`]), so a
+//!    failure of anything until the checkpoint is durable is undone by continuing the tree and putting
+//!    its GPU state back. Guards do that when dropped (`undo.rs`), so that no way out of the flow can
+//!    forget it. With `--leave-running` the flow continues the tree a streamed dump left stopped as soon
+//!    as the store has read every image, then puts its GPU state back, before the commit.
 //! 3. The store commits the checkpoint: every chunk durable, then the manifest (the checkpoint exists
 //!    only from that moment on).
 //! 4. Only then, without `--leave-running`, the tree is killed (migration).
@@ -21,23 +23,25 @@ mod lock;
 pub(in crate::flows) mod stream;
 mod undo;
 
+pub(in crate::flows) use stream::{dump_tree, tell_network};
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
-use super::{ms, save_log, Alone, Flow, ImageTransfer, NotCommitted, Phases};
+use super::{ms, Alone, Flow, NotCommitted, Phases};
 use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
 use crate::dump::devices::PluginDir;
-use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
+use crate::dump::{AfterDump, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::fault;
 use crate::flows::guardian::Event;
 use crate::freeze::{FreezeContext, GpuHook, GpuRecord};
 use crate::interrupt::InterruptGuard;
 use crate::proc as tree;
-use crate::store::{CheckpointInfo, Ingest, Progress, Store, Streamed};
+use crate::store::{CheckpointInfo, Store, Streamed};
 use undo::{ContinueGuard, GpuThawGuard};
 
 pub use lock::{lock_pid, lock_tree, PidLock};
@@ -176,8 +180,15 @@ pub struct Timings {
     /// Storing the images after the dump; when `streamed`, only the commit (sync, manifest) and files CRIU
     /// wrote itself (its log).
     pub write: f64,
-    /// The images went from CRIU to the store through pipes ([`ImageTransfer::Stream`]).
+    /// The images went from CRIU to the store through pipes ([`crate::flows::ImageTransfer::Stream`]).
     pub streamed: bool,
+    /// With `--leave-running`: how long the dump held the tree stopped, from CRIU's start until the tree
+    /// ran again (CRIU let it go after a staged dump, or the flow continued it once the store had read
+    /// every streamed image: `continued`). An upper bound: CRIU stops the tree a little after it starts.
+    /// 0 otherwise (the tree stays stopped until it is killed).
+    pub paused: f64,
+    /// The flow continued the tree CRIU left stopped (a streamed `--leave-running` dump).
+    pub continued: bool,
     /// Killing the tree after the checkpoint (0 with `--leave-running`).
     pub stop: f64,
     pub total: f64,
@@ -264,7 +275,7 @@ impl Flow<'_> {
         let stopped_before: Vec<i32> = stopped_before.iter().map(|(p, _)| *p).collect();
         let mut timings = Timings {
             detect: ms(t),
-            streamed: ImageTransfer::dump_streams(self.images, opts.leave_running),
+            streamed: self.images.dump_streams(),
             ..Timings::default()
         };
         let criu = CriuInfo {
@@ -310,11 +321,9 @@ impl Flow<'_> {
         fault::at("checkpoint.after-freeze");
         check_interrupt(&interrupt)?;
 
-        let after = if opts.leave_running {
-            AfterDump::KeepRunning
-        } else {
-            AfterDump::Stop
-        };
+        // A streamed dump leaves the tree stopped even with --leave-running: the flow continues it once
+        // the store has read every image, which are still the tree's own pages while in the pipes.
+        let after = self.images.after_dump(opts.leave_running);
         let t = Instant::now();
         let req = DumpRequest {
             pid,
@@ -322,8 +331,7 @@ impl Flow<'_> {
             log_file: DUMP_LOG,
             after,
             options: &opts.criu,
-            // Not for a tree left running: its pages would be read from the pipe after it wrote them.
-            stream: ImageTransfer::dump_streams(self.images, opts.leave_running),
+            stream: self.images.dump_streams(),
             env: &criu_env,
             container: None,
         };
@@ -358,8 +366,14 @@ impl Flow<'_> {
         fault::at("checkpoint.after-dump");
         check_interrupt(&interrupt)?;
         if opts.leave_running {
-            // GPU work resumes while the images are stored. The GPU restore + unlock timings belong with
-            // the lock + checkpoint ones.
+            // The store has read every image (`dump_tree` returned): the tree runs on, before its GPU
+            // state is put back (the GPU restore runs in its processes, which a stopped one cannot do)
+            // and before the commit. From here on an undo only puts the GPU state back.
+            timings.continued = stopped_tree.armed();
+            stopped_tree.continue_now();
+            timings.paused = ms(t);
+            // GPU work resumes while the checkpoint is committed. The GPU restore + unlock timings
+            // belong with the lock + checkpoint ones.
             let thaw = gpu.thaw()?;
             if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
                 record.thaw = Some(thaw);
@@ -581,56 +595,6 @@ fn check_options(pid: i32, report: &Report, criu: &CriuOptions) -> Result<(), Er
     Err(Error::NeedsOptions { pid, flags, needs })
 }
 
-/// CRIU dumps the tree into the staging folder, or straight into the store (`req.stream`). Returns the
-/// store's side of a streamed dump, which may have failed though CRIU finished (the caller's undo then
-/// also continues the tree CRIU left stopped).
-///
-/// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
-/// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
-/// full), CRIU only saw a broken pipe: the store's error says why.
-/// Tells the guardian what CRIU's dump left of the network, which it releases should the tool die before
-/// the commit; a guardian that cannot be told leaves it to the flow's own undo.
-pub(in crate::flows) fn tell_network(
-    watch: &dyn crate::flows::Watch,
-    hold: &crate::dump::NetworkHold,
-) {
-    if let Err(e) = watch.tell(&Event::Network(hold.clone())) {
-        tracing::warn!("the guardian was not told of the locked network: {e}");
-    }
-}
-
-pub(in crate::flows) fn dump_tree(
-    criu: &dyn Criu,
-    store: &Store,
-    progress: &dyn Progress,
-    req: &DumpRequest<'_>,
-    ingest: &Ingest,
-    pids: &[i32],
-) -> crate::Result<Option<crate::Result<Streamed>>> {
-    let (dumped, stored) = if req.stream {
-        let expected = stream::resident_bytes(pids);
-        let d = stream::dump_streamed(criu, req, ingest, expected, progress);
-        (d.dumped, Some(d.stored))
-    } else {
-        (criu.dump(req), None)
-    };
-    let Err(e) = dumped else {
-        return Ok(stored);
-    };
-    let e = keep_failed_log(store, ingest, e);
-    match stored {
-        Some(Err(store_err)) if store_err.exit_status() == ExitStatus::Storage => {
-            tracing::debug!("{e}");
-            Err(store_err)
-        }
-        Some(Err(store_err)) => {
-            tracing::debug!("while CRIU failed, the store: {store_err}");
-            Err(e.into())
-        }
-        _ => Err(e.into()),
-    }
-}
-
 /// The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the tree
 /// goes on and this is the best knowledge we have.
 fn dumped_tree(pid: i32, report: &Report) -> Vec<tree::TreeProcess> {
@@ -673,23 +637,8 @@ fn encode(value: &impl serde::Serialize) -> crate::Result<serde_json::Value> {
         .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")).into())
 }
 
-/// Copies CRIU's log out of the staging folder (which is about to go) into the store's `logs/` folder,
-/// or the temporary folder when the store cannot take it (full disk), and points the error at the copy.
-fn keep_failed_log(store: &Store, ingest: &Ingest, e: crate::dump::Error) -> crate::dump::Error {
-    let src = ingest.staging_dir().join(DUMP_LOG);
-    if !src.exists() {
-        return e;
-    }
-    match save_log(
-        store.local_dir(),
-        &src,
-        &format!("{}.dump.log", ingest.id()),
-    ) {
-        Some(kept) => e.with_log_path(kept),
-        None => e,
-    }
-}
-
+#[cfg(test)]
+mod leave_running_tests;
 #[cfg(test)]
 mod phase_tests;
 #[cfg(test)]

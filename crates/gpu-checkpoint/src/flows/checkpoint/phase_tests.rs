@@ -7,7 +7,7 @@ use super::tests::{names, RecordingGpu, Scene, Sleeper};
 use super::*;
 
 /// Says yes or no at each barrier, and records what it saw there.
-struct Barriers {
+pub(super) struct Barriers {
     at_lock: Result<(), String>,
     at_durable: Result<(), NotCommitted>,
     seen: Mutex<Vec<String>>,
@@ -15,13 +15,22 @@ struct Barriers {
 }
 
 impl Barriers {
-    fn new(watch: i32, at_lock: Result<(), String>, at_durable: Result<(), NotCommitted>) -> Self {
+    pub(super) fn new(
+        watch: i32,
+        at_lock: Result<(), String>,
+        at_durable: Result<(), NotCommitted>,
+    ) -> Self {
         Barriers {
             at_lock,
             at_durable,
             seen: Mutex::default(),
             watch,
         }
+    }
+
+    /// What it saw at each barrier.
+    pub(super) fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
     }
 }
 

@@ -5,20 +5,27 @@
 //!
 //! A store failure (disk full) makes the image threads drop their pipes; CRIU then fails on the broken pipe
 //! and lets the tree go on, exactly like a failed dump to disk. The store's own error is the one reported.
+//!
+//! [`dump_tree`] returns only once the store has read every image (its readers are joined): from then on
+//! nothing the tree writes reaches the checkpoint, and a tree CRIU left stopped may run again.
 
+use super::DUMP_LOG;
 use crate::dump::streamer::{serve_while, Listener, Mode};
 use crate::dump::{Criu, DumpRequest};
-use crate::store::{Ingest, Progress, Streamed};
+use crate::exit::{Classify, ExitStatus};
+use crate::flows::guardian::Event;
+use crate::flows::save_log;
+use crate::store::{Ingest, Progress, Store, Streamed};
 
 /// The outcome of a streamed dump: CRIU's, and the store's.
-pub(super) struct StreamedDump {
+struct StreamedDump {
     pub dumped: Result<(), crate::dump::Error>,
     pub stored: crate::Result<Streamed>,
 }
 
 /// Runs `criu.dump(req)` (with `req.stream` set) while serving its images into `ingest`. `expected_bytes`
 /// sizes the store's buffers (the tree's resident memory is a good guess).
-pub(super) fn dump_streamed(
+fn dump_streamed(
     criu: &dyn Criu,
     req: &DumpRequest<'_>,
     ingest: &Ingest,
@@ -85,4 +92,71 @@ pub(in crate::flows) fn resident_bytes(pids: &[i32]) -> u64 {
         .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
         .sum::<u64>()
         * page
+}
+
+/// Tells the guardian what CRIU's dump left of the network, which it releases should the tool die before
+/// the commit; a guardian that cannot be told leaves it to the flow's own undo.
+pub(in crate::flows) fn tell_network(
+    watch: &dyn crate::flows::Watch,
+    hold: &crate::dump::NetworkHold,
+) {
+    if let Err(e) = watch.tell(&Event::Network(hold.clone())) {
+        tracing::warn!("the guardian was not told of the locked network: {e}");
+    }
+}
+
+/// CRIU dumps the tree into the staging folder, or straight into the store (`req.stream`). Returns the
+/// store's side of a streamed dump, which may have failed though CRIU finished (the caller's undo then
+/// also continues the tree CRIU left stopped).
+///
+/// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
+/// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
+/// full), CRIU only saw a broken pipe: the store's error says why.
+pub(in crate::flows) fn dump_tree(
+    criu: &dyn Criu,
+    store: &Store,
+    progress: &dyn Progress,
+    req: &DumpRequest<'_>,
+    ingest: &Ingest,
+    pids: &[i32],
+) -> crate::Result<Option<crate::Result<Streamed>>> {
+    let (dumped, stored) = if req.stream {
+        let expected = resident_bytes(pids);
+        let d = dump_streamed(criu, req, ingest, expected, progress);
+        (d.dumped, Some(d.stored))
+    } else {
+        (criu.dump(req), None)
+    };
+    let Err(e) = dumped else {
+        return Ok(stored);
+    };
+    let e = keep_failed_log(store, ingest, e);
+    match stored {
+        Some(Err(store_err)) if store_err.exit_status() == ExitStatus::Storage => {
+            tracing::debug!("{e}");
+            Err(store_err)
+        }
+        Some(Err(store_err)) => {
+            tracing::debug!("while CRIU failed, the store: {store_err}");
+            Err(e.into())
+        }
+        _ => Err(e.into()),
+    }
+}
+
+/// Copies CRIU's log out of the staging folder (which is about to go) into the store's `logs/` folder,
+/// or the temporary folder when the store cannot take it (full disk), and points the error at the copy.
+fn keep_failed_log(store: &Store, ingest: &Ingest, e: crate::dump::Error) -> crate::dump::Error {
+    let src = ingest.staging_dir().join(DUMP_LOG);
+    if !src.exists() {
+        return e;
+    }
+    match save_log(
+        store.local_dir(),
+        &src,
+        &format!("{}.dump.log", ingest.id()),
+    ) {
+        Some(kept) => e.with_log_path(kept),
+        None => e,
+    }
 }

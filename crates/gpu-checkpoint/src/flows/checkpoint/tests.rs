@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
-use crate::flows::logs_dir;
+use crate::flows::{logs_dir, save_log, ImageTransfer};
 use crate::freeze::step::{RecordedProcess, RECORD_SCHEMA};
 use crate::freeze::{Backend, GpuHook, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
 use crate::restore::Target;
@@ -25,8 +25,8 @@ pub(super) struct RecordingGpu {
     /// What the last freeze returned, for restore to compare against.
     frozen: Option<GpuRecord>,
     /// A process to look at when thawing: whether it was stopped then.
-    watch: Option<i32>,
-    stopped_at_thaw: Option<bool>,
+    pub(super) watch: Option<i32>,
+    pub(super) stopped_at_thaw: Option<bool>,
 }
 
 impl RecordingGpu {
@@ -147,7 +147,7 @@ impl Sleeper {
     pub(super) fn running(&self) -> bool {
         tree::stat(self.pid()).is_some_and(|s| !s.is_dying() && s.state != 'T')
     }
-    fn reap(&mut self) {
+    pub(super) fn reap(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -180,7 +180,7 @@ pub(super) struct Scene {
     _dir: tempfile::TempDir,
     pub(super) store: Store,
     pub(super) criu: Arc<FakeCriu>,
-    images: ImageTransfer,
+    pub(super) images: ImageTransfer,
     told: Told,
 }
 
@@ -197,11 +197,11 @@ impl Scene {
         }
     }
 
-    fn told(&self) -> Vec<Event> {
+    pub(super) fn told(&self) -> Vec<Event> {
         self.told.events.lock().unwrap().clone()
     }
 
-    fn checkpoint(
+    pub(super) fn checkpoint(
         &self,
         gpu: &mut RecordingGpu,
         opts: &CheckpointOptions,
@@ -308,34 +308,6 @@ fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commi
     assert!(m.sizes.pages_bytes > 0 && m.sizes.image_files >= 3);
     assert!(listed[0].files.iter().any(|f| f.path == DUMP_LOG));
     assert!(s.staging_empty());
-}
-
-#[test]
-fn leave_running_thaws_right_after_the_dump_and_keeps_the_tree() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
-    let mut opts = CheckpointOptions::new(p.pid());
-    opts.leave_running = true;
-    let out = s.checkpoint(&mut gpu, &opts).unwrap();
-    assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
-    assert_eq!(gpu.events()[1].1, 1, "thaw comes after the dump");
-    assert!(!out.stopped && p.running());
-    assert_eq!(s.store.list().unwrap().len(), 1);
-    // Through files, not the streamer: streamed, the pages the tree wrote after CRIU let it go while
-    // they still waited in the pipe (references to its own pages) would be stored.
-    assert!(
-        matches!(
-            s.criu.calls().as_slice(),
-            [FakeCriuCall::Dump {
-                after: AfterDump::KeepRunning,
-                stream: false,
-                ..
-            }]
-        ),
-        "{:?}",
-        s.criu.calls()
-    );
 }
 
 #[test]
@@ -926,36 +898,53 @@ fn a_stopped_tree_is_refused_not_checkpointed() {
 
 #[test]
 fn a_process_stopped_on_purpose_is_checkpointed_with_allow_stopped_and_stays_stopped_when_undone() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    // SAFETY: stopping our own child.
-    unsafe { libc::kill(p.pid(), libc::SIGSTOP) };
-    assert!(tree::wait_until(Duration::from_secs(5), || {
-        if p.running() {
-            vec![p.pid()]
-        } else {
-            vec![]
-        }
-    })
-    .is_empty());
-    // A store failure after the dump: the undo continues what ran, not what was stopped before.
-    s.criu.leave_odd_file();
-    let mut gpu = RecordingGpu::new(&s.criu);
-    let mut opts = CheckpointOptions::new(p.pid());
-    opts.allow_stopped = true;
-    let err = s.checkpoint(&mut gpu, &opts).unwrap_err();
-    assert!(matches!(err, crate::Error::Store(_)), "{err}");
-    std::thread::sleep(Duration::from_millis(100));
-    assert!(!p.running(), "stopped on purpose: left stopped");
-    assert_eq!(
-        s.told()[0],
-        Event::Checkpoint {
-            pids: vec![p.pid()],
-            leave_running: false,
-            stopped: vec![p.pid()]
-        },
-        "the guardian knows not to continue it"
-    );
-    // SAFETY: continuing our own child so that it can be killed and reaped.
-    unsafe { libc::kill(p.pid(), libc::SIGCONT) };
+    // With --leave-running too: a streamed dump continues the tree before the commit (which fails
+    // here), and that continue, like the undo, spares what was stopped before.
+    for leave_running in [false, true] {
+        let s = Scene::new();
+        let p = Sleeper::start();
+        // SAFETY: stopping our own child.
+        unsafe { libc::kill(p.pid(), libc::SIGSTOP) };
+        assert!(tree::wait_until(Duration::from_secs(5), || {
+            if p.running() {
+                vec![p.pid()]
+            } else {
+                vec![]
+            }
+        })
+        .is_empty());
+        // A store failure after the dump: the undo continues what ran, not what was stopped before.
+        s.criu.leave_odd_file();
+        let mut gpu = RecordingGpu::new(&s.criu);
+        let mut opts = CheckpointOptions::new(p.pid());
+        opts.allow_stopped = true;
+        opts.leave_running = leave_running;
+        let err = s.checkpoint(&mut gpu, &opts).unwrap_err();
+        assert!(matches!(err, crate::Error::Store(_)), "{err}");
+        assert!(
+            matches!(
+                s.criu.calls().as_slice(),
+                [FakeCriuCall::Dump {
+                    after: AfterDump::Stop,
+                    stream: true,
+                    ..
+                }]
+            ),
+            "{:?}",
+            s.criu.calls()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!p.running(), "stopped on purpose: left stopped");
+        assert_eq!(
+            s.told()[0],
+            Event::Checkpoint {
+                pids: vec![p.pid()],
+                leave_running,
+                stopped: vec![p.pid()]
+            },
+            "the guardian knows not to continue it"
+        );
+        // SAFETY: continuing our own child so that it can be killed and reaped.
+        unsafe { libc::kill(p.pid(), libc::SIGCONT) };
+    }
 }

@@ -51,6 +51,30 @@ impl ContinueGuard {
         self.network = Some(hold);
     }
 
+    /// Continues the tree now, as the undo would (the network released first; the processes stopped
+    /// before the checkpoint stay stopped), and disarms the undo: a `--leave-running` tree that a
+    /// streamed dump left stopped runs on once the store has read every image
+    /// ([`crate::flows::ImageTransfer::after_dump`]). Nothing to do when CRIU let it go itself.
+    pub(super) fn continue_now(&mut self) {
+        self.resume_if_armed();
+        self.armed = false;
+    }
+
+    /// CRIU left the tree stopped and nothing has taken it over yet.
+    pub(super) fn armed(&self) -> bool {
+        self.armed
+    }
+
+    fn resume_if_armed(&self) {
+        if self.armed {
+            if let Some(hold) = &self.network {
+                let n = hold.release();
+                tracing::debug!("{n} TCP sockets taken out of repair mode");
+            }
+            self.resume.continue_all();
+        }
+    }
+
     /// The checkpoint is durable: the tree is the caller's again (to kill, or to leave running).
     pub(super) fn disarm(mut self) -> tree::Held {
         self.armed = false;
@@ -60,12 +84,6 @@ impl ContinueGuard {
 
 impl Drop for ContinueGuard {
     fn drop(&mut self) {
-        if self.armed {
-            if let Some(hold) = &self.network {
-                let n = hold.release();
-                tracing::debug!("{n} TCP sockets taken out of repair mode");
-            }
-            self.resume.continue_all();
-        }
+        self.resume_if_armed();
     }
 }

@@ -295,6 +295,10 @@ pub(super) fn dump_direct(
         images_dir: ingest.staging_dir(),
         log_file: crate::flows::checkpoint::DUMP_LOG,
         // The container is paused: it stays so until the checkpoint is durable (or resumed).
+        // `KeepRunning` streams safely here, unlike a process checkpoint's (`ImageTransfer::after_dump`):
+        // CRIU puts the container's freezer back as it found it, frozen, so nothing writes the pages
+        // still in the pipes, and the flow resumes the container only once this returns, the store
+        // having read every image.
         after: if leaves_stopped(opts) {
             AfterDump::Stop
         } else {
