@@ -2,24 +2,25 @@
 //! members through the container flow (the runtime's checkpoint with the GPU frozen from the host), in
 //! the job's two phases. Real etcd, 2 agents, one runc container per node running a SIMULATED GPU
 //! process; the second test with `--ordered`, a member's failed dump and the agents in network
-//! namespaces; the others (`Faults`) with issue 18's faults: an agent killed before and after its lock
+//! namespaces; the others (`Faults`, cluster_support/container_scene.rs) with issue 18's faults: an agent killed before and after its lock
 //! and during its dump, the coordinator killed before and after the commit, a node cut off during
-//! prepare and during its dump. Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the
+//! prepare and during its dump (the remaining faults are in cluster_containers_faults.rs). Needs root, CRIU, runc, busybox-static and etcd (and iproute2 for the
 //! namespaces): fails in CI without them, skips locally.
 #![cfg(feature = "cluster")]
 
 mod cluster_support;
+#[path = "cluster_support/container_scene.rs"]
+mod container_scene;
 mod container_support;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use cluster_support::netns::{
     cut_during_prepare, in_hub, netns_ready, start_agent, start_etcd, Lab,
 };
 use cluster_support::{etcd_bin, gc, read, Agent, Etcd};
+use container_scene::{gpu_pid, Faults, CHECKPOINT};
 use container_support::*;
-use gpu_checkpoint::freeze::sim;
 
 #[test]
 fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_container() {
@@ -96,20 +97,6 @@ fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_contain
         let log = std::fs::read_to_string(&agent.log).unwrap();
         let said = format!("restored container {id}: images streamed from the store");
         assert!(log.contains(&said), "agent {}: {log}", agent.node);
-    }
-}
-
-/// The PID of container `id`'s GPU process (its init), once it runs and answers.
-fn gpu_pid(runc: &Runc, id: &str) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some((status, init)) = runc.state(id) {
-            if status == "running" && sim::status(init).is_ok() {
-                return init;
-            }
-        }
-        assert!(Instant::now() < deadline, "container {id} is not up");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -263,176 +250,6 @@ fn an_ordered_job_of_gpu_containers_in_network_namespaces_undoes_a_failed_dump_t
     }
 }
 
-/// The faults of issue 18 with container members: etcd in a hub namespace, agents a and b in
-/// namespaces of their own (b's link can be cut), a runc container per node holding a SIMULATED GPU
-/// process, ranks 0 (a) and 1 (b) of job `jf`. Fields drop in order: the agents first, the containers
-/// (runc) after the namespaces.
-struct Faults {
-    agents: Vec<cluster_support::netns::NsProcess>,
-    _etcd: cluster_support::netns::NsProcess,
-    lab: Lab,
-    runc: Runc,
-    ids: Vec<String>,
-    store: std::path::PathBuf,
-    dir: tempfile::TempDir,
-}
-
-impl Faults {
-    /// The scene, b's agent run with `GPU_CHECKPOINT_FAULT=b_faults` (none if empty).
-    fn start(b_faults: &str) -> Option<Faults> {
-        let bin = etcd_bin()?;
-        if !containers_ready() || !netns_ready() {
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let runc = Runc::new(dir.path());
-        let lab = Lab::new(&["a", "b"]);
-        let etcd = start_etcd(&lab, &bin, dir.path());
-        let mut s = Faults {
-            agents: Vec::new(),
-            _etcd: etcd,
-            lab,
-            runc,
-            ids: Vec::new(),
-            store: dir.path().join("store"),
-            dir,
-        };
-        s.agents = vec![s.agent("a", ""), s.agent("b", b_faults)];
-        // Each test of this binary has its own containers: the tests run in parallel, and one id for all
-        // had them run, checkpoint and delete each other's containers.
-        static SCENES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let scene = SCENES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        for (rank, node) in ["a", "b"].iter().enumerate() {
-            let id = format!("gc-{}-f{scene}-{node}", std::process::id());
-            let gpu = ["exec", "gpu-sim-workload", "--mib", "4", "--workers", "1"];
-            let bundle = Bundle::new(&s.dir.path().join(format!("bundle-{node}")), &gpu, &[]);
-            s.runc.run(&id, &bundle);
-            let r = rank.to_string();
-            let add = ["job", "add", "--job", "jf", "--rank", &r, "--node", node];
-            let out = in_hub(&s.lab, &[&add[..], &["--container", &id]].concat());
-            assert!(out.status.success(), "{}", text(&out));
-            s.ids.push(id);
-        }
-        Some(s)
-    }
-
-    fn agent(&self, node: &str, faults: &str) -> cluster_support::netns::NsProcess {
-        let root = self.runc.root.display().to_string();
-        let env: &[(&str, &str)] = match faults {
-            "" => &[],
-            f => &[("GPU_CHECKPOINT_FAULT", f)],
-        };
-        let extra = ["--runtime-root", root.as_str()];
-        start_agent(
-            &self.lab,
-            node,
-            &self.store,
-            self.dir.path(),
-            "10s",
-            &extra,
-            env,
-        )
-    }
-
-    /// b's agent started again, without faults (the old one, if alive, stopped first).
-    fn restart_b(&mut self) {
-        self.agents.pop();
-        let b = self.agent("b", "");
-        self.agents.push(b);
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| read(&a.log))
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    }
-
-    /// Each container's processes (host PIDs, init first).
-    fn processes(&self) -> Vec<Vec<i32>> {
-        self.ids.iter().map(|id| self.runc.pids(id)).collect()
-    }
-
-    /// The committed job checkpoints' ids.
-    fn job_checkpoints(&self) -> Vec<String> {
-        let out = in_hub(&self.lab, &["job", "list", "--format", "json"]);
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["checkpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["id"].as_str().unwrap().to_string())
-            .collect()
-    }
-
-    /// Aborted and undone: within 40 s every container runs with the processes it had (`before`),
-    /// its GPU process unlocked, verified and computing; nothing committed, no member checkpoint.
-    fn assert_undone(&self, before: &[Vec<i32>]) {
-        let deadline = Instant::now() + Duration::from_secs(40);
-        loop {
-            let running = self.ids.iter().all(|id| {
-                matches!(self.runc.state(id), Some((s, init)) if s == "running"
-                    && sim::status(init).is_ok_and(|st| st["state"] == "running"))
-            });
-            if running && listed(&self.store).is_empty() {
-                break;
-            }
-            assert!(Instant::now() < deadline, "not undone\n{}", self.logs());
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        assert_eq!(self.processes(), before, "{}", self.logs());
-        for id in &self.ids {
-            assert_healthy(&[gpu_pid(&self.runc, id)]);
-        }
-        assert!(self.job_checkpoints().is_empty(), "{}", self.logs());
-        assert!(listed(&self.store).is_empty(), "{:?}", listed(&self.store));
-    }
-
-    /// `job checkpoint` commits (both containers deleted, 2 member checkpoints more) and its restore
-    /// brings both back, their GPU processes at or past their steps before, healthy.
-    fn assert_commits_and_restores(&self) {
-        let stored = listed(&self.store).len();
-        let before: Vec<u64> = self
-            .ids
-            .iter()
-            .map(|id| steps(gpu_pid(&self.runc, id)))
-            .collect();
-        let out = in_hub(&self.lab, &CHECKPOINT);
-        assert!(out.status.success(), "{}\n{}", text(&out), self.logs());
-        let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        self.assert_deleted_then_restores(&id, stored + 2, &before);
-    }
-
-    /// Job checkpoint `id` is committed: the containers are gone, the store lists `stored` member
-    /// checkpoints; its restore (retried while a dead coordinator's operation holds the job) brings
-    /// the containers back at or past `before`, healthy.
-    fn assert_deleted_then_restores(&self, id: &str, stored: usize, before: &[u64]) {
-        for c in &self.ids {
-            wait_for(&format!("container {c} deleted"), &|| {
-                self.runc.state(c).is_none()
-            });
-        }
-        assert_eq!(listed(&self.store).len(), stored, "{}", self.logs());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let out = loop {
-            let out = in_hub(&self.lab, &["job", "restore", id, "--lease-ttl", "10s"]);
-            if out.status.code() != Some(8) || Instant::now() > deadline {
-                break out;
-            }
-            std::thread::sleep(Duration::from_millis(300));
-        };
-        assert!(out.status.success(), "{}\n{}", text(&out), self.logs());
-        for (c, before) in self.ids.iter().zip(before) {
-            let pid = gpu_pid(&self.runc, c);
-            assert!(steps(pid) >= *before);
-            assert_healthy(&[pid]);
-        }
-    }
-}
-
-const CHECKPOINT: [&str; 6] = ["job", "checkpoint", "--job", "jf", "--lease-ttl", "10s"];
-
 /// b's agent is SIGKILLed at `point` of its container member's checkpoint: the job aborts, b's
 /// guardian undoes b's container (whatever it reached), the coordinator's abort a's; b's agent
 /// started again, a job checkpoint commits and restores.
@@ -494,33 +311,6 @@ fn a_coordinator_killed_before_committing_a_job_of_containers_leaves_them_runnin
     // the agents see the operation's lease expire without a commit and undo all of it.
     s.kill_coordinator_at("cluster.before-commit");
     s.assert_undone(&before);
-}
-
-impl Faults {
-    /// Waits until an agent is registered for `node` (again).
-    fn wait_registered(&self, node: &str) {
-        wait_for(&format!("an agent registered for {node}"), &|| {
-            let out = in_hub(&self.lab, &["job", "list", "--format", "json"]);
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-            let agents = v["agents"].as_array().cloned().unwrap_or_default();
-            agents.iter().any(|a| a["node"] == node)
-        });
-    }
-
-    /// `job checkpoint` run in the hub with the fault `POINT=kill`: it must die by it.
-    fn kill_coordinator_at(&self, point: &str) {
-        let mut cmd = Lab::exec(
-            &self.lab.hub,
-            Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
-        );
-        let out = cmd
-            .args(CHECKPOINT)
-            .args(["--etcd", "http://127.0.0.1:2379"])
-            .env("GPU_CHECKPOINT_FAULT", format!("{point}=kill"))
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), None, "not killed: {}", text(&out));
-    }
 }
 
 #[test]

@@ -141,7 +141,12 @@ impl Lab {
 
     /// etcd's URL as `node` reaches it (through its veth).
     pub fn etcd_url_from(&self, node: &str) -> String {
-        format!("http://10.77.{}.1:2379", self.index(node))
+        self.etcd_urls_from(node, 1)
+    }
+
+    /// The URLs of the hub's `members` etcd members ([`start_etcd_members`]) as `node` reaches them.
+    pub fn etcd_urls_from(&self, node: &str, members: usize) -> String {
+        hub_urls(members).replace("127.0.0.1", &format!("10.77.{}.1", self.index(node)))
     }
 
     /// A command run inside network namespace `ns`, and only that one: `nsenter --net` (not `ip netns
@@ -199,6 +204,14 @@ impl NsProcess {
     }
 }
 
+impl NsProcess {
+    /// SIGKILL, as a failed machine, and waits for it.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for NsProcess {
     fn drop(&mut self) {
         // SAFETY: signalling a process this test started.
@@ -217,24 +230,62 @@ impl Drop for NsProcess {
 
 /// etcd in the hub, listening on all of the hub's addresses (loopback and the veths' hub ends).
 pub fn start_etcd(lab: &Lab, bin: &Path, dir: &Path) -> NsProcess {
-    let data = dir.join("etcd-hub");
-    gpu_checkpoint::util::create_private_dir_all(&data).unwrap();
-    let mut cmd = Lab::exec(&lab.hub, bin);
-    cmd.args(["--name", "hub"])
-        .arg("--data-dir")
-        .arg(&data)
-        .args(["--listen-client-urls", "http://0.0.0.0:2379"])
-        .args(["--advertise-client-urls", "http://127.0.0.1:2379"])
-        .args(["--listen-peer-urls", "http://127.0.0.1:2380"])
-        .args(["--initial-advertise-peer-urls", "http://127.0.0.1:2380"])
-        .args(["--initial-cluster", "hub=http://127.0.0.1:2380"]);
-    let etcd = NsProcess::spawn(cmd, dir.join("etcd-hub.log"));
+    start_etcd_members(lab, bin, dir, 1).pop().unwrap()
+}
+
+/// The client port of etcd member `i` in the hub (the first one's is etcd's usual 2379).
+fn client_port(i: usize) -> u16 {
+    2379 + 10000 * i as u16
+}
+
+/// The hub's etcd URLs for `members` members, as the hub itself reaches them (loopback).
+pub fn hub_urls(members: usize) -> String {
+    (0..members)
+        .map(|i| format!("http://127.0.0.1:{}", client_port(i)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// An etcd cluster of `members` members in the hub, each on its own ports, listening on all of the
+/// hub's addresses (loopback and the veths' hub ends); returns once it answers.
+pub fn start_etcd_members(lab: &Lab, bin: &Path, dir: &Path, members: usize) -> Vec<NsProcess> {
+    let peer = |i: usize| format!("http://127.0.0.1:{}", client_port(i) + 1);
+    let name = |i: usize| match (members, i) {
+        (1, _) => "hub".to_string(),
+        _ => format!("hub{i}"),
+    };
+    let initial: Vec<String> = (0..members)
+        .map(|i| format!("{}={}", name(i), peer(i)))
+        .collect();
+    let etcd: Vec<NsProcess> = (0..members)
+        .map(|i| {
+            let data = dir.join(format!("etcd-{}", name(i)));
+            gpu_checkpoint::util::create_private_dir_all(&data).unwrap();
+            let mut cmd = Lab::exec(&lab.hub, bin);
+            cmd.args(["--name", &name(i)])
+                .arg("--data-dir")
+                .arg(&data)
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://0.0.0.0:{}", client_port(i)),
+                ])
+                .args([
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{}", client_port(i)),
+                ])
+                .args(["--listen-peer-urls", &peer(i)])
+                .args(["--initial-advertise-peer-urls", &peer(i)])
+                .args(["--initial-cluster", &initial.join(",")]);
+            NsProcess::spawn(cmd, dir.join(format!("etcd-{}.log", name(i))))
+        })
+        .collect();
+    let urls = hub_urls(members);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !in_hub(lab, &["job", "list"]).status.success() {
+    while !in_hub_on(lab, &urls, &["job", "list"]).status.success() {
         assert!(
             Instant::now() < deadline,
             "etcd did not start in the hub: {}",
-            super::read(&etcd.log)
+            super::read(&etcd[0].log)
         );
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -243,9 +294,14 @@ pub fn start_etcd(lab: &Lab, bin: &Path, dir: &Path) -> NsProcess {
 
 /// `gpu-checkpoint ARGS --etcd (the hub's loopback)` run in the hub: the coordinator's side.
 pub fn in_hub(lab: &Lab, args: &[&str]) -> Output {
+    in_hub_on(lab, "http://127.0.0.1:2379", args)
+}
+
+/// [`in_hub`] with etcd at `urls` (comma-separated, as the hub reaches them).
+pub fn in_hub_on(lab: &Lab, urls: &str, args: &[&str]) -> Output {
     Lab::exec(&lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
         .args(args)
-        .args(["--etcd", "http://127.0.0.1:2379"])
+        .args(["--etcd", urls])
         .output()
         .unwrap()
 }
@@ -261,11 +317,41 @@ pub fn start_agent(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> NsProcess {
+    let agent = Agent {
+        node,
+        store,
+        ttl,
+        extra,
+        env,
+    };
+    start_agent_on(lab, 1, dir, &agent)
+}
+
+/// What [`start_agent_on`] starts: the agent of `node` with its store, lease, `extra` arguments and
+/// environment `env`.
+pub struct Agent<'a> {
+    pub node: &'a str,
+    pub store: &'a Path,
+    pub ttl: &'a str,
+    pub extra: &'a [&'a str],
+    pub env: &'a [(&'a str, &'a str)],
+}
+
+/// [`start_agent`] with the hub's etcd of `members` members ([`start_etcd_members`]); its log in `dir`.
+pub fn start_agent_on(lab: &Lab, members: usize, dir: &Path, a: &Agent) -> NsProcess {
+    let Agent {
+        node,
+        store,
+        ttl,
+        extra,
+        env,
+    } = *a;
     let mut cmd = Lab::exec(
         lab.ns(node),
         Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
     );
-    cmd.args(["agent", "--etcd", &lab.etcd_url_from(node), "--node", node])
+    let urls = lab.etcd_urls_from(node, members);
+    cmd.args(["agent", "--etcd", &urls, "--node", node])
         .arg("--storage")
         .arg(store)
         .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
@@ -274,7 +360,11 @@ pub fn start_agent(
     let agent = NsProcess::spawn(cmd, dir.join(format!("agent-{node}.log")));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let out = in_hub(lab, &["job", "list", "--format", "json"]);
+        let out = in_hub_on(
+            lab,
+            &hub_urls(members),
+            &["job", "list", "--format", "json"],
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
         let agents = v["agents"].as_array().cloned().unwrap_or_default();
         if agents.iter().any(|a| a["node"] == node) {
