@@ -317,7 +317,10 @@ fn detect_verbose_never_prints_a_credential() {
     let environ = format!("/proc/{}/environ", child.id());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !std::fs::read(&environ).is_ok_and(|e| !e.is_empty()) {
-        assert!(std::time::Instant::now() < deadline, "{environ} stayed empty");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{environ} stayed empty"
+        );
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let out = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))

@@ -30,7 +30,7 @@ pub use container::ContainerDump;
 pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
-pub use network::NetworkHold;
+pub use network::{criu_lock_tables, LocksBefore, NetworkHold};
 pub use options::{CgroupMode, CriuOptions, NetworkLock, RestoreOptions};
 pub use rpc::CriuRpc;
 

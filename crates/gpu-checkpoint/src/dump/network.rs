@@ -15,8 +15,15 @@
 //!   nftables, as elements of a set in the table `inet CRIU-<run id>` CRIU made for this dump (named in
 //!   the logged commands: the release deletes that table, as CRIU's unlock does);
 //! - a tree in a network namespace of its own (a container): the whole namespace is locked, with the
-//!   iptables chain `CRIU` jumped to from INPUT and OUTPUT; the release removes the jumps and the chain in
-//!   that namespace, as CRIU's `iptables_network_unlock_internal` does.
+//!   iptables chain `CRIU` jumped to from INPUT and OUTPUT (the release removes the jumps and the chain in
+//!   that namespace, as CRIU's `iptables_network_unlock_internal` does) or, with nftables, with the table
+//!   `inet CRIU-<run id>` whose input and output chains drop everything (CRIU's
+//!   `nftables_lock_network_internal`; the release deletes it in that namespace, as
+//!   `nftables_network_unlock` does). CRIU logs no command for it, nor its run id (that is made before
+//!   its log opens; the name is cut to 26 bytes, `table[32]` with `inet `), so the table is found by
+//!   listing the namespace's `CRIU-*` tables before the dump ([`LocksBefore`]) and after it: the new
+//!   one is this dump's. Another dump's lock there (a sibling container of the same namespace being
+//!   checkpointed, or one checkpointed and not yet restored, whose restore needs its lock) is left alone.
 //!
 //! The sockets are taken out of repair mode with `TCP_REPAIR_OFF` (CRIU's `libsoccr_resume`), which sends
 //! a window probe so that the peer learns the window again. CRIU also puts back each socket's
@@ -48,25 +55,95 @@ pub struct NetworkHold {
     nft_table: Option<String>,
     /// A process of the tree whose network namespace CRIU locked whole with iptables (it is not ours).
     netns_of: Option<i32>,
+    /// The nftables tables (family inet) CRIU made to lock the tree's network namespace whole (it is
+    /// not ours): deleted in the namespace of the tree's first process.
+    #[serde(default)]
+    netns_tables: Vec<String>,
+}
+
+/// CRIU's lock tables in the network namespace of a tree's root before its dump (see the module's
+/// documentation): `None` where the tree is in ours (CRIU locks each connection on its own there) or
+/// where they could not be listed.
+#[derive(Debug, Default, Clone)]
+pub struct LocksBefore(Option<Vec<String>>);
+
+impl LocksBefore {
+    /// Lists them for the tree whose root is `root`; call it right before CRIU's dump.
+    pub fn of(root: i32) -> LocksBefore {
+        let Some(ns) = foreign_netns(root) else {
+            return LocksBefore(None);
+        };
+        match lock_tables(Some(&ns)) {
+            Ok(t) => LocksBefore(Some(t)),
+            Err(e) => {
+                tracing::warn!("listing the nftables tables of {root}'s network namespace: {e}");
+                LocksBefore(None)
+            }
+        }
+    }
+}
+
+/// The network namespace of `pid`, where it is not ours.
+fn foreign_netns(pid: i32) -> Option<std::fs::File> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
+    let ours = std::fs::metadata("/proc/self/ns/net").ok()?.ino();
+    (ns.metadata().ok()?.ino() != ours).then_some(ns)
+}
+
+/// CRIU's lock tables (family inet, named `CRIU-*`) in the network namespace at `netns` (a
+/// `/proc/PID/ns/net` or `/run/netns/NAME`).
+pub fn criu_lock_tables(netns: &Path) -> io::Result<Vec<String>> {
+    lock_tables(Some(&std::fs::File::open(netns)?))
+}
+
+fn lock_tables(ns: Option<&std::fs::File>) -> io::Result<Vec<String>> {
+    let mut t = nft_tables(ns, NFPROTO_INET)?;
+    t.retain(|name| name.starts_with("CRIU-"));
+    Ok(t)
 }
 
 impl NetworkHold {
-    /// What the dump of `pids` (root first) left, from CRIU's dump log `log` and the lock `method` it
-    /// was asked for. Call it right after CRIU's dump returned, while the log is there.
-    pub fn after_dump(pids: &[i32], log: &Path, method: NetworkLock) -> NetworkHold {
+    /// What the dump of `pids` (root first) left, from CRIU's dump log `log`, the lock `method` it
+    /// was asked for, and the lock tables in its namespace before the dump `before`. Call it right after
+    /// CRIU's dump returned, while the log is there and the tree stopped.
+    pub fn after_dump(
+        pids: &[i32],
+        log: &Path,
+        method: NetworkLock,
+        before: &LocksBefore,
+    ) -> NetworkHold {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let (rules, nft_table) = logged_lock(&text);
-        let netns_of = pids.first().copied().filter(|&root| {
-            let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).ok();
-            method == NetworkLock::Iptables
-                && ino(&format!("/proc/{root}/ns/net"))
-                    .is_some_and(|i| Some(i) != ino("/proc/self/ns/net"))
-        });
+        let ns = pids
+            .first()
+            .and_then(|&root| Some((root, foreign_netns(root)?)));
+        let netns_of = ns
+            .as_ref()
+            .filter(|_| method == NetworkLock::Iptables)
+            .map(|(root, _)| *root);
+        let netns_tables = match &ns {
+            Some((root, ns)) if method == NetworkLock::Nftables => {
+                match lock_tables(Some(ns)) {
+                    // Unknown before (unlisted): all of them, so that the tree does not run on with a
+                    // dead network.
+                    Ok(mut after) => {
+                        after.retain(|t| !before.0.iter().flatten().any(|b| b == t));
+                        after
+                    }
+                    Err(e) => {
+                        tracing::warn!("listing the nftables tables of {root}'s namespace: {e}");
+                        Vec::new()
+                    }
+                }
+            }
+            _ => Vec::new(),
+        };
         NetworkHold {
             pids: pids.to_vec(),
             rules,
             nft_table,
             netns_of,
+            netns_tables,
         }
     }
 
@@ -89,11 +166,23 @@ impl NetworkHold {
             }
         }
         if let Some(table) = &self.nft_table {
-            if let Err(e) = nft_delete_table(NFPROTO_INET, table) {
+            if let Err(e) = nft_delete_table(None, NFPROTO_INET, table) {
                 tracing::warn!("deleting CRIU's nftables table inet {table}: {e}");
             }
         }
         // The tree is stopped and held: its PIDs are still its own.
+        if let (Some(root), false) = (self.pids.first(), self.netns_tables.is_empty()) {
+            match std::fs::File::open(format!("/proc/{root}/ns/net")) {
+                Ok(ns) => {
+                    for table in &self.netns_tables {
+                        if let Err(e) = nft_delete_table(Some(&ns), NFPROTO_INET, table) {
+                            tracing::warn!("deleting CRIU's nftables table inet {table} in the namespace of {root}: {e}");
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!("the tree's network namespace: {e}"),
+            }
+        }
         match self
             .netns_of
             .map(|pid| std::fs::File::open(format!("/proc/{pid}/ns/net")))
@@ -293,16 +382,29 @@ fn run_quiet(args: &[&str], ns: Option<&std::fs::File>, input: Option<&str>) -> 
 }
 
 const NFPROTO_INET: u8 = 1;
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFTA_TABLE_NAME: u16 = 1;
 
-/// Deletes nftables table `name` of `family` over netlink, as `nft delete table` would (one batch:
-/// begin, NFT_MSG_DELTABLE, end). A table already gone is no error.
-fn nft_delete_table(family: u8, name: &str) -> io::Result<()> {
+/// A netfilter netlink socket of network namespace `ns` (ours with `None`): made by a thread that
+/// entered it, since a socket belongs to the namespace it was made in wherever it is used.
+fn nft_socket(ns: Option<&std::fs::File>) -> io::Result<OwnedFd> {
+    let Some(ns) = ns else {
+        return nft_socket_here();
+    };
+    let ns = ns.try_clone()?;
+    std::thread::spawn(move || {
+        // SAFETY: setns on a descriptor we own; it moves only this short-lived thread.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        nft_socket_here()
+    })
+    .join()
+    .map_err(|_| io::Error::other("the thread entering the namespace panicked"))?
+}
+
+fn nft_socket_here() -> io::Result<OwnedFd> {
     const NETLINK_NETFILTER: libc::c_int = 12;
-    const NFNL_SUBSYS_NFTABLES: u16 = 10;
-    const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
-    const NFNL_MSG_BATCH_END: u16 = 0x11;
-    const NFT_MSG_DELTABLE: u16 = 2;
-    const NFTA_TABLE_NAME: u16 = 1;
     // SAFETY: plain socket(2); the descriptor is owned right after.
     let fd = unsafe {
         libc::socket(
@@ -330,6 +432,91 @@ fn nft_delete_table(family: u8, name: &str) -> io::Result<()> {
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         )
     };
+    Ok(sock)
+}
+
+/// The names of the nftables tables of `family` in namespace `ns`, as `nft list tables` (a dump of
+/// NFT_MSG_GETTABLE).
+fn nft_tables(ns: Option<&std::fs::File>, family: u8) -> io::Result<Vec<String>> {
+    const NFT_MSG_NEWTABLE: u16 = 0;
+    const NFT_MSG_GETTABLE: u16 = 1;
+    let sock = nft_socket(ns)?;
+    let mut req = Vec::new();
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    let get = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE;
+    nl_message(&mut req, get, flags, 1, [family, 0], [0, 0], &[]);
+    send_all(&sock, &req)?;
+    let mut names = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let n = recv(&sock, &mut buf)?;
+        let mut at = 0;
+        while at + 16 <= n {
+            let len = u32::from_ne_bytes(buf[at..at + 4].try_into().unwrap()) as usize;
+            let kind = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
+            if len < 16 || at + len > n {
+                return Err(io::Error::other("a truncated netlink message"));
+            }
+            let msg = &buf[at..at + len];
+            match kind {
+                k if k == libc::NLMSG_DONE as u16 => return Ok(names),
+                k if k == libc::NLMSG_ERROR as u16 => {
+                    let errno = msg
+                        .get(16..20)
+                        .map_or(0, |e| -i32::from_ne_bytes(e.try_into().unwrap()));
+                    if errno != 0 {
+                        return Err(io::Error::from_raw_os_error(errno));
+                    }
+                }
+                k if k == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE => {
+                    // After nlmsghdr and nfgenmsg: attributes (length, type, value; 4-byte aligned).
+                    let mut a = 20;
+                    while a + 4 <= msg.len() {
+                        let alen = u16::from_ne_bytes([msg[a], msg[a + 1]]) as usize;
+                        let akind = u16::from_ne_bytes([msg[a + 2], msg[a + 3]]) & 0x3fff;
+                        if alen < 4 || a + alen > msg.len() {
+                            break;
+                        }
+                        if akind == NFTA_TABLE_NAME {
+                            let v = &msg[a + 4..a + alen];
+                            let v = v.split(|&b| b == 0).next().unwrap_or_default();
+                            names.push(String::from_utf8_lossy(v).into_owned());
+                        }
+                        a += alen.next_multiple_of(4);
+                    }
+                }
+                _ => {}
+            }
+            at += len.next_multiple_of(4);
+        }
+    }
+}
+
+fn send_all(sock: &OwnedFd, bytes: &[u8]) -> io::Result<()> {
+    // SAFETY: send on our socket from a buffer we own; the kernel is the default destination.
+    let sent = unsafe { libc::send(sock.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), 0) };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn recv(sock: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: recv into a buffer we own.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Deletes nftables table `name` of `family` in namespace `ns` (ours with `None`) over netlink, as
+/// `nft delete table` would (one batch: begin, NFT_MSG_DELTABLE, end). A table already gone is no error.
+fn nft_delete_table(ns: Option<&std::fs::File>, family: u8, name: &str) -> io::Result<()> {
+    const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+    const NFNL_MSG_BATCH_END: u16 = 0x11;
+    const NFT_MSG_DELTABLE: u16 = 2;
+    let sock = nft_socket(ns)?;
     let mut attr = name.as_bytes().to_vec();
     attr.push(0);
     let mut payload = ((4 + attr.len()) as u16).to_ne_bytes().to_vec();
@@ -362,17 +549,9 @@ fn nft_delete_table(family: u8, name: &str) -> io::Result<()> {
         subsys,
         &[],
     );
-    // SAFETY: send on our socket from a buffer we own; the kernel is the default destination.
-    let sent = unsafe { libc::send(sock.as_raw_fd(), batch.as_ptr().cast(), batch.len(), 0) };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    send_all(&sock, &batch)?;
     let mut buf = [0u8; 4096];
-    // SAFETY: recv into a buffer we own.
-    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let n = recv(&sock, &mut buf)?;
     // The answer: nlmsghdr (16 bytes) of type NLMSG_ERROR, then the errno (negative, 0 for success).
     if n < 20 || u16::from_ne_bytes([buf[4], buf[5]]) != libc::NLMSG_ERROR as u16 {
         return Err(io::Error::other("unexpected netlink answer"));
@@ -453,6 +632,8 @@ mod tests {
         b.write_all(b"pong").unwrap();
         a.read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"pong");
-        nft_delete_table(NFPROTO_INET, "CRIU-not-there").unwrap();
+        nft_delete_table(None, NFPROTO_INET, "CRIU-not-there").unwrap();
+        let tables = nft_tables(None, NFPROTO_INET).unwrap();
+        assert!(!tables.iter().any(|t| t == "CRIU-not-there"), "{tables:?}");
     }
 }
