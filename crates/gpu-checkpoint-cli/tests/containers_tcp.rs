@@ -330,6 +330,41 @@ fn a_peer_outside_the_container_keeps_its_connection_through_the_direct_dump() {
     a_peer_outside_keeps_its_connection("tcpod", &[]);
 }
 
+/// Through `--runtime-checkpoint` the outside peer loses its connection: the tool runs `runc checkpoint
+/// --leave-running` (so that a failure resumes the container), with which CRIU takes the connections out of
+/// repair mode and unlocks the namespace after the dump; the kill after the commit then closes them, and
+/// the peer reads the end of the stream (FIN) while the container is gone. The tool says so on stderr
+/// before it starts (a connection of the container whose other end is not in it).
+#[test]
+fn a_peer_outside_the_container_loses_its_connection_through_runcs_checkpoint_and_is_warned() {
+    use std::io::Read;
+    if !containers_ready() {
+        return;
+    }
+    let Some(ns) = NetNs::add(&format!("gc-{}-tcpor", std::process::id())) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let (runc, id, mut peer, _bundle) = nc_container(dir.path(), &ns, "tcpor", &[], None);
+    let o = checkpoint_tcp(&store, &runc, &id, &["--runtime-checkpoint"]);
+    assert!(o.status.success(), "checkpoint: {}", text(&o));
+    assert_eq!(runc.state(&id), None, "the container is deleted");
+    peer.get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut rest = Vec::new();
+    let n = peer
+        .read_to_end(&mut rest)
+        .expect("the end of the stream, not a timeout");
+    assert_eq!(n, 0, "the peer reads the end of the stream (FIN)");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("outside the container") && err.contains("will see it closed"),
+        "the warning: {err}"
+    );
+}
+
 /// A checkpoint with `--tcp-established` that fails after the direct dump (SIGTERM there: exit 10; SIGKILL
 /// there: the guardian undoes it), in a
 /// container running busybox `nc -l -e cat` for a peer outside it and `workload sockets --tcp-pair 1` (a

@@ -298,6 +298,9 @@ impl ContainerFlow<'_> {
             _ => None,
         };
         let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
+        if direct.is_none() && opts.tcp_established && !opts.leave_running {
+            direct::warn_outside_peers(&pids, self.runtime.name());
+        }
         let process_tree: Vec<crate::proc::TreeProcess> = pids
             .iter()
             .filter_map(|&p| {
