@@ -147,18 +147,26 @@ fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
     let mut args = vec!["restore", &ck, "--container", &id, "--bundle", &b];
     let sargs = store_args(&store, &runc);
     args.extend(sargs.iter().map(String::as_str));
-    let untouched = || {
-        assert!(!rootfs.join("new.txt").exists() && !rootfs.join("data").exists());
-        assert!(rootfs.join("bin/nc").symlink_metadata().is_ok());
+    let is_untouched = || {
+        !rootfs.join("new.txt").exists()
+            && !rootfs.join("data").exists()
+            && rootfs.join("bin/nc").symlink_metadata().is_ok()
     };
-    // A restore that fails half-way through the changes, or in the runtime, leaves the rootfs as it was.
+    // A restore that fails half-way through the changes, or in the runtime, leaves the rootfs as it was;
+    // so does the guardian when the tool is SIGKILLed right after the changes (it did not: the added files
+    // stayed and /bin/nc was gone).
     for fault in [
         "container.rootfs-apply=eio",
         "container.runtime-restore=eio",
+        "container.rootfs-applied=kill",
     ] {
         let o = gc_with_fault(&args, fault);
         assert!(!o.status.success(), "{fault}: {}", text(&o));
-        untouched();
+        if fault.ends_with("=kill") {
+            assert_eq!(o.status.code(), None, "{fault}: killed: {}", text(&o));
+            wait_for("the guardian's undo of the rootfs", &is_untouched);
+        }
+        assert!(is_untouched(), "{fault}: the rootfs changed");
         assert_eq!(runc.state(&id), None, "{fault}");
     }
 

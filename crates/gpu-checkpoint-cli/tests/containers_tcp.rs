@@ -112,13 +112,7 @@ fn a_connection_survives(
     let bundle = Bundle::new(&dir.path().join("bundle"), &args, &[]);
     bundle.join_netns(&ns);
     if let Some(text) = config {
-        let file = dir.path().join("criu.conf");
-        std::fs::write(&file, text).unwrap();
-        let path = bundle.dir.join("config.json");
-        let mut spec: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        spec["annotations"] = serde_json::json!({ "org.criu.config": file });
-        std::fs::write(&path, serde_json::to_vec(&spec).unwrap()).unwrap();
+        name_criu_config(&bundle, dir.path(), text);
     }
     let id = format!("gc-{}-{tag}", std::process::id());
     runc.run(&id, &bundle);
@@ -157,7 +151,22 @@ fn a_connection_survives(
     let rounds = field("tcp_rounds").unwrap();
     assert_eq!(field("errors"), Some(0), "{tag}");
     assert_eq!(field("tcp_value"), Some(chain(7, rounds)), "{tag}");
+    // The restore unlocked the namespace (CRIU deletes the dump's nftables table by its run id).
+    let locks = gpu_checkpoint::dump::criu_lock_tables(std::path::Path::new(&ns.path()));
+    assert_eq!(locks.unwrap(), Vec::<String>::new(), "{tag}: a lock left");
     method
+}
+
+/// Writes a CRIU configuration file of `text` into `dir` and names it in the bundle's `org.criu.config`
+/// annotation (runc reads it on its checkpoint and restore; so does the direct dump).
+fn name_criu_config(bundle: &Bundle, dir: &std::path::Path, text: &str) {
+    let file = dir.join("criu.conf");
+    std::fs::write(&file, text).unwrap();
+    let path = bundle.dir.join("config.json");
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    spec["annotations"] = serde_json::json!({ "org.criu.config": file });
+    std::fs::write(&path, serde_json::to_vec(&spec).unwrap()).unwrap();
 }
 
 /// CRIU's network lock method: iptables, what runc's RPC leaves to CRIU (which its restore unlocks with).
@@ -193,6 +202,21 @@ fn a_criu_configuration_file_names_the_network_lock_of_both_paths() {
         if let Some(m) = a_connection_survives(tag, extra, dump, Some(conf)) {
             assert_ne!(m, NFTABLES, "{dump}: our default overrode the file");
             assert_eq!(m, SKIP, "{dump}: the file's skip");
+        }
+    }
+}
+
+/// A configuration file saying `network-lock nftables`: CRIU locks the container's namespace with a table
+/// of its own on both paths, and the restore deletes it.
+#[test]
+fn an_established_connection_survives_a_dump_under_an_nftables_lock() {
+    let conf = "network-lock nftables\n";
+    for (tag, extra, dump) in [
+        ("tcpnd", &[][..], "direct"),
+        ("tcpnr", &["--runtime-checkpoint"][..], "runtime"),
+    ] {
+        if let Some(m) = a_connection_survives(tag, extra, dump, Some(conf)) {
+            assert_eq!(m, NFTABLES, "{dump}: the file's nftables");
         }
     }
 }
@@ -245,7 +269,7 @@ fn a_peer_outside_keeps_its_connection(tag: &str, extra: &[&str]) {
     };
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    let (runc, id, mut peer, _bundle) = nc_container(dir.path(), &ns, tag, &[]);
+    let (runc, id, mut peer, _bundle) = nc_container(dir.path(), &ns, tag, &[], None);
     let o = checkpoint_tcp(&store, &runc, &id, extra);
     assert!(o.status.success(), "{tag}: checkpoint: {}", text(&o));
     assert_eq!(runc.state(&id), None, "{tag}: the container is deleted");
@@ -272,12 +296,14 @@ fn a_peer_outside_keeps_its_connection(tag: &str, extra: &[&str]) {
 }
 
 /// A peer connected to busybox `nc -l -e cat` in a container that joined namespace `ns`, after the shell
-/// commands `before` (run in the background): (runtime, container id, the peer's end, the bundle).
+/// commands `before` (run in the background), naming a CRIU configuration file of text `config`:
+/// (runtime, container id, the peer's end, the bundle).
 fn nc_container(
     dir: &std::path::Path,
     ns: &NetNs,
     tag: &str,
     before: &[&str],
+    config: Option<&str>,
 ) -> (
     Runc,
     String,
@@ -289,6 +315,9 @@ fn nc_container(
     script.push("exec nc -l -p 5000 -e cat");
     let bundle = Bundle::new(&dir.join("bundle"), &script, &[]);
     bundle.join_netns(ns);
+    if let Some(text) = config {
+        name_criu_config(&bundle, dir, text);
+    }
     let id = format!("gc-{}-{tag}", std::process::id());
     runc.run(&id, &bundle);
     let mut peer = std::io::BufReader::new(connect_in(ns, 5000));
@@ -301,6 +330,41 @@ fn a_peer_outside_the_container_keeps_its_connection_through_the_direct_dump() {
     a_peer_outside_keeps_its_connection("tcpod", &[]);
 }
 
+/// Through `--runtime-checkpoint` the outside peer loses its connection: the tool runs `runc checkpoint
+/// --leave-running` (so that a failure resumes the container), with which CRIU takes the connections out of
+/// repair mode and unlocks the namespace after the dump; the kill after the commit then closes them, and
+/// the peer reads the end of the stream (FIN) while the container is gone. The tool says so on stderr
+/// before it starts (a connection of the container whose other end is not in it).
+#[test]
+fn a_peer_outside_the_container_loses_its_connection_through_runcs_checkpoint_and_is_warned() {
+    use std::io::Read;
+    if !containers_ready() {
+        return;
+    }
+    let Some(ns) = NetNs::add(&format!("gc-{}-tcpor", std::process::id())) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let (runc, id, mut peer, _bundle) = nc_container(dir.path(), &ns, "tcpor", &[], None);
+    let o = checkpoint_tcp(&store, &runc, &id, &["--runtime-checkpoint"]);
+    assert!(o.status.success(), "checkpoint: {}", text(&o));
+    assert_eq!(runc.state(&id), None, "the container is deleted");
+    peer.get_ref()
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut rest = Vec::new();
+    let n = peer
+        .read_to_end(&mut rest)
+        .expect("the end of the stream, not a timeout");
+    assert_eq!(n, 0, "the peer reads the end of the stream (FIN)");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("outside the container") && err.contains("will see it closed"),
+        "the warning: {err}"
+    );
+}
+
 /// A checkpoint with `--tcp-established` that fails after the direct dump (SIGTERM there: exit 10; SIGKILL
 /// there: the guardian undoes it), in a
 /// container running busybox `nc -l -e cat` for a peer outside it and `workload sockets --tcp-pair 1` (a
@@ -309,18 +373,17 @@ fn a_peer_outside_the_container_keeps_its_connection_through_the_direct_dump() {
 /// undo releases them and resumes the container: it runs, none of its processes is stopped, nothing is
 /// stored, the peer's line is echoed over the same connection, and the ping-pong inside goes on without
 /// an error.
-#[test]
-fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connections_working() {
+fn a_failed_checkpoint_keeps_the_connections(tag: &str, config: Option<&str>) {
     if !containers_ready() {
         return;
     }
-    let Some(ns) = NetNs::add(&format!("gc-{}-tcpf", std::process::id())) else {
+    let Some(ns) = NetNs::add(&format!("gc-{}-{tag}", std::process::id())) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let inside = "workload sockets --state /state/s --unix /tmp/u --tcp-pair 1 &";
-    let (runc, id, mut peer, bundle) = nc_container(dir.path(), &ns, "tcpf", &[inside]);
+    let (runc, id, mut peer, bundle) = nc_container(dir.path(), &ns, tag, &[inside], config);
     let state = bundle.rootfs().join("state/s");
     let rounds = || -> Option<u64> { field_u64(read_state(&state).ok()?.first()?, "tcp_rounds") };
     wait_for("the TCP ping-pong", &|| rounds().is_some_and(|r| r >= 3));
@@ -334,7 +397,7 @@ fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connect
             )
             .output()
             .unwrap();
-        assert_eq!(o.status.code(), code, "{}", text(&o));
+        assert_eq!(o.status.code(), code, "{tag}: {}", text(&o));
         // Killed, the tool leaves it to the guardian, which resumes the container a moment later.
         let stopped = || {
             runc.pids(&id).into_iter().any(|pid| {
@@ -348,7 +411,17 @@ fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connect
         peer.get_ref()
             .set_read_timeout(Some(std::time::Duration::from_secs(10)))
             .unwrap();
-        assert_eq!(echo(&mut peer, action), action, "the peer's connection");
+        assert_eq!(
+            echo(&mut peer, action),
+            action,
+            "{tag}: the peer's connection"
+        );
+        let locks = gpu_checkpoint::dump::criu_lock_tables(std::path::Path::new(&ns.path()));
+        assert_eq!(
+            locks.unwrap(),
+            Vec::<String>::new(),
+            "{tag} {action}: CRIU's nftables lock left in the namespace"
+        );
         let r0 = rounds().unwrap();
         wait_for("the ping-pong inside going on", &|| {
             rounds().is_some_and(|r| r > r0 + 5)
@@ -367,5 +440,18 @@ fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connect
         "nothing stored: {listed}"
     );
     let errors = field_u64(read_state(&state).unwrap().first().unwrap(), "errors");
-    assert_eq!(errors, Some(0));
+    assert_eq!(errors, Some(0), "{tag}");
+}
+
+#[test]
+fn a_failed_checkpoint_with_tcp_established_leaves_the_container_and_its_connections_working() {
+    a_failed_checkpoint_keeps_the_connections("tcpf", None);
+}
+
+/// The same with a CRIU configuration file saying `network-lock nftables`: CRIU locks the container's
+/// whole namespace with an nftables table of its own (`inet CRIU-<run id>`), which the undo deletes
+/// there (it did not: the container ran on, its network dead).
+#[test]
+fn a_failed_checkpoint_under_an_nftables_lock_leaves_the_container_and_its_connections_working() {
+    a_failed_checkpoint_keeps_the_connections("tcpfn", Some("network-lock nftables\n"));
 }

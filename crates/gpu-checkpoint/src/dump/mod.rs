@@ -15,6 +15,7 @@ mod fake;
 pub mod images;
 mod log;
 mod network;
+mod nft;
 pub mod options;
 mod rpc;
 pub mod streamer;
@@ -31,7 +32,7 @@ pub use container::ContainerDump;
 pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
-pub use network::NetworkHold;
+pub use network::{criu_lock_tables, outside_connections, LocksBefore, NetworkHold};
 pub use options::{CgroupMode, CriuOptions, NetworkLock, RestoreOptions};
 pub use rpc::CriuRpc;
 

@@ -15,8 +15,15 @@
 //!   nftables, as elements of a set in the table `inet CRIU-<run id>` CRIU made for this dump (named in
 //!   the logged commands: the release deletes that table, as CRIU's unlock does);
 //! - a tree in a network namespace of its own (a container): the whole namespace is locked, with the
-//!   iptables chain `CRIU` jumped to from INPUT and OUTPUT; the release removes the jumps and the chain in
-//!   that namespace, as CRIU's `iptables_network_unlock_internal` does.
+//!   iptables chain `CRIU` jumped to from INPUT and OUTPUT (the release removes the jumps and the chain in
+//!   that namespace, as CRIU's `iptables_network_unlock_internal` does) or, with nftables, with the table
+//!   `inet CRIU-<run id>` whose input and output chains drop everything (CRIU's
+//!   `nftables_lock_network_internal`; the release deletes it in that namespace, as
+//!   `nftables_network_unlock` does). CRIU logs no command for it, nor its run id (that is made before
+//!   its log opens; the name is cut to 26 bytes, `table[32]` with `inet `), so the table is found by
+//!   listing the namespace's `CRIU-*` tables before the dump ([`LocksBefore`]) and after it: the new
+//!   one is this dump's. Another dump's lock there (a sibling container of the same namespace being
+//!   checkpointed, or one checkpointed and not yet restored, whose restore needs its lock) is left alone.
 //!
 //! The sockets are taken out of repair mode with `TCP_REPAIR_OFF` (CRIU's `libsoccr_resume`), which sends
 //! a window probe so that the peer learns the window again. CRIU also puts back each socket's
@@ -30,6 +37,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+use super::nft::{nft_delete_table, nft_tables, NFPROTO_INET};
 use super::NetworkLock;
 
 /// `TCP_REPAIR` and its values, from `linux/tcp.h` (libc has no constants for them).
@@ -48,25 +56,95 @@ pub struct NetworkHold {
     nft_table: Option<String>,
     /// A process of the tree whose network namespace CRIU locked whole with iptables (it is not ours).
     netns_of: Option<i32>,
+    /// The nftables tables (family inet) CRIU made to lock the tree's network namespace whole (it is
+    /// not ours): deleted in the namespace of the tree's first process.
+    #[serde(default)]
+    netns_tables: Vec<String>,
+}
+
+/// CRIU's lock tables in the network namespace of a tree's root before its dump (see the module's
+/// documentation): `None` where the tree is in ours (CRIU locks each connection on its own there) or
+/// where they could not be listed.
+#[derive(Debug, Default, Clone)]
+pub struct LocksBefore(Option<Vec<String>>);
+
+impl LocksBefore {
+    /// Lists them for the tree whose root is `root`; call it right before CRIU's dump.
+    pub fn of(root: i32) -> LocksBefore {
+        let Some(ns) = foreign_netns(root) else {
+            return LocksBefore(None);
+        };
+        match lock_tables(Some(&ns)) {
+            Ok(t) => LocksBefore(Some(t)),
+            Err(e) => {
+                tracing::warn!("listing the nftables tables of {root}'s network namespace: {e}");
+                LocksBefore(None)
+            }
+        }
+    }
+}
+
+/// The network namespace of `pid`, where it is not ours.
+fn foreign_netns(pid: i32) -> Option<std::fs::File> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
+    let ours = std::fs::metadata("/proc/self/ns/net").ok()?.ino();
+    (ns.metadata().ok()?.ino() != ours).then_some(ns)
+}
+
+/// CRIU's lock tables (family inet, named `CRIU-*`) in the network namespace at `netns` (a
+/// `/proc/PID/ns/net` or `/run/netns/NAME`).
+pub fn criu_lock_tables(netns: &Path) -> io::Result<Vec<String>> {
+    lock_tables(Some(&std::fs::File::open(netns)?))
+}
+
+fn lock_tables(ns: Option<&std::fs::File>) -> io::Result<Vec<String>> {
+    let mut t = nft_tables(ns, NFPROTO_INET)?;
+    t.retain(|name| name.starts_with("CRIU-"));
+    Ok(t)
 }
 
 impl NetworkHold {
-    /// What the dump of `pids` (root first) left, from CRIU's dump log `log` and the lock `method` it
-    /// was asked for. Call it right after CRIU's dump returned, while the log is there.
-    pub fn after_dump(pids: &[i32], log: &Path, method: NetworkLock) -> NetworkHold {
+    /// What the dump of `pids` (root first) left, from CRIU's dump log `log`, the lock `method` it
+    /// was asked for, and the lock tables in its namespace before the dump `before`. Call it right after
+    /// CRIU's dump returned, while the log is there and the tree stopped.
+    pub fn after_dump(
+        pids: &[i32],
+        log: &Path,
+        method: NetworkLock,
+        before: &LocksBefore,
+    ) -> NetworkHold {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let (rules, nft_table) = logged_lock(&text);
-        let netns_of = pids.first().copied().filter(|&root| {
-            let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).ok();
-            method == NetworkLock::Iptables
-                && ino(&format!("/proc/{root}/ns/net"))
-                    .is_some_and(|i| Some(i) != ino("/proc/self/ns/net"))
-        });
+        let ns = pids
+            .first()
+            .and_then(|&root| Some((root, foreign_netns(root)?)));
+        let netns_of = ns
+            .as_ref()
+            .filter(|_| method == NetworkLock::Iptables)
+            .map(|(root, _)| *root);
+        let netns_tables = match &ns {
+            Some((root, ns)) if method == NetworkLock::Nftables => {
+                match lock_tables(Some(ns)) {
+                    // Unknown before (unlisted): all of them, so that the tree does not run on with a
+                    // dead network.
+                    Ok(mut after) => {
+                        after.retain(|t| !before.0.iter().flatten().any(|b| b == t));
+                        after
+                    }
+                    Err(e) => {
+                        tracing::warn!("listing the nftables tables of {root}'s namespace: {e}");
+                        Vec::new()
+                    }
+                }
+            }
+            _ => Vec::new(),
+        };
         NetworkHold {
             pids: pids.to_vec(),
             rules,
             nft_table,
             netns_of,
+            netns_tables,
         }
     }
 
@@ -89,11 +167,23 @@ impl NetworkHold {
             }
         }
         if let Some(table) = &self.nft_table {
-            if let Err(e) = nft_delete_table(NFPROTO_INET, table) {
+            if let Err(e) = nft_delete_table(None, NFPROTO_INET, table) {
                 tracing::warn!("deleting CRIU's nftables table inet {table}: {e}");
             }
         }
         // The tree is stopped and held: its PIDs are still its own.
+        if let (Some(root), false) = (self.pids.first(), self.netns_tables.is_empty()) {
+            match std::fs::File::open(format!("/proc/{root}/ns/net")) {
+                Ok(ns) => {
+                    for table in &self.netns_tables {
+                        if let Err(e) = nft_delete_table(Some(&ns), NFPROTO_INET, table) {
+                            tracing::warn!("deleting CRIU's nftables table inet {table} in the namespace of {root}: {e}");
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!("the tree's network namespace: {e}"),
+            }
+        }
         match self
             .netns_of
             .map(|pid| std::fs::File::open(format!("/proc/{pid}/ns/net")))
@@ -103,6 +193,66 @@ impl NetworkHold {
             None => {}
         }
         repaired
+    }
+}
+
+/// The established TCP connections of processes `pids` (in one network namespace) whose other end is not
+/// one of theirs, as `local -> remote`: what a peer outside them would see closed when they are
+/// checkpointed with the connections unlocked and then killed.
+pub fn outside_connections(pids: &[i32]) -> Vec<String> {
+    let mut ours = std::collections::HashSet::new();
+    for pid in pids {
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let link = std::fs::read_link(fd.path()).unwrap_or_default();
+            let link = link.to_string_lossy();
+            if let Some(ino) = link
+                .strip_prefix("socket:[")
+                .and_then(|l| l.strip_suffix(']'))
+            {
+                ours.insert(ino.to_string());
+            }
+        }
+    }
+    let Some(root) = pids.first() else {
+        return Vec::new();
+    };
+    // (local, remote) of each established connection of theirs, from the namespace's tables.
+    let mut conns = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{root}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && f[3] == "01" && ours.contains(f[9]) {
+                conns.push((f[1].to_string(), f[2].to_string()));
+            }
+        }
+    }
+    outside(&conns)
+}
+
+/// Of connections (local, remote), those whose remote end is none of their local ends.
+fn outside(conns: &[(String, String)]) -> Vec<String> {
+    conns
+        .iter()
+        .filter(|(_, remote)| !conns.iter().any(|(local, _)| local == remote))
+        .map(|(l, r)| format!("{} -> {}", tcp_address(l), tcp_address(r)))
+        .collect()
+}
+
+/// `0100007F:1388` (IPv4 as `/proc/net/tcp` writes it: the address's bytes in host order) as
+/// `127.0.0.1:5000`; other forms are left as they are.
+fn tcp_address(hex: &str) -> String {
+    let Some((addr, port)) = hex.split_once(':') else {
+        return hex.to_string();
+    };
+    match (u32::from_str_radix(addr, 16), u16::from_str_radix(port, 16)) {
+        (Ok(a), Ok(p)) if addr.len() == 8 => {
+            format!("{}:{p}", std::net::Ipv4Addr::from(a.to_ne_bytes()))
+        }
+        _ => hex.to_string(),
     }
 }
 
@@ -292,118 +442,6 @@ fn run_quiet(args: &[&str], ns: Option<&std::fs::File>, input: Option<&str>) -> 
     }
 }
 
-const NFPROTO_INET: u8 = 1;
-
-/// Deletes nftables table `name` of `family` over netlink, as `nft delete table` would (one batch:
-/// begin, NFT_MSG_DELTABLE, end). A table already gone is no error.
-fn nft_delete_table(family: u8, name: &str) -> io::Result<()> {
-    const NETLINK_NETFILTER: libc::c_int = 12;
-    const NFNL_SUBSYS_NFTABLES: u16 = 10;
-    const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
-    const NFNL_MSG_BATCH_END: u16 = 0x11;
-    const NFT_MSG_DELTABLE: u16 = 2;
-    const NFTA_TABLE_NAME: u16 = 1;
-    // SAFETY: plain socket(2); the descriptor is owned right after.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            NETLINK_NETFILTER,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    let timeout = libc::timeval {
-        tv_sec: 5,
-        tv_usec: 0,
-    };
-    // SAFETY: setsockopt with a timeval we own.
-    unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&timeout as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    };
-    let mut attr = name.as_bytes().to_vec();
-    attr.push(0);
-    let mut payload = ((4 + attr.len()) as u16).to_ne_bytes().to_vec();
-    payload.extend_from_slice(&NFTA_TABLE_NAME.to_ne_bytes());
-    payload.extend_from_slice(&attr);
-    while !payload.len().is_multiple_of(4) {
-        payload.push(0);
-    }
-    let mut batch = Vec::new();
-    let flags = libc::NLM_F_REQUEST as u16;
-    let subsys = NFNL_SUBSYS_NFTABLES.to_be_bytes();
-    nl_message(
-        &mut batch,
-        NFNL_MSG_BATCH_BEGIN,
-        flags,
-        1,
-        [0, 0],
-        subsys,
-        &[],
-    );
-    let del = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE;
-    let ack = flags | libc::NLM_F_ACK as u16;
-    nl_message(&mut batch, del, ack, 2, [family, 0], [0, 0], &payload);
-    nl_message(
-        &mut batch,
-        NFNL_MSG_BATCH_END,
-        flags,
-        3,
-        [0, 0],
-        subsys,
-        &[],
-    );
-    // SAFETY: send on our socket from a buffer we own; the kernel is the default destination.
-    let sent = unsafe { libc::send(sock.as_raw_fd(), batch.as_ptr().cast(), batch.len(), 0) };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut buf = [0u8; 4096];
-    // SAFETY: recv into a buffer we own.
-    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // The answer: nlmsghdr (16 bytes) of type NLMSG_ERROR, then the errno (negative, 0 for success).
-    if n < 20 || u16::from_ne_bytes([buf[4], buf[5]]) != libc::NLMSG_ERROR as u16 {
-        return Err(io::Error::other("unexpected netlink answer"));
-    }
-    match -i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]) {
-        0 | libc::ENOENT => Ok(()),
-        errno => Err(io::Error::from_raw_os_error(errno)),
-    }
-}
-
-/// Appends one netlink message: `nlmsghdr`, `nfgenmsg` (family, version, res_id), payload.
-fn nl_message(
-    out: &mut Vec<u8>,
-    kind: u16,
-    flags: u16,
-    seq: u32,
-    [family, version]: [u8; 2],
-    res_id: [u8; 2],
-    payload: &[u8],
-) {
-    let len = (16 + 4 + payload.len()) as u32;
-    out.extend_from_slice(&len.to_ne_bytes());
-    out.extend_from_slice(&kind.to_ne_bytes());
-    out.extend_from_slice(&flags.to_ne_bytes());
-    out.extend_from_slice(&seq.to_ne_bytes());
-    out.extend_from_slice(&0u32.to_ne_bytes());
-    out.extend_from_slice(&[family, version]);
-    out.extend_from_slice(&res_id);
-    out.extend_from_slice(payload);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,6 +457,23 @@ mod tests {
         assert_eq!(rules[0].last().unwrap(), "DROP");
         assert_eq!(table.as_deref(), Some("CRIU-abc-1"));
         assert_eq!(logged_lock("nothing"), (Vec::new(), None));
+    }
+
+    /// A connection between two of our sockets is not outside; one whose other end is not ours is.
+    #[test]
+    fn connections_to_a_peer_outside_are_found() {
+        let c = |l: &str, r: &str| (l.to_string(), r.to_string());
+        let conns = [
+            c("0100007F:1388", "0100007F:9C40"),
+            c("0100007F:9C40", "0100007F:1388"),
+            c("0100007F:1389", "0200000A:D431"),
+        ];
+        assert_eq!(outside(&conns), ["127.0.0.1:5001 -> 10.0.0.2:54321"]);
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (_b, _) = l.accept().unwrap();
+        let found = outside_connections(&[std::process::id() as i32]);
+        assert!(found.is_empty(), "both ends are ours: {found:?}");
     }
 
     /// Repair mode needs CAP_NET_ADMIN: as root, one end of a loopback connection of this process is put
@@ -453,6 +508,8 @@ mod tests {
         b.write_all(b"pong").unwrap();
         a.read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"pong");
-        nft_delete_table(NFPROTO_INET, "CRIU-not-there").unwrap();
+        nft_delete_table(None, NFPROTO_INET, "CRIU-not-there").unwrap();
+        let tables = nft_tables(None, NFPROTO_INET).unwrap();
+        assert!(!tables.iter().any(|t| t == "CRIU-not-there"), "{tables:?}");
     }
 }

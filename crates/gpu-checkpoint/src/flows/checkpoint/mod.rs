@@ -325,6 +325,12 @@ impl Flow<'_> {
         // the store has read every image, which are still the tree's own pages while in the pipes.
         let after = self.images.after_dump(opts.leave_running);
         let t = Instant::now();
+        let tcp_hold = opts.criu.tcp_established && after == AfterDump::Stop;
+        let locks_before = if tcp_hold {
+            crate::dump::LocksBefore::of(pid)
+        } else {
+            Default::default()
+        };
         let req = DumpRequest {
             pid,
             images_dir: ingest.staging_dir(),
@@ -348,11 +354,12 @@ impl Flow<'_> {
         let dumped_pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
         let mut stopped_tree =
             ContinueGuard::new(&dumped_pids, &stopped_before, after == AfterDump::Stop);
-        if opts.criu.tcp_established && after == AfterDump::Stop {
+        if tcp_hold {
             let hold = crate::dump::NetworkHold::after_dump(
                 &dumped_pids,
                 &ingest.staging_dir().join(DUMP_LOG),
                 opts.criu.effective_network_lock(),
+                &locks_before,
             );
             tell_network(self.watch, &hold);
             stopped_tree.release_network(hold);

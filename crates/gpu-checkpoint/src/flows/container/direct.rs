@@ -313,6 +313,21 @@ pub(super) fn dump_direct(
     stored.transpose()
 }
 
+/// The runtime's own checkpoint runs with `--leave-running` (so that a failure can resume the container):
+/// CRIU then unlocks the connections after the dump, and the kill once the checkpoint is durable closes
+/// them. A peer outside the container sees its connection end (FIN) while the container is gone; a
+/// restore brings back a connection that peer has given up. Said before anything is done.
+pub(super) fn warn_outside_peers(pids: &[i32], runtime: &str) {
+    let outside = crate::dump::outside_connections(pids);
+    if !outside.is_empty() {
+        tracing::warn!(
+            "--tcp-established through {runtime}'s own checkpoint: {} connection(s) with a peer outside the container ({}): the peer will see it closed when the container stops, and the restored end will not reach it; the direct dump (without --runtime-checkpoint) keeps them (docs/containers.md)",
+            outside.len(),
+            outside.join(", ")
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -238,6 +238,9 @@ impl RestoreUndo {
             Err(Error::NoSuchContainer { .. }) => {}
             Err(e) => said.push(format!("cannot ask for container {}: {e}", self.id)),
         }
+        // An imported archive's root file system changes, journaled in the work folder (nothing runs on
+        // the rootfs any more).
+        said.extend(super::restore::undo_rootfs_left(&self.work));
         super::unmount_under(&self.work);
         match std::fs::remove_dir_all(&self.work) {
             Ok(()) => said.push(format!("removed {}", self.work.display())),

@@ -299,6 +299,9 @@ impl ContainerFlow<'_> {
             _ => None,
         };
         let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
+        if direct.is_none() && opts.tcp_established && !opts.leave_running {
+            direct::warn_outside_peers(&pids, self.runtime.name());
+        }
         let process_tree: Vec<crate::proc::TreeProcess> = pids
             .iter()
             .filter_map(|&p| {
@@ -429,6 +432,11 @@ impl ContainerFlow<'_> {
         injected("container.runtime-checkpoint", self.runtime)?;
         let streamed = match &direct {
             Some((criu, d)) => {
+                let locks_before = if direct::leaves_stopped(opts) {
+                    crate::dump::LocksBefore::of(found.state.pid)
+                } else {
+                    Default::default()
+                };
                 let stored = direct::dump_direct(
                     *criu,
                     d,
@@ -440,7 +448,8 @@ impl ContainerFlow<'_> {
                     p.stopped = Some(crate::proc::Held::open(&pids));
                     let log = ingest.staging_dir().join(super::checkpoint::DUMP_LOG);
                     let lock = d.options.effective_network_lock();
-                    let hold = crate::dump::NetworkHold::after_dump(&pids, &log, lock);
+                    let hold =
+                        crate::dump::NetworkHold::after_dump(&pids, &log, lock, &locks_before);
                     super::checkpoint::tell_network(self.watch, &hold);
                     p.network = Some(hold);
                 }

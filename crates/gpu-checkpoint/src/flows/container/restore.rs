@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::members::{self, pid_map};
 // Applying an imported archive's root file system changes: only the restore uses it.
 pub(super) mod rootfs;
+pub(super) use rootfs::undo_left as undo_rootfs_left;
 // The images streamed from the store into the runtime's CRIU.
 mod streamed;
 use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};
@@ -191,6 +192,7 @@ impl ContainerFlow<'_> {
         // An imported archive's root file system changes, applied before the runtime restores; put back
         // (this guard is dropped after `discard`'s) if the restore fails.
         let rootfs_changes = rootfs::apply(work.path(), &bundle, work.path())?;
+        fault::at("container.rootfs-applied");
         let mut discard = Discard {
             runtime: self.runtime,
             id: id.to_string(),

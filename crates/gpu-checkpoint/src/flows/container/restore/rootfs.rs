@@ -8,7 +8,8 @@
 //! the way that is a link), and nothing is written through a link. Each change is undoable: what it
 //! replaces or removes is first copied into a private folder, what it creates is noted, and the
 //! [`Applied`] guard puts the rootfs back as it was when dropped armed (a failed apply, a failed runtime
-//! or GPU restore); a restore that succeeds disarms it.
+//! or GPU restore); a restore that succeeds disarms it. Each step is journaled beside the copies
+//! (`journal.rs`), so that the guardian puts the rootfs back too if the tool dies before the restore ends.
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom};
@@ -17,6 +18,9 @@ use std::path::{Component, Path, PathBuf};
 
 use super::super::archive::io;
 use super::Error;
+
+mod journal;
+pub(in crate::flows::container) use journal::undo_left;
 
 /// Where an imported archive's files lie among the materialized images (`archive.rs` keeps them under
 /// `oci/`).
@@ -258,6 +262,8 @@ pub(super) struct Applied {
     created: Vec<PathBuf>,
     /// The copies; kept on disk when the undo fails, for whoever repairs the rootfs.
     backup: Option<tempfile::TempDir>,
+    /// The steps above, journaled in `backup` for the guardian.
+    journal: journal::Journal,
     armed: bool,
 }
 
@@ -275,12 +281,14 @@ impl Applied {
         }
         let at = self.rootfs.join(rel);
         if fs::symlink_metadata(&at).is_err() {
+            self.journal.created(rel).map_err(io(&at))?;
             self.created.push(rel.to_path_buf());
             return Ok(());
         }
         let backup = self.backup.as_ref().expect("present until dropped");
         let copy = backup.path().join(self.saved.len().to_string());
         copy_tree(&at, &copy).map_err(io(&at))?;
+        self.journal.saved(rel, &copy).map_err(io(&at))?;
         self.saved.push((rel.to_path_buf(), copy));
         Ok(())
     }
@@ -344,18 +352,19 @@ impl Applied {
         self.save(rel)?;
         remove_tree(&at).map_err(io(&at))
     }
+}
 
-    fn undo(&mut self) -> std::io::Result<()> {
-        for rel in self.created.iter().rev() {
-            remove_tree(&self.rootfs.join(rel))?;
-        }
-        for (rel, copy) in self.saved.iter().rev() {
-            let at = self.rootfs.join(rel);
-            remove_tree(&at)?;
-            copy_tree(copy, &at)?;
-        }
-        Ok(())
+/// Puts `rootfs` back: removes what was `created`, then copies back what was `saved`, last first.
+fn undo(rootfs: &Path, created: &[PathBuf], saved: &[(PathBuf, PathBuf)]) -> std::io::Result<()> {
+    for rel in created.iter().rev() {
+        remove_tree(&rootfs.join(rel))?;
     }
+    for (rel, copy) in saved.iter().rev() {
+        let at = rootfs.join(rel);
+        remove_tree(&at)?;
+        copy_tree(copy, &at)?;
+    }
+    Ok(())
 }
 
 impl Drop for Applied {
@@ -363,7 +372,7 @@ impl Drop for Applied {
         if !self.armed {
             return;
         }
-        if let Err(e) = self.undo() {
+        if let Err(e) = undo(&self.rootfs, &self.created, &self.saved) {
             let kept = self.backup.take().map(tempfile::TempDir::keep);
             tracing::error!(
                 "putting the root file system {} back as it was failed: {e} (its earlier files are kept in {:?})",
@@ -400,14 +409,16 @@ pub(super) fn apply(images: &Path, bundle: &Path, work: &Path) -> crate::Result<
         no_link_on_the_way(&rootfs, rel)?;
     }
     let backup = tempfile::Builder::new()
-        .prefix("rootfs-undo.")
+        .prefix(journal::BACKUP_PREFIX)
         .tempdir_in(work)
         .map_err(io(work))?;
+    let journal = journal::Journal::create(backup.path(), &rootfs).map_err(io(backup.path()))?;
     let mut applied = Applied {
         rootfs,
         saved: Vec::new(),
         created: Vec::new(),
         backup: Some(backup),
+        journal,
         armed: true,
     };
     if !entries.is_empty() {
@@ -529,6 +540,47 @@ mod tests {
         // Kept: the changes stay.
         apply(&images, &bundle, dir.path()).unwrap().unwrap().keep();
         assert_eq!(fs::read_to_string(rootfs.join("keep")).unwrap(), "changed");
+    }
+
+    /// The tool dies with the changes applied (its guard never drops): the journal in the work folder
+    /// lets the guardian put everything back, a changed file included; a journal line cut short is
+    /// ignored.
+    #[test]
+    fn the_journal_puts_the_changes_back_without_the_guard() {
+        use tar::EntryType::{Directory, Regular};
+        let (dir, bundle, images) = setup(
+            &[
+                ("data/", Directory, b""),
+                ("data/f", Regular, b"new"),
+                ("keep", Regular, b"changed"),
+            ],
+            &["/bin/sh"],
+        );
+        let work = dir.path().join("work");
+        fs::create_dir(&work).unwrap();
+        let rootfs = bundle.join("rootfs");
+        let before = snapshot(&rootfs);
+        let mut applied = apply(&images, &bundle, &work).unwrap().unwrap();
+        // What a death in the middle of a write leaves at the journal's end.
+        let journal = applied
+            .backup
+            .as_ref()
+            .unwrap()
+            .path()
+            .join("journal.jsonl");
+        std::io::Write::write_all(
+            &mut fs::OpenOptions::new().append(true).open(&journal).unwrap(),
+            br#"{"Created":"nev"#,
+        )
+        .unwrap();
+        let _kept_for_the_guardian = applied.backup.take().unwrap().keep();
+        std::mem::forget(applied);
+        assert_ne!(snapshot(&rootfs), before);
+        let said = undo_left(&work);
+        assert_eq!(snapshot(&rootfs), before, "put back: {said:?}");
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(said[0].contains("back as it was"), "{said:?}");
+        assert!(undo_left(&dir.path().join("none")).is_empty());
     }
 
     #[test]
