@@ -84,9 +84,14 @@ impl Podman {
 
     /// The counter the container's shell keeps in memory and writes out.
     pub fn counter(&self, name: &str) -> u64 {
-        self.ok(&["exec", name, "busybox", "cat", "/tmp/c"])
-            .parse()
-            .unwrap()
+        // The shell truncates the file, then writes it: read again if caught in between.
+        for _ in 0..20 {
+            if let Ok(n) = self.ok(&["exec", name, "busybox", "cat", "/tmp/c"]).parse() {
+                return n;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        panic!("{name}: /tmp/c never held a number");
     }
 }
 
