@@ -168,6 +168,37 @@ impl Criu for FakeCriu {
         if let (Some(line), false) = (&error, req.stream) {
             return Err(fail_logged(Op::Dump, log, line)?);
         }
+        // Like CRIU, the tree is stopped while its images are written; a leave-stopped dump keeps it so
+        // (the caller must continue or kill it), a failed one resumes it.
+        let signal = |sig| {
+            if req.after == AfterDump::Stop {
+                // SAFETY: kill has no memory-safety preconditions.
+                unsafe { libc::kill(req.pid, sig) };
+            }
+        };
+        signal(libc::SIGSTOP);
+        let written = self.write_images(req, error, size, odd, log);
+        if written.is_err() {
+            signal(libc::SIGCONT);
+        }
+        written
+    }
+
+    fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
+        self.restore_tree(req)
+    }
+}
+
+impl FakeCriu {
+    /// The images of a dump, into the streamer or the staging folder, then the log.
+    fn write_images(
+        &self,
+        req: &DumpRequest<'_>,
+        error: Option<String>,
+        size: usize,
+        odd: bool,
+        log: std::path::PathBuf,
+    ) -> Result<(), Error> {
         let mut images = vec![
             (
                 format!("core-{}.img", req.pid),
@@ -225,15 +256,10 @@ impl Criu for FakeCriu {
             std::os::unix::fs::symlink("pages-1.img", &link)
                 .map_err(|e| Error::io(format!("creating {}", link.display()), e))?;
         }
-        if req.after == AfterDump::Stop {
-            // Like CRIU's leave_stopped: the caller must continue or kill the tree.
-            // SAFETY: kill has no memory-safety preconditions.
-            unsafe { libc::kill(req.pid, libc::SIGSTOP) };
-        }
         Ok(())
     }
 
-    fn restore(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
+    fn restore_tree(&self, req: &RestoreRequest<'_>) -> Result<i32, Error> {
         let (error, pid) = {
             let s = self.lock();
             (s.restore_error.clone(), s.restore_pid)

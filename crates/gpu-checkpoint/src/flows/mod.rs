@@ -78,8 +78,8 @@ impl ImageTransfer {
     /// wait in the pipe, and every write the tree makes before the store reads them lands in the
     /// checkpoint (a restored process got a mix of two moments and segfaulted). So CRIU leaves the tree
     /// stopped (`--leave-stopped`), and the checkpoint flow continues it itself once the store has read
-    /// every image (the streamed dump returns only then), before its GPU state is put back and before the
-    /// commit. Staged, each page is copied into a file before CRIU resumes the tree: CRIU lets it go.
+    /// (copied) every image out of the pipes (`dump_tree`'s `on_read`, while the store may still be
+    /// writing them), before its GPU state is put back and before the commit. Staged, each page is copied into a file before CRIU resumes the tree: CRIU lets it go.
     pub fn after_dump(self, leave_running: bool) -> AfterDump {
         if leave_running && !self.dump_streams() {
             AfterDump::KeepRunning

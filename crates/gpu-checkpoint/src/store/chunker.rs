@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -100,25 +101,50 @@ impl Drop for Segment {
     }
 }
 
-/// A fixed set of segment buffers.
+/// A set of segment buffers: a fixed number allocated up front, plus up to `spare` more allocated only
+/// when every one is in use (a leave-running dump copies CRIU's pipes into memory as fast as they come,
+/// rather than waiting for the workers to free a segment: see [`crate::store::Streams`]).
 pub struct SegmentPool {
     give: Sender<Vec<u8>>,
     take: Receiver<Vec<u8>>,
     size: usize,
+    /// How many more buffers may still be allocated on demand.
+    spare: AtomicUsize,
 }
 
 impl SegmentPool {
     /// `count` buffers of `size` bytes, allocated (and touched) once.
     pub fn new(count: usize, size: usize) -> SegmentPool {
-        let (give, take) = crossbeam_channel::bounded(count);
+        Self::growing(count, 0, size)
+    }
+
+    /// [`SegmentPool::new`] that may grow by `spare` more buffers when all are in use. They are allocated
+    /// untouched (the kernel maps their pages as they are first written) and kept until the pool goes.
+    pub fn growing(count: usize, spare: usize, size: usize) -> SegmentPool {
+        let (give, take) = crossbeam_channel::bounded(count + spare);
         for _ in 0..count {
             give.send(vec![0u8; size]).expect("pool has room");
         }
-        SegmentPool { give, take, size }
+        SegmentPool {
+            give,
+            take,
+            size,
+            spare: spare.into(),
+        }
     }
 
-    /// A free segment, waiting for one if all are in use.
+    /// A free segment, waiting for one if all are in use and the pool may not grow.
     pub fn get(&self) -> Vec<u8> {
+        if let Some(buf) = self.try_get() {
+            return buf;
+        }
+        let grow = self
+            .spare
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if grow {
+            return vec![0u8; self.size];
+        }
         // Cannot fail: we hold a sender ourselves.
         self.take.recv().expect("pool sender alive")
     }
@@ -448,6 +474,22 @@ mod tests {
                 assert!(c.len() >= 1024, "chunk {i} too small: {}", c.len());
             }
         }
+    }
+
+    /// A growing pool hands out its spare buffers instead of waiting, then waits like any other; buffers
+    /// given back are reused.
+    #[test]
+    fn a_growing_pool_allocates_its_spares_before_it_waits() {
+        let pool = SegmentPool::growing(1, 2, 4096);
+        let held: Vec<Vec<u8>> = (0..3).map(|_| pool.get()).collect();
+        assert!(held.iter().all(|b| b.len() == 4096));
+        assert!(pool.try_get().is_none(), "three buffers at most");
+        for b in held {
+            pool.give.send(b).unwrap();
+        }
+        let again: Vec<Vec<u8>> = (0..3).map(|_| pool.get()).collect();
+        assert_eq!(again.len(), 3);
+        assert!(pool.try_get().is_none());
     }
 
     #[test]

@@ -252,7 +252,15 @@ impl Ingest {
     /// Starts receiving images as streams (CRIU's image streamer) for about `expected_bytes`; see
     /// [`Streams`]. Its result goes to [`Ingest::commit_streamed`].
     pub fn streams(&self, expected_bytes: u64) -> Streams<'_> {
-        Streams::new(self, expected_bytes)
+        Streams::new(self, expected_bytes, false)
+    }
+
+    /// [`Ingest::streams`] for images that must be copied out of their pipes as fast as they come: the
+    /// pages of a tree held stopped until they are all read (a leave-running dump; CRIU's pipes hold the
+    /// tree's own pages). The session may buffer up to about `expected_bytes` in memory, within what the
+    /// host has available, so the tree's pause does not wait for the workers.
+    pub fn streams_copying(&self, expected_bytes: u64) -> Streams<'_> {
+        Streams::new(self, expected_bytes, true)
     }
 
     /// The checkpoint id this ingest will commit under.

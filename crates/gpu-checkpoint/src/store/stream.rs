@@ -68,6 +68,30 @@ enum FileState {
     Replaced,
 }
 
+/// How many segments a copying session's pool may grow by: enough for `expected` bytes and the chunker's
+/// tails (each segment starts with the previous one's unfinished chunk, at most an eighth of a large
+/// segment), within half the memory the kernel says is available (`available`, from `/proc/meminfo`), so
+/// that the copy never pushes the host into swapping or reclaim. None when that leaves no more than the
+/// plan's own pool: the session then reads at the workers' pace, as any other.
+fn copy_spare(expected: u64, available: Option<u64>, plan: &Plan) -> usize {
+    let seg = plan.segment_size as u64;
+    let want = expected + expected / 4;
+    let bytes = want.min(available.unwrap_or(0) / 2);
+    let own = plan.segments as u64 * seg;
+    if bytes <= own {
+        return 0;
+    }
+    ((bytes - own) / seg) as usize
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes: what can be allocated without swapping.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// What a streaming session stored, for [`Ingest::commit_streamed`].
 #[derive(Default)]
 pub struct Streamed {
@@ -101,7 +125,12 @@ impl Streamed {
 impl<'a> Streams<'a> {
     /// A session sized for about `expected_bytes` of images (it only sets the memory budget; more or fewer
     /// bytes are fine).
-    pub(super) fn new(ingest: &'a Ingest, expected_bytes: u64) -> Streams<'a> {
+    ///
+    /// `copy`: the images are the pages of a tree that is held stopped until every one has been read
+    /// (a leave-running dump): the pool may then grow by about `expected_bytes` (see [`copy_spare`]), so
+    /// that the pipes are copied into memory at the pace of the reads rather than of the workers, which
+    /// finish while the tree runs again.
+    pub(super) fn new(ingest: &'a Ingest, expected_bytes: u64, copy: bool) -> Streams<'a> {
         let opts = &ingest.inner().opts;
         let params = opts.chunking;
         let plan = Plan::within(
@@ -111,15 +140,26 @@ impl<'a> Streams<'a> {
             params,
             opts.zstd_level,
         );
-        tracing::debug!(?plan, expected_bytes, "streaming ingest {}", ingest.id());
+        let spare = if copy {
+            copy_spare(expected_bytes, mem_available(), &plan)
+        } else {
+            0
+        };
+        tracing::debug!(
+            ?plan,
+            spare,
+            expected_bytes,
+            "streaming ingest {}",
+            ingest.id()
+        );
         let (tx, rx) = crossbeam_channel::unbounded();
         Streams {
             ingest,
             params,
             level: opts.compression_level(),
             plan,
-            pool: SegmentPool::new(plan.segments, plan.segment_size),
-            pool_slots: Mutex::new((plan.segments - 1) / 2),
+            pool: SegmentPool::growing(plan.segments, spare, plan.segment_size),
+            pool_slots: Mutex::new((plan.segments + spare - 1) / 2),
             hints: ingest.parent_hints(),
             tx: Mutex::new(Some(tx)),
             rx,
@@ -379,5 +419,32 @@ impl<'a> Streams<'a> {
         out.started = Some(self.started);
         out.hints = Some(self.hints);
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copying session buffers the expected bytes (and the chunker's tails) in memory when half of what
+    /// is available holds them, no more than that half otherwise, and nothing extra when that half is no
+    /// more than the plan's own pool.
+    #[test]
+    fn a_copying_session_grows_within_half_the_available_memory() {
+        let plan = Plan {
+            workers: 2,
+            segments: 6,
+            segment_size: 32 << 20,
+            per_worker: 18 << 20,
+        };
+        let gib = 1u64 << 30;
+        let spare = copy_spare(gib, Some(16 * gib), &plan);
+        assert_eq!(spare as u64 * (32 << 20), gib + gib / 4 - 6 * (32 << 20));
+        let short = copy_spare(gib, Some(gib), &plan);
+        assert_eq!(short as u64 * (32 << 20), gib / 2 - 6 * (32 << 20));
+        assert_eq!(copy_spare(gib, Some(300 << 20), &plan), 0);
+        assert_eq!(copy_spare(gib, None, &plan), 0);
+        assert_eq!(copy_spare(100 << 20, Some(16 * gib), &plan), 0);
+        assert!(mem_available().is_some_and(|b| b > 0));
     }
 }

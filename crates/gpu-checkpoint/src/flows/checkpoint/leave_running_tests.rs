@@ -123,3 +123,80 @@ fn a_job_member_left_running_runs_while_the_job_decides_and_an_abort_keeps_it_ru
     assert!(settled_running(&p));
     assert!(s.store.list().unwrap().is_empty());
 }
+
+/// A leave-running checkpoint into a store whose chunk writes all wait (up to 5 s) for the tree to run
+/// again, then fail when `fail_after` (a store that fills up while the tree already runs). Returns the
+/// checkpoint's result, whether the tree was running at every chunk write, the GPU's events and the store.
+/// What [`slow_store_case`] saw: the checkpoint's result, whether the tree ran at each chunk write, the
+/// GPU's events, the store.
+type SlowStoreSeen = (
+    crate::Result<CheckpointOutcome>,
+    Vec<bool>,
+    Vec<(String, usize)>,
+    Store,
+);
+
+fn slow_store_case(fail_after: bool) -> SlowStoreSeen {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = std::sync::Arc::new(crate::store::MemoryBackend::new(dir.path()));
+    let store =
+        Store::with_backend(backend.clone(), crate::store::StoreOptions::default()).unwrap();
+    let criu = std::sync::Arc::new(crate::dump::FakeCriu::new());
+    criu.image_bytes(6 << 20);
+    let p = Sleeper::start();
+    let pid = p.pid();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen_by_hook = seen.clone();
+    *backend.chunk_write_hook.lock().unwrap() = Some(Box::new(move || {
+        let running = tree::wait_until(Duration::from_secs(5), || match tree::stat(pid) {
+            Some(s) if s.state == 'T' => vec![pid],
+            _ => vec![],
+        });
+        seen_by_hook.lock().unwrap().push(running.is_empty());
+        fail_after
+    }));
+    let mut gpu = RecordingGpu::new(&criu);
+    gpu.watch = Some(pid);
+    let out = Flow {
+        criu: &*criu,
+        gpu: &mut gpu,
+        store: &store,
+        progress: &crate::store::NoProgress,
+        images: ImageTransfer::Stream,
+        watch: &crate::flows::guardian::NoWatch,
+    }
+    .checkpoint(&leave_running(pid));
+    assert!(settled_running(&p), "the tree runs on, whatever happened");
+    assert_eq!(gpu.stopped_at_thaw, Some(false));
+    let seen = seen.lock().unwrap().clone();
+    (out, seen, gpu.events(), store)
+}
+
+/// The tree runs again as soon as the store has read (copied) every image out of CRIU's pipes: a slow
+/// store still writing them does not hold it stopped; the commit waits for the store.
+#[test]
+fn a_streamed_leave_running_tree_runs_while_a_slow_store_is_still_writing() {
+    let (out, seen, events, store) = slow_store_case(false);
+    let out = out.unwrap();
+    assert!(!seen.is_empty() && seen.iter().all(|r| *r), "{seen:?}");
+    assert!(out.timings.continued, "{:?}", out.timings);
+    assert!(
+        out.timings.paused < out.timings.dump,
+        "continued before the store finished: {:?}",
+        out.timings
+    );
+    assert_eq!(names(&events), ["freeze", "thaw"]);
+    assert_eq!(store.list().unwrap().len(), 1);
+}
+
+/// The store fails once the tree runs again: the checkpoint fails with the store's error, the tree runs
+/// on, its GPU state is put back once, nothing is committed.
+#[test]
+fn a_store_failing_after_the_early_continue_fails_the_checkpoint_with_the_tree_running() {
+    let (out, seen, events, store) = slow_store_case(true);
+    let err = out.unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
+    assert!(!seen.is_empty() && seen.iter().all(|r| *r), "{seen:?}");
+    assert_eq!(names(&events), ["freeze", "thaw"]);
+    assert!(store.list().unwrap().is_empty());
+}

@@ -341,6 +341,43 @@ impl Flow<'_> {
             env: &criu_env,
             container: None,
         };
+        // Takes the tree over from CRIU once it has finished: the guard that continues what CRIU left
+        // stopped (and releases its locked network) whichever way the flow leaves.
+        let watch = self.watch;
+        let take_over = || {
+            let process_tree = dumped_tree(pid, &report);
+            let dumped_pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
+            let mut stopped_tree =
+                ContinueGuard::new(&dumped_pids, &stopped_before, after == AfterDump::Stop);
+            if tcp_hold {
+                let hold = crate::dump::NetworkHold::after_dump(
+                    &dumped_pids,
+                    &ingest.staging_dir().join(DUMP_LOG),
+                    opts.criu.effective_network_lock(),
+                    &locks_before,
+                );
+                tell_network(watch, &hold);
+                stopped_tree.release_network(hold);
+            }
+            (process_tree, stopped_tree)
+        };
+        // A leave-running tree is continued as soon as the store has copied every image out of CRIU's
+        // pipes, while the store's workers still hash, compress and write them: the tree's pause is then
+        // about CRIU's own, not the store's. Should the store fail afterwards, the checkpoint fails with the
+        // tree running, as after any failure.
+        let mut early = None;
+        let mut continue_early = || {
+            let (process_tree, mut stopped_tree) = take_over();
+            timings.continued = stopped_tree.armed();
+            stopped_tree.continue_now();
+            timings.paused = ms(t);
+            early = Some((process_tree, stopped_tree));
+        };
+        let on_read: Option<&mut dyn FnMut()> = if opts.leave_running {
+            Some(&mut continue_early)
+        } else {
+            None
+        };
         let stored = dump_tree(
             self.criu,
             self.store,
@@ -348,22 +385,11 @@ impl Flow<'_> {
             &req,
             &ingest,
             &tree_pids,
+            on_read,
         )?;
         timings.dump = ms(t);
-        let process_tree = dumped_tree(pid, &report);
-        let dumped_pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
-        let mut stopped_tree =
-            ContinueGuard::new(&dumped_pids, &stopped_before, after == AfterDump::Stop);
-        if tcp_hold {
-            let hold = crate::dump::NetworkHold::after_dump(
-                &dumped_pids,
-                &ingest.staging_dir().join(DUMP_LOG),
-                opts.criu.effective_network_lock(),
-                &locks_before,
-            );
-            tell_network(self.watch, &hold);
-            stopped_tree.release_network(hold);
-        }
+        let continued_early = early.is_some();
+        let (process_tree, mut stopped_tree) = early.unwrap_or_else(take_over);
         // CRIU finished, but the store may not have taken every image.
         let streamed = stored.transpose()?;
         let reopened = match &plugin {
@@ -373,12 +399,14 @@ impl Flow<'_> {
         fault::at("checkpoint.after-dump");
         check_interrupt(&interrupt)?;
         if opts.leave_running {
-            // The store has read every image (`dump_tree` returned): the tree runs on, before its GPU
-            // state is put back (the GPU restore runs in its processes, which a stopped one cannot do)
-            // and before the commit. From here on an undo only puts the GPU state back.
-            timings.continued = stopped_tree.armed();
-            stopped_tree.continue_now();
-            timings.paused = ms(t);
+            // The store has read every image: the tree runs on (since `continue_early`, when streamed),
+            // before its GPU state is put back (the GPU restore runs in its processes, which a stopped one
+            // cannot do) and before the commit. From here on an undo only puts the GPU state back.
+            if !continued_early {
+                timings.continued = stopped_tree.armed();
+                stopped_tree.continue_now();
+                timings.paused = ms(t);
+            }
             // GPU work resumes while the checkpoint is committed. The GPU restore + unlock timings
             // belong with the lock + checkpoint ones.
             let thaw = gpu.thaw()?;

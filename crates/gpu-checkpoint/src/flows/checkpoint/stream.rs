@@ -6,8 +6,13 @@
 //! A store failure (disk full) makes the image threads drop their pipes; CRIU then fails on the broken pipe
 //! and lets the tree go on, exactly like a failed dump to disk. The store's own error is the one reported.
 //!
-//! [`dump_tree`] returns only once the store has read every image (its readers are joined): from then on
-//! nothing the tree writes reaches the checkpoint, and a tree CRIU left stopped may run again.
+//! Once the store has read every image (its readers are joined) nothing the tree writes reaches the
+//! checkpoint, and a tree CRIU left stopped may run again: [`dump_tree`] then calls its `on_read` while
+//! the store's workers may still be hashing, compressing and writing, and returns once they are done. With
+//! `on_read` (a leave-running dump) the readers copy the pipes into memory as fast as CRIU fills them
+//! ([`Ingest::streams_copying`]) instead of waiting for the workers to free their buffers, so the tree is
+//! held stopped for about as long as CRIU takes to write its pages, not as long as the store takes to
+//! store them.
 
 use super::DUMP_LOG;
 use crate::dump::streamer::{serve_while, Listener, Mode};
@@ -24,13 +29,15 @@ struct StreamedDump {
 }
 
 /// Runs `criu.dump(req)` (with `req.stream` set) while serving its images into `ingest`. `expected_bytes`
-/// sizes the store's buffers (the tree's resident memory is a good guess).
+/// sizes the store's buffers (the tree's resident memory is a good guess). `on_read` (see [`dump_tree`]) is
+/// called once CRIU succeeded and every image has been read without error, before the workers are done.
 fn dump_streamed(
     criu: &dyn Criu,
     req: &DumpRequest<'_>,
     ingest: &Ingest,
     expected_bytes: u64,
     progress: &dyn Progress,
+    on_read: Option<&mut dyn FnMut()>,
 ) -> StreamedDump {
     debug_assert!(req.stream);
     let listener = match Listener::bind(req.images_dir, Mode::Capture) {
@@ -47,7 +54,11 @@ fn dump_streamed(
             };
         }
     };
-    let streams = ingest.streams(expected_bytes);
+    let streams = if on_read.is_some() {
+        ingest.streams_copying(expected_bytes)
+    } else {
+        ingest.streams(expected_bytes)
+    };
     progress.start("dump + store", expected_bytes);
     let (dumped, served) = std::thread::scope(|s| {
         for _ in 0..streams.workers() {
@@ -59,6 +70,10 @@ fn dump_streamed(
         };
         let result = serve_while(&listener, &|_| true, &add, || criu.dump(req));
         streams.close();
+        // CRIU is done and every image thread has returned: the pipes are empty, the pages copied.
+        if let (Ok(()), Ok(()), Some(f)) = (&result.0, &result.1, on_read) {
+            f();
+        }
         result
     });
     progress.finish();
@@ -109,6 +124,11 @@ pub(in crate::flows) fn tell_network(
 /// store's side of a streamed dump, which may have failed though CRIU finished (the caller's undo then
 /// also continues the tree CRIU left stopped).
 ///
+/// `on_read`, for a streamed dump of a tree that runs on: called once CRIU succeeded and the store has
+/// copied every image out of CRIU's pipes, while its workers may still be storing them, so the caller can
+/// continue the tree then; the store may still fail afterwards (the result says so). Not called when the
+/// dump or a read failed, nor for a staged dump.
+///
 /// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
 /// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
 /// full), CRIU only saw a broken pipe: the store's error says why.
@@ -119,10 +139,11 @@ pub(in crate::flows) fn dump_tree(
     req: &DumpRequest<'_>,
     ingest: &Ingest,
     pids: &[i32],
+    on_read: Option<&mut dyn FnMut()>,
 ) -> crate::Result<Option<crate::Result<Streamed>>> {
     let (dumped, stored) = if req.stream {
         let expected = resident_bytes(pids);
-        let d = dump_streamed(criu, req, ingest, expected, progress);
+        let d = dump_streamed(criu, req, ingest, expected, progress, on_read);
         (d.dumped, Some(d.stored))
     } else {
         (criu.dump(req), None)

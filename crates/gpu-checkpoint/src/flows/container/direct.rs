@@ -309,7 +309,8 @@ pub(super) fn dump_direct(
         env: &[],
         container: Some(&d.settings),
     };
-    let stored = crate::flows::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids)?;
+    let stored =
+        crate::flows::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids, None)?;
     stored.transpose()
 }
 

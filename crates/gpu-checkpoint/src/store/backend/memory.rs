@@ -22,6 +22,10 @@ pub struct MemoryBackend {
     /// When set, chunk writes fail with ENOSPC while the store still looks writable: a disk that fills
     /// up during a checkpoint.
     pub fail_chunk_writes: AtomicBool,
+    /// Called before every chunk write, from the store's workers: a slow store (it may block), or one that
+    /// fails later on (it returns true: the write fails with ENOSPC).
+    #[allow(clippy::type_complexity)]
+    pub chunk_write_hook: Mutex<Option<Box<dyn Fn() -> bool + Send + Sync>>>,
 }
 
 impl MemoryBackend {
@@ -32,6 +36,7 @@ impl MemoryBackend {
             objects: Mutex::default(),
             fail_writes: AtomicBool::default(),
             fail_chunk_writes: AtomicBool::default(),
+            chunk_write_hook: Mutex::default(),
         }
     }
 
@@ -104,8 +109,16 @@ impl Backend for MemoryBackend {
         if self.fail_writes.load(Ordering::Relaxed) {
             return Err(self.full("cannot write"));
         }
-        if key.starts_with(super::CHUNKS) && self.fail_chunk_writes.load(Ordering::Relaxed) {
-            return Err(self.full("cannot write chunk"));
+        if key.starts_with(super::CHUNKS) {
+            let hook = self
+                .chunk_write_hook
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let fail = hook.as_ref().is_some_and(|h| h());
+            drop(hook);
+            if fail || self.fail_chunk_writes.load(Ordering::Relaxed) {
+                return Err(self.full("cannot write chunk"));
+            }
         }
         self.objects()
             .insert(key.to_owned(), (parts.concat(), SystemTime::now()));
