@@ -356,15 +356,33 @@ impl Applied {
 
 /// Puts `rootfs` back: removes what was `created`, then copies back what was `saved`, last first.
 fn undo(rootfs: &Path, created: &[PathBuf], saved: &[(PathBuf, PathBuf)]) -> std::io::Result<()> {
+    // The container may have run before its restore failed (the runtime's restore resumes it; a GPU
+    // restore fails after) and put a link where a folder on the way was, to make this undo remove or
+    // write outside its root file system. Such a path is left as it is, and said.
+    let mut left = Vec::new();
     for rel in created.iter().rev() {
+        if no_link_on_the_way(rootfs, rel).is_err() {
+            left.push(rel);
+            continue;
+        }
         remove_tree(&rootfs.join(rel))?;
     }
     for (rel, copy) in saved.iter().rev() {
+        if no_link_on_the_way(rootfs, rel).is_err() {
+            left.push(rel);
+            continue;
+        }
         let at = rootfs.join(rel);
         remove_tree(&at)?;
         copy_tree(copy, &at)?;
     }
-    Ok(())
+    if left.is_empty() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "left as they are, a link or a file now on their way: {left:?}"
+        )))
+    }
 }
 
 impl Drop for Applied {
@@ -540,6 +558,32 @@ mod tests {
         // Kept: the changes stay.
         apply(&images, &bundle, dir.path()).unwrap().unwrap().keep();
         assert_eq!(fs::read_to_string(rootfs.join("keep")).unwrap(), "changed");
+    }
+
+    /// The container, run by a restore that then fails, swaps a folder the changes went into for a
+    /// link out of its root file system: the undo does not follow it (the host's file of the same name
+    /// stays), puts back what it safely can, and says what it left.
+    #[test]
+    fn the_undo_never_follows_a_link_the_container_put_on_the_way() {
+        use tar::EntryType::{Directory, Regular};
+        let (dir, bundle, images) = setup(
+            &[
+                ("data/", Directory, b""),
+                ("data/f", Regular, b"new"),
+                ("keep", Regular, b"changed"),
+            ],
+            &[],
+        );
+        let rootfs = bundle.join("rootfs");
+        let outside = dir.path().join("host");
+        fs::create_dir(&outside).unwrap();
+        fs::write(outside.join("f"), "the host's").unwrap();
+        let applied = apply(&images, &bundle, dir.path()).unwrap().unwrap();
+        fs::remove_dir_all(rootfs.join("data")).unwrap();
+        std::os::unix::fs::symlink(&outside, rootfs.join("data")).unwrap();
+        drop(applied);
+        assert_eq!(fs::read_to_string(outside.join("f")).unwrap(), "the host's");
+        assert_eq!(fs::read_to_string(rootfs.join("keep")).unwrap(), "old");
     }
 
     /// The tool dies with the changes applied (its guard never drops): the journal in the work folder
