@@ -32,8 +32,10 @@ pub struct Args {
     #[arg(long, requires = "container")]
     pub runtime_checkpoint: bool,
     /// With `--container` (runsc): a cuda-checkpoint-compatible tool, as a path inside the sandbox,
-    /// that freezes the GPU state inside the gVisor sandbox (run by `runsc exec` on its own PIDs);
-    /// recorded and run again by the restore. `sim-cuda-checkpoint` is the SIMULATED stand-in.
+    /// that freezes the GPU state inside the gVisor sandbox: handed to `runsc checkpoint
+    /// --cuda-checkpoint-path` where the runsc has it (its restore puts the state back), else run by
+    /// `runsc exec` on the sandbox's own PIDs and again by the restore. `sim-cuda-checkpoint` is the
+    /// SIMULATED stand-in.
     #[arg(long, value_name = "PATH", requires = "container")]
     pub cuda_checkpoint_path: Option<std::path::PathBuf>,
     #[command(flatten)]

@@ -117,6 +117,17 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
     let result = flow.checkpoint(&opts);
     super::say_if_interrupted();
     let out = result?;
+    if let Some(c) = out
+        .manifest
+        .container
+        .as_ref()
+        .filter(|c| c.sandbox_gpu_by_runtime)
+    {
+        eprintln!(
+            "{}'s own checkpoint froze the sandbox's GPU state (--cuda-checkpoint-path); its restore puts it back",
+            c.runtime
+        );
+    }
     let manifest_path = store.manifest_location(&out.info.id);
     match args.store.format {
         Format::Json => {

@@ -91,6 +91,12 @@ pub struct ContainerRecord {
     /// gives them back unchanged, so they are never mapped.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sandbox_gpu_pids: Vec<i32>,
+    /// The runtime froze that GPU state itself, with the tool (`runsc checkpoint
+    /// --cuda-checkpoint-path`), and its restore puts it back: the restore runs nothing inside. An
+    /// older gpu-checkpoint, which does not know this field, runs the tool on `sandbox_gpu_pids`,
+    /// none: nothing either.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sandbox_gpu_by_runtime: bool,
 }
 
 /// One process of a container: its PID on the host and inside the container.

@@ -551,6 +551,7 @@ pub fn import_oci(
             tcp_established: false,
             sandbox_gpu_tool: None,
             sandbox_gpu_pids: Vec::new(),
+            sandbox_gpu_by_runtime: false,
         }),
     };
     let metadata = serde_json::to_value(&manifest)

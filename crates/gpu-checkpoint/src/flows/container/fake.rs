@@ -26,6 +26,10 @@ pub struct FakeRuntime {
     pub streams: bool,
     /// The bytes of `pages-1.img` its last streamed restore read.
     pub streamed_pages: RefCell<Option<Vec<u8>>>,
+    /// Its checkpoint freezes the sandbox's GPU state itself (as newer runsc).
+    pub gpu_itself: bool,
+    /// The tool its last checkpoint was handed for that.
+    pub gpu_tool: RefCell<Option<std::path::PathBuf>>,
 }
 
 impl FakeRuntime {
@@ -114,6 +118,10 @@ impl ContainerRuntime for FakeRuntime {
         !self.sandboxed
     }
 
+    fn checkpoints_gpu_itself(&self) -> bool {
+        self.gpu_itself
+    }
+
     fn state(&self, id: &str) -> Result<ContainerState, Error> {
         self.containers
             .borrow()
@@ -146,6 +154,7 @@ impl ContainerRuntime for FakeRuntime {
 
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {
         self.call("checkpoint", req.id)?;
+        *self.gpu_tool.borrow_mut() = req.gpu_tool.map(Into::into);
         let write = |name: &str, data: &[u8]| {
             std::fs::write(req.images.join(name), data).map_err(|e| Error::Runtime {
                 command: "fake checkpoint".into(),

@@ -275,7 +275,12 @@ impl ContainerFlow<'_> {
             .into());
         }
         let from_host = self.runtime.gpu_from_host();
+        // A runtime that freezes the sandbox's GPU state itself is handed the tool instead: nothing of
+        // ours runs inside, no guest PID is recorded, and its restore puts the state back.
+        let by_runtime =
+            !from_host && opts.sandbox_gpu_tool.is_some() && self.runtime.checkpoints_gpu_itself();
         let in_sandbox = match &opts.sandbox_gpu_tool {
+            Some(tool) if by_runtime => Some((tool, Vec::new())),
             Some(tool) if !from_host => Some((tool, sandbox::gpu_pids(self.runtime, id, tool)?)),
             _ => None,
         };
@@ -357,16 +362,16 @@ impl ContainerFlow<'_> {
         // by the tool there (its guard is dropped after the one that brings the sandbox back).
         let t = Instant::now();
         let sandboxed = match &in_sandbox {
-            Some((tool, guest)) => Some(sandbox::SandboxFrozen::freeze(
+            Some((tool, guest)) if !by_runtime => Some(sandbox::SandboxFrozen::freeze(
                 self.runtime,
                 id,
                 tool,
                 guest,
             )?),
-            None => None,
+            _ => None,
         };
         let host_report;
-        let report = if sandboxed.is_some() {
+        let report = if in_sandbox.is_some() {
             // The host side has nothing of its own to freeze.
             host_report = Report {
                 strategy: detect::StrategyDecision {
@@ -461,6 +466,10 @@ impl ContainerFlow<'_> {
                     images,
                     leave_running: hold,
                     tcp_established: opts.tcp_established,
+                    gpu_tool: in_sandbox
+                        .as_ref()
+                        .filter(|_| by_runtime)
+                        .map(|(tool, _)| tool.as_path()),
                 };
                 match self
                     .runtime
@@ -572,6 +581,7 @@ impl ContainerFlow<'_> {
                 tcp_established: opts.tcp_established,
                 sandbox_gpu_tool: sandbox_gpu.0,
                 sandbox_gpu_pids: sandbox_gpu.1,
+                sandbox_gpu_by_runtime: by_runtime,
             }),
         };
         let metadata = serde_json::to_value(&manifest)

@@ -259,6 +259,20 @@ impl ContainerRuntime for OciCli {
         Some(self.clone())
     }
 
+    fn checkpoints_gpu_itself(&self) -> bool {
+        // Newer runsc lists the flag in its checkpoint command's help (runsc of 2022 does not); the
+        // help goes to stdout or stderr depending on the release, and its exit status says nothing.
+        self.kind == RuntimeKind::Runsc
+            && self
+                .command()
+                .args(["help", "checkpoint"])
+                .output()
+                .is_ok_and(|o| {
+                    let text = [o.stdout, o.stderr].concat();
+                    String::from_utf8_lossy(&text).contains("cuda-checkpoint-path")
+                })
+    }
+
     fn followed_image(&self) -> Option<&'static str> {
         // runsc 2022 writes its whole state into this one file, sequentially (no compression flag).
         (self.kind == RuntimeKind::Runsc).then_some("checkpoint.img")
@@ -283,6 +297,11 @@ impl ContainerRuntime for OciCli {
         }
         if req.leave_running {
             args.push("--leave-running");
+        }
+        let tool;
+        if let Some(path) = req.gpu_tool.filter(|_| self.kind == RuntimeKind::Runsc) {
+            tool = format!("--cuda-checkpoint-path={}", path.display());
+            args.push(&tool);
         }
         args.push(req.id);
         self.run(&args).map(drop)
@@ -425,6 +444,64 @@ fn unescape_mount_path(p: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stand-in for a runsc binary: `help checkpoint` prints `help`; `checkpoint ...` writes its
+    /// arguments to `args` beside it.
+    fn stand_in(dir: &Path, help: &str) -> OciCli {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = dir.join("runsc");
+        let args = dir.join("args");
+        let script = format!(
+            "#!/bin/sh\nfor a; do case $a in help) echo '{help}' >&2; exit 2;; checkpoint) echo \"$@\" > {}; exit 0;; esac; done\nexit 1\n",
+            args.display()
+        );
+        std::fs::write(&bin, script).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o700)).unwrap();
+        OciCli {
+            kind: RuntimeKind::Runsc,
+            binary: bin,
+            criu: None,
+            root: Some(dir.join("root")),
+            extra: vec!["--platform=ptrace".into()],
+            restore_proxy: None,
+        }
+    }
+
+    #[test]
+    fn a_runsc_listing_cuda_checkpoint_path_is_handed_the_tool_and_others_are_not_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let newer = stand_in(
+            dir.path(),
+            "  -cuda-checkpoint-path string\n    path to cuda-checkpoint inside the container",
+        );
+        assert!(newer.checkpoints_gpu_itself());
+        let images = dir.path().join("images");
+        let tool = Path::new("/usr/local/bin/cuda-checkpoint");
+        newer
+            .checkpoint(&CheckpointRequest {
+                id: "sb",
+                images: &images,
+                leave_running: false,
+                tcp_established: false,
+                gpu_tool: Some(tool),
+            })
+            .unwrap();
+        let args = std::fs::read_to_string(dir.path().join("args")).unwrap();
+        assert!(
+            args.contains("checkpoint --image-path")
+                && args.contains("--cuda-checkpoint-path=/usr/local/bin/cuda-checkpoint sb"),
+            "{args}"
+        );
+        // runsc of 2022: no such flag in its help.
+        let older = stand_in(dir.path(), "  -image-path string\n  -leave-running");
+        assert!(!older.checkpoints_gpu_itself());
+        // runc never freezes GPU state itself.
+        let runc = OciCli {
+            kind: RuntimeKind::Runc,
+            ..newer
+        };
+        assert!(!runc.checkpoints_gpu_itself());
+    }
 
     #[test]
     fn mount_paths_are_unescaped() {

@@ -218,6 +218,8 @@ impl ContainerFlow<'_> {
 
         let t = Instant::now();
         let gpu = match &record.sandbox_gpu_tool {
+            // Frozen by the runtime itself: its restore put the state back.
+            Some(_) if record.sandbox_gpu_by_runtime => None,
             // Frozen inside the sandbox: put back there, on the same guest PIDs (a failure leaves
             // no sandbox: `discard`).
             Some(tool) => {

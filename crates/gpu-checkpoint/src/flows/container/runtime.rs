@@ -36,6 +36,9 @@ pub struct CheckpointRequest<'a> {
     pub leave_running: bool,
     /// CRIU's `--tcp-established`.
     pub tcp_established: bool,
+    /// The cuda-checkpoint-compatible tool (a path inside the sandbox) the runtime's checkpoint freezes
+    /// the sandbox's GPU state with, itself: only where [`ContainerRuntime::checkpoints_gpu_itself`].
+    pub gpu_tool: Option<&'a Path>,
 }
 
 /// What a restore asks of the runtime.
@@ -73,6 +76,13 @@ pub trait ContainerRuntime {
     /// only the sandbox (nvproxy): its CUDA state must be checkpointed inside (docs/containers.md).
     fn gpu_from_host(&self) -> bool {
         self.can_hold_paused()
+    }
+    /// Whether the runtime's `checkpoint` freezes the GPU state inside the sandbox itself when given the
+    /// tool's path ([`CheckpointRequest::gpu_tool`]), and its `restore` puts it back itself: newer runsc
+    /// (`runsc checkpoint --cuda-checkpoint-path`, where its sentry finds the guest's CUDA processes and
+    /// toggles them). Where not, the flow runs the tool inside the sandbox itself (`sandbox.rs`).
+    fn checkpoints_gpu_itself(&self) -> bool {
+        false
     }
     /// CRIU's settings for dumping the container directly, as the runtime itself would
     /// ([`super::direct`]): the images then stream into the store and the runtime's restore still

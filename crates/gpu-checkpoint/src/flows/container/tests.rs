@@ -169,6 +169,52 @@ fn gpu_state_a_host_freeze_cannot_reach_is_refused_before_anything_is_touched() 
     assert!(store.list().unwrap().is_empty());
 }
 
+/// A sandbox runtime whose checkpoint freezes the GPU state itself (newer runsc's
+/// `--cuda-checkpoint-path`) is handed the tool and nothing of ours runs inside: the fake can run no
+/// command inside a container, so the in-sandbox freeze (and its restore) would fail here. One that
+/// cannot is not handed the tool, and that freeze is tried.
+#[test]
+fn a_runtime_that_freezes_the_sandbox_gpu_itself_is_handed_the_tool_and_nothing_runs_inside() {
+    let tool = std::path::Path::new("/usr/local/bin/cuda-checkpoint");
+    let (_dir, store, mut init, mut rt) = setup(None);
+    rt.sandboxed = true;
+    rt.gpu_itself = true;
+    let mut gpu = NoGpu;
+    let mut opts = ContainerCheckpointOptions::new("c1");
+    opts.sandbox_gpu_tool = Some(tool.into());
+    let out = flow(&rt, &mut gpu, &store).checkpoint(&opts).unwrap();
+    let _ = init.wait();
+    assert_eq!(rt.gpu_tool.borrow().as_deref(), Some(tool));
+    let rec = out.manifest.container.as_ref().unwrap();
+    assert!(rec.sandbox_gpu_by_runtime);
+    assert_eq!(rec.sandbox_gpu_tool.as_deref(), Some(tool));
+    assert!(rec.sandbox_gpu_pids.is_empty());
+    let back =
+        CheckpointManifest::from_metadata(&store.get(&out.info.id).unwrap().metadata).unwrap();
+    assert_eq!(back.container.as_ref(), Some(rec));
+    // Its restore put the state back: the flow runs nothing inside.
+    flow(&rt, &mut gpu, &store)
+        .restore(&ContainerRestoreOptions {
+            checkpoint: out.info.id.clone(),
+            id: "c2".into(),
+            bundle: None,
+        })
+        .unwrap();
+    assert_eq!(rt.status("c2").as_deref(), Some("running"));
+
+    let (_dir, store, mut init, mut rt) = setup(None);
+    rt.sandboxed = true;
+    let err = flow(&rt, &mut gpu, &store).checkpoint(&opts).unwrap_err();
+    assert!(
+        err.to_string().contains("cannot run a command inside"),
+        "{err}"
+    );
+    assert!(calls(&rt).is_empty(), "nothing touched: {:?}", calls(&rt));
+    assert_eq!(*rt.gpu_tool.borrow(), None);
+    init.kill().unwrap();
+    let _ = init.wait();
+}
+
 /// A runtime offering the settings of a direct dump, as runc's state gives them.
 fn direct_settings() -> DirectDump {
     DirectDump {
