@@ -332,6 +332,66 @@ fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_node
 }
 
 #[test]
+fn a_node_gone_since_the_checkpoint_gets_a_free_agent_with_its_gpus_and_store() {
+    let Some(mut s) = Scene::start(&[]) else {
+        return;
+    };
+    let out = s.job(&["checkpoint", "--job", "train", "--format", "json"], &[]);
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    let m: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let id = m["id"].as_str().unwrap().to_string();
+    // Each member records its GPUs' models and its agent's store, for a restore elsewhere.
+    assert_eq!(m["members"][2]["gpu_models"][0], sim::SIM_MODEL, "{m}");
+    assert_eq!(m["members"][2]["storage"], s.store.to_str().unwrap(), "{m}");
+    wait_gone(&s.pids());
+    // Node b is gone; c is up, but keeps another store: nothing fits, and nothing is touched (8).
+    assert!(s.agents.pop().unwrap().stop(libc::SIGTERM).is_some());
+    let dir = s._dir.path().to_path_buf();
+    let elsewhere = dir.join("other-store");
+    s.agents
+        .push(Agent::start(&s.etcd, "c", &elsewhere, &dir, &[]));
+    let out = s.job(&["restore", &id], &[]);
+    assert_eq!(out.status.code(), Some(8), "{}\n{}", text(&out), s.logs());
+    for part in [
+        "node b has no agent",
+        "a: other members are restored there",
+        "c: its store is",
+    ] {
+        assert!(text(&out).contains(part), "{part:?}: {}", text(&out));
+    }
+    for p in s.pids() {
+        let proc = std::path::PathBuf::from(format!("/proc/{p}"));
+        assert!(!proc.exists(), "pid {p} restored by a refused restore");
+    }
+    // d has the store and (SIMULATED) GPUs of the same model: b's members go there, a's stay on a.
+    s.agents.push(Agent::start(
+        &s.etcd,
+        "d",
+        &s.store,
+        &dir,
+        &[(sim::ENV_GPUS, "3")],
+    ));
+    let out = s.job(&["restore", &id, "--format", "json"], &[]);
+    assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
+    assert!(
+        text(&out).contains("node b has no agent: its members were restored on d (device map GPU-"),
+        "{}",
+        text(&out)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let nodes: Vec<&str> = r["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["node"].as_str().unwrap())
+        .collect();
+    assert_eq!(nodes, ["a", "a", "d", "d"], "{r}");
+    assert_eq!(r["placed"][0]["from"], "b", "{r}");
+    assert_eq!(r["placed"][0]["to"], "d", "{r}");
+    s.assert_all_running();
+}
+
+#[test]
 fn a_member_whose_gpu_checkpoint_fails_aborts_the_job_and_every_rank_runs_unlocked() {
     let Some(mut s) = Scene::start(&[]) else {
         return;

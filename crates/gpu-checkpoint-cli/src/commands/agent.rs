@@ -319,6 +319,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let mut opts = AgentOptions::new(&args.node, &args.storage.to_string_lossy());
     opts.lease_ttl = args.lease_ttl;
+    // Registered with the agent, for job restores that choose a node by its GPUs. A node whose GPU
+    // backend does not load (no driver, no GPU) registers none: members that used GPUs are not sent
+    // there.
+    opts.gpus = match gpu_checkpoint::freeze::open(work.backend).and_then(|d| d.gpus()) {
+        Ok(gpus) => gpus,
+        Err(e) => {
+            tracing::info!("no GPUs registered: {e}");
+            Vec::new()
+        }
+    };
     // SIGTERM and SIGINT end the agent cleanly: recorded here, then the loop stops taking tasks, finishes
     // or undoes those under way, and revokes its registration.
     let _signals = InterruptGuard::new();

@@ -131,7 +131,8 @@ pub struct RestoreArgs {
     pub id: String,
     #[command(flatten)]
     pub etcd: EtcdArgs,
-    /// Restore members on other nodes: OLD=NEW,... (nodes not named keep theirs).
+    /// Restore members on other nodes: OLD=NEW,... (nodes not named keep theirs; a node not named
+    /// whose agent is gone gets a free agent with its GPUs' models and store, said on stderr).
     #[arg(long, value_name = "OLD=NEW,...")]
     pub node_map: Option<String>,
     /// Restore the GPU state of the members restored on NODE onto other GPUs of it, as `restore
@@ -338,6 +339,17 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
         &device_maps,
         &timeouts,
     )?;
+    for p in &out.placed {
+        eprintln!(
+            "node {} has no agent: its members were restored on {}{}",
+            p.from,
+            p.to,
+            p.device_map
+                .as_deref()
+                .map(|m| format!(" (device map {m})"))
+                .unwrap_or_default()
+        );
+    }
     match a.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
         Format::Text => {
@@ -372,7 +384,13 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
         ),
         Format::Text => {
             for a in &agents {
-                println!("agent {} (pid {}, store {})", a.node, a.pid, a.storage);
+                println!(
+                    "agent {} (pid {}, store {}, {} GPU(s))",
+                    a.node,
+                    a.pid,
+                    a.storage,
+                    a.gpus.len()
+                );
             }
             for (name, members) in &jobs {
                 let m: Vec<String> = members

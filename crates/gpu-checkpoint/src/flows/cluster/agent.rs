@@ -48,6 +48,9 @@ pub struct AgentOptions {
     /// How long a member waits at a barrier for the coordinator's decision (its death is seen sooner,
     /// through its lease).
     pub decision_timeout: Duration,
+    /// The node's GPUs, registered with the agent: a job restore chooses a node for the members of a
+    /// node that has no agent by them.
+    pub gpus: Vec<crate::freeze::GpuInfo>,
 }
 
 impl AgentOptions {
@@ -57,6 +60,7 @@ impl AgentOptions {
             storage: storage.into(),
             lease_ttl: Duration::from_secs(5),
             decision_timeout: Duration::from_secs(3600),
+            gpus: Vec::new(),
         }
     }
 }
@@ -114,6 +118,7 @@ fn register(coord: &Arc<dyn Coordinator>, opts: &AgentOptions) -> Result<LeaseGu
         storage: opts.storage.clone(),
         tool_version: env!("CARGO_PKG_VERSION").into(),
         started_unix_ms: rec::now_ms(),
+        gpus: opts.gpus.clone(),
     };
     let key = rec::agent(&opts.node);
     let registered = c.txn(

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
+use super::placement::{self, Chosen};
 use super::records::{
     self as rec, decode, encode, encode_manifest, encode_task, MemberState, OpKind,
 };
@@ -63,6 +64,9 @@ pub struct JobRestoreOutcome {
     pub id: String,
     pub job: String,
     pub members: Vec<RestoredMember>,
+    /// The nodes chosen for members whose node had no agent.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub placed: Vec<Chosen>,
     pub timings_ms: JobTimings,
 }
 
@@ -340,13 +344,24 @@ impl Drop for Op<'_> {
     }
 }
 
-/// Checks that every member has an agent, and that no operation on the job runs.
+/// Checks that every member has an agent, and that no operation on the job runs; returns the agents.
 fn preflight(
     coord: &dyn Coordinator,
     job: &str,
     targets: &[MemberRecord],
-) -> Result<(), ClusterError> {
+) -> Result<Vec<AgentRecord>, ClusterError> {
     let alive = agents(coord)?;
+    preflight_with(coord, job, targets, &alive)?;
+    Ok(alive)
+}
+
+/// [`preflight`] with the agents read already.
+fn preflight_with(
+    coord: &dyn Coordinator,
+    job: &str,
+    targets: &[MemberRecord],
+    alive: &[AgentRecord],
+) -> Result<(), ClusterError> {
     for m in targets {
         if !alive.iter().any(|a| a.node == m.node) {
             return Err(ClusterError::NoAgent {
@@ -378,7 +393,7 @@ pub fn checkpoint_job(
             "job {job} has no members: register them with `gpu-checkpoint job add`"
         )));
     }
-    preflight(c, job, &members)?;
+    let alive = preflight(c, job, &members)?;
     // A member registered as sharing CUDA IPC memory (`job add --ordered`) makes every checkpoint of
     // the job ordered, asked for or not: out of order its locks could hang on memory another holds.
     let ordered = opts.ordered || members.iter().any(|m| m.ordered);
@@ -462,12 +477,19 @@ pub fn checkpoint_job(
                     }
                     _ => unreachable!("wait_all returned every member durable"),
                 };
+                // What a restore elsewhere chooses a node by: the GPUs' models and the store.
+                let agent = alive.iter().find(|a| a.node == m.node);
+                let gpu_models = agent
+                    .map(|a| placement::models_of(&gpus, &a.gpus))
+                    .unwrap_or_default();
                 JobMember {
                     rank: m.rank,
                     node: m.node.clone(),
                     pid: m.pid,
                     checkpoint,
                     gpus,
+                    gpu_models,
+                    storage: agent.map(|a| a.storage.clone()),
                 }
             })
             .collect(),
@@ -575,8 +597,9 @@ pub fn parse_device_maps(args: &[String]) -> Result<BTreeMap<String, String>, Cl
     Ok(maps)
 }
 
-/// Restores every member of job checkpoint `id`, each on its node or the one `node_map` names, with
-/// the device map `device_maps` gives for that node (if any): all restored (GPU state included, still
+/// Restores every member of job checkpoint `id`, each on the node `node_map` names for its node, else
+/// on its node while that has an agent, else on a node chosen for it ([`placement`]), with the device
+/// map `device_maps` gives for that node (or the chosen one's): all restored (GPU state included, still
 /// GPU-locked) before the coordinator commits, and only then unlocked by their agents; any failure kills
 /// every restored copy, none of which was unlocked, and keeps the checkpoint.
 pub fn restore_job(
@@ -597,11 +620,20 @@ pub fn restore_job(
             "--node-map: no member of {id} ran on node {old}"
         )));
     }
+    let alive = agents(c)?;
+    let placement = placement::place(&manifest, node_map, &alive)?;
+    let mut device_maps = device_maps.clone();
+    for (node, map) in &placement.device_maps {
+        // A map the user gave for the chosen node is theirs to keep.
+        device_maps
+            .entry(node.clone())
+            .or_insert_with(|| map.clone());
+    }
     let targets: Vec<(MemberRecord, &JobMember)> = manifest
         .members
         .iter()
         .map(|m| {
-            let node = node_map.get(&m.node).unwrap_or(&m.node).clone();
+            let node = placement.nodes.get(&m.node).unwrap_or(&m.node).clone();
             (
                 MemberRecord {
                     rank: m.rank,
@@ -623,7 +655,7 @@ pub fn restore_job(
             "--device-map: no member of {id} is restored on node {node}"
         )));
     }
-    preflight(c, &manifest.job, &members)?;
+    preflight_with(c, &manifest.job, &members, &alive)?;
     let op_id = format!("{id}.restore-{}", rec::now_ms());
     let tasks = targets
         .iter()
@@ -693,6 +725,7 @@ pub fn restore_job(
         id: id.to_string(),
         job: manifest.job,
         members: restored,
+        placed: placement.chosen,
         timings_ms: timings,
     })
 }

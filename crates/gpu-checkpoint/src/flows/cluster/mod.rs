@@ -19,6 +19,7 @@ mod follow;
 pub mod job;
 mod lease;
 mod memory;
+pub mod placement;
 pub mod records;
 #[cfg(test)]
 mod request_tests;
@@ -39,6 +40,7 @@ pub use job::{
 };
 pub use lease::LeaseGuard;
 pub use memory::MemoryCoordinator;
+pub use placement::{Chosen, Placement};
 pub use records::{
     AgentRecord, Cut, JobManifest, JobMember, JobTimings, MemberRecord, MemberState, Task,
 };
@@ -57,6 +59,11 @@ pub enum ClusterError {
         "no agent is registered for node {node} (start `gpu-checkpoint agent --node {node}` there)"
     )]
     NoAgent { node: String },
+    #[error(
+        "node {node} has no agent, and no agent can take its members (give --node-map, or start \
+         `gpu-checkpoint agent` on a node with their GPUs and store): {why}"
+    )]
+    NoPlacement { node: String, why: String },
     #[error("no job checkpoint {id} in etcd")]
     NotFound { id: String },
     #[error("{what}")]
@@ -74,7 +81,9 @@ impl Classify for ClusterError {
         match self {
             ClusterError::Coord(e) => e.exit_status(),
             ClusterError::Usage(_) => ExitStatus::Usage,
-            ClusterError::NoAgent { .. } | ClusterError::Busy { .. } => ExitStatus::Conflict,
+            ClusterError::NoAgent { .. }
+            | ClusterError::NoPlacement { .. }
+            | ClusterError::Busy { .. } => ExitStatus::Conflict,
             ClusterError::NotFound { .. } => ExitStatus::CheckpointInvalid,
             ClusterError::Aborted { .. } => ExitStatus::Failure,
         }

@@ -181,6 +181,10 @@ pub struct AgentRecord {
     pub storage: String,
     pub tool_version: String,
     pub started_unix_ms: u64,
+    /// The node's GPUs, as its GPU backend lists them (empty: none, or not known; older agents): what
+    /// a job restore chooses a node by when a member's own node has no agent.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<crate::freeze::GpuInfo>,
 }
 
 /// A member of a job: one process tree on one node, with its rank.
@@ -309,6 +313,13 @@ pub struct JobMember {
     pub checkpoint: String,
     /// The GPUs its processes used, by UUID.
     pub gpus: Vec<String>,
+    /// The models of `gpus`, in their order, as its agent listed them (empty: not known). Older tools
+    /// ignore this and the next field: they only help a restore choose another node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_models: Vec<String>,
+    /// Its agent's store at checkpoint time: a restore on another node chooses an agent with the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
 }
 
 /// The cut: when every member was locked (`go`), and when the job checkpoint was committed.

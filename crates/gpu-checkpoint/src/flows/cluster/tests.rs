@@ -361,6 +361,7 @@ fn an_agent_whose_lease_expires_aborts_the_job() {
                 storage: "/s".into(),
                 tool_version: "0".into(),
                 started_unix_ms: 0,
+                gpus: Vec::new(),
             }),
             Some(lease),
         )
