@@ -1,6 +1,6 @@
-//! The coordinator's side of the cluster flow: `job checkpoint` and `job restore` as two-phase
-//! operations over etcd (see `docs/cluster.md` for the protocol), and the reads behind `job list` and
-//! `job status`.
+//! The coordinator's side of the cluster flow: `job checkpoint` (and, through `Op`, `job restore`,
+//! in `job_restore.rs`) as two-phase operations over etcd (see `docs/cluster.md` for the protocol),
+//! and the reads behind `job list` and `job status`.
 //!
 //! An operation lives under a lease of the coordinator's ([`LeaseGuard`]): should the coordinator die,
 //! its operation, decision and tasks vanish and every agent undoes its part. It ends, whichever way, by
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
 use super::lease::LeaseGuard;
-use super::placement::{self, Chosen};
+use super::placement;
 use super::records::{
     self as rec, decode, encode, encode_manifest, encode_task, MemberState, OpKind,
 };
@@ -20,6 +20,10 @@ use super::timings::{Clock, EtcdTime};
 use super::view::View;
 use super::ClusterError;
 use super::{AgentRecord, JobManifest, JobMember, JobTimings, MemberRecord, Task};
+
+pub use super::job_restore::{
+    parse_device_maps, parse_node_map, restore_job, JobRestoreOutcome, RestoredMember,
+};
 
 /// The coordinator's timings and timeouts.
 #[derive(Debug, Clone)]
@@ -56,25 +60,6 @@ pub struct JobCheckpointOptions {
     /// whose processes share CUDA IPC memory (driver r610 and later).
     pub ordered: bool,
     pub timeouts: Timeouts,
-}
-
-/// A finished job restore: each member's restored root PID on its node.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct JobRestoreOutcome {
-    pub id: String,
-    pub job: String,
-    pub members: Vec<RestoredMember>,
-    /// The nodes chosen for members whose node had no agent.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub placed: Vec<Chosen>,
-    pub timings_ms: JobTimings,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct RestoredMember {
-    pub rank: u32,
-    pub node: String,
-    pub pid: i32,
 }
 
 /// Registers (or replaces) a member of a job.
@@ -279,13 +264,13 @@ impl<'a> Op<'a> {
     }
 
     /// The operation's timings, ended now.
-    fn timings(&self, clock: Clock) -> JobTimings {
+    pub(super) fn timings(&self, clock: Clock) -> JobTimings {
         let view = self.view.borrow();
         let barriers = view.as_ref().map_or((0.0, 0.0), |v| (v.skew_ms, v.wake_ms));
         clock.finish(&self.etcd_ms, barriers)
     }
 
-    fn decide(&self, decision: &str) -> Result<(), ClusterError> {
+    pub(super) fn decide(&self, decision: &str) -> Result<(), ClusterError> {
         self.etcd(|| {
             self.coord.put(
                 &rec::decision(&self.id),
@@ -298,7 +283,7 @@ impl<'a> Op<'a> {
 
     /// Tells every member to undo its part, waits (up to `limit`) until each did or is gone, and
     /// returns the error naming the reason and each member's outcome.
-    fn abort(&self, reason: String, limit: Duration) -> ClusterError {
+    pub(super) fn abort(&self, reason: String, limit: Duration) -> ClusterError {
         tracing::warn!("job operation {} aborts: {reason}", self.id);
         if let Err(e) = self.decide("abort") {
             // The agents see the operation vanish with the lease instead.
@@ -356,7 +341,7 @@ fn preflight(
 }
 
 /// [`preflight`] with the agents read already.
-fn preflight_with(
+pub(super) fn preflight_with(
     coord: &dyn Coordinator,
     job: &str,
     targets: &[MemberRecord],
@@ -555,177 +540,7 @@ pub fn checkpoint_job(
 }
 
 /// In an ordered operation, the rank `rank` waits for: the next lower one among `members`.
-fn before(members: &[MemberRecord], rank: u32, ordered: bool) -> Option<u32> {
+pub(super) fn before(members: &[MemberRecord], rank: u32, ordered: bool) -> Option<u32> {
     let lower = members.iter().map(|m| m.rank).filter(|&r| r < rank);
     lower.max().filter(|_| ordered)
-}
-
-/// Parses `OLD=NEW,...` (a member-to-node map for a restore).
-pub fn parse_node_map(s: &str) -> Result<BTreeMap<String, String>, ClusterError> {
-    let mut map = BTreeMap::new();
-    for pair in s.split(',').filter(|p| !p.is_empty()) {
-        let (old, new) = pair
-            .split_once('=')
-            .ok_or_else(|| ClusterError::Usage(format!("--node-map: {pair:?} is not OLD=NEW")))?;
-        rec::check_name("node", old).map_err(ClusterError::Usage)?;
-        rec::check_name("node", new).map_err(ClusterError::Usage)?;
-        if map.insert(old.to_string(), new.to_string()).is_some() {
-            return Err(ClusterError::Usage(format!("--node-map names {old} twice")));
-        }
-    }
-    Ok(map)
-}
-
-/// Parses `job restore --device-map NODE:OLD=NEW,...` arguments (one per node) into a device map per
-/// node: the node is the one the members are restored *on*, the map is `restore --device-map`'s (GPU
-/// indices or UUIDs, checked here so that a typo fails before any agent starts).
-pub fn parse_device_maps(args: &[String]) -> Result<BTreeMap<String, String>, ClusterError> {
-    let mut maps = BTreeMap::new();
-    for a in args {
-        let (node, map) = a.split_once(':').ok_or_else(|| {
-            ClusterError::Usage(format!("--device-map: {a:?} is not NODE:OLD=NEW,..."))
-        })?;
-        rec::check_name("node", node).map_err(ClusterError::Usage)?;
-        map.parse::<crate::freeze::DeviceMap>()
-            .map_err(|e| ClusterError::Usage(format!("--device-map {a:?}: {e}")))?;
-        if maps.insert(node.to_string(), map.to_string()).is_some() {
-            return Err(ClusterError::Usage(format!(
-                "--device-map names node {node} twice"
-            )));
-        }
-    }
-    Ok(maps)
-}
-
-/// Restores every member of job checkpoint `id`, each on the node `node_map` names for its node, else
-/// on its node while that has an agent, else on a node chosen for it ([`placement`]), with the device
-/// map `device_maps` gives for that node (or the chosen one's): all restored (GPU state included, still
-/// GPU-locked) before the coordinator commits, and only then unlocked by their agents; any failure kills
-/// every restored copy, none of which was unlocked, and keeps the checkpoint.
-pub fn restore_job(
-    coord: Arc<dyn Coordinator>,
-    id: &str,
-    node_map: &BTreeMap<String, String>,
-    device_maps: &BTreeMap<String, String>,
-    timeouts: &Timeouts,
-) -> Result<JobRestoreOutcome, ClusterError> {
-    let mut clock = Clock::start();
-    let c = coord.as_ref();
-    let manifest = checkpoint(c, id)?;
-    if let Some(old) = node_map
-        .keys()
-        .find(|old| !manifest.members.iter().any(|m| &&m.node == old))
-    {
-        return Err(ClusterError::Usage(format!(
-            "--node-map: no member of {id} ran on node {old}"
-        )));
-    }
-    let alive = agents(c)?;
-    let placement = placement::place(&manifest, node_map, &alive)?;
-    let mut device_maps = device_maps.clone();
-    for (node, map) in &placement.device_maps {
-        // A map the user gave for the chosen node is theirs to keep.
-        device_maps
-            .entry(node.clone())
-            .or_insert_with(|| map.clone());
-    }
-    let targets: Vec<(MemberRecord, &JobMember)> = manifest
-        .members
-        .iter()
-        .map(|m| {
-            let node = placement.nodes.get(&m.node).unwrap_or(&m.node).clone();
-            (
-                MemberRecord {
-                    rank: m.rank,
-                    node,
-                    pid: m.pid,
-                    container: None,
-                    ordered: false,
-                },
-                m,
-            )
-        })
-        .collect();
-    let members: Vec<MemberRecord> = targets.iter().map(|(t, _)| t.clone()).collect();
-    if let Some(node) = device_maps
-        .keys()
-        .find(|n| !members.iter().any(|m| &&m.node == n))
-    {
-        return Err(ClusterError::Usage(format!(
-            "--device-map: no member of {id} is restored on node {node}"
-        )));
-    }
-    preflight_with(c, &manifest.job, &members, &alive)?;
-    let op_id = format!("{id}.restore-{}", rec::now_ms());
-    let tasks = targets
-        .iter()
-        .map(|(target, m)| Task {
-            op: op_id.clone(),
-            job: manifest.job.clone(),
-            kind: OpKind::Restore,
-            member: target.clone(),
-            leave_running: false,
-            lock_timeout_ms: None,
-            quiesce: None,
-            checkpoint: Some(m.checkpoint.clone()),
-            device_map: device_maps.get(&target.node).cloned(),
-            job_checkpoint: None,
-            after: before(&members, target.rank, manifest.ordered),
-        })
-        .collect();
-    let record = rec::OpRecord {
-        id: op_id,
-        job: manifest.job.clone(),
-        kind: OpKind::Restore,
-        members: members.clone(),
-        started_unix_ms: rec::now_ms(),
-        ordered: manifest.ordered,
-    };
-    let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
-    clock.sent_unix_ms = rec::now_ms();
-    clock.phase();
-    let states = op
-        .wait_all("restore", timeouts.work, |s, alive| match s {
-            Some(MemberState::Failed { error }) => Verdict::Fail(error.clone()),
-            Some(MemberState::Aborted) => Verdict::Fail("aborted".into()),
-            _ if !alive => Verdict::Fail("its agent is gone (lease expired)".into()),
-            Some(MemberState::Restored { .. }) => Verdict::Done,
-            _ => Verdict::Pending,
-        })
-        .map_err(|why| op.abort(why, timeouts.release))?;
-    clock.timings.checkpoint = clock.lap();
-    clock.phase();
-    op.decide("commit")
-        .map_err(|e| op.abort(e.to_string(), timeouts.release))?;
-    clock.commit_unix_ms = rec::now_ms();
-    clock.timings.commit = clock.lap();
-    clock.phase();
-    match op.wait_all("finish", timeouts.release, |s, alive| match s {
-        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
-        _ if !alive => Verdict::Done,
-        _ => Verdict::Pending,
-    }) {
-        Ok(states) => clock.members_done(&states),
-        Err(e) => tracing::warn!("job {} is restored, but: {e}", manifest.job),
-    }
-    clock.timings.release = clock.lap();
-    let timings = op.timings(clock);
-    let restored = members
-        .iter()
-        .map(|m| RestoredMember {
-            rank: m.rank,
-            node: m.node.clone(),
-            pid: match states.get(&m.rank) {
-                Some(MemberState::Restored { pid }) => *pid,
-                _ => 0,
-            },
-        })
-        .collect();
-    Ok(JobRestoreOutcome {
-        id: id.to_string(),
-        job: manifest.job,
-        members: restored,
-        placed: placement.chosen,
-        timings_ms: timings,
-    })
 }

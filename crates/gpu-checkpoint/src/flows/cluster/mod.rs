@@ -4,7 +4,8 @@
 //! - [`coord`]: the boundary with etcd ([`Coordinator`]), [`EtcdCoordinator`] (feature `cluster`)
 //!   and [`MemoryCoordinator`] (tests);
 //! - [`records`]: the key layout and the versioned records;
-//! - [`job`]: the coordinator's side (`job checkpoint`, `job restore`, the reads of `list`/`status`);
+//! - [`job`]: the coordinator's side (`job checkpoint`, `job restore` from `job_restore.rs`, the reads
+//!   of `list`/`status`); [`placement`]: where a restore puts each member;
 //! - [`retention`]: deleting job checkpoints, periodic checkpoints with retention;
 //! - [`agent`]: the agent's side, which drives the checkpoint flow through [`crate::flows::Phases`].
 //!
@@ -17,6 +18,7 @@ pub mod coord;
 mod etcd;
 mod follow;
 pub mod job;
+mod job_restore;
 mod lease;
 mod memory;
 pub mod placement;
