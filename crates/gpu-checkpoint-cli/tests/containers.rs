@@ -204,6 +204,27 @@ fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original
     assert_healthy(&pids);
 }
 
+/// A store deep in the file system (as `/var/lib/...` paths get): the restore's work folder in it is
+/// too long a path for a socket address, and the streamed runc restore still works. It failed before:
+/// the CRIU stand-in's post-restore socket could not be bound there ("criu failed: type RESTORE").
+#[test]
+fn a_store_deep_in_the_file_system_restores_streamed() {
+    let Some(mut s) = setup(GPU_ARGS, &[]) else {
+        return;
+    };
+    s.store = s
+        .dir
+        .path()
+        .join("a-folder-of-a-store-deep-in-the-file-system".repeat(2))
+        .join("store");
+    assert!(s.store.as_os_str().len() > 100, "{}", s.store.display());
+    let (id, _) = s.start_gpu("deep");
+    let ck = s.checkpoint(&id, &[]);
+    // Streamed, as every runc restore here (`Setup::restore` checks it).
+    s.restore(ck["id"].as_str().unwrap(), &id);
+    assert_healthy(&s.gpu_pids(&id, 3));
+}
+
 #[test]
 fn a_cpu_container_with_memory_threads_and_a_tcp_listener_restores() {
     let args = [

@@ -100,26 +100,44 @@ pub fn tell_runc(fd: RawFd, pid: i32) -> bool {
 /// The proxy's end: the socket the script reaches it on.
 pub struct Gate {
     listener: UnixListener,
-    path: PathBuf,
+    /// The socket in the work folder.
+    file: PathBuf,
+    /// The path the script connects to: `file`, or where that is too long for a socket address
+    /// (107 bytes; a store deep in the file system, as `/var/lib/...`, gets there), the same socket
+    /// through the work folder's descriptor held here, `/proc/PROXY/fd/N/post-restore.sock`.
+    connect: PathBuf,
+    _dir: std::fs::File,
     /// Whether runc was told (and took the container).
     told: bool,
 }
 
 impl Gate {
-    /// Listens in `work` (the restore's private work folder).
+    /// Listens in `work` (the restore's private work folder), 0600.
     pub fn open(work: &Path) -> std::io::Result<Gate> {
-        let path = work.join(SOCKET);
-        let listener = UnixListener::bind(&path)?;
-        listener.set_nonblocking(true)?;
+        let listener = super::streamer::bind_in(work, SOCKET)?;
+        let dir = std::fs::File::open(work)?;
+        let file = work.join(SOCKET);
+        let connect = if file.as_os_str().len() < 100 {
+            file.clone()
+        } else {
+            PathBuf::from(format!(
+                "/proc/{}/fd/{}/{SOCKET}",
+                std::process::id(),
+                dir.as_raw_fd()
+            ))
+        };
         Ok(Gate {
             listener,
-            path,
+            file,
+            connect,
+            _dir: dir,
             told: false,
         })
     }
 
+    /// The path the action script connects to.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.connect
     }
 
     /// Whether runc took the restored container.
@@ -174,7 +192,7 @@ impl Gate {
 
 impl Drop for Gate {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(&self.file);
     }
 }
 
@@ -215,7 +233,31 @@ mod tests {
     #[test]
     fn the_script_passes_other_actions_and_waits_for_the_proxy_at_post_restore() {
         let dir = tempfile::tempdir().unwrap();
-        let mut gate = Gate::open(dir.path()).unwrap();
+        script_and_proxy_in(dir.path());
+    }
+
+    /// A work folder whose socket path is longer than a socket address holds (a store in a deep
+    /// folder): the gate listens all the same, and the script reaches it by a short path. Failed
+    /// before with "path must be shorter than SUN_LEN", which failed every streamed runc restore
+    /// from such a store.
+    #[test]
+    fn a_work_folder_too_deep_for_a_socket_address_still_reaches_the_proxy() {
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("a".repeat(60)).join("b".repeat(60));
+        std::fs::create_dir_all(&deep).unwrap();
+        assert!(deep.join(SOCKET).as_os_str().len() > 108);
+        let path = script_and_proxy_in(&deep);
+        assert!(path.as_os_str().len() < 100, "{}", path.display());
+    }
+
+    /// The script's cases against a gate in `work`; returns the path the script was given.
+    fn script_and_proxy_in(work: &Path) -> PathBuf {
+        let mut gate = Gate::open(work).unwrap();
+        let mode = std::fs::metadata(work.join(SOCKET)).unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+            0o600
+        );
         let socket = gate.path().to_path_buf();
         // Other actions pass without a word to the proxy (no connection: nothing would answer).
         assert_eq!(notify_as(Some("pre-restore"), Some("7"), &socket), 0);
@@ -250,6 +292,7 @@ mod tests {
         }
         assert!(gate.told());
         drop(gate);
-        assert!(!socket.exists());
+        assert!(!work.join(SOCKET).exists());
+        socket
     }
 }

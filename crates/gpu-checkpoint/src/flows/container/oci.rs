@@ -369,7 +369,23 @@ impl ContainerRuntime for OciCli {
         }
         let said = std::fs::read_to_string(&log).unwrap_or_default();
         let last = said.lines().rev().take(5).collect::<Vec<_>>();
-        let text: Vec<&str> = last.into_iter().rev().collect();
+        let mut text: Vec<&str> = last.into_iter().rev().collect();
+        // runc only names CRIU's log, which goes with the work folder: its errors (or its end, or
+        // what our CRIU stand-in noted there) are what says why.
+        let criu_log = std::fs::read_to_string(req.images.join("restore.log")).unwrap_or_default();
+        let errors: Vec<&str> = criu_log
+            .lines()
+            .filter(|l| l.contains("Error") || l.contains("gpu-checkpoint swrk proxy"))
+            .collect();
+        let tail: Vec<&str> = if errors.is_empty() {
+            criu_log.lines().collect()
+        } else {
+            errors
+        };
+        if !tail.is_empty() {
+            text.push("CRIU's restore.log:");
+            text.extend(&tail[tail.len().saturating_sub(5)..]);
+        }
         Err(self.failed(&args, &status, &text.join("\n")))
     }
 
