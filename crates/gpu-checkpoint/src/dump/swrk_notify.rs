@@ -151,17 +151,28 @@ impl Gate {
         criu: &mut Child,
         runc: &mut dyn FnMut(i32) -> bool,
     ) -> std::io::Result<ExitStatus> {
+        // CRIU's exit wakes the poll too (its pidfd becomes readable): the restore goes on the moment
+        // CRIU has resumed the tree, not at the next timeout. Without a pidfd (kernels before 5.3),
+        // the timeout notices it.
+        let exited = crate::proc::pidfd_open(criu.id() as i32).ok();
         loop {
             if let Some(status) = criu.try_wait()? {
                 return Ok(status);
             }
-            let mut pfd = libc::pollfd {
-                fd: self.listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd. A timeout, so that CRIU's exit is noticed without a connection.
-            unsafe { libc::poll(&mut pfd, 1, 50) };
+            let mut pfds = [
+                libc::pollfd {
+                    fd: self.listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: exited.as_ref().map_or(-1, |f| f.as_raw_fd()),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: two valid pollfds (a negative fd is ignored by poll).
+            unsafe { libc::poll(pfds.as_mut_ptr(), 2, 50) };
             match self.listener.accept() {
                 Ok((s, _)) => self.answer(s, runc),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
