@@ -234,6 +234,12 @@ impl Connection {
     }
 }
 
+/// Whether `path` fits in a socket address (107 bytes, kept clear of): a store deep in the file system
+/// gets past it, and a folder's descriptor (`/proc/.../fd/N`) must name the folder instead.
+pub(crate) fn fits_socket_address(path: &Path) -> bool {
+    path.as_os_str().len() < 100
+}
+
 /// A listening UNIX socket `name` in `dir` (an existing one is replaced), 0600 and non-blocking (polled, so
 /// that a CRIU that fails before it connects does not leave us waiting forever).
 pub(crate) fn bind_in(dir: &Path, name: &str) -> io::Result<UnixListener> {
@@ -243,9 +249,9 @@ pub(crate) fn bind_in(dir: &Path, name: &str) -> io::Result<UnixListener> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    // A socket path holds at most 107 bytes; a store deep in the file system gets there. The folder's
-    // descriptor names it in a few bytes (the kernel resolves /proc/self/fd/N like a symlink).
-    let listener = if path.as_os_str().len() < 100 {
+    // The folder's descriptor names it in a few bytes (the kernel resolves /proc/self/fd/N like a
+    // symlink).
+    let listener = if fits_socket_address(&path) {
         UnixListener::bind(&path)?
     } else {
         let dir_fd = File::open(dir)?;

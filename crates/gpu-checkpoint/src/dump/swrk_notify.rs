@@ -117,7 +117,7 @@ impl Gate {
         let listener = super::streamer::bind_in(work, SOCKET)?;
         let dir = std::fs::File::open(work)?;
         let file = work.join(SOCKET);
-        let connect = if file.as_os_str().len() < 100 {
+        let connect = if super::streamer::fits_socket_address(&file) {
             file.clone()
         } else {
             PathBuf::from(format!(

@@ -263,6 +263,20 @@ impl<'a> Op<'a> {
         }
     }
 
+    /// Waits (up to `limit`) until every member has finished its part after the decision (done or
+    /// failed), or its agent is gone: a member left by a dead agent is not waited for.
+    pub(super) fn wait_finished(
+        &self,
+        phase: &str,
+        limit: Duration,
+    ) -> Result<BTreeMap<u32, MemberState>, String> {
+        self.wait_all(phase, limit, |s, alive| match s {
+            Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
+            _ if !alive => Verdict::Done,
+            _ => Verdict::Pending,
+        })
+    }
+
     /// The operation's timings, ended now.
     pub(super) fn timings(&self, clock: Clock) -> JobTimings {
         let view = self.view.borrow();
@@ -522,11 +536,7 @@ pub fn checkpoint_job(
 
     // 4. Committed: the members stop their trees (or leave them running) and keep the manifest.
     clock.phase();
-    match op.wait_all("finish", t.release, |s, alive| match s {
-        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
-        _ if !alive => Verdict::Done,
-        _ => Verdict::Pending,
-    }) {
+    match op.wait_finished("finish", t.release) {
         Ok(states) => clock.members_done(&states),
         Err(e) => tracing::warn!("job checkpoint {id} is committed, but: {e}"),
     }

@@ -172,11 +172,7 @@ pub fn restore_job(
     clock.commit_unix_ms = rec::now_ms();
     clock.timings.commit = clock.lap();
     clock.phase();
-    match op.wait_all("finish", timeouts.release, |s, alive| match s {
-        Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
-        _ if !alive => Verdict::Done,
-        _ => Verdict::Pending,
-    }) {
+    match op.wait_finished("finish", timeouts.release) {
         Ok(states) => clock.members_done(&states),
         Err(e) => tracing::warn!("job {} is restored, but: {e}", manifest.job),
     }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::coord::{Compare, Coordinator, TxnOp};
-use super::job::{self, checkpoint_job, JobCheckpointOptions, Op, Timeouts, Verdict};
+use super::job::{self, checkpoint_job, JobCheckpointOptions, Op, Timeouts};
 use super::records::{self as rec, MemberState, OpKind};
 use super::{ClusterError, JobManifest, MemberRecord, Task};
 
@@ -118,15 +118,7 @@ fn purge(
         };
         let op = Op::start(c, Arc::clone(&coord), record, tasks, timeouts.lease_ttl)?;
         // Every member says done or failed; an agent that dies meanwhile leaves its member for later.
-        let states = op.wait_all(
-            "delete their checkpoint",
-            timeouts.release,
-            |s, alive| match s {
-                Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
-                _ if !alive => Verdict::Done,
-                _ => Verdict::Pending,
-            },
-        );
+        let states = op.wait_finished("delete their checkpoint", timeouts.release);
         match states {
             Ok(states) => {
                 for m in &members {
