@@ -23,7 +23,7 @@
 
 use std::fmt;
 
-use crate::util::AlignedBuf;
+use crate::util::{AlignedBuf, DIRECT_IO_ALIGN};
 
 /// How a chunk whose bytes do not hash to its name is described in errors.
 pub(crate) const HASH_MISMATCH: &str = "damaged (content does not match its BLAKE3 name)";
@@ -257,6 +257,25 @@ pub fn check_without_decoding(id: &ChunkId, stored: &[u8]) -> Result<bool, Strin
     }
 }
 
+/// A chunk's stored object as [`Encoder::encode_parts`] hands it to the backend.
+pub enum ObjectParts<'a> {
+    /// The whole object in one page-aligned buffer.
+    Whole(&'a [u8]),
+    /// The object in three consecutive parts: its first block (page-aligned), whole blocks (page-aligned
+    /// memory, possibly none), and the rest (less than a block, possibly empty).
+    Blocks([&'a [u8]; 3]),
+}
+
+impl ObjectParts<'_> {
+    /// The parts in order.
+    pub fn parts(&self) -> &[&[u8]] {
+        match self {
+            ObjectParts::Whole(o) => std::slice::from_ref(o),
+            ObjectParts::Blocks(p) => p,
+        }
+    }
+}
+
 /// Reusable per-thread compression state, so that contexts and buffers are allocated once per worker and
 /// not once per chunk (fresh memory is slow to touch on the machines this runs on).
 pub struct Encoder {
@@ -320,6 +339,38 @@ impl Encoder {
             }
         };
         (header, self.finish(id, header))
+    }
+
+    /// Encodes chunk `id` like [`Encoder::encode_object`] for a backend writing with direct I/O, without
+    /// copying a raw chunk whose bytes lie where direct I/O can take them: when `raw` starts
+    /// [`HEADER_LEN`] bytes past a page boundary (a page-aligned chunk of a [`SegBuf`] segment), its
+    /// object's first block is built in the encoder's buffer (the header and the first bytes), the whole
+    /// blocks after it are `raw`'s own bytes, and the rest is the last partial block. The parts, joined,
+    /// are byte for byte what [`Encoder::encode_object`] returns.
+    ///
+    /// [`SegBuf`]: crate::store::chunker::SegBuf
+    pub fn encode_parts<'a>(
+        &'a mut self,
+        id: &ChunkId,
+        raw: &'a [u8],
+    ) -> (Header, ObjectParts<'a>) {
+        let first = DIRECT_IO_ALIGN - HEADER_LEN;
+        let placed = (raw.as_ptr() as usize + first).is_multiple_of(DIRECT_IO_ALIGN);
+        if !placed || raw.len() < first + DIRECT_IO_ALIGN {
+            let (header, object) = self.encode_object(id, raw);
+            return (header, ObjectParts::Whole(object));
+        }
+        if let Some(n) = self.compress(raw) {
+            let header = Header::zstd(raw.len(), n);
+            return (header, ObjectParts::Whole(self.finish(id, header)));
+        }
+        let header = Header::raw(raw.len());
+        let head = &mut Self::object_room(&mut self.obj, self.max_chunk, 0)[..DIRECT_IO_ALIGN];
+        head[..HEADER_LEN].copy_from_slice(&header.encode());
+        head[HEADER_LEN..].copy_from_slice(&raw[..first]);
+        let blocks = (raw.len() - first) / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
+        let (body, tail) = raw[first..].split_at(blocks);
+        (header, ObjectParts::Blocks([&*head, body, tail]))
     }
 
     /// Completes the object whose payload lies in the buffer after the header room: writes the header in
@@ -630,6 +681,40 @@ mod tests {
         let mut dec = Decoder::new(data.len()).unwrap();
         assert_eq!(dec.decode(&ChunkId::of(data), &stored).unwrap(), data);
         header.encoding
+    }
+
+    /// `encode_parts` leaves whole objects alone: a raw chunk that does not lie HEADER_LEN past a page, one
+    /// too short for a block after its first, and a compressed one all come back as `encode_object`'s.
+    #[test]
+    fn only_a_placed_raw_chunk_is_split() {
+        use crate::store::chunker::SegBuf;
+        let mut enc = Encoder::new(Some(1), 1 << 16).unwrap();
+        let mut check = Encoder::new(Some(1), 1 << 16).unwrap();
+        let mut seg = SegBuf::new(1 << 16);
+        let random = random_bytes(40_000, 5);
+        let text = b"a page of text, again and again. ".repeat(1000);
+        // Misplaced (one byte further), short, compressible; then placed and random: split.
+        seg[..40_001][1..].copy_from_slice(&random);
+        let cases: [(&[u8], bool); 4] = [
+            (&seg[1..40_001], false),
+            (&random[..5000], false),
+            (&text[..30_000], false),
+            (&random, true),
+        ];
+        for (n, (data, split)) in cases.into_iter().enumerate() {
+            let mut placed = SegBuf::new(1 << 16);
+            let data: &[u8] = if split {
+                placed[..data.len()].copy_from_slice(data);
+                &placed[..data.len()]
+            } else {
+                data
+            };
+            let id = ChunkId::of(data);
+            let expected = check.encode_object(&id, data).1.to_vec();
+            let (_, parts) = enc.encode_parts(&id, data);
+            assert_eq!(matches!(parts, ObjectParts::Blocks(_)), split, "case {n}");
+            assert_eq!(parts.parts().concat(), expected, "case {n}");
+        }
     }
 
     #[test]

@@ -14,8 +14,67 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::chunk::{is_zero, zero_prefix_len, ChunkId};
+use super::chunk::{is_zero, zero_prefix_len, ChunkId, HEADER_LEN};
 use super::manifest::ChunkRef;
+use crate::util::DIRECT_IO_ALIGN;
+
+/// The size of a memory page in CRIU's page images: the granularity of [`Chunker::page_aligned`] cuts.
+pub const PAGE: usize = 4096;
+
+/// Whether an image is one of CRIU's page images (`pages-N.img`): its content is whole memory pages, so
+/// its chunks are cut at page boundaries ([`Chunker::page_aligned`]).
+pub fn is_page_image(name: &str) -> bool {
+    let file = name.rsplit('/').next().unwrap_or(name);
+    file.starts_with("pages-") && file.ends_with(".img")
+}
+
+/// A segment buffer of a fixed length whose first byte sits [`HEADER_LEN`] bytes past a page boundary.
+///
+/// Why: a raw chunk's stored object is its header followed by its bytes, and the local store writes it
+/// with direct I/O, which takes page-aligned memory only. A chunk that starts at a page-aligned offset of
+/// such a buffer has every byte after its first `DIRECT_IO_ALIGN - HEADER_LEN` on the same page boundaries
+/// as in its object, so all but its first block can go to the device straight from the segment, without
+/// being copied into an aligned buffer first ([`crate::store::chunk::Encoder::encode_parts`]).
+pub struct SegBuf {
+    vec: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl SegBuf {
+    /// `len` zeroed bytes, placed as described above (the allocation is one page larger).
+    pub fn new(len: usize) -> SegBuf {
+        let vec = vec![0u8; len + DIRECT_IO_ALIGN];
+        let addr = vec.as_ptr() as usize;
+        let start = (HEADER_LEN + DIRECT_IO_ALIGN - addr % DIRECT_IO_ALIGN) % DIRECT_IO_ALIGN;
+        SegBuf { vec, start, len }
+    }
+
+    /// A buffer of exactly `vec`'s bytes, wherever they are.
+    pub fn from_vec(vec: Vec<u8>) -> SegBuf {
+        let len = vec.len();
+        SegBuf { vec, start: 0, len }
+    }
+}
+
+impl std::ops::Deref for SegBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.vec[self.start..self.start + self.len]
+    }
+}
+
+impl std::ops::DerefMut for SegBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.vec[self.start..self.start + self.len]
+    }
+}
+
+impl Default for SegBuf {
+    fn default() -> Self {
+        SegBuf::from_vec(Vec::new())
+    }
+}
 
 /// Content-defined chunk sizes. A chunk is never cut before `min_size` bytes; from there FastCDC's gear
 /// hash looks for a cut point with a mask tuned for a cut every `avg_size - min_size` bytes on average
@@ -90,8 +149,8 @@ fn cdc_cut(data: &[u8], params: ChunkParams, (mask, mask_ls): (u64, u64)) -> usi
 
 /// A pooled read buffer; returns itself to the pool when the last chunk referencing it is dropped.
 pub struct Segment {
-    buf: Vec<u8>,
-    home: Sender<Vec<u8>>,
+    buf: SegBuf,
+    home: Sender<SegBuf>,
 }
 
 impl Drop for Segment {
@@ -105,8 +164,8 @@ impl Drop for Segment {
 /// when every one is in use (a leave-running dump copies CRIU's pipes into memory as fast as they come,
 /// rather than waiting for the workers to free a segment: see [`crate::store::Streams`]).
 pub struct SegmentPool {
-    give: Sender<Vec<u8>>,
-    take: Receiver<Vec<u8>>,
+    give: Sender<SegBuf>,
+    take: Receiver<SegBuf>,
     size: usize,
     /// How many more buffers may still be allocated on demand.
     spare: AtomicUsize,
@@ -123,7 +182,7 @@ impl SegmentPool {
     pub fn growing(count: usize, spare: usize, size: usize) -> SegmentPool {
         let (give, take) = crossbeam_channel::bounded(count + spare);
         for _ in 0..count {
-            give.send(vec![0u8; size]).expect("pool has room");
+            give.send(SegBuf::new(size)).expect("pool has room");
         }
         SegmentPool {
             give,
@@ -134,7 +193,7 @@ impl SegmentPool {
     }
 
     /// A free segment, waiting for one if all are in use and the pool may not grow.
-    pub fn get(&self) -> Vec<u8> {
+    pub fn get(&self) -> SegBuf {
         if let Some(buf) = self.try_get() {
             return buf;
         }
@@ -143,14 +202,14 @@ impl SegmentPool {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
             .is_ok();
         if grow {
-            return vec![0u8; self.size];
+            return SegBuf::new(self.size);
         }
         // Cannot fail: we hold a sender ourselves.
         self.take.recv().expect("pool sender alive")
     }
 
     /// A free segment, if there is one right now.
-    pub fn try_get(&self) -> Option<Vec<u8>> {
+    pub fn try_get(&self) -> Option<SegBuf> {
         self.take.try_recv().ok()
     }
 }
@@ -228,7 +287,9 @@ pub struct Chunker<'h, R> {
     reader: R,
     params: ChunkParams,
     hints: Option<&'h Hints>,
-    home: Sender<Vec<u8>>,
+    /// Cut only at page boundaries of the file (a page image), see [`Chunker::page_aligned`].
+    pages: bool,
+    home: Sender<SegBuf>,
     /// The unfinished tail of the previous segment.
     prev: Option<(Arc<Segment>, Range<usize>)>,
     index: usize,
@@ -254,12 +315,24 @@ impl<'h, R: Read> Chunker<'h, R> {
             reader,
             params,
             hints,
+            pages: false,
             home: pool.give.clone(),
             prev: None,
             index: 0,
             offset: 0,
             done: false,
         })
+    }
+
+    /// Cuts chunks at page boundaries of the file only (`is_page_image`): every content-defined or
+    /// zero-run cut is moved back to the page boundary before it (never below the minimum chunk size).
+    ///
+    /// A page image changes by whole pages (a page dumped or not, written or not), so moving a cut within
+    /// its page keeps it content-defined for deduplication, and chunks that start on page boundaries are
+    /// written to the store without a copy (see [`SegBuf`]): about a tenth of a checkpoint's CPU here.
+    pub fn page_aligned(mut self, on: bool) -> Self {
+        self.pages = on;
+        self
     }
 
     /// Bytes cut into chunks so far.
@@ -276,7 +349,7 @@ impl<'h, R: Read> Chunker<'h, R> {
     /// every chunk whose end is known. `emit` returning `false` stops the chunker.
     pub fn step(
         &mut self,
-        mut buf: Vec<u8>,
+        mut buf: SegBuf,
         emit: &mut dyn FnMut(Piece) -> bool,
     ) -> std::io::Result<()> {
         let size = buf.len();
@@ -315,6 +388,7 @@ impl<'h, R: Read> Chunker<'h, R> {
         data: Vec<u8>,
         params: ChunkParams,
         hints: Option<&'h Hints>,
+        pages: bool,
         emit: &mut dyn FnMut(Piece) -> bool,
     ) -> u64 {
         // Nobody takes buffers back from this channel: the segment is dropped with its last piece.
@@ -323,6 +397,7 @@ impl<'h, R: Read> Chunker<'h, R> {
             reader: std::io::empty(),
             params,
             hints,
+            pages,
             home: home.clone(),
             prev: None,
             index: 0,
@@ -330,12 +405,40 @@ impl<'h, R: Read> Chunker<'h, R> {
             done: false,
         };
         let filled = data.len();
-        chunker.cut(Arc::new(Segment { buf: data, home }), filled, true, emit);
+        chunker.cut(
+            Arc::new(Segment {
+                buf: SegBuf::from_vec(data),
+                home,
+            }),
+            filled,
+            true,
+            emit,
+        );
         chunker.offset
     }
 }
 
 impl<R> Chunker<'_, R> {
+    /// The length of a chunk cut `len` bytes after the current offset, when cutting at pages moved to
+    /// the page boundary before its end, or after it where that would make it shorter than `min` (and
+    /// `avail`, the bytes at hand, and the maximum allow); else left as it is.
+    fn on_page(&self, len: usize, min: usize, avail: usize) -> usize {
+        if !self.pages {
+            return len;
+        }
+        let end = self.offset + len as u64;
+        let down = (end - end % PAGE as u64).saturating_sub(self.offset) as usize;
+        if down >= min.max(1) {
+            return down;
+        }
+        let up = down + PAGE;
+        if up >= min && up <= avail && up <= self.params.max_size as usize {
+            up
+        } else {
+            len
+        }
+    }
+
     /// Emits every chunk of `seg[..filled]` whose end is known, keeping the unfinished tail for the next
     /// segment unless `eof`.
     fn cut(
@@ -365,7 +468,7 @@ impl<R> Chunker<'_, R> {
             let zeros = zero_prefix_len(&data[pos..pos + remaining.min(max)]);
             if zeros >= min {
                 known = Known::Zero;
-                end = pos + zeros;
+                end = pos + self.on_page(zeros, min, zeros);
             } else if let Some(hints) = self.hints {
                 if let Some(hint) = hints.at.get(&self.offset) {
                     let hend = pos + hint.len as usize;
@@ -390,7 +493,14 @@ impl<R> Chunker<'_, R> {
                 }
             }
             if known == Known::Nothing {
-                end = pos + cdc_cut(&data[pos..filled], self.params, masks);
+                let len = cdc_cut(&data[pos..filled], self.params, masks);
+                // The end of the file ends the last chunk wherever it is.
+                end = pos
+                    + if pos + len == filled && eof {
+                        len
+                    } else {
+                        self.on_page(len, min, filled - pos)
+                    };
             }
             let piece = Piece {
                 seg: seg.clone(),
@@ -481,13 +591,13 @@ mod tests {
     #[test]
     fn a_growing_pool_allocates_its_spares_before_it_waits() {
         let pool = SegmentPool::growing(1, 2, 4096);
-        let held: Vec<Vec<u8>> = (0..3).map(|_| pool.get()).collect();
+        let held: Vec<SegBuf> = (0..3).map(|_| pool.get()).collect();
         assert!(held.iter().all(|b| b.len() == 4096));
         assert!(pool.try_get().is_none(), "three buffers at most");
         for b in held {
             pool.give.send(b).unwrap();
         }
-        let again: Vec<Vec<u8>> = (0..3).map(|_| pool.get()).collect();
+        let again: Vec<SegBuf> = (0..3).map(|_| pool.get()).collect();
         assert_eq!(again.len(), 3);
         assert!(pool.try_get().is_none());
     }
@@ -608,12 +718,92 @@ mod tests {
         let mut data = pseudo_random(300_000, 9);
         data[50_000..120_000].fill(0);
         let mut owned = Vec::new();
-        let n = Chunker::<std::io::Empty>::cut_owned(data.clone(), SMALL, None, &mut |p| {
+        let n = Chunker::<std::io::Empty>::cut_owned(data.clone(), SMALL, None, false, &mut |p| {
             owned.push((p.offset, p.data().to_vec()));
             true
         });
         assert_eq!(n, data.len() as u64);
         assert_eq!(owned, cut(&data, SMALL, 65536));
+    }
+
+    /// Random pages with a zero run that starts and ends inside pages, as a page image (4 KiB pages; SMALL
+    /// chunks are 1-4 pages).
+    fn page_image(pages: usize, seed: u64) -> Vec<u8> {
+        let mut data = pseudo_random(pages * PAGE, seed);
+        data[10 * PAGE + 100..20 * PAGE + 300].fill(0);
+        data
+    }
+
+    fn cut_pages(data: &[u8], seg: usize) -> Vec<(u64, Vec<u8>)> {
+        let pool = SegmentPool::new(3, seg);
+        let mut chunker = Chunker::new(data, SMALL, &pool, None)
+            .unwrap()
+            .page_aligned(true);
+        let mut out = Vec::new();
+        while !chunker.is_done() {
+            chunker
+                .step(pool.get(), &mut |p| {
+                    // A chunk on a page boundary lies HEADER_LEN past a page of its segment (where the
+                    // store writes it from without a copy).
+                    if p.offset % PAGE as u64 == 0 {
+                        assert_eq!(
+                            p.data().as_ptr() as usize % DIRECT_IO_ALIGN,
+                            HEADER_LEN,
+                            "chunk at {}",
+                            p.offset
+                        );
+                    }
+                    out.push((p.offset, p.data().to_vec()));
+                    true
+                })
+                .unwrap();
+        }
+        out
+    }
+
+    /// Page images are cut on page boundaries only (the last chunk ends with the file), whatever the
+    /// segment size and whether read from a stream or held in memory; plain files are not.
+    #[test]
+    fn a_page_image_is_cut_at_page_boundaries() {
+        let data = page_image(300, 4);
+        let chunks = cut_pages(&data, 65536);
+        let joined: Vec<u8> = chunks.iter().flat_map(|c| c.1.clone()).collect();
+        assert_eq!(joined, data);
+        assert!(chunks.len() > 50, "{} chunks", chunks.len());
+        for (offset, bytes) in &chunks[..chunks.len() - 1] {
+            let end = offset + bytes.len() as u64;
+            assert_eq!(end % PAGE as u64, 0, "a chunk ends at {end}");
+            assert!(bytes.len() >= SMALL.min_size as usize);
+            assert!(bytes.len() <= SMALL.max_size as usize);
+        }
+        assert_eq!(chunks, cut_pages(&data, 1 << 20));
+        let mut owned = Vec::new();
+        Chunker::<std::io::Empty>::cut_owned(data.clone(), SMALL, None, true, &mut |p| {
+            owned.push((p.offset, p.data().to_vec()));
+            true
+        });
+        assert_eq!(owned, chunks);
+        // The same bytes as any other file: cut where the content says, off page boundaries.
+        let plain = cut(&data, SMALL, 65536);
+        assert!(plain[..plain.len() - 1]
+            .iter()
+            .any(|(o, b)| !(o + b.len() as u64).is_multiple_of(PAGE as u64)));
+        assert!(is_page_image("pages-1.img") && is_page_image("sub/pages-12.img"));
+        assert!(!is_page_image("pagemap-1.img") && !is_page_image("checkpoint.img"));
+    }
+
+    /// Cut at pages, an image with a page added in the middle still shares all but the chunks around it
+    /// with the image before.
+    #[test]
+    fn page_aligned_chunks_survive_a_page_added() {
+        let data = page_image(400, 8);
+        let mut edited = data.clone();
+        edited.splice(200 * PAGE..200 * PAGE, pseudo_random(PAGE, 99));
+        let a: std::collections::HashSet<Vec<u8>> =
+            cut_pages(&data, 65536).into_iter().map(|c| c.1).collect();
+        let b: Vec<Vec<u8>> = cut_pages(&edited, 65536).into_iter().map(|c| c.1).collect();
+        let changed = b.iter().filter(|c| !a.contains(*c)).count();
+        assert!(changed <= 3, "{changed} of {} chunks changed", b.len());
     }
 
     #[test]

@@ -19,7 +19,9 @@ use std::time::Instant;
 
 use super::backend::Objects;
 use super::chunk::{is_zero, ChunkId, Decoder, Encoder};
-use super::chunker::{ChunkParams, Chunker, Hints, Known, Piece, SegmentPool};
+use super::chunker::{
+    is_page_image, ChunkParams, Chunker, Hints, Known, Piece, SegBuf, SegmentPool,
+};
 use super::error::{Error, Result};
 use super::index::ChunkIndex;
 use super::lease::WriterGuard;
@@ -184,7 +186,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     /// Reads one segment's worth of the current file (opening the next one if needed) into `buf`.
-    fn step(&mut self, buf: Vec<u8>) -> Result<()> {
+    fn step(&mut self, buf: SegBuf) -> Result<()> {
         if self.current.is_none() {
             let Some(f) = self.files.get(self.next) else {
                 self.tx = None;
@@ -196,7 +198,8 @@ impl Reader<'_> {
                 libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
             }
             let chunker = Chunker::new(file, self.params, self.pool, self.hints.get(&f.rel))
-                .map_err(Error::io("cannot read image file", &f.abs))?;
+                .map_err(Error::io("cannot read image file", &f.abs))?
+                .page_aligned(is_page_image(&f.rel));
             self.current = Some((self.next, chunker));
             self.next += 1;
         }
@@ -689,8 +692,8 @@ pub(super) fn store_piece(
         ),
     }
     let header = if backend.aligned_objects() {
-        let (header, object) = enc.encode_object(&id, data);
-        backend.put_chunk_object(&id, object)?;
+        let (header, object) = enc.encode_parts(&id, data);
+        backend.put_chunk_parts(&id, &object)?;
         header
     } else {
         let (header, payload) = enc.encode(&id, data);

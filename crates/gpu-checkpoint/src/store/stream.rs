@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::chunk::ChunkId;
-use super::chunker::{ChunkParams, Chunker, Hints, Piece, SegmentPool};
+use super::chunker::{is_page_image, ChunkParams, Chunker, Hints, Piece, SegmentPool};
 use super::error::{Error, Result};
 use super::ingest::{coder, store_piece, Collected, Ingest, Plan};
 use super::read::ReadAhead;
@@ -289,7 +289,9 @@ impl<'a> Streams<'a> {
             name: name.to_string(),
             source,
         };
-        let mut chunker = Chunker::new(reader, self.params, &self.pool, hints).map_err(io)?;
+        let mut chunker = Chunker::new(reader, self.params, &self.pool, hints)
+            .map_err(io)?
+            .page_aligned(is_page_image(name));
         while !chunker.is_done() {
             if self.failed.load(Ordering::Relaxed) {
                 return Err(self.session_error());
@@ -316,7 +318,13 @@ impl<'a> Streams<'a> {
             .read_to_end(&mut data)
             .map_err(io)?;
         if data.len() <= IN_MEMORY_MAX {
-            let size = Chunker::<std::io::Empty>::cut_owned(data, self.params, hints, send);
+            let size = Chunker::<std::io::Empty>::cut_owned(
+                data,
+                self.params,
+                hints,
+                is_page_image(name),
+                send,
+            );
             return Ok((size, FileState::Done));
         }
         // A large image that is not a page image (a tmpfs archive, a ghost file): onto the disk with it,

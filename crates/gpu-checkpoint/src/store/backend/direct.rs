@@ -2,7 +2,7 @@
 //! switched on an open file, and `cachestat(2)` to tell a cold object (read directly) from a cached one.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
@@ -29,6 +29,63 @@ pub(super) fn write_direct(file: &File, object: &[u8]) -> io::Result<()> {
         file.write_all_at(&object[aligned..], aligned as u64)?;
     }
     Ok(())
+}
+
+/// [`write_direct`] for an object given in parts ([`blocks_layout`]): the whole blocks of every part but
+/// the last straight to the device in one `pwritev`, the last part through the page cache. Lets a raw
+/// chunk go to the device from where it was read, with only its first block assembled elsewhere
+/// (`Encoder::encode_parts`).
+pub(super) fn write_direct_parts(file: &File, parts: &[&[u8]]) -> io::Result<()> {
+    let Some((last, blocks)) = parts.split_last() else {
+        return Ok(());
+    };
+    let mut slices: Vec<IoSlice<'_>> = blocks
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| IoSlice::new(p))
+        .collect();
+    let mut rest = &mut slices[..];
+    let mut offset = 0u64;
+    while !rest.is_empty() {
+        let count = rest.len().min(libc::UIO_MAXIOV as usize) as libc::c_int;
+        // SAFETY: IoSlice is ABI-compatible with iovec; the slices outlive the call.
+        let n = unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                rest.as_ptr().cast::<libc::iovec>(),
+                count,
+                offset as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        offset += n as u64;
+        IoSlice::advance_slices(&mut rest, n as usize);
+    }
+    if !last.is_empty() {
+        set_direct(file, false)?;
+        file.write_all_at(last, offset)?;
+    }
+    Ok(())
+}
+
+/// Whether `parts` can be written by [`write_direct_parts`]: every part but the last starts on a
+/// [`DIRECT_IO_ALIGN`] boundary and is a whole number of blocks long.
+pub(super) fn blocks_layout(parts: &[&[u8]]) -> bool {
+    parts.split_last().is_some_and(|(_, blocks)| {
+        blocks.iter().all(|p| {
+            (p.as_ptr() as usize).is_multiple_of(DIRECT_IO_ALIGN)
+                && p.len().is_multiple_of(DIRECT_IO_ALIGN)
+        })
+    })
 }
 
 /// Reads `len` bytes from the start of `file` into `dst` (at least `len` long; page-aligned and a whole

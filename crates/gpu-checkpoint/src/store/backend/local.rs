@@ -21,7 +21,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::direct::{cached_pages, read_up_to, set_direct, write_direct};
+use super::direct::{
+    blocks_layout, cached_pages, read_up_to, set_direct, write_direct, write_direct_parts,
+};
 use super::files::{flock, open_regular, restore_mode, tree_size, warn_modes};
 use super::{Backend, LocalFs, LockGuard, LockMode, ObjectMeta, StaleCleanup};
 use crate::store::chunk::ChunkId;
@@ -58,7 +60,8 @@ pub struct LocalBackend {
 /// A chunk object as the ingest hands it over.
 #[derive(Clone, Copy)]
 enum Object<'a> {
-    /// Parts to write one after the other (header and payload in separate buffers).
+    /// Parts to write one after the other (header and payload in separate buffers; with direct I/O where
+    /// they are laid out for it, see `direct::blocks_layout`).
     Parts(&'a [&'a [u8]]),
     /// Header then payload in one buffer (page-aligned when built for direct I/O).
     Whole(&'a [u8]),
@@ -136,7 +139,7 @@ impl LocalBackend {
         ));
         let direct = match object {
             Object::Whole(o) => self.direct.load(Ordering::Relaxed) && is_direct_io_aligned(o),
-            Object::Parts(..) => false,
+            Object::Parts(parts) => self.direct.load(Ordering::Relaxed) && blocks_layout(parts),
         };
         let open = || {
             OpenOptions::new()
@@ -161,6 +164,7 @@ impl LocalBackend {
         let written = match object {
             Object::Whole(o) if direct => write_direct(&file, o),
             Object::Whole(o) => (&file).write_all(o),
+            Object::Parts(parts) if direct => write_direct_parts(&file, parts),
             Object::Parts(parts) => parts.iter().try_for_each(|p| (&file).write_all(p)),
         };
         if let Err(e) = written {

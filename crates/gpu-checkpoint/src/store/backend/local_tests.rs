@@ -96,3 +96,55 @@ fn buffered_backends_and_unaligned_objects_go_through_the_page_cache() {
         "one unaligned object does not turn direct I/O off"
     );
 }
+
+/// A raw chunk that lies where a segment places it (`SegBuf`: HEADER_LEN past a page) is written from
+/// there: only its first block is assembled, the rest goes to the device with direct I/O (so it is not in
+/// the page cache afterwards), and the file is the same object `encode_object` builds.
+#[test]
+fn a_raw_chunk_in_a_segment_goes_to_the_device_from_where_it_lies() {
+    use crate::store::chunk::ObjectParts;
+    use crate::store::chunker::SegBuf;
+    let t = tempfile::tempdir().unwrap();
+    let b = backend(t.path(), true);
+    // Compression on: random bytes stay raw.
+    let mut enc = Encoder::new(Some(1), 1 << 20).unwrap();
+    let mut whole = Encoder::new(Some(1), 1 << 20).unwrap();
+    let mut dec = Decoder::new(1 << 20).unwrap();
+    let mut direct = AlignedBuf::new();
+    // One block after the first and no rest; blocks and a rest; a large chunk.
+    for (i, len) in [2 * 4096 - HEADER_LEN, 3 * 4096 + 100, (1 << 20) - 5]
+        .into_iter()
+        .enumerate()
+    {
+        let mut seg = SegBuf::new(1 << 20);
+        seg[..len].copy_from_slice(&random(len, i as u64 + 40));
+        let data = &seg[..len];
+        let id = ChunkId::of(data);
+        let expected = whole.encode_object(&id, data).1.to_vec();
+        let (_, parts) = enc.encode_parts(&id, data);
+        assert!(matches!(parts, ObjectParts::Blocks(_)), "length {len}");
+        assert_eq!(parts.parts().concat(), expected, "length {len}");
+        b.put_chunk_parts(&id, &parts).unwrap();
+        let n = Objects::read_chunk_uncached(&b, &id, &mut direct)
+            .unwrap()
+            .expect("written past the page cache");
+        assert_eq!(dec.decode(&id, direct.slice(n)).unwrap(), data);
+        let path = b.chunk_path(&id);
+        assert_eq!(fs::read(&path).unwrap(), expected, "length {len}");
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+    }
+    // Where direct I/O is off the same parts go through the page cache, the same bytes.
+    let buffered = backend(&t.path().join("b"), false);
+    let mut seg = SegBuf::new(1 << 20);
+    seg[..5 * 4096].copy_from_slice(&random(5 * 4096, 77));
+    let id = ChunkId::of(&seg[..5 * 4096]);
+    let (_, parts) = enc.encode_parts(&id, &seg[..5 * 4096]);
+    buffered.put_chunk_parts(&id, &parts).unwrap();
+    assert_eq!(
+        fs::read(buffered.chunk_path(&id)).unwrap(),
+        parts.parts().concat()
+    );
+}

@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 
 use super::{Backend, ObjectMeta};
-use crate::store::chunk::{ChunkId, HEADER_LEN};
+use crate::store::chunk::{ChunkId, ObjectParts, HEADER_LEN};
 use crate::store::error::{Error, Result};
 use crate::util::AlignedBuf;
 
@@ -127,6 +127,16 @@ pub trait Objects: Backend {
                 &[&object[..HEADER_LEN], &object[HEADER_LEN..]],
                 false,
             )
+        }
+    }
+
+    /// Stores chunk `id` given as its object's consecutive parts ([`ObjectParts`] of
+    /// `Encoder::encode_parts`), like [`Objects::put_chunk_object`]: a local store writes parts laid out
+    /// for direct I/O straight from where they are.
+    fn put_chunk_parts(&self, id: &ChunkId, object: &ObjectParts<'_>) -> Result<()> {
+        match object {
+            ObjectParts::Whole(o) => self.put_chunk_object(id, o),
+            ObjectParts::Blocks(parts) => self.put(&chunk_key(id), parts, false),
         }
     }
 
