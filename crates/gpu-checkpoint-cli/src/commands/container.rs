@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use gpu_checkpoint::detect::DetectOptions;
-use gpu_checkpoint::dump::{discover, Criu, CriuRpc};
+use gpu_checkpoint::dump::{discover, named, Criu, CriuRpc, PendingCriu};
 use gpu_checkpoint::flows::container::{
     self, ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
 };
@@ -82,12 +82,57 @@ fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bo
     })
 }
 
+/// Our CRIU for a runc checkpoint: one the user named is checked (`criu --version`) on a thread while the
+/// flow asks runc for the container (both start a binary, slow on a cold cache); the flow waits for it
+/// before it touches anything. Otherwise discovery as for every command.
+enum OurCriu {
+    Found(CriuRpc, CriuInfo),
+    Checking(PendingCriu),
+}
+
+impl OurCriu {
+    fn start(
+        kind: RuntimeKind,
+        given: Option<&std::path::Path>,
+    ) -> anyhow::Result<Option<OurCriu>> {
+        if kind != RuntimeKind::Runc {
+            return Ok(None);
+        }
+        if let Some((path, source)) = named(given) {
+            let criu = PendingCriu::start(path, source);
+            criu.check_permitted()?;
+            return Ok(Some(OurCriu::Checking(criu)));
+        }
+        Ok(our_criu(kind, given)?.map(|(c, info)| OurCriu::Found(c, info)))
+    }
+
+    fn path(&self) -> PathBuf {
+        match self {
+            OurCriu::Found(c, _) => c.path().to_path_buf(),
+            OurCriu::Checking(c) => c.path().to_path_buf(),
+        }
+    }
+
+    /// What the flow records, where known already (else the flow asks the CRIU).
+    fn info(&self) -> Option<CriuInfo> {
+        match self {
+            OurCriu::Found(_, info) => Some(info.clone()),
+            OurCriu::Checking(_) => None,
+        }
+    }
+
+    fn criu(&self) -> &dyn Criu {
+        match self {
+            OurCriu::Found(c, _) => c,
+            OurCriu::Checking(c) => c,
+        }
+    }
+}
+
 /// `checkpoint --container ID`.
 pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()> {
-    let criu = our_criu(args.runtime.runtime, args.criu.as_deref())?;
-    let runtime = args
-        .runtime
-        .open(criu.as_ref().map(|c| c.0.path().to_path_buf()))?;
+    let criu = OurCriu::start(args.runtime.runtime, args.criu.as_deref())?;
+    let runtime = args.runtime.open(criu.as_ref().map(OurCriu::path))?;
     let store = args
         .store
         .open_or_create(args.compression.store_options())?;
@@ -101,8 +146,8 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        criu: criu.as_ref().map(|c| c.1.clone()),
-        direct: criu.as_ref().map(|c| &c.0 as &dyn Criu),
+        criu: criu.as_ref().and_then(OurCriu::info),
+        direct: criu.as_ref().map(OurCriu::criu),
         watch: &guardian,
     };
     let mut opts = ContainerCheckpointOptions::new(id);

@@ -83,7 +83,19 @@ pub fn discover(explicit: Option<&Path>) -> Result<FoundCriu, Error> {
     Err(Error::NotFound { tried })
 }
 
-fn require(path: &Path, source: CriuSource) -> Result<FoundCriu, Error> {
+/// The CRIU the user named (`--criu PATH`, else `GPU_CHECKPOINT_CRIU`), without running it: the one
+/// [`discover`] takes whatever its version (a too-old one is an error, never replaced). `None`: discovery
+/// searches, and which CRIU it takes depends on versions.
+pub fn named(explicit: Option<&Path>) -> Option<(PathBuf, CriuSource)> {
+    if let Some(path) = explicit {
+        return Some((path.to_path_buf(), CriuSource::Flag));
+    }
+    std::env::var_os(ENV_CRIU)
+        .filter(|v| !v.is_empty())
+        .map(|p| (PathBuf::from(p), CriuSource::Env))
+}
+
+pub(super) fn require(path: &Path, source: CriuSource) -> Result<FoundCriu, Error> {
     let version = probe(path)?;
     if version < MIN_VERSION {
         return Err(Error::TooOld {

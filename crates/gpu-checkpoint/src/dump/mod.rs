@@ -17,6 +17,7 @@ mod log;
 mod network;
 mod nft;
 pub mod options;
+pub mod pending;
 mod rpc;
 pub mod streamer;
 pub mod swrk_notify;
@@ -29,11 +30,12 @@ use std::path::{Path, PathBuf};
 use crate::exit::{Classify, ExitStatus};
 
 pub use container::ContainerDump;
-pub use discover::{discover, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
+pub use discover::{discover, named, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
 pub use network::{criu_lock_tables, outside_connections, LocksBefore, NetworkHold};
 pub use options::{CgroupMode, CriuOptions, NetworkLock, RestoreOptions};
+pub use pending::PendingCriu;
 pub use rpc::CriuRpc;
 
 /// The oldest CRIU we accept: 3.x cannot restore on recent kernels (vDSO) and lacks the tree handling

@@ -396,11 +396,7 @@ impl Criu for CriuRpc {
     }
 
     fn check_permitted(&self) -> Result<(), Error> {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err(Error::NotRoot);
-        }
-        Ok(())
+        require_root()
     }
 
     fn check(&self) -> Result<CheckOutcome, Error> {
@@ -482,4 +478,13 @@ impl Criu for CriuRpc {
             .ok_or_else(|| self.protocol("RESTORE answer without the restored PID"))?;
         Ok(pid)
     }
+}
+
+/// CRIU ptraces and re-creates processes: only root may run it.
+pub(super) fn require_root() -> Result<(), Error> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(Error::NotRoot);
+    }
+    Ok(())
 }

@@ -260,6 +260,16 @@ impl ContainerFlow<'_> {
         let t = Instant::now();
         let found = discover(self.runtime, id, &opts.detect)?;
         self.store.check_writable()?;
+        // Our CRIU's version, for the manifest; a CRIU whose check ran beside the discovery
+        // (`dump::PendingCriu`) is waited for here, and a failed check stops us before anything is touched.
+        let criu = match (&self.criu, self.direct) {
+            (Some(info), _) => Some(info.clone()),
+            (None, Some(c)) => Some(CriuInfo {
+                version: c.version()?,
+                path: c.describe(),
+            }),
+            (None, None) => None,
+        };
         if found.report.strategy.name == StrategyName::Unsupported {
             let blockers = found
                 .report
@@ -544,7 +554,7 @@ impl ContainerFlow<'_> {
             name: opts.name.clone(),
             started_unix_ms,
             host: HostInfo::current(),
-            criu: self.criu.clone().unwrap_or_else(|| CriuInfo {
+            criu: criu.unwrap_or_else(|| CriuInfo {
                 version: crate::dump::CriuVersion {
                     major: 0,
                     minor: 0,

@@ -263,6 +263,15 @@ fn a_direct_dump_streams_criu_images_into_the_store_with_the_runtimes_files_and_
         other => panic!("{other:?}"),
     }
     assert!(out.manifest.timings_ms.streamed);
+    // The CRIU that dumped is the one recorded (asked for its version: none was given beforehand).
+    assert_eq!(
+        (
+            out.manifest.criu.version.major,
+            out.manifest.criu.version.minor
+        ),
+        (4, 1)
+    );
+    assert_eq!(out.manifest.criu.path, crate::dump::Criu::describe(&criu));
     // The images came as streams; the runtime's file went with them, as runc's restore reads it.
     let info = store.get(&out.info.id).unwrap();
     let names: Vec<&str> = info.files.iter().map(|f| f.path.as_str()).collect();
@@ -278,18 +287,47 @@ fn a_direct_dump_streams_criu_images_into_the_store_with_the_runtimes_files_and_
     );
 }
 
+/// Checkpoints `c1` with CRIU driven directly by `criu`, expecting it to fail.
+fn direct_checkpoint_error(
+    rt: &FakeRuntime,
+    store: &Store,
+    criu: &dyn crate::dump::Criu,
+) -> crate::Error {
+    let mut gpu = NoGpu;
+    let mut f = flow(rt, &mut gpu, store);
+    f.direct = Some(criu);
+    f.checkpoint(&ContainerCheckpointOptions::new("c1"))
+        .unwrap_err()
+}
+
+/// A CRIU named by the user is checked beside the container's discovery (`PendingCriu`); a too-old one
+/// stops the checkpoint once the discovery is done, before the runtime is asked for anything else or the
+/// container is paused.
+#[test]
+fn a_named_criu_that_fails_its_check_stops_the_checkpoint_before_the_container_is_touched() {
+    use std::os::unix::fs::PermissionsExt;
+    let (dir, store, mut init, mut rt) = setup(None);
+    rt.direct = Some(direct_settings());
+    let old = dir.path().join("criu");
+    std::fs::write(&old, "#!/bin/sh\necho 'Version: 3.17'\n").unwrap();
+    std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let criu = crate::dump::PendingCriu::start(old, crate::dump::CriuSource::Flag);
+    let err = direct_checkpoint_error(&rt, &store, &criu);
+    assert!(err.to_string().contains("3.17"), "{err}");
+    assert!(calls(&rt).is_empty(), "{:?}", calls(&rt));
+    assert_eq!(rt.status("c1").as_deref(), Some("running"));
+    assert!(store.list().unwrap().is_empty(), "nothing stored");
+    let _ = init.kill();
+    let _ = init.wait();
+}
+
 #[test]
 fn a_failed_direct_dump_resumes_the_container_and_stores_nothing() {
     let (_dir, store, mut init, mut rt) = setup(None);
     rt.direct = Some(direct_settings());
     let criu = crate::dump::FakeCriu::new();
     criu.fail_dumps("Error (criu/cr-dump.c:1): made to fail");
-    let mut gpu = NoGpu;
-    let mut f = flow(&rt, &mut gpu, &store);
-    f.direct = Some(&criu);
-    let err = f
-        .checkpoint(&ContainerCheckpointOptions::new("c1"))
-        .unwrap_err();
+    let err = direct_checkpoint_error(&rt, &store, &criu);
     assert!(err.to_string().contains("made to fail"), "{err}");
     assert_eq!(calls(&rt), ["direct-dump c1", "pause c1", "resume c1"]);
     assert_eq!(rt.status("c1").as_deref(), Some("running"));
@@ -298,6 +336,9 @@ fn a_failed_direct_dump_resumes_the_container_and_stores_nothing() {
     let mut opts = ContainerCheckpointOptions::new("c1");
     opts.via_runtime = true;
     opts.leave_running = true;
+    let mut gpu = NoGpu;
+    let mut f = flow(&rt, &mut gpu, &store);
+    f.direct = Some(&criu);
     let out = f.checkpoint(&opts).unwrap();
     assert!(!out.direct);
     assert_eq!(criu.calls().len(), 1, "CRIU not asked again");
