@@ -15,7 +15,7 @@ use gpu_checkpoint::flows::cluster::{
 use gpu_checkpoint::flows::container::{
     ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
 };
-use gpu_checkpoint::flows::{CheckpointManifest, CriuInfo, Flow, ImageTransfer, Phases};
+use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
 use gpu_checkpoint::freeze::{
     Backend, BeforeUnlock, DeviceMap, FreezeHook, GroupOptions, HookOptions,
 };
@@ -63,9 +63,8 @@ struct LocalWork {
     store: Store,
     backend: Backend,
     criu_options: gpu_checkpoint::dump::CriuOptions,
-    /// The CRIU binary (runc's `--criu`) and what the manifests record of it.
+    /// The CRIU binary (runc's `--criu`).
     criu_path: PathBuf,
-    criu_info: CriuInfo,
     runtime: RuntimeKind,
     runtime_root: Option<PathBuf>,
     /// Members of one job on this node keep the same manifest: one writes it, the others find it.
@@ -113,7 +112,6 @@ impl LocalWork {
             gpu: &mut gpu,
             store: &self.store,
             progress: &NoProgress,
-            criu: (self.runtime == RuntimeKind::Runc).then(|| self.criu_info.clone()),
             // As `checkpoint --container`: a runc container is dumped by our CRIU with runc's settings.
             direct: (self.runtime == RuntimeKind::Runc)
                 .then_some(&self.criu as &dyn gpu_checkpoint::dump::Criu),
@@ -146,7 +144,6 @@ impl LocalWork {
             gpu: &mut gpu,
             store: &self.store,
             progress: &NoProgress,
-            criu: None,
             direct: None,
             watch: &guardian,
         };
@@ -301,10 +298,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     gpu_checkpoint::dump::Criu::check_permitted(&criu)?;
-    let criu_info = CriuInfo {
-        version: gpu_checkpoint::dump::Criu::version(&criu)?,
-        path: gpu_checkpoint::dump::Criu::describe(&criu),
-    };
     let store = Store::open(&args.storage, StoreOptions::default())?;
     let work = LocalWork {
         criu,
@@ -312,7 +305,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend: args.gpu.gpu_backend.into(),
         criu_options: args.criu_opts.options()?,
         criu_path: found.path.clone(),
-        criu_info,
         runtime: args.runtime,
         runtime_root: args.runtime_root.clone(),
         manifests: Default::default(),

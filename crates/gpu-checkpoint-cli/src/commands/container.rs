@@ -8,7 +8,7 @@ use gpu_checkpoint::dump::{discover, named, Criu, CriuRpc, PendingCriu};
 use gpu_checkpoint::flows::container::{
     self, ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
 };
-use gpu_checkpoint::flows::{CheckpointManifest, CriuInfo};
+use gpu_checkpoint::flows::CheckpointManifest;
 use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
 use serde_json::json;
 
@@ -54,21 +54,13 @@ impl RuntimeArgs {
 }
 
 /// Our CRIU, for runc's `--criu` and the manifest (runsc checkpoints by itself).
-fn our_criu(
-    kind: RuntimeKind,
-    given: Option<&std::path::Path>,
-) -> anyhow::Result<Option<(CriuRpc, CriuInfo)>> {
+fn our_criu(kind: RuntimeKind, given: Option<&std::path::Path>) -> anyhow::Result<Option<CriuRpc>> {
     if kind != RuntimeKind::Runc {
         return Ok(None);
     }
-    let found = discover(given)?;
-    let criu = CriuRpc::from_found(&found);
+    let criu = CriuRpc::from_found(&discover(given)?);
     criu.check_permitted()?;
-    let info = CriuInfo {
-        version: criu.version()?,
-        path: criu.describe(),
-    };
-    Ok(Some((criu, info)))
+    Ok(Some(criu))
 }
 
 fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bool) -> FreezeHook {
@@ -86,7 +78,7 @@ fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bo
 /// flow asks runc for the container (both start a binary, slow on a cold cache); the flow waits for it
 /// before it touches anything. Otherwise discovery as for every command.
 enum OurCriu {
-    Found(CriuRpc, CriuInfo),
+    Found(CriuRpc),
     Checking(PendingCriu),
 }
 
@@ -103,27 +95,19 @@ impl OurCriu {
             criu.check_permitted()?;
             return Ok(Some(OurCriu::Checking(criu)));
         }
-        Ok(our_criu(kind, given)?.map(|(c, info)| OurCriu::Found(c, info)))
+        Ok(our_criu(kind, given)?.map(OurCriu::Found))
     }
 
     fn path(&self) -> PathBuf {
         match self {
-            OurCriu::Found(c, _) => c.path().to_path_buf(),
+            OurCriu::Found(c) => c.path().to_path_buf(),
             OurCriu::Checking(c) => c.path().to_path_buf(),
-        }
-    }
-
-    /// What the flow records, where known already (else the flow asks the CRIU).
-    fn info(&self) -> Option<CriuInfo> {
-        match self {
-            OurCriu::Found(_, info) => Some(info.clone()),
-            OurCriu::Checking(_) => None,
         }
     }
 
     fn criu(&self) -> &dyn Criu {
         match self {
-            OurCriu::Found(c, _) => c,
+            OurCriu::Found(c) => c,
             OurCriu::Checking(c) => c,
         }
     }
@@ -146,7 +130,6 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        criu: criu.as_ref().and_then(OurCriu::info),
         direct: criu.as_ref().map(OurCriu::criu),
         watch: &guardian,
     };
@@ -258,7 +241,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         }
     }
     let criu = our_criu(rt.runtime, args.criu.as_deref())?;
-    let mut runtime = rt.open(criu.as_ref().map(|c| c.0.path().to_path_buf()))?;
+    let mut runtime = rt.open(criu.as_ref().map(|c| c.path().to_path_buf()))?;
     // runc's CRIU reads the images streamed from the store through this binary, run as its `criu swrk`.
     if let Ok(exe) = std::env::current_exe() {
         runtime = runtime.with_restore_proxy(exe);
@@ -280,7 +263,6 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
         gpu: &mut gpu,
         store: &store,
         progress: &progress,
-        criu: criu.map(|c| c.1),
         direct: None,
         watch: &guardian,
     };

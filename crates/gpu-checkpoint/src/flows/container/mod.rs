@@ -73,11 +73,10 @@ pub struct ContainerFlow<'a> {
     pub gpu: &'a mut dyn GpuHook,
     pub store: &'a Store,
     pub progress: &'a dyn Progress,
-    /// The CRIU the runtime runs (runc's `--criu`), for the manifest; `None` for runsc (its own).
-    pub criu: Option<CriuInfo>,
     /// Our CRIU, to dump the container directly with the runtime's settings where the runtime offers
-    /// them ([`ContainerRuntime::direct_dump`]: runc), its images streamed into the store; `None`: the
-    /// runtime's own checkpoint into the staging folder.
+    /// them ([`ContainerRuntime::direct_dump`]: runc), its images streamed into the store, unless asked
+    /// for the runtime's own checkpoint (which runs the same CRIU, runc's `--criu`); the manifest records
+    /// it. `None`: the runtime checkpoints by itself (runsc).
     pub direct: Option<&'a dyn Criu>,
     /// Who is told each step of a checkpoint or restore, to undo or finish it should this process die
     /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
@@ -262,13 +261,12 @@ impl ContainerFlow<'_> {
         self.store.check_writable()?;
         // Our CRIU's version, for the manifest; a CRIU whose check ran beside the discovery
         // (`dump::PendingCriu`) is waited for here, and a failed check stops us before anything is touched.
-        let criu = match (&self.criu, self.direct) {
-            (Some(info), _) => Some(info.clone()),
-            (None, Some(c)) => Some(CriuInfo {
+        let criu = match self.direct {
+            Some(c) => Some(CriuInfo {
                 version: c.version()?,
                 path: c.describe(),
             }),
-            (None, None) => None,
+            None => None,
         };
         if found.report.strategy.name == StrategyName::Unsupported {
             let blockers = found

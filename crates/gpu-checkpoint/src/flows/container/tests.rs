@@ -24,7 +24,6 @@ fn flow<'a>(rt: &'a FakeRuntime, gpu: &'a mut NoGpu, store: &'a Store) -> Contai
         gpu,
         store,
         progress: &NoProgress,
-        criu: None,
         direct: None,
         watch: &crate::flows::guardian::NoWatch,
     }
