@@ -48,33 +48,27 @@ impl PendingCriu {
         &self.path
     }
 
-    /// The checked CRIU, waiting for the check if it is still running.
+    /// The checked CRIU, waiting for the check if it is still running. The first caller after a failed
+    /// check gets its error (with its exit status), later ones a reference to it.
     fn rpc(&self) -> Result<CriuRpc, Error> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let checking = std::mem::replace(&mut *state, State::Failed(String::new()));
-        let found = match checking {
-            State::Ready(rpc) => {
-                *state = State::Ready(rpc.clone());
-                return Ok(rpc);
+        if matches!(*state, State::Checking(_)) {
+            let panicked = State::Failed("the version check panicked".into());
+            if let State::Checking(thread) = std::mem::replace(&mut *state, panicked) {
+                match thread.join() {
+                    Ok(Ok(found)) => *state = State::Ready(CriuRpc::from_found(&found)),
+                    Ok(Err(e)) => {
+                        *state = State::Failed(e.to_string());
+                        return Err(e);
+                    }
+                    Err(_) => {}
+                }
             }
-            State::Failed(first) => return Err(self.failed(&first)),
-            State::Checking(thread) => thread.join(),
-        };
-        match found {
-            Ok(Ok(found)) => {
-                let rpc = CriuRpc::from_found(&found);
-                *state = State::Ready(rpc.clone());
-                Ok(rpc)
-            }
-            Ok(Err(e)) => {
-                *state = State::Failed(e.to_string());
-                Err(e)
-            }
-            Err(_) => {
-                let e = "the version check panicked";
-                *state = State::Failed(e.into());
-                Err(self.failed(e))
-            }
+        }
+        match &*state {
+            State::Ready(rpc) => Ok(rpc.clone()),
+            State::Failed(first) => Err(self.failed(first)),
+            State::Checking(_) => unreachable!("joined above"),
         }
     }
 

@@ -19,16 +19,8 @@ use crate::util::DIRECT_IO_ALIGN;
 /// to its jobs instead of filling it with dirty image pages. Durability is unchanged: the commit's
 /// `syncfs` or `fsync` still flushes the device and the metadata.
 pub(super) fn write_direct(file: &File, object: &[u8]) -> io::Result<()> {
-    let aligned = object.len() / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN;
-    if aligned > 0 {
-        file.write_all_at(&object[..aligned], 0)?;
-    }
-    if aligned < object.len() {
-        // Direct I/O takes whole blocks only: the rest goes through the page cache.
-        set_direct(file, false)?;
-        file.write_all_at(&object[aligned..], aligned as u64)?;
-    }
-    Ok(())
+    let (blocks, rest) = object.split_at(object.len() / DIRECT_IO_ALIGN * DIRECT_IO_ALIGN);
+    write_direct_parts(file, &[blocks, rest])
 }
 
 /// [`write_direct`] for an object given in parts ([`blocks_layout`]): the whole blocks of every part but
@@ -71,6 +63,7 @@ pub(super) fn write_direct_parts(file: &File, parts: &[&[u8]]) -> io::Result<()>
         IoSlice::advance_slices(&mut rest, n as usize);
     }
     if !last.is_empty() {
+        // Direct I/O takes whole blocks only: the rest goes through the page cache.
         set_direct(file, false)?;
         file.write_all_at(last, offset)?;
     }
