@@ -20,11 +20,12 @@ use common::*;
 use gpu_checkpoint_workloads::chain;
 
 /// Writes rows to an SQLite database in WAL mode, one connection held open (so its locks are held) for
-/// the program's life: row n holds n, written while the file STATE.go exists. Each round it writes
-/// `n rounds` to the state file: the test follows the writer there rather than in the database once it
-/// is restored (see [`holds_lock_on`]).
+/// the program's life: row n holds n, written while the file REPORT.go exists. Each round it reports
+/// `n rounds` ([`REPORT_PY`]): the test follows the writer there rather than in the database once it is
+/// restored (see [`holds_lock_on`]).
 const SQLITE_WRITER: &str = r#"
 import os, sqlite3, sys, time
+report = reporter(sys.argv[2])
 db = sqlite3.connect(sys.argv[1], isolation_level=None)
 db.execute("PRAGMA journal_mode=WAL")
 db.execute("CREATE TABLE IF NOT EXISTS t (n INTEGER PRIMARY KEY, v TEXT)")
@@ -35,9 +36,7 @@ while True:
     if os.path.exists(sys.argv[2] + ".go"):
         n += 1
         db.execute("INSERT INTO t VALUES (?, ?)", (n, "row %d" % n))
-    with open(sys.argv[2] + ".tmp", "w") as s:
-        s.write("%d %d\n" % (n, rounds))
-    os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    report("%d %d" % (n, rounds))
     time.sleep(0.02)
 "#;
 
@@ -49,11 +48,11 @@ rows, top = db.execute("SELECT count(*), coalesce(max(n), 0) FROM t").fetchone()
 print(rows, top, db.execute("PRAGMA integrity_check").fetchone()[0])
 "#;
 
-/// Fills a 2 MiB file with random bytes, keeps it open, deletes it, and rereads it forever, writing
-/// `checks ok` to a state file (ok: the contents still hash as written).
+/// Fills a 2 MiB file with random bytes, keeps it open, deletes it, and rereads it forever, reporting
+/// `checks ok` ([`REPORT_PY`]; ok: the contents still hash as written).
 const GHOST_HOLDER: &str = r#"
 import hashlib, os, sys, time
-path, state = sys.argv[1], sys.argv[2]
+path, report = sys.argv[1], reporter(sys.argv[2])
 data = os.urandom(2 << 20)
 with open(path, "wb") as f:
     f.write(data)
@@ -66,9 +65,7 @@ while True:
     f.seek(0)
     ok = hashlib.sha256(f.read()).hexdigest() == want
     n += 1
-    with open(state + ".tmp", "w") as s:
-        s.write("%d %d\n" % (n, ok))
-    os.replace(state + ".tmp", state)
+    report("%d %d" % (n, ok))
     time.sleep(0.05)
 "#;
 
@@ -159,7 +156,7 @@ struct Sqlite {
     writer: PathBuf,
     check: PathBuf,
     db: PathBuf,
-    state: PathBuf,
+    report: Report,
 }
 
 impl Sqlite {
@@ -167,17 +164,17 @@ impl Sqlite {
         let dir = tempfile::tempdir().unwrap();
         let writer = dir.path().join("writer.py");
         let check = dir.path().join("check.py");
-        std::fs::write(&writer, SQLITE_WRITER).unwrap();
+        std::fs::write(&writer, [REPORT_PY, SQLITE_WRITER].concat()).unwrap();
         std::fs::write(&check, SQLITE_CHECK).unwrap();
         let db = dir.path().join("app.db");
-        let state = dir.path().join("writer.state");
+        let report = Report::new(dir.path().join("writer.log"));
         Sqlite {
             dir,
             py,
             writer,
             check,
             db,
-            state,
+            report,
         }
     }
 
@@ -189,7 +186,7 @@ impl Sqlite {
     fn start(&self) -> Program {
         let from = self.written();
         self.writing(true);
-        let w = Program::start(&[&self.py, &self.writer, &self.db, &self.state]);
+        let w = Program::start(&[&self.py, &self.writer, &self.db, &self.report.path]);
         self.wait_written("rows written", from + 10);
         assert!(
             holds_lock_on(w.pid, "app.db"),
@@ -200,7 +197,7 @@ impl Sqlite {
 
     /// Lets the writer write rows, or not (it goes on with its rounds).
     fn writing(&self, on: bool) {
-        let go = self.dir.path().join("writer.state.go");
+        let go = self.dir.path().join("writer.log.go");
         if on {
             std::fs::write(go, "").unwrap();
         } else {
@@ -210,7 +207,7 @@ impl Sqlite {
 
     /// (the last row the writer says it wrote, its rounds).
     fn progress(&self) -> (u64, u64) {
-        let s = std::fs::read_to_string(&self.state).unwrap_or_default();
+        let s = self.report.last().unwrap_or_default();
         let mut f = s.split_whitespace().map(|v| v.parse().unwrap_or(0));
         (f.next().unwrap_or(0), f.next().unwrap_or(0))
     }
@@ -352,9 +349,9 @@ fn a_criu_configuration_file_carries_options_to_both_sides() {
     s.check_intact();
 }
 
-/// (checks, ok) from the ghost holder's state file.
-fn ghost_state(state: &Path) -> Option<(u64, bool)> {
-    let s = std::fs::read_to_string(state).ok()?;
+/// (checks, ok) from the ghost holder's last report.
+fn ghost_state(report: &Report) -> Option<(u64, bool)> {
+    let s = report.last()?;
     let mut f = s.split_whitespace();
     Some((f.next()?.parse().ok()?, f.next()? == "1"))
 }
@@ -366,21 +363,21 @@ fn a_deleted_file_over_a_mib(mode: Mode) {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let holder = dir.path().join("ghost.py");
-    std::fs::write(&holder, GHOST_HOLDER).unwrap();
-    let run = |name: &str| -> (Program, PathBuf) {
-        let state = dir.path().join(format!("{name}.state"));
+    std::fs::write(&holder, [REPORT_PY, GHOST_HOLDER].concat()).unwrap();
+    let run = |name: &str| -> (Program, Report) {
+        let state = Report::new(dir.path().join(format!("{name}.log")));
         let file = dir.path().join(format!("{name}.scratch"));
-        let p = Program::start(&[&py, &holder, &file, &state]);
+        let p = Program::start(&[&py, &holder, &file, &state.path]);
         wait_for("the file checked", || {
             ghost_state(&state).is_some_and(|(n, ok)| n > 3 && ok)
         });
         assert!(!file.exists(), "deleted");
         (p, state)
     };
-    let checks = |state: &Path| ghost_state(state).map_or(0, |s| s.0);
-    // Checked again 5 times past `from`: after a restore, `from` is where the original left the state
-    // file, so only the copy can get past it.
-    let going_on = |state: &Path, from: u64| {
+    let checks = |state: &Report| ghost_state(state).map_or(0, |s| s.0);
+    // Checked again 5 times past `from`: after a restore, `from` is where the original left its report,
+    // so only the copy can get past it.
+    let going_on = |state: &Report, from: u64| {
         wait_for("the contents checked again", || {
             ghost_state(state).is_some_and(|(n, ok)| n > from + 5 && ok)
         })

@@ -21,9 +21,9 @@ use std::sync::OnceLock;
 use common::programs::*;
 use common::*;
 
-/// Holds `/dev/fuse` at fd 9 (O_RDWR) and fd 3 (O_RDONLY | O_NONBLOCK); writes `n ok` to the state file
-/// every 20 ms, `ok` being 1 while both descriptors still name `/dev/fuse` with the flags they were
-/// opened with; `n` lives in memory only.
+/// Holds `/dev/fuse` at fd 9 (O_RDWR) and fd 3 (O_RDONLY | O_NONBLOCK); reports `n ok` every 20 ms
+/// ([`REPORT_PY`], its log opened after fd 3 is taken), `ok` being 1 while both descriptors still name
+/// `/dev/fuse` with the flags they were opened with; `n` lives in memory only.
 const HOLDER: &str = r#"
 import fcntl, os, sys, time
 def hold(fd, flags):
@@ -33,6 +33,7 @@ def hold(fd, flags):
         os.close(f)
 hold(9, os.O_RDWR)
 hold(3, os.O_RDONLY | os.O_NONBLOCK)
+report = reporter(sys.argv[1])
 want = {9: os.O_RDWR, 3: os.O_RDONLY | os.O_NONBLOCK}
 mask = os.O_ACCMODE | os.O_NONBLOCK
 n = 0
@@ -40,9 +41,7 @@ while True:
     n += 1
     ok = all(os.readlink("/proc/self/fd/%d" % fd) == "/dev/fuse"
              and fcntl.fcntl(fd, fcntl.F_GETFL) & mask == w for fd, w in want.items())
-    with open(sys.argv[1] + ".tmp", "w") as s:
-        s.write("%d %d\n" % (n, ok))
-    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    report("%d %d" % (n, ok))
     time.sleep(0.02)
 "#;
 
@@ -78,9 +77,9 @@ fn plugin() -> PathBuf {
         .clone()
 }
 
-/// `(n, ok)` of the holder's state file.
-fn state(path: &Path) -> Option<(u64, bool)> {
-    let text = std::fs::read_to_string(path).ok()?;
+/// `(n, ok)` of the holder's last report.
+fn state(report: &Report) -> Option<(u64, bool)> {
+    let text = report.last()?;
     let mut it = text.split_whitespace();
     let n = it.next()?.parse().ok()?;
     let ok = it.next()? == "1";
@@ -88,10 +87,10 @@ fn state(path: &Path) -> Option<(u64, bool)> {
 }
 
 /// Waits until the holder has counted past `past` with both descriptors right; returns its count.
-fn counts_past(path: &Path, past: u64) -> u64 {
+fn counts_past(report: &Report, past: u64) -> u64 {
     let mut seen = None;
     wait_for(&format!("the holder to count past {past}"), || {
-        seen = state(path);
+        seen = state(report);
         matches!(seen, Some((n, true)) if n > past)
     });
     seen.unwrap().0
@@ -116,11 +115,11 @@ fn holds_fuse(pid: i32) {
     }
 }
 
-fn start(py: &Path, dir: &Path) -> (Program, PathBuf) {
+fn start(py: &Path, dir: &Path) -> (Program, Report) {
     let script = dir.join("holder.py");
-    std::fs::write(&script, HOLDER).unwrap();
-    let st = dir.join("state");
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), st.as_os_str()]);
+    std::fs::write(&script, [REPORT_PY, HOLDER].concat()).unwrap();
+    let st = Report::new(dir.join("holder.log"));
+    let p = Program::start(&[py.as_os_str(), script.as_os_str(), st.path.as_os_str()]);
     counts_past(&st, 2);
     holds_fuse(p.pid);
     (p, st)
@@ -171,7 +170,7 @@ fn round(mode: Mode, extra: &[&str], restore_flags: &[&str]) {
         holds_fuse(pid);
     }
     p.kill_and_wait_free();
-    std::fs::remove_file(&st).unwrap();
+    st.mark();
     let id = v["id"].as_str().unwrap();
     let restored = restore_with(id, &store, restore_flags);
     assert_eq!(restored, pid);

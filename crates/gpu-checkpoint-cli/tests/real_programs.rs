@@ -334,8 +334,8 @@ fn nginx_master_comes_back_with_its_workers_after_a_leave_running_checkpoint() {
 /// A `multiprocessing` pool (fork) of two workers sharing memory with the parent: under the lock of a
 /// shared counter array, worker i counts its slot up and fills its 4 KiB region of a shared byte
 /// array with the count. The parent, every 20 ms, copies counts and bytes under the same lock and
-/// writes to the state file (JSON): its round, the counts, the workers' PIDs, the SHA-256 of the shared
-/// bytes and the SHA-256 the counts call for (equal when the shared state is consistent).
+/// reports (a JSON line, [`REPORT_PY`]): its round, the counts, the workers' PIDs, the SHA-256 of the
+/// shared bytes and the SHA-256 the counts call for (equal when the shared state is consistent).
 const POOL: &str = r#"
 import hashlib, json, multiprocessing as mp, os, sys, time
 N, SLOT = 2, 4096
@@ -354,7 +354,7 @@ def work(i):
         time.sleep(0.01)
 
 if __name__ == "__main__":
-    state = sys.argv[1]
+    report = reporter(sys.argv[1])
     ctx = mp.get_context("fork")
     counts = ctx.Array("q", N)
     data = ctx.RawArray("B", N * SLOT)
@@ -367,23 +367,21 @@ if __name__ == "__main__":
             c, d = list(counts), bytes(data)
         want = b"".join(bytes([x % 251]) * SLOT for x in c)
         rounds += 1
-        with open(state + ".tmp", "w") as f:
-            json.dump({"rounds": rounds, "counts": c, "pids": list(pids),
-                       "digest": hashlib.sha256(d).hexdigest(),
-                       "expected": hashlib.sha256(want).hexdigest()}, f)
-        os.replace(state + ".tmp", state)
+        report(json.dumps({"rounds": rounds, "counts": c, "pids": list(pids),
+                           "digest": hashlib.sha256(d).hexdigest(),
+                           "expected": hashlib.sha256(want).hexdigest()}))
         time.sleep(0.02)
 "#;
 
-/// What the pool's parent last wrote.
+/// What the pool's parent last reported.
 struct PoolState {
     counts: Vec<u64>,
     pids: Vec<i32>,
 }
 
-/// The state file, once it exists and is whole; its checksum must verify.
-fn pool_state(state: &Path) -> Option<PoolState> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(state).ok()?).ok()?;
+/// The parent's last report, once there is one; its checksum must verify.
+fn pool_state(report: &Report) -> Option<PoolState> {
+    let v: serde_json::Value = serde_json::from_str(&report.last()?).expect("a report is JSON");
     assert_eq!(
         v["digest"], v["expected"],
         "the shared bytes agree with the shared counts: {v}"
@@ -402,12 +400,23 @@ fn pool_state(state: &Path) -> Option<PoolState> {
 }
 
 /// Waits until every worker's count is `by` past `from`, the checksum verifying each time.
-fn pool_going_on(state: &Path, from: &[u64], by: u64, what: &str) -> PoolState {
+fn pool_going_on(report: &Report, pid: i32, from: &[u64], by: u64, what: &str) -> PoolState {
     let mut last = None;
-    wait_for(what, || {
-        last = pool_state(state).filter(|s| s.counts.iter().zip(from).all(|(&c, &f)| c >= f + by));
-        last.is_some()
-    });
+    wait_for_or(
+        what,
+        || {
+            last = pool_state(report)
+                .filter(|s| s.counts.iter().zip(from).all(|(&c, &f)| c >= f + by));
+            last.is_some()
+        },
+        || {
+            format!(
+                "counts from {from:?}; the last report: {:?}\n{}",
+                report.last(),
+                tree_report(pid)
+            )
+        },
+    );
     last.unwrap()
 }
 
@@ -416,10 +425,10 @@ fn pool_going_on(state: &Path, from: &[u64], by: u64, what: &str) -> PoolState {
 fn pool_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
     let script = work.path().join("pool.py");
-    std::fs::write(&script, POOL).unwrap();
-    let state = work.path().join("pool.state");
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), state.as_os_str()]);
-    let started = pool_going_on(&state, &[0, 0], 10, "the workers counting");
+    std::fs::write(&script, [REPORT_PY, POOL].concat()).unwrap();
+    let report = Report::new(work.path().join("pool.log"));
+    let p = Program::start(&[py.as_os_str(), script.as_os_str(), report.path.as_os_str()]);
+    let started = pool_going_on(&report, p.pid, &[0, 0], 10, "the workers counting");
     let mut workers = started.pids.clone();
     workers.sort();
     assert!(workers.iter().all(|&w| w > 0), "{workers:?}");
@@ -431,18 +440,25 @@ fn pool_round(via: Via, mode: Mode, py: &Path) {
 
     let mut at = None;
     let taken = via.checkpoint(mode, p.pid, work.path(), &[], || {
-        let now = pool_state(&state).unwrap().counts;
-        pool_going_on(&state, &now, 10, "the original's workers counting on");
+        let now = pool_state(&report).unwrap().counts;
+        pool_going_on(
+            &report,
+            p.pid,
+            &now,
+            10,
+            "the original's workers counting on",
+        );
         at = Some(now);
     });
-    // After a leave-running checkpoint the file shows where the original got to: at least where the
-    // checkpoint left the copy. It goes, so that what shows next comes from the copy.
-    let at_checkpoint = at.unwrap_or_else(|| pool_state(&state).unwrap().counts);
-    std::fs::remove_file(&state).unwrap();
+    // After a leave-running checkpoint the report shows where the original got to: at least where the
+    // checkpoint left the copy. Marked, so that what shows next comes from the copy.
+    let at_checkpoint = at.unwrap_or_else(|| pool_state(&report).unwrap().counts);
+    report.mark();
     taken.restore(p.pid, &[]);
 
     let after = pool_going_on(
-        &state,
+        &report,
+        p.pid,
         &at_checkpoint,
         20,
         "the restored workers counting on",
@@ -453,7 +469,13 @@ fn pool_round(via: Via, mode: Mode, py: &Path) {
     );
     assert_eq!(children(p.pid), workers, "the parent has its workers back");
     // A while longer, still consistent (pool_state checks every read).
-    pool_going_on(&state, &after.counts, 20, "the restored pool going on");
+    pool_going_on(
+        &report,
+        p.pid,
+        &after.counts,
+        20,
+        "the restored pool going on",
+    );
 }
 
 fn python_pool(mode: Mode) {

@@ -72,6 +72,64 @@ pub fn python() -> Option<PathBuf> {
     }
 }
 
+/// Python defining `reporter(path)`: a program's progress, one line a round, appended to a log it holds
+/// open for its whole life (`O_WRONLY | O_APPEND`, one `write` a line). Read with [`Report`].
+///
+/// Not a temporary file renamed over a state file each round: a `--leave-running` checkpoint can catch
+/// the program with that file open, or written but not yet renamed, and the original, running on, then
+/// renames it away. Its copy, restored later, needs a file that is gone: CRIU cannot reopen it (the
+/// restore fails), or the copy's rename fails and it dies (a copy that never reported, seen in CI). A
+/// log stays where it is, and CRIU reopens it without checking its size, since logs grow.
+pub const REPORT_PY: &str = r#"
+import os as _os
+def reporter(path):
+    fd = _os.open(path, _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT, 0o600)
+    def report(line):
+        _os.write(fd, (line + "\n").encode())
+    return report
+"#;
+
+/// The log a program writes through [`REPORT_PY`]: its last line since a mark.
+pub struct Report {
+    pub path: PathBuf,
+    /// Lines before this offset do not count (the original's, before its copy was restored).
+    from: std::cell::Cell<u64>,
+}
+
+impl Report {
+    pub fn new(path: PathBuf) -> Report {
+        Report {
+            path,
+            from: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The last whole line written since the mark; `None` before the first.
+    pub fn last(&self) -> Option<String> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open(&self.path).ok()?;
+        let len = f.metadata().ok()?.len();
+        // A line is well under 64 KiB: the tail holds the last one whole.
+        let start = self.from.get().max(len.saturating_sub(64 << 10));
+        f.seek(SeekFrom::Start(start)).ok()?;
+        let mut tail = Vec::new();
+        f.take(len - start).read_to_end(&mut tail).ok()?;
+        let end = tail.iter().rposition(|&b| b == b'\n')?;
+        let begin = tail[..end]
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        Some(String::from_utf8_lossy(&tail[begin..end]).into_owned())
+    }
+
+    /// From now on only lines written after this call count: with the original gone, what shows next
+    /// comes from its restored copy.
+    pub fn mark(&self) {
+        self.from
+            .set(std::fs::metadata(&self.path).map_or(0, |m| m.len()));
+    }
+}
+
 /// A free TCP port on 127.0.0.1 (the kernel's choice, released for the program to take).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -81,12 +139,59 @@ pub fn free_port() -> u16 {
 }
 
 /// Waits up to 30 s for `what` to hold.
-pub fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, ok: impl FnMut() -> bool) {
+    wait_for_or(what, ok, String::new);
+}
+
+/// [`wait_for`], with `report()` in the failure's message: what the program was doing when it timed
+/// out (a flake seen once in CI is only understood from what it left in the log).
+pub fn wait_for_or(what: &str, mut ok: impl FnMut() -> bool, report: impl FnOnce() -> String) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !ok() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        if Instant::now() >= deadline {
+            panic!("timed out waiting for {what}\n{}", report());
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Every thread of the tree at `pid`: state, wait channel, the system call it sits in and its kernel
+/// stack, for a failure's message.
+pub fn tree_report(pid: i32) -> String {
+    let read = |p: String| {
+        std::fs::read_to_string(p)
+            .unwrap_or_else(|e| format!("({e})"))
+            .trim()
+            .to_string()
+    };
+    let mut out = format!("the tree of {pid}:\n");
+    for p in tree::process_tree(pid) {
+        let tasks: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", p.pid))
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        out += &format!("  {} (parent {}) {:?}\n", p.pid, p.ppid, p.cmdline);
+        for t in tasks {
+            let dir = format!("/proc/{}/task/{t}", p.pid);
+            let stat = read(format!("{dir}/stat"));
+            let state = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .next();
+            out += &format!(
+                "    task {t}: state {} wchan {} syscall {}\n      {}\n",
+                state.unwrap_or("?"),
+                read(format!("{dir}/wchan")),
+                read(format!("{dir}/syscall")),
+                read(format!("{dir}/stack")).replace('\n', "\n      ")
+            );
+        }
+    }
+    out
 }
 
 /// Whether `pid` runs: not stopped (CRIU's leave_stopped), not exiting, not gone.
