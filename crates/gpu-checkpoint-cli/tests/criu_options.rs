@@ -197,7 +197,9 @@ impl Sqlite {
 
     /// Lets the writer write rows, or not (it goes on with its rounds).
     fn writing(&self, on: bool) {
-        let go = self.dir.path().join("writer.log.go");
+        // The writer's own name for it: its report's path and ".go".
+        let mut go = self.report.path.clone().into_os_string();
+        go.push(".go");
         if on {
             std::fs::write(go, "").unwrap();
         } else {

@@ -166,25 +166,19 @@ pub fn tree_report(pid: i32) -> String {
     };
     let mut out = format!("the tree of {pid}:\n");
     for p in tree::process_tree(pid) {
-        let tasks: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", p.pid))
+        let tasks: Vec<i32> = std::fs::read_dir(format!("/proc/{}/task", p.pid))
             .map(|d| {
-                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
                     .collect()
             })
             .unwrap_or_default();
         out += &format!("  {} (parent {}) {:?}\n", p.pid, p.ppid, p.cmdline);
         for t in tasks {
             let dir = format!("/proc/{}/task/{t}", p.pid);
-            let stat = read(format!("{dir}/stat"));
-            let state = stat
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .split_whitespace()
-                .next();
+            // A thread's own `/proc/TID/stat` is its line, as the process's is.
+            let state = tree::stat(t).map_or('?', |s| s.state);
             out += &format!(
-                "    task {t}: state {} wchan {} syscall {}\n      {}\n",
-                state.unwrap_or("?"),
+                "    task {t}: state {state} wchan {} syscall {}\n      {}\n",
                 read(format!("{dir}/wchan")),
                 read(format!("{dir}/syscall")),
                 read(format!("{dir}/stack")).replace('\n', "\n      ")
