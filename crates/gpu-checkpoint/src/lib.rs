@@ -14,6 +14,7 @@
 //! The library returns typed errors ([`Error`]); the `gpu-checkpoint` binary parses arguments, prints and
 //! shows progress.
 
+pub mod beneath;
 pub mod detect;
 pub mod dump;
 pub mod error;
