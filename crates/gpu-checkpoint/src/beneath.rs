@@ -54,6 +54,18 @@ pub struct Entry {
     pub kind: Kind,
 }
 
+/// An entry of a folder with what `lstat` says of it ([`Beneath::entries_stat`]).
+#[derive(Clone, Debug)]
+pub struct EntryStat {
+    pub name: OsString,
+    pub kind: Kind,
+    pub len: u64,
+    /// Permission, set-id and sticky bits.
+    pub mode: u32,
+    pub uid: u32,
+    pub modified: Option<std::time::SystemTime>,
+}
+
 /// The descriptor of the folder an operation's last component is in: the held folder itself, or one
 /// resolved below it.
 enum Parent<'a> {
@@ -317,6 +329,39 @@ impl Beneath {
     pub fn entries(&self, rel: impl AsRef<Path>) -> io::Result<Vec<Entry>> {
         let fd = self.open_fd(rel, OFlag::O_DIRECTORY | OFlag::O_RDONLY, 0)?;
         list(fd)
+    }
+
+    /// [`Beneath::entries`] with each entry's `lstat` (size, mode, owner, age: one call per entry, from the
+    /// folder's descriptor).
+    pub fn entries_stat(&self, rel: impl AsRef<Path>) -> io::Result<Vec<EntryStat>> {
+        let fd = self.open_fd(rel, OFlag::O_DIRECTORY | OFlag::O_RDONLY, 0)?;
+        let at = fd.try_clone()?;
+        let mut out = Vec::new();
+        for e in list(fd)? {
+            let st = match nix::sys::stat::fstatat(
+                &at,
+                e.name.as_os_str(),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            ) {
+                Ok(st) => st,
+                // Removed since it was listed.
+                Err(Errno::ENOENT) => continue,
+                Err(err) => return Err(errno(err)),
+            };
+            let modified = u64::try_from(st.st_mtime).ok().map(|s| {
+                std::time::UNIX_EPOCH
+                    + std::time::Duration::new(s, st.st_mtime_nsec.clamp(0, 999_999_999) as u32)
+            });
+            out.push(EntryStat {
+                name: e.name,
+                kind: kind_of(st.st_mode),
+                len: st.st_size.max(0) as u64,
+                mode: st.st_mode & 0o7777,
+                uid: st.st_uid,
+                modified,
+            });
+        }
+        Ok(out)
     }
 
     /// Sets the permissions of `rel`, a regular file or a folder (never a link, nor what it points at).

@@ -75,13 +75,18 @@ pub fn check_trusted_dir(dir: &Path) -> io::Result<()> {
 /// Makes sure `dir` is a private folder of this user: created 0700 when missing; an existing one must be a
 /// real folder owned by this user that no one else can enter (else `PermissionDenied`: it is not used).
 pub fn ensure_private_dir(dir: &Path) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
     match fs::DirBuilder::new().mode(DIR_MODE).create(dir) {
         Ok(()) => return Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    let meta = fs::symlink_metadata(dir)?;
+    check_private(&fs::symlink_metadata(dir)?, dir)
+}
+
+/// Checks that `meta` (of `dir`, not following a link) is a private folder of this user: a real folder
+/// owned by the effective user that no one else can enter (else `PermissionDenied`).
+pub fn check_private(meta: &fs::Metadata, dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     if !meta.file_type().is_dir() || meta.uid() != me || meta.mode() & 0o077 != 0 {

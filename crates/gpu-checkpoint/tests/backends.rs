@@ -31,6 +31,7 @@ fn opts() -> StoreOptions {
             avg_size: 16384,
             max_size: 65536,
         },
+        ..StoreOptions::default()
     }
 }
 

@@ -26,6 +26,7 @@ fn small_opts() -> StoreOptions {
             avg_size: 16384,
             max_size: 65536,
         },
+        ..StoreOptions::default()
     }
 }
 

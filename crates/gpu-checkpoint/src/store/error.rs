@@ -89,6 +89,18 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// A local store this process must not trust: another user's, open to others, or holding a link where
+    /// its own folders and files belong (see `store::backend::trust`). Permission denied: exit status 4.
+    #[error("refusing storage {path}: it {reason}")]
+    Untrusted { path: Location, reason: String },
+
+    /// A store of another user, trusted for reading only (`--trust-store-owner`), was asked to change.
+    #[error(
+        "storage {path} belongs to {owner}, trusted for reading only (--trust-store-owner): nothing is \
+         written, changed or removed in it"
+    )]
+    ReadOnly { path: Location, owner: String },
+
     /// The storage path exists but is not a gpu-checkpoint store, or one of a format this build cannot read.
     #[error("{path}: {reason}")]
     BadStore { path: Location, reason: String },
@@ -195,7 +207,8 @@ impl Classify for Error {
         match self {
             Error::Io { source, .. } => io_status(source),
             Error::Unwritable { .. } => ExitStatus::Storage,
-            Error::Unreadable { .. } => ExitStatus::PermissionDenied,
+            Error::Unreadable { .. } | Error::Untrusted { .. } => ExitStatus::PermissionDenied,
+            Error::ReadOnly { .. } => ExitStatus::Storage,
             Error::BadStore { .. } => ExitStatus::Failure,
             Error::NotFound { .. }
             | Error::DamagedManifest { .. }

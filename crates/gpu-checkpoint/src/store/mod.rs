@@ -63,6 +63,9 @@ pub struct StoreOptions {
     pub threads: usize,
     /// Content-defined chunking sizes for new checkpoints.
     pub chunking: ChunkParams,
+    /// A local store owned by this user (besides the one running the tool and root) is accepted, for
+    /// reading only (`--trust-store-owner`): see `docs/security.md`. Any other owner is refused.
+    pub trusted_owner: Option<u32>,
 }
 
 impl Default for StoreOptions {
@@ -72,6 +75,7 @@ impl Default for StoreOptions {
             compress: true,
             threads: 0,
             chunking: ChunkParams::default(),
+            trusted_owner: None,
         }
     }
 }
@@ -187,8 +191,13 @@ impl Store {
 
     /// The store's local folder, if it is one (see [`LocalFs::root`]): the flows keep CRIU logs and
     /// restore work folders there; elsewhere they use the temporary folder.
+    /// `None` too for another user's store trusted read-only: nothing of the flows goes into it.
     pub fn local_dir(&self) -> Option<&Path> {
-        self.inner.backend.local().map(|l| l.root())
+        self.inner
+            .backend
+            .local()
+            .filter(|l| !l.read_only())
+            .map(|l| l.root())
     }
 
     /// Held while reading checkpoints: the local store's lock, shared (gc waits for it). Object stores have
@@ -232,30 +241,22 @@ impl Store {
             if backend.get_manifest(&id)?.is_some() {
                 continue;
             }
-            let created = if backend.work_root().is_some() {
-                use std::os::unix::fs::DirBuilderExt;
-                let staging = root.join(&id);
-                std::fs::DirBuilder::new()
-                    .mode(crate::util::DIR_MODE)
-                    .create(&staging)
-                    .map(|()| staging)
-            } else {
-                use std::os::unix::fs::PermissionsExt;
-                tempfile::Builder::new()
-                    .prefix(&format!("gpu-checkpoint-staging-{id}."))
-                    .permissions(std::fs::Permissions::from_mode(crate::util::DIR_MODE))
-                    .tempdir_in(&root)
-                    .map(|d| d.keep())
-            };
-            let staging = match created {
-                Ok(s) => s,
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(e) => {
-                    return Err(Error::Unwritable {
-                        path: root.join(&id).into(),
-                        source: e,
-                    })
-                }
+            let staging = match backend.local() {
+                // In the store folder held open, never through a link.
+                Some(local) => match local.create_staging(&id) {
+                    Err(Error::Conflict(_)) => continue,
+                    made => made?,
+                },
+                None => match private_folder(&root, &id, backend.work_root().is_some()) {
+                    Ok(s) => s,
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                    Err(e) => {
+                        return Err(Error::Unwritable {
+                            path: root.join(&id).into(),
+                            source: e,
+                        })
+                    }
+                },
             };
             let guard = match lock {
                 Some(l) => lease::WriterGuard::Lock(l),
@@ -622,6 +623,24 @@ impl Store {
         }
         Ok(info)
     }
+}
+
+/// A staging folder for checkpoint `id` in `root`: the client's own work folder (`named`: `root/ID`), or
+/// the temporary folder (a private folder of unpredictable name).
+fn private_folder(root: &Path, id: &str, named: bool) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if named {
+        let staging = root.join(id);
+        return std::fs::DirBuilder::new()
+            .mode(crate::util::DIR_MODE)
+            .create(&staging)
+            .map(|()| staging);
+    }
+    tempfile::Builder::new()
+        .prefix(&format!("gpu-checkpoint-staging-{id}."))
+        .permissions(std::fs::Permissions::from_mode(crate::util::DIR_MODE))
+        .tempdir_in(root)
+        .map(|d| d.keep())
 }
 
 /// Names are for humans and scripts: letters, digits, `.`, `_`, `-`; 1 to 128 characters.

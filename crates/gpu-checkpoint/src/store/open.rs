@@ -13,7 +13,8 @@ impl Store {
     /// Opens the store at `path` (local filesystem), creating its layout (0700) if the folder is missing or
     /// empty, and validating the format version of an existing one.
     pub fn open(path: &Path, opts: StoreOptions) -> Result<Store> {
-        Store::with_backend(Arc::new(LocalBackend::new(path)), opts)
+        let backend = LocalBackend::new(path).trusting(opts.trusted_owner);
+        Store::with_backend(Arc::new(backend), opts)
     }
 
     /// Opens the store `storage` names: `s3://BUCKET/PREFIX` (an object store, with the `s3` feature; see

@@ -1,8 +1,9 @@
 //! A local read-through cache of chunk objects in front of a remote backend (an object store): a restore
 //! on a node that restored before reads the chunks it already fetched from its own disk, without a request.
 //!
-//! The cache is a private folder of this user (0700, owner and mode checked, never a link), with files
-//! 0600. Its layout, `gpu-checkpoint-chunks-v1/ab/abcd...`, names the format's version (the objects
+//! The cache is a private folder of this user (0700, owner and mode checked on the folder held open, never
+//! a link), with files 0600, reached only below that folder and never through a link
+//! ([`crate::beneath`]). Its layout, `gpu-checkpoint-chunks-v1/ab/abcd...`, names the format's version (the objects
 //! themselves are chunk objects, self-describing by their header); chunks are named by their hash, so one
 //! cache serves every store. Trust: none. A chunk goes in only after it was proved to be chunk `id`
 //! ([`check_without_decoding`]: its hash, or its checksum trailer), and is proved again every time it is
@@ -14,19 +15,20 @@
 //! The cache only ever speeds a read up: a failure to write it is ignored (said once on stderr), and it is
 //! never emptied by the tool (remove the folder to reclaim the space).
 
-use std::fs;
 use std::io::{self, Read, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::files::open_regular;
+use nix::fcntl::OFlag;
+
 use super::objects::chunk_of_key;
 use super::{Backend, LocalFs, ObjectMeta};
+use crate::beneath::Beneath;
 use crate::store::chunk::{check_without_decoding, ChunkId};
 use crate::store::error::{Error, Result};
-use crate::util::{create_new_private_file, create_private_dir_all, ensure_private_dir};
+use crate::util::{check_private, create_private_dir_all, ensure_private_dir, DIR_MODE, FILE_MODE};
 
 /// The folder inside the cache that holds chunk objects, by layout version.
 const LAYOUT: &str = "gpu-checkpoint-chunks-v1";
@@ -45,7 +47,8 @@ pub struct CacheStats {
 /// A backend with a local read-through cache of chunk objects: see the module's documentation.
 pub struct CachedBackend {
     inner: Arc<dyn Backend>,
-    root: PathBuf,
+    /// The layout folder, held open.
+    root: Beneath,
     hits: AtomicU64,
     fetched: AtomicU64,
     damaged: AtomicU64,
@@ -64,8 +67,16 @@ impl CachedBackend {
             }
         }
         ensure_private_dir(dir).map_err(refuse)?;
-        let root = dir.join(LAYOUT);
-        ensure_private_dir(&root).map_err(refuse)?;
+        // What is checked is the folder held open, whatever its path names by now.
+        let top = Beneath::open(dir).map_err(refuse)?;
+        check_private(&top.metadata().map_err(refuse)?, dir).map_err(refuse)?;
+        match top.create_dir(LAYOUT, DIR_MODE) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(refuse(e)),
+        }
+        let root = top.subdir(LAYOUT).map_err(refuse)?;
+        check_private(&root.metadata().map_err(refuse)?, root.path()).map_err(refuse)?;
         Ok(CachedBackend {
             inner,
             root,
@@ -84,16 +95,21 @@ impl CachedBackend {
         }
     }
 
-    fn path(&self, id: &ChunkId) -> PathBuf {
+    /// Where chunk `id` is kept, below the cache folder.
+    fn rel(id: &ChunkId) -> String {
         let hex = id.to_hex();
-        self.root.join(&hex[..2]).join(hex)
+        format!("{}/{hex}", &hex[..2])
+    }
+
+    /// Its path, for messages.
+    fn path(&self, id: &ChunkId) -> PathBuf {
+        self.root.join(Self::rel(id))
     }
 
     /// Chunk `id` from the cache into `buf`, proved; `false` when it is not cached or failed its check
     /// (then removed).
     fn take(&self, id: &ChunkId, buf: &mut Vec<u8>) -> bool {
-        let path = self.path(id);
-        let Ok(Some(mut file)) = open_regular(&path) else {
+        let Ok(Some(mut file)) = self.root.open_regular(Self::rel(id)) else {
             return false;
         };
         buf.clear();
@@ -109,10 +125,10 @@ impl CachedBackend {
                 let problem = outcome.err().unwrap_or_else(|| "not provable".into());
                 eprintln!(
                     "gpu-checkpoint: cached chunk {} is {problem}; fetched from the store again",
-                    path.display()
+                    self.path(id).display()
                 );
                 self.damaged.fetch_add(1, Ordering::Relaxed);
-                let _ = fs::remove_file(&path);
+                let _ = self.root.remove_file(Self::rel(id));
                 false
             }
         }
@@ -128,7 +144,7 @@ impl CachedBackend {
             if !self.write_failed.swap(true, Ordering::Relaxed) {
                 eprintln!(
                     "gpu-checkpoint: cannot write the read cache {} ({e}); going on without it",
-                    self.root.display()
+                    self.root.path().display()
                 );
             }
         }
@@ -137,25 +153,31 @@ impl CachedBackend {
     /// Removes the cached copy of chunk object `key`, if any.
     fn forget(&self, key: &str) {
         if let Some(id) = chunk_of_key(key) {
-            let _ = fs::remove_file(self.path(&id));
+            let _ = self.root.remove_file(Self::rel(&id));
         }
     }
 
     fn write(&self, id: &ChunkId, stored: &[u8]) -> io::Result<()> {
-        let path = self.path(id);
-        let dir = path.parent().expect("fanned out");
-        ensure_private_dir(dir)?;
-        let tmp = dir.join(format!(
-            ".{}.tmp.{}.{:08x}",
-            id.to_hex(),
+        let hex = id.to_hex();
+        let fan = &hex[..2];
+        match self.root.create_dir(fan, DIR_MODE) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let tmp = format!(
+            "{fan}/.{hex}.tmp.{}.{:08x}",
             std::process::id(),
             crate::store::random_u32()
-        ));
-        let written = create_new_private_file(&tmp).and_then(|mut f| f.write_all(stored));
-        match written.and_then(|()| fs::rename(&tmp, &path)) {
+        );
+        let written = self
+            .root
+            .create_new(&tmp, FILE_MODE, OFlag::empty())
+            .and_then(|mut f| f.write_all(stored));
+        match written.and_then(|()| self.root.rename(&tmp, Self::rel(id))) {
             Ok(()) => Ok(()),
             Err(e) => {
-                let _ = fs::remove_file(&tmp);
+                let _ = self.root.remove_file(&tmp);
                 Err(e)
             }
         }
@@ -219,7 +241,11 @@ impl Backend for CachedBackend {
     /// A cached chunk needs no request: only the others are fetched ahead.
     fn prefetch(&self, key: &str) {
         if let Some(id) = chunk_of_key(key) {
-            if self.path(&id).is_file() {
+            if self
+                .root
+                .symlink_metadata(Self::rel(&id))
+                .is_ok_and(|m| m.is_file())
+            {
                 return;
             }
         }
@@ -250,6 +276,7 @@ mod tests {
     use super::*;
     use crate::store::backend::{chunk_key, MemoryBackend};
     use crate::store::chunk::Encoder;
+    use std::fs;
     use std::os::unix::fs::PermissionsExt;
 
     /// A memory backend holding one chunk of `raw`.
@@ -281,7 +308,7 @@ mod tests {
             );
             for d in [
                 &cache_dir,
-                &cache.root,
+                &cache.root.path().to_path_buf(),
                 &file.parent().unwrap().to_path_buf(),
             ] {
                 assert_eq!(fs::metadata(d).unwrap().permissions().mode() & 0o777, 0o700);

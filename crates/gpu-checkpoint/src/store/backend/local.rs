@@ -9,31 +9,36 @@
 //! ```
 //! Folders are 0700 and files 0600: chunks hold process memory.
 //!
+//! A store is used only when its owner is trusted ([`super::trust`]), and every file operation in it goes
+//! through the folder held open at that check, following no link ([`crate::beneath`]): nothing planted in a
+//! store leads the tool out of it.
+//!
 //! Chunk files are written with direct I/O ([`write_direct`]), and read with it when they are not in the
 //! page cache ([`Backend::read_chunk_uncached`]); [`DIRECT_IO_ENV`]`=0` turns both off.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use nix::fcntl::OFlag;
 
 use super::direct::{
     blocks_layout, cached_pages, read_up_to, set_direct, write_direct, write_direct_parts,
 };
-use super::files::{flock, open_regular, restore_mode, tree_size, warn_modes};
+use super::files::flock;
+use super::trust::{user_name, Access, Owners};
 use super::{Backend, LocalFs, LockGuard, LockMode, ObjectMeta, StaleCleanup};
+use crate::beneath::{Beneath, Kind};
 use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
-use crate::util::{
-    create_private_dir_all, fsync_dir, is_direct_io_aligned, write_atomic, AlignedBuf,
-    DIRECT_IO_ALIGN, DIR_MODE, FILE_MODE,
-};
+use crate::util::{is_direct_io_aligned, AlignedBuf, DIRECT_IO_ALIGN, DIR_MODE, FILE_MODE};
 
-use super::objects::{check_marker, marker, STORE_FILE, STORE_FORMAT_VERSION};
+use super::objects::STORE_FILE;
 
 /// Above this many new chunks one `syncfs` is cheaper than one fsync per chunk file (each fsync commits the
 /// filesystem journal; syncfs commits it once for everything).
@@ -43,9 +48,12 @@ pub struct LocalBackend {
     root: PathBuf,
     /// `root` for messages.
     location: String,
-    chunks: PathBuf,
-    manifests: PathBuf,
     staging: PathBuf,
+    /// Who besides this user and root may own the store (read-only).
+    owners: Owners,
+    /// The store folder, held open by `init` once its owner was found trusted, and what this process may
+    /// do with it.
+    held: OnceLock<(Beneath, Access)>,
     tmp_counter: AtomicU64,
     /// Whole chunk objects are written with `O_DIRECT` (see [`write_direct`]) until the filesystem refuses
     /// it.
@@ -75,19 +83,26 @@ pub const DIRECT_IO_ENV: &str = "GPU_CHECKPOINT_DIRECT_IO";
 impl LocalBackend {
     /// Whether `root` holds a store (its `store.json` marker): commands that only read a store must not
     /// create one where there is none. A store this user may not look into is [`Error::Unreadable`]
-    /// (permission denied), not "no store".
+    /// (permission denied), not "no store". A marker that is not a plain file still counts: opening the
+    /// store then says what is wrong with it.
     pub fn holds_store(root: &Path) -> Result<bool> {
-        let marker = root.join(STORE_FILE);
-        match fs::metadata(&marker) {
-            Ok(m) => Ok(m.is_file()),
+        let unreadable = |e: io::Error| Error::Unreadable {
+            path: root.into(),
+            source: e,
+        };
+        let dir = match Beneath::open(root) {
+            Ok(d) => d,
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
-                Ok(false)
+                return Ok(false)
             }
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(Error::Unreadable {
-                path: root.into(),
-                source: e,
-            }),
-            Err(e) => Err(Error::io("cannot look for", marker)(e)),
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return Err(unreadable(e)),
+            Err(e) => return Err(Error::io("cannot open", root)(e)),
+        };
+        match dir.symlink_metadata(STORE_FILE) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => Err(unreadable(e)),
+            Err(e) => Err(Error::io("cannot look for", dir.join(STORE_FILE))(e)),
         }
     }
 
@@ -104,10 +119,10 @@ impl LocalBackend {
         let root = std::path::absolute(root).unwrap_or_else(|_| root.to_path_buf());
         LocalBackend {
             location: root.display().to_string(),
-            chunks: root.join("chunks"),
-            manifests: root.join("manifests"),
             staging: root.join("staging"),
             root,
+            owners: Owners { trusted: None },
+            held: OnceLock::new(),
             tmp_counter: AtomicU64::new(0),
             direct: AtomicBool::new(direct),
             direct_reads: AtomicBool::new(direct),
@@ -115,51 +130,110 @@ impl LocalBackend {
         }
     }
 
+    /// Also accepts a store owned by user `uid` (besides this user and root), for reading only: nothing is
+    /// then written, changed or removed in it (`--trust-store-owner`).
+    pub fn trusting(mut self, uid: Option<u32>) -> LocalBackend {
+        self.owners.trusted = uid;
+        self
+    }
+
     fn chunk_path(&self, id: &ChunkId) -> PathBuf {
         self.object_path(&super::chunk_key(id))
     }
 
+    /// The store folder held open, and what this process may do with it; an error before `init`.
+    fn held(&self) -> Result<(&Beneath, Access)> {
+        self.held.get().map(|(d, a)| (d, *a)).ok_or_else(|| {
+            Error::Internal(format!("store {} used before it was opened", self.location))
+        })
+    }
+
+    /// The store folder, to read from.
+    fn dir(&self) -> Result<&Beneath> {
+        self.held().map(|(d, _)| d)
+    }
+
+    /// The store folder, to write to: another user's store trusted read-only refuses.
+    fn writable(&self) -> Result<&Beneath> {
+        match self.held()? {
+            (dir, Access::ReadWrite) => Ok(dir),
+            (_, Access::ReadOnly { owner }) => Err(Error::ReadOnly {
+                path: self.root.as_path().into(),
+                owner: user_name(owner),
+            }),
+        }
+    }
+
+    /// A temporary name in `folder` (`""`: the store folder) for `name`, unique among this store's writers.
+    fn temp_name(&self, folder: &str, name: &str) -> String {
+        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let tmp = format!(
+            ".{name}.tmp.{}.{n}.{:08x}",
+            std::process::id(),
+            crate::store::random_u32()
+        );
+        if folder.is_empty() {
+            tmp
+        } else {
+            format!("{folder}/{tmp}")
+        }
+    }
+
+    /// Writes object `key` atomically and durably: temporary name, fsync, rename, fsync of the folder.
+    fn put_durable(&self, dir: &Beneath, key: &str, bytes: &[u8]) -> io::Result<()> {
+        let (folder, name) = key.rsplit_once('/').unwrap_or(("", key));
+        let tmp = self.temp_name(folder, name);
+        let written = (|| {
+            let mut f = dir.create_new(&tmp, FILE_MODE, OFlag::empty())?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+            dir.rename(&tmp, key)?;
+            dir.sync(folder)
+        })();
+        if written.is_err() {
+            let _ = dir.remove_file(&tmp);
+        }
+        written
+    }
+
     /// Writes an object under a temporary name and renames it into place: readers see no object or a
     /// complete one. Whole page-aligned objects are written with direct I/O while the filesystem takes it.
-    fn put_file(&self, path: &Path, object: Object<'_>) -> Result<()> {
+    fn put_file(&self, key: &str, object: Object<'_>) -> Result<()> {
+        let path = self.object_path(key);
         if let Some(e) = crate::fault::io_error("store.write") {
             return Err(Error::io("cannot write chunk", path)(e));
         }
-        let dir = path.parent().expect("object paths have a parent");
+        let dir = self.writable()?;
+        let (folder, name) = key.rsplit_once('/').expect("object keys have a folder");
         let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default();
-        let tmp = dir.join(format!(
-            ".tmp.{}.{}.{}",
+        let tmp = format!(
+            "{folder}/.tmp.{}.{}.{}",
             &name[..name.len().min(16)],
             std::process::id(),
             n
-        ));
+        );
         let direct = match object {
             Object::Whole(o) => self.direct.load(Ordering::Relaxed) && is_direct_io_aligned(o),
             Object::Parts(parts) => self.direct.load(Ordering::Relaxed) && blocks_layout(parts),
         };
-        let open = || {
-            OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(FILE_MODE)
-                .custom_flags(if direct { libc::O_DIRECT } else { 0 })
-                .open(&tmp)
+        let flags = if direct {
+            OFlag::O_DIRECT
+        } else {
+            OFlag::empty()
         };
+        let open = || dir.create_new(&tmp, FILE_MODE, flags);
         let file = match open() {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                create_private_dir_all(dir).map_err(Error::io("cannot create folder", dir))?;
-                open().map_err(Error::io("cannot create chunk", &tmp))?
+                dir.create_dir_all(folder, DIR_MODE)
+                    .map_err(Error::io("cannot create folder", dir.join(folder)))?;
+                open().map_err(Error::io("cannot create chunk", dir.join(&tmp)))?
             }
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                 self.no_direct_io(&e);
-                return self.put_file(path, object);
+                return self.put_file(key, object);
             }
-            Err(e) => return Err(Error::io("cannot create chunk", &tmp)(e)),
+            Err(e) => return Err(Error::io("cannot create chunk", dir.join(&tmp))(e)),
         };
         let written = match object {
             Object::Whole(o) if direct => write_direct(&file, o),
@@ -168,12 +242,12 @@ impl LocalBackend {
             Object::Parts(parts) => parts.iter().try_for_each(|p| (&file).write_all(p)),
         };
         if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
+            let _ = dir.remove_file(&tmp);
             if direct && e.raw_os_error() == Some(libc::EINVAL) {
                 self.no_direct_io(&e);
-                return self.put_file(path, object);
+                return self.put_file(key, object);
             }
-            return Err(Error::io("cannot write chunk", &tmp)(e));
+            return Err(Error::io("cannot write chunk", dir.join(&tmp))(e));
         }
         // Start writeback of what went through the page cache (everything, or the last partial block of a
         // direct write) so that the final sync finds little left to write; don't wait for it.
@@ -184,9 +258,9 @@ impl LocalBackend {
         drop(file);
         // rename() is atomic. If a concurrent writer stored the same name first, its copy is byte-identical,
         // so replacing it is harmless.
-        fs::rename(&tmp, path).map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            Error::io("cannot rename chunk into place", path)(e)
+        dir.rename(&tmp, key).map_err(|e| {
+            let _ = dir.remove_file(&tmp);
+            Error::io("cannot rename chunk into place", &path)(e)
         })
     }
 
@@ -250,86 +324,32 @@ impl LocalBackend {
         }
     }
 
-    fn lock_file(&self) -> Result<File> {
-        let path = self.root.join("lock");
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(FILE_MODE)
-            .open(&path)
-            .map_err(Error::io("cannot open lock file", &path))
-    }
-
-    /// Puts every store path's permissions back to 0700 (folders) and 0600 (files) where they differ;
-    /// with `chunks`, the chunk files and their folders too. Returns what differed.
-    fn restore_modes(&self, chunks: bool) -> Vec<String> {
-        let mut found = Vec::new();
-        for dir in [&self.root, &self.chunks, &self.manifests, &self.staging] {
-            restore_mode(dir, DIR_MODE, &mut found);
-        }
-        for file in [STORE_FILE, "lock"] {
-            restore_mode(&self.root.join(file), FILE_MODE, &mut found);
-        }
-        let files_in = |dir: &Path, found: &mut Vec<String>| {
-            for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
-                restore_mode(&entry.path(), FILE_MODE, found);
-            }
+    /// The store's lock file, to `flock`: created where missing, except in a store trusted read-only,
+    /// where readers lock it if it is there and need none where it is not (nothing can write or collect
+    /// in a store no one may write). `Ok(None)`: no lock needed.
+    fn lock_file(&self, mode: LockMode) -> Result<Option<File>> {
+        let (dir, access) = self.held()?;
+        let path = dir.join("lock");
+        let read_only = |dir: &Beneath| match dir.open_file("lock", OFlag::O_RDONLY, 0) {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io("cannot open lock file", &path)(e)),
         };
-        files_in(&self.manifests, &mut found);
-        if chunks {
-            for sub in fs::read_dir(&self.chunks).into_iter().flatten().flatten() {
-                if sub.file_type().is_ok_and(|t| t.is_dir()) {
-                    restore_mode(&sub.path(), DIR_MODE, &mut found);
-                    files_in(&sub.path(), &mut found);
+        match (access, mode) {
+            (Access::ReadOnly { .. }, LockMode::Exclusive) => self.writable().map(|_| None),
+            (Access::ReadOnly { .. }, LockMode::Shared) => read_only(dir),
+            (Access::ReadWrite, _) => {
+                match dir.open_file("lock", OFlag::O_RDWR | OFlag::O_CREAT, FILE_MODE) {
+                    Ok(f) => Ok(Some(f)),
+                    // A store on a read-only mount (restoring on another node): as above.
+                    Err(e) if e.raw_os_error() == Some(libc::EROFS) && mode == LockMode::Shared => {
+                        read_only(dir)
+                    }
+                    Err(e) => Err(Error::io("cannot open lock file", &path)(e)),
                 }
             }
         }
-        found
     }
-
-    fn create_layout(&self) -> Result<()> {
-        for dir in [&self.root, &self.chunks, &self.manifests, &self.staging] {
-            create_private_dir_all(dir).map_err(|e| writable_error(&self.root, e))?;
-        }
-        // The root may have existed (an empty folder the user made): make it private too.
-        set_mode(&self.root, DIR_MODE)?;
-        self.write_marker()
-            .map_err(|e| writable_error(&self.root, e))?;
-        fsync_dir(&self.root).map_err(Error::io("cannot sync", &self.root))
-    }
-
-    /// Writes the marker of this build's store version, atomically and durably.
-    fn write_marker(&self) -> io::Result<()> {
-        write_atomic(&self.root.join(STORE_FILE), &marker())
-    }
-
-    /// Marks a store of an older version as this build's before anything is written to it: builds of the
-    /// older version would misread what this one writes (compressed chunks in chunk format version 2 read
-    /// as damaged), and the marker makes them refuse the store instead, naming the versions. A store whose
-    /// marker cannot be rewritten (a read-only mount, an immutable folder) still opens for reading (verify,
-    /// restore), and [`Backend::check_writable`] then refuses writes.
-    fn upgrade_marker(&self, from: u32) {
-        match self.write_marker() {
-            Ok(()) => tracing::debug!(
-                "{}: store format version {from} marked {STORE_FORMAT_VERSION}",
-                self.root.display()
-            ),
-            Err(e) => {
-                self.old_marker.store(true, Ordering::Relaxed);
-                tracing::debug!(
-                    "{}: store format version {from} left as it is ({e}); the store is read only",
-                    self.root.display()
-                );
-            }
-        }
-    }
-}
-
-fn set_mode(path: &Path, mode: u32) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(|e| writable_error(path, e))
 }
 
 fn writable_error(path: &Path, source: io::Error) -> Error {
@@ -349,101 +369,79 @@ impl Backend for LocalBackend {
     }
 
     fn init(&self) -> Result<()> {
-        // A file (or anything but a folder) given as the storage is a usage error, not an I/O failure.
-        if fs::metadata(&self.root).is_ok_and(|m| !m.is_dir()) {
-            return Err(Error::Invalid(format!(
-                "storage {} is not a folder",
-                self.root.display()
-            )));
+        if self.held.get().is_some() {
+            return Ok(());
         }
-        let marker = self.root.join(STORE_FILE);
-        match fs::read(&marker) {
-            Ok(bytes) => {
-                let version = check_marker(&bytes, &marker.display().to_string())?;
-                if version < STORE_FORMAT_VERSION {
-                    self.upgrade_marker(version);
-                }
-                // Folders may be missing if someone cleaned up by hand; they hold nothing we need to keep.
-                for dir in [&self.chunks, &self.manifests, &self.staging] {
-                    if !dir.is_dir() {
-                        create_private_dir_all(dir).map_err(|e| writable_error(dir, e))?;
-                    }
-                }
-                // Loosened permissions are put back on every open (the folders and manifests: a few
-                // paths); `verify` also checks every chunk.
-                warn_modes(&self.root, &self.restore_modes(false));
-                Ok(())
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                // A new store, in a missing or empty folder; never in a folder that holds other things.
-                if let Ok(mut entries) = fs::read_dir(&self.root) {
-                    if entries.next().is_some() {
-                        return Err(Error::BadStore {
-                            path: (&self.root).into(),
-                            reason: "is not empty and not a gpu-checkpoint store (no store.json); \
-                                     use an empty or new folder"
-                                .into(),
-                        });
-                    }
-                }
-                self.create_layout()
-            }
-            Err(e) => Err(Error::io("cannot read", marker)(e)),
-        }
+        let held = self.open_store()?;
+        // Two threads opening one backend at once: both checked it; either holds it.
+        let _ = self.held.set(held);
+        Ok(())
     }
 
     fn check_writable(&self) -> Result<()> {
+        let dir = self.writable()?;
         if self.old_marker.load(Ordering::Relaxed) {
             // Retried: what this build writes must not go into a store older builds would misread.
-            self.write_marker()
-                .map_err(|e| writable_error(&self.root.join(STORE_FILE), e))?;
+            self.write_marker(dir)
+                .map_err(|e| writable_error(&dir.join(STORE_FILE), e))?;
             self.old_marker.store(false, Ordering::Relaxed);
         }
         // Really write and sync a file: a read-only mount, a full disk or missing permissions show up here,
         // before any process is touched.
-        let probe = self.staging.join(format!(
-            ".probe.{}.{}",
+        let probe = format!(
+            "staging/.probe.{}.{}",
             std::process::id(),
             self.tmp_counter.fetch_add(1, Ordering::Relaxed)
-        ));
+        );
         let result = (|| {
-            let mut f = crate::util::create_private_file(&probe)?;
+            let mut f = dir.create_new(&probe, FILE_MODE, OFlag::empty())?;
             f.write_all(b"gpu-checkpoint write probe\n")?;
             f.sync_all()
         })();
-        let _ = fs::remove_file(&probe);
+        let _ = dir.remove_file(&probe);
         result.map_err(|e| writable_error(&self.root, e))?;
         // Chunk and manifest folders must be writable too (they could have different owners).
-        for dir in [&self.chunks, &self.manifests] {
-            let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-                .map_err(|_| Error::NulInPath { path: dir.clone() })?;
-            // SAFETY: access() with a valid NUL-terminated path.
-            if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-                return Err(writable_error(dir, io::Error::last_os_error()));
+        for folder in ["chunks", "manifests"] {
+            let name = std::ffi::CString::new(folder).expect("no NUL");
+            // SAFETY: faccessat on the held folder's descriptor with a NUL-terminated name.
+            if unsafe {
+                libc::faccessat(
+                    dir.fd().as_raw_fd(),
+                    name.as_ptr(),
+                    libc::W_OK | libc::X_OK,
+                    0,
+                )
+            } != 0
+            {
+                return Err(writable_error(
+                    &dir.join(folder),
+                    io::Error::last_os_error(),
+                ));
             }
         }
         Ok(())
     }
 
     fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
-        let path = self.object_path(key);
         if durable {
             // Temporary name, sync, rename, sync the folder: after this the object exists, and a crash
             // before it leaves no trace of it.
+            let dir = self.writable()?;
             let bytes = parts.concat();
-            return match write_atomic(&path, &bytes) {
+            return match self.put_durable(dir, key, &bytes) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    let dir = path.parent().expect("object paths have a parent");
-                    create_private_dir_all(dir).map_err(Error::io("cannot create folder", dir))?;
-                    write_atomic(&path, &bytes)
+                    let folder = key.rsplit_once('/').map_or("", |(f, _)| f);
+                    dir.create_dir_all(folder, DIR_MODE)
+                        .map_err(Error::io("cannot create folder", dir.join(folder)))?;
+                    self.put_durable(dir, key, &bytes)
                 }
                 r => r,
             }
-            .map_err(Error::io("cannot write", &path));
+            .map_err(Error::io("cannot write", self.object_path(key)));
         }
         match parts {
-            [whole] => self.put_file(&path, Object::Whole(whole)),
-            parts => self.put_file(&path, Object::Parts(parts)),
+            [whole] => self.put_file(key, Object::Whole(whole)),
+            parts => self.put_file(key, Object::Parts(parts)),
         }
     }
 
@@ -451,54 +449,45 @@ impl Backend for LocalBackend {
         if keys.is_empty() {
             return Ok(());
         }
+        let dir = self.dir()?;
         if keys.len() >= SYNCFS_THRESHOLD {
-            let root = File::open(&self.root).map_err(Error::io("cannot open", &self.root))?;
             // SAFETY: syncfs on a valid fd. Since Linux 5.8 it reports writeback errors.
-            if unsafe { libc::syncfs(root.as_raw_fd()) } == 0 {
+            if unsafe { libc::syncfs(dir.fd().as_raw_fd()) } == 0 {
                 return Ok(());
             }
             let e = io::Error::last_os_error();
             tracing::debug!("syncfs failed ({e}); falling back to fsync per file");
         }
-        let mut dirs = std::collections::BTreeSet::new();
+        let mut folders = std::collections::BTreeSet::new();
         for key in keys {
-            let path = self.object_path(key);
-            File::open(&path)
-                .and_then(|f| f.sync_all())
-                .map_err(Error::io("cannot sync", &path))?;
+            dir.sync(key)
+                .map_err(Error::io("cannot sync", self.object_path(key)))?;
             // The object's folder (a chunk's fan-out folder) and the folder that holds it, which a new
             // fan-out folder was added to.
-            let dir = path.parent().expect("parent").to_path_buf();
-            if let Some(up) = dir.parent().filter(|up| up.starts_with(&self.root)) {
-                dirs.insert(up.to_path_buf());
-            }
-            dirs.insert(dir);
+            let folder = key.rsplit_once('/').map_or("", |(f, _)| f);
+            folders.insert(folder.rsplit_once('/').map_or("", |(up, _)| up));
+            folders.insert(folder);
         }
-        for dir in dirs {
-            fsync_dir(&dir).map_err(Error::io("cannot sync folder", &dir))?;
+        for folder in folders {
+            dir.sync(folder)
+                .map_err(Error::io("cannot sync folder", dir.join(folder)))?;
         }
         Ok(())
     }
 
     fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
-        let path = self.object_path(key);
-        let mut file = match open_regular(&path) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(false),
-            Err(e) => return Err(Error::io("cannot open", path)(e)),
+        let Some(mut file) = self.open_object(key)? else {
+            return Ok(false);
         };
         buf.clear();
         file.read_to_end(buf)
-            .map_err(Error::io("cannot read", &path))?;
+            .map_err(Error::io("cannot read", self.object_path(key)))?;
         Ok(true)
     }
 
     fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
-        let path = self.object_path(key);
-        let file = match open_regular(&path) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(false),
-            Err(e) => return Err(Error::io("cannot open", path)(e)),
+        let Some(file) = self.open_object(key)? else {
+            return Ok(false);
         };
         let want = range.end.saturating_sub(range.start) as usize;
         buf.clear();
@@ -509,7 +498,7 @@ impl Backend for LocalBackend {
                 Ok(0) => break,
                 Ok(k) => n += k,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io("cannot read", &path)(e)),
+                Err(e) => return Err(Error::io("cannot read", self.object_path(key))(e)),
             }
         }
         buf.truncate(n);
@@ -517,8 +506,7 @@ impl Backend for LocalBackend {
     }
 
     fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
-        let path = self.object_path(key);
-        match fs::symlink_metadata(&path) {
+        match self.dir()?.symlink_metadata(key) {
             Ok(m) if m.is_file() => Ok(Some(ObjectMeta {
                 key: key.to_owned(),
                 size: m.len(),
@@ -526,32 +514,28 @@ impl Backend for LocalBackend {
             })),
             Ok(_) => Ok(None),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(Error::io("cannot look at", path)(e)),
+            Err(e) => Err(Error::io("cannot look at", self.object_path(key))(e)),
         }
     }
 
     fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
         // The folder the prefix ends in, walked two levels down at most (chunks/ab/NAME is the deepest
         // the layout goes): only regular files, never a link followed, nor a temporary file (a dot name).
+        let dir = self.dir()?;
         let (dir_key, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
-        let dir = if dir_key.is_empty() {
-            self.root.clone()
-        } else {
-            self.root.join(dir_key)
-        };
-        let mut stack = vec![(dir, dir_key.to_owned(), 0)];
-        while let Some((dir, key, depth)) = stack.pop() {
-            let entries = match fs::read_dir(&dir) {
+        let mut stack = vec![(dir_key.to_owned(), 0)];
+        while let Some((key, depth)) = stack.pop() {
+            let entries = match dir.entries_stat(&key) {
                 Ok(e) => e,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
                     continue
                 }
-                Err(e) => return Err(Error::io("cannot list", &dir)(e)),
+                Err(e) => return Err(Error::io("cannot list", dir.join(&key))(e)),
             };
             for entry in entries {
-                let entry = entry.map_err(Error::io("cannot list", &dir))?;
-                let name = entry.file_name();
-                let Some(name) = name.to_str() else { continue };
+                let Some(name) = entry.name.to_str() else {
+                    continue;
+                };
                 if name.starts_with('.') {
                     continue;
                 }
@@ -560,20 +544,18 @@ impl Backend for LocalBackend {
                 } else {
                     format!("{key}/{name}")
                 };
-                let Ok(kind) = entry.file_type() else {
-                    continue;
-                };
-                if kind.is_dir() && depth < 2 {
-                    if prefix.starts_with(&format!("{child}/")) || child.starts_with(prefix) {
-                        stack.push((entry.path(), child, depth + 1));
+                match entry.kind {
+                    Kind::Dir if depth < 2 => {
+                        if prefix.starts_with(&format!("{child}/")) || child.starts_with(prefix) {
+                            stack.push((child, depth + 1));
+                        }
                     }
-                } else if kind.is_file() && child.starts_with(prefix) {
-                    let meta = entry.metadata().ok();
-                    f(ObjectMeta {
+                    Kind::File if child.starts_with(prefix) => f(ObjectMeta {
                         key: child,
-                        size: meta.as_ref().map_or(0, |m| m.len()),
-                        modified: meta.and_then(|m| m.modified().ok()),
-                    });
+                        size: entry.len,
+                        modified: entry.modified,
+                    }),
+                    _ => {}
                 }
             }
         }
@@ -581,24 +563,25 @@ impl Backend for LocalBackend {
     }
 
     fn delete(&self, key: &str) -> Result<bool> {
-        let path = self.object_path(key);
-        match fs::remove_file(&path) {
+        let dir = self.writable()?;
+        match dir.remove_file(key) {
             Ok(()) => {
                 // A deleted manifest must stay deleted after a crash; a chunk's deletion need not be
                 // durable (gc would delete it again).
                 if !key.starts_with(super::CHUNKS) {
-                    let dir = path.parent().expect("parent");
-                    fsync_dir(dir).map_err(Error::io("cannot sync", dir))?;
+                    let folder = key.rsplit_once('/').map_or("", |(f, _)| f);
+                    dir.sync(folder)
+                        .map_err(Error::io("cannot sync", dir.join(folder)))?;
                 }
                 Ok(true)
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(Error::io("cannot delete", path)(e)),
+            Err(e) => Err(Error::io("cannot delete", self.object_path(key))(e)),
         }
     }
 
     fn prefetch(&self, key: &str) {
-        if let Ok(file) = File::open(self.object_path(key)) {
+        if let Ok(Some(file)) = self.open_object(key) {
             // SAFETY: fadvise on a valid fd; WILLNEED only starts reading the file into the page cache.
             unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
         }
@@ -606,6 +589,16 @@ impl Backend for LocalBackend {
 
     fn local(&self) -> Option<&dyn LocalFs> {
         Some(self)
+    }
+}
+
+impl LocalBackend {
+    /// Opens object `key` for reading when it is a regular file (`None`: missing, a link, or anything else:
+    /// not one of the store's objects).
+    fn open_object(&self, key: &str) -> Result<Option<File>> {
+        self.dir()?
+            .open_regular(key)
+            .map_err(Error::io("cannot open", self.object_path(key)))
     }
 }
 
@@ -627,6 +620,30 @@ impl LocalFs for LocalBackend {
         self.root.join(key)
     }
 
+    fn read_only(&self) -> bool {
+        matches!(self.held(), Ok((_, Access::ReadOnly { .. })))
+    }
+
+    fn create_staging(&self, id: &str) -> Result<PathBuf> {
+        let dir = self.writable()?;
+        let rel = format!("staging/{id}");
+        match dir.create_dir(&rel, DIR_MODE) {
+            Ok(()) => Ok(dir.join(&rel)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(Error::Conflict(format!(
+                "staging folder {} exists already",
+                dir.join(&rel).display()
+            ))),
+            Err(e) => Err(Error::Unwritable {
+                path: dir.join(&rel).into(),
+                source: e,
+            }),
+        }
+    }
+
+    fn open_chunk(&self, id: &ChunkId) -> Option<File> {
+        self.open_object(&super::chunk_key(id)).ok().flatten()
+    }
+
     fn aligned_objects(&self) -> bool {
         self.direct.load(Ordering::Relaxed)
     }
@@ -641,7 +658,7 @@ impl LocalFs for LocalBackend {
         }
         let path = self.chunk_path(id);
         // Missing, unreadable or not a regular file: the usual read reports it.
-        let Ok(Some(file)) = open_regular(&path) else {
+        let Some(file) = self.open_chunk(id) else {
             return Ok(None);
         };
         let len = file
@@ -658,10 +675,8 @@ impl LocalFs for LocalBackend {
         buf: &mut AlignedBuf,
     ) -> Result<Option<usize>> {
         let path = self.chunk_path(id);
-        let file = match open_regular(&path) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(None),
-            Err(e) => return Err(Error::io("cannot open chunk", path)(e)),
+        let Some(file) = self.open_object(&super::chunk_key(id))? else {
+            return Ok(None);
         };
         let len = file
             .metadata()
@@ -679,26 +694,8 @@ impl LocalFs for LocalBackend {
     }
 
     fn lock(&self, mode: LockMode) -> Result<LockGuard> {
-        let file = match (self.lock_file(), mode) {
-            (Ok(f), _) => f,
-            // A store on a read-only mount (restoring on another node): readers lock the existing file
-            // read-only, or need no lock where there is none (nothing can write or collect here).
-            (Err(Error::Io { source, .. }), LockMode::Shared)
-                if source.raw_os_error() == Some(libc::EROFS) =>
-            {
-                match File::open(self.root.join("lock")) {
-                    Ok(f) => f,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                        return Ok(LockGuard(Box::new(())))
-                    }
-                    Err(e) => {
-                        return Err(Error::io("cannot open lock file", self.root.join("lock"))(
-                            e,
-                        ))
-                    }
-                }
-            }
-            (Err(e), _) => return Err(e),
+        let Some(file) = self.lock_file(mode)? else {
+            return Ok(LockGuard(Box::new(())));
         };
         let lock = flock(file, mode, false)
             .map_err(Error::io("cannot lock", self.root.join("lock")))?
@@ -707,58 +704,31 @@ impl LocalFs for LocalBackend {
     }
 
     fn try_lock(&self, mode: LockMode) -> Result<Option<LockGuard>> {
-        let file = self.lock_file()?;
+        let Some(file) = self.lock_file(mode)? else {
+            return Ok(Some(LockGuard(Box::new(()))));
+        };
         let lock =
             flock(file, mode, true).map_err(Error::io("cannot lock", self.root.join("lock")))?;
         Ok(lock.map(|l| LockGuard(Box::new(l))))
     }
 
     fn restore_permissions(&self) -> Vec<String> {
-        let found = self.restore_modes(true);
-        warn_modes(&self.root, &found);
+        let Ok(dir) = self.writable() else {
+            // Another user's store, read only: its permissions are its owner's to fix.
+            return Vec::new();
+        };
+        let found = self.restore_modes(dir, true);
+        super::files::warn_modes(&self.root, &found);
         found
     }
 
     fn cleanup_stale(&self) -> Result<StaleCleanup> {
-        let mut out = StaleCleanup::default();
-        if let Ok(entries) = fs::read_dir(&self.staging) {
-            for entry in entries.flatten() {
-                let path = entry.path();
-                out.bytes += tree_size(&path);
-                let removed = if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    fs::remove_dir_all(&path)
-                } else {
-                    fs::remove_file(&path)
-                };
-                removed.map_err(Error::io("cannot remove stale staging", &path))?;
-                out.staging_dirs += 1;
-            }
-        }
-        let mut remove_temps = |dir: &Path| -> Result<()> {
-            let Ok(entries) = fs::read_dir(dir) else {
-                return Ok(());
-            };
-            for entry in entries.flatten() {
-                if entry.file_name().to_string_lossy().starts_with(".tmp.")
-                    || entry.file_name().to_string_lossy().contains(".json.tmp.")
-                {
-                    out.bytes += entry.metadata().map(|m| m.len()).unwrap_or(0);
-                    let path = entry.path();
-                    fs::remove_file(&path).map_err(Error::io("cannot remove temporary", &path))?;
-                    out.temp_objects += 1;
-                }
-            }
-            Ok(())
-        };
-        remove_temps(&self.manifests)?;
-        if let Ok(subs) = fs::read_dir(&self.chunks) {
-            for sub in subs.flatten() {
-                remove_temps(&sub.path())?;
-            }
-        }
-        Ok(out)
+        self.remove_stale()
     }
 }
+
+#[path = "local_layout.rs"]
+mod layout;
 
 #[cfg(test)]
 #[path = "local_tests.rs"]

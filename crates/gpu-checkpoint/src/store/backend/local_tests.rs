@@ -4,6 +4,7 @@ use super::*;
 use crate::store::backend::Objects;
 use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
 use crate::testdata::random_bytes as random;
+use std::fs;
 use std::os::unix::fs::PermissionsExt;
 
 fn backend(dir: &Path, direct: bool) -> LocalBackend {

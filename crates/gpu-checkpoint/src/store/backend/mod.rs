@@ -20,6 +20,7 @@ mod memory;
 mod objects;
 #[cfg(feature = "s3")]
 mod s3;
+mod trust;
 
 pub use cache::{CacheStats, CachedBackend};
 pub use local::{LocalBackend, DIRECT_IO_ENV};
@@ -27,6 +28,7 @@ pub use memory::MemoryBackend;
 pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
 #[cfg(feature = "s3")]
 pub use s3::{S3Backend, S3Config, S3_RETRY_TIMEOUT_ENV};
+pub use trust::{user_name, Access};
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -165,8 +167,23 @@ pub trait LocalFs: Send + Sync {
     /// The folder, on the store's own file system, in which ingests get their staging folders.
     fn staging_root(&self) -> &Path;
 
-    /// The file holding object `key`.
+    /// The file holding object `key` (for messages and tests: the backend itself reaches its files only
+    /// below the folder it held open when it checked the store's owner, never through a link).
     fn object_path(&self, key: &str) -> PathBuf;
+
+    /// Whether the store is another user's, trusted for reading only: the flows then keep their logs and
+    /// work folders elsewhere, and nothing is written to it.
+    fn read_only(&self) -> bool {
+        false
+    }
+
+    /// Creates the private staging folder of checkpoint `id` in [`LocalFs::staging_root`] and returns its
+    /// path (a folder of that name existing already is a conflict).
+    fn create_staging(&self, id: &str) -> Result<PathBuf>;
+
+    /// Chunk `id`'s object file, opened for reading (never through a link); `None` when it is missing or
+    /// not a regular file.
+    fn open_chunk(&self, id: &ChunkId) -> Option<std::fs::File>;
 
     /// Whether a whole page-aligned object given as one part to [`Backend::put`] is written with direct
     /// I/O: the ingest then builds each object in an aligned buffer

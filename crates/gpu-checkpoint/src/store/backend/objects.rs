@@ -156,6 +156,11 @@ pub trait Objects: Backend {
         self.local().map(|l| l.object_path(&chunk_key(id)))
     }
 
+    /// The chunk's object as a local file opened for reading, where the store is a local folder.
+    fn open_local_chunk(&self, id: &ChunkId) -> Option<std::fs::File> {
+        self.local().and_then(|l| l.open_chunk(id))
+    }
+
     /// Whether cold chunks are read past the page cache ([`LocalFs::read_chunk_uncached`]).
     ///
     /// [`LocalFs::read_chunk_uncached`]: super::LocalFs::read_chunk_uncached

@@ -119,6 +119,7 @@ fn small_chunks() -> StoreOptions {
             avg_size: 16384,
             max_size: 65536,
         },
+        ..StoreOptions::default()
     }
 }
 

@@ -188,11 +188,7 @@ pub(super) fn verify_raw_in_place(
     let cref = info.files[fi].chunks[ci];
     let id = cref.id.expect("only stored chunks are fetched");
     let len = cref.len as usize;
-    let Some(file) = inner
-        .backend
-        .local_chunk_file(&id)
-        .and_then(|p| fs::File::open(p).ok())
-    else {
+    let Some(file) = inner.backend.open_local_chunk(&id) else {
         return Ok(None);
     };
     // The header first: a compressed chunk goes the usual way, and mapping (and populating) its whole
