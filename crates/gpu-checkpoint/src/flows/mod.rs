@@ -16,6 +16,7 @@ pub mod manifest;
 mod phases;
 pub mod restore;
 pub(crate) mod thaw;
+pub(crate) mod workdir;
 
 use std::time::Instant;
 

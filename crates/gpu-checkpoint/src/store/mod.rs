@@ -664,7 +664,8 @@ fn is_plain_id(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-fn random_u32() -> u32 {
+/// 32 random bits (the kernel's), for names no one can guess.
+pub(crate) fn random_u32() -> u32 {
     let mut b = [0u8; 4];
     // SAFETY: getrandom writes at most b.len() bytes into b.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), libc::GRND_NONBLOCK) };

@@ -683,38 +683,29 @@ fn link_files(
 
 /// Where [`ContainerFlow`] puts the runtime's images on restore (and runsc's on checkpoint): a private
 /// folder in the store's folder (same disk as the chunks, so that links work), removed when dropped.
-pub(crate) struct WorkDir(PathBuf);
+pub(crate) struct WorkDir(crate::flows::workdir::WorkDir);
 
 impl WorkDir {
     fn create(store: &Store, id: &str) -> Result<WorkDir, Error> {
-        let parent = store
-            .local_dir()
-            .map(|d| d.join("container-work"))
-            .unwrap_or_else(std::env::temp_dir);
-        let work = |source| Error::WorkDir {
-            path: parent.clone(),
-            source,
+        let place = crate::flows::workdir::Place {
+            store: store.local_dir(),
+            folder: "container-work",
+            temp_prefix: "gpu-checkpoint-container",
         };
-        if store.local_dir().is_some() {
-            crate::util::ensure_private_dir(&parent).map_err(work)?;
-        }
-        crate::util::create_unique_private_dir(&parent, &format!("{id}."))
+        crate::flows::workdir::WorkDir::create(&place, id)
             .map(WorkDir)
-            .map_err(work)
+            .map_err(|(path, source)| Error::WorkDir { path, source })
     }
 
     fn path(&self) -> &std::path::Path {
-        &self.0
+        self.0.path()
     }
 }
 
 impl Drop for WorkDir {
     fn drop(&mut self) {
-        // Never through what a failed restore left mounted in it.
-        unmount_under(&self.0);
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
-            tracing::warn!("could not remove {}: {e}", self.0.display());
-        }
+        // Never through what a failed restore left mounted in it (the folder itself is removed after this).
+        unmount_under(self.0.path());
     }
 }
 
