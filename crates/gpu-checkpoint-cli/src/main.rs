@@ -119,10 +119,13 @@ fn main() {
 
 /// Prints an error as one clear line plus its causes, and picks the exit code from the first library
 /// error in the chain, whichever stage's it is (or from a [`commands::Exit`], e.g. a usage error).
+/// Control characters in the messages (from an archive, a server, a runtime's output) are printed escaped,
+/// never raw to the terminal.
 fn report(err: &anyhow::Error) -> ExitStatus {
-    eprintln!("error: {err}");
+    use gpu_checkpoint::fmt::escape_controls;
+    eprintln!("error: {}", escape_controls(&err.to_string()));
     for cause in err.chain().skip(1) {
-        eprintln!("  caused by: {cause}");
+        eprintln!("  caused by: {}", escape_controls(&cause.to_string()));
     }
     for cause in err.chain() {
         if let Some(status) = gpu_checkpoint::error::exit_status_of(cause) {

@@ -1,7 +1,29 @@
-//! Numbers written for people: byte counts in reports, errors and the command-line tool.
+//! Text written for people: byte counts in reports, errors and the command-line tool, and untrusted text
+//! made safe to print.
 //!
 //! One formatter for every caller, so that a size reads the same in `detect`'s evidence, a blocker's
 //! message and the store's summaries (`list`, `inspect`, `gc`, ...).
+
+use std::borrow::Cow;
+
+/// `s` with every control character but newline and tab escaped (`\u{1b}`, `\r`, `\0`...): text that came
+/// from an archive, a server, a record or a runtime's output may hold terminal escapes, which would
+/// otherwise reach the user's terminal (rewrite what it shows, set its title, ...) from an error message.
+pub fn escape_controls(s: &str) -> Cow<'_, str> {
+    let unsafe_char = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if !s.chars().any(unsafe_char) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if unsafe_char(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
 
 /// Binary units above bytes, up to the largest a u64 can reach in practice.
 const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -23,7 +45,19 @@ pub fn human_bytes(n: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::human_bytes;
+    use super::{escape_controls, human_bytes};
+
+    #[test]
+    fn control_characters_are_escaped_and_the_rest_kept() {
+        assert!(matches!(
+            escape_controls("plain ü\n\tok"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(
+            escape_controls("a\u{1b}]0;title\u{7}b\rc\u{9b}d\u{0}\u{7f}"),
+            "a\\u{1b}]0;title\\u{7}b\\rc\\u{9b}d\\0\\u{7f}"
+        );
+    }
 
     #[test]
     fn human_sizes() {

@@ -35,6 +35,9 @@ pub struct ExportArgs {
     /// The S3 endpoint, as for the other store commands.
     #[arg(long, value_name = "URL")]
     pub s3_endpoint: Option<String>,
+    /// Also accept a local store of USER, read-only, as for the other store commands.
+    #[arg(long, value_name = "USER", env = "GPU_CHECKPOINT_TRUST_STORE_OWNER", value_parser = super::list::user_id)]
+    pub trust_store_owner: Option<u32>,
     /// For `podman container restore --import` of a checkpoint taken by `checkpoint --container`: the
     /// name of an image in podman's storage whose root file system is the container's (`podman import`
     /// of the bundle's rootfs). With --podman-image-id.
@@ -68,6 +71,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         storage: args.storage,
         s3_endpoint: args.s3_endpoint,
         format: Format::Text,
+        trust_store_owner: args.trust_store_owner,
     }
     .open()?;
     let podman = args

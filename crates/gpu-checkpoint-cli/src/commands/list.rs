@@ -43,6 +43,18 @@ pub struct StoreArgs {
     /// `json` prints results as JSON on stdout and nothing else.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
+    /// Also accept a local store that belongs to USER (a name or a uid), for reading only: nothing is
+    /// written, changed or removed in it. A store is otherwise used only when it belongs to the user
+    /// running the tool or to root (exit 4). Restoring from a store runs what it holds as root: trust its
+    /// owner as much (docs/security.md).
+    #[arg(long, value_name = "USER", env = "GPU_CHECKPOINT_TRUST_STORE_OWNER", value_parser = user_id)]
+    pub trust_store_owner: Option<u32>,
+}
+
+/// A user given by name or uid.
+pub fn user_id(s: &str) -> Result<u32, String> {
+    gpu_checkpoint::store::backend::uid_of(s)
+        .ok_or_else(|| format!("no user {s:?} on this system (give a name or a uid)"))
 }
 
 impl StoreArgs {
@@ -56,17 +68,23 @@ impl StoreArgs {
     /// `--cache-dir`).
     pub fn open_cached(&self, cache: Option<&std::path::Path>) -> anyhow::Result<Store> {
         self.endpoint_to_env();
-        Store::open_existing_cached(&self.storage, StoreOptions::default(), cache).map_err(|e| {
-            match e {
-                gpu_checkpoint::store::Error::Invalid(m) => super::usage(m),
-                e => anyhow::Error::new(e).context(format!("cannot open store {}", self.storage)),
-            }
+        let opts = StoreOptions {
+            trusted_owner: self.trust_store_owner,
+            ..StoreOptions::default()
+        };
+        Store::open_existing_cached(&self.storage, opts, cache).map_err(|e| match e {
+            gpu_checkpoint::store::Error::Invalid(m) => super::usage(m),
+            e => anyhow::Error::new(e).context(format!("cannot open store {}", self.storage)),
         })
     }
 
     /// Opens the store, creating it where there is none (checkpoint).
     pub fn open_or_create(&self, opts: StoreOptions) -> anyhow::Result<Store> {
         self.endpoint_to_env();
+        let opts = StoreOptions {
+            trusted_owner: self.trust_store_owner,
+            ..opts
+        };
         Ok(Store::open_storage(&self.storage, opts)?)
     }
 

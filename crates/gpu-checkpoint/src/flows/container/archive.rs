@@ -125,12 +125,38 @@ struct ConfigDump {
     checkpointed_time: String,
 }
 
+/// The archive is not what it should be. The reason may quote the archive (entry names, a header's bytes):
+/// its control characters are escaped.
 fn bad(path: &Path, reason: impl Into<String>) -> crate::Error {
     Error::Archive {
         path: path.to_path_buf(),
-        reason: reason.into(),
+        reason: crate::fmt::escape_controls(&reason.into()).into_owned(),
     }
     .into()
+}
+
+/// Copies an archive entry into `out`, telling the archive's failures (a short or garbled archive: a bad
+/// input) from the store's (a full file system: a storage error, exit status 6).
+fn copy_entry(
+    archive: &Path,
+    entry: &mut impl Read,
+    out: &mut File,
+    dest: &Path,
+) -> crate::Result<()> {
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = match entry.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(bad(archive, format!("not a readable tar archive: {e}"))),
+        };
+        out.write_all(&buf[..n])
+            .map_err(|source| crate::store::Error::Unwritable {
+                path: dest.into(),
+                source,
+            })?;
+    }
 }
 
 /// An I/O failure on `path`, as the container flow's work-folder error.
@@ -465,9 +491,18 @@ pub fn import_oci(
         if let Some(d) = dest.parent() {
             crate::util::create_private_dir_all(d).map_err(io(d))?;
         }
-        let mut out = crate::util::create_new_private_file(&dest)
-            .map_err(|e| bad(archive, format!("entry {rel}: {e} (twice in the archive?)")))?;
-        std::io::copy(&mut entry, &mut out).map_err(read)?;
+        let mut out = crate::util::create_new_private_file(&dest).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                bad(archive, format!("entry {rel}: {e} (twice in the archive?)"))
+            } else {
+                crate::store::Error::Unwritable {
+                    path: dest.as_path().into(),
+                    source: e,
+                }
+                .into()
+            }
+        })?;
+        copy_entry(archive, &mut entry, &mut out, &dest)?;
     }
 
     let config_path = staging.join(OCI_DIR).join(CONFIG_DUMP);

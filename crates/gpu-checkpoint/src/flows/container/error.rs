@@ -6,6 +6,8 @@ use crate::exit::{Classify, ExitStatus};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("bad container id {id:?}: {reason}")]
+    BadId { id: String, reason: String },
     #[error("{runtime} not found ({what}); scripts/install-containers.sh installs it")]
     RuntimeMissing { runtime: String, what: String },
     #[error("no container {id} in {runtime} (root {root})")]
@@ -70,7 +72,8 @@ impl Classify for Error {
             Error::RuntimeMissing { .. } => ExitStatus::ToolMissing,
             Error::NoSuchContainer { .. } => ExitStatus::NoSuchProcess,
             Error::NotRunning { .. } | Error::Exists { .. } => ExitStatus::Conflict,
-            Error::NotAContainerCheckpoint { .. }
+            Error::BadId { .. }
+            | Error::NotAContainerCheckpoint { .. }
             | Error::WrongRuntime { .. }
             | Error::Archive { .. }
             | Error::NoBundle { .. }

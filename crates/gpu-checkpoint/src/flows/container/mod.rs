@@ -33,6 +33,7 @@ mod error;
 mod fake;
 mod follow;
 mod guards;
+mod id;
 pub mod members;
 mod oci;
 mod restore;
@@ -47,6 +48,7 @@ pub use direct::DirectDump;
 pub use error::Error;
 pub use fake::FakeRuntime;
 pub use follow::{Follow, FollowReader};
+pub use id::check_container_id;
 pub use oci::{unmount_under, OciCli, RuntimeKind};
 pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
 pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
@@ -171,6 +173,7 @@ pub fn discover(
     id: &str,
     opts: &DetectOptions,
 ) -> crate::Result<Discovered> {
+    check_container_id(id)?;
     let state = runtime.state(id)?;
     if state.status != "running" || state.pid <= 0 {
         return Err(Error::NotRunning {

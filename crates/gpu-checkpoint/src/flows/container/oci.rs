@@ -200,6 +200,7 @@ impl ContainerRuntime for OciCli {
     }
 
     fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {
+        super::check_container_id(id)?;
         let out = self.run(&["ps", "--format", "json", id])?;
         super::sandbox::parse_ps(&out).ok_or_else(|| Error::Protocol {
             runtime: self.kind.name().into(),
@@ -208,6 +209,7 @@ impl ContainerRuntime for OciCli {
     }
 
     fn direct_dump(&self, id: &str, init: i32) -> Result<Option<super::DirectDump>, Error> {
+        super::check_container_id(id)?;
         if self.kind != RuntimeKind::Runc {
             return Ok(None);
         }
@@ -215,6 +217,8 @@ impl ContainerRuntime for OciCli {
     }
 
     fn state(&self, id: &str) -> Result<ContainerState, Error> {
+        // Never on the runtime's command line unchecked (an id like `--help` is an option there).
+        super::check_container_id(id)?;
         match self.run(&["state", id]) {
             Ok(out) => serde_json::from_str(&out).map_err(|e| Error::Protocol {
                 runtime: self.kind.name().into(),
@@ -242,10 +246,12 @@ impl ContainerRuntime for OciCli {
     }
 
     fn pause(&self, id: &str) -> Result<(), Error> {
+        super::check_container_id(id)?;
         self.run(&["pause", id]).map(drop)
     }
 
     fn resume(&self, id: &str) -> Result<(), Error> {
+        super::check_container_id(id)?;
         self.run(&["resume", id]).map(drop)
     }
 
@@ -279,6 +285,7 @@ impl ContainerRuntime for OciCli {
     }
 
     fn checkpoint(&self, req: &CheckpointRequest<'_>) -> Result<(), Error> {
+        super::check_container_id(req.id)?;
         let images = req.images.display().to_string();
         let mut args = vec!["checkpoint", "--image-path", &images];
         if self.kind == RuntimeKind::Runsc && req.leave_running {
@@ -308,6 +315,7 @@ impl ContainerRuntime for OciCli {
     }
 
     fn restore(&self, req: &RestoreRequest<'_>) -> Result<(), Error> {
+        super::check_container_id(req.id)?;
         let images = req.images.display().to_string();
         let bundle = req.bundle.display().to_string();
         // The restored container inherits the runtime's stdio: never a pipe of ours (we would wait for
@@ -390,10 +398,12 @@ impl ContainerRuntime for OciCli {
     }
 
     fn kill(&self, id: &str, signal: &str) -> Result<(), Error> {
+        super::check_container_id(id)?;
         self.run(&["kill", id, signal]).map(drop)
     }
 
     fn delete(&self, id: &str, force: bool) -> Result<(), Error> {
+        super::check_container_id(id)?;
         unmount_under(&self.state_dir(id));
         let mut args = vec!["delete"];
         if force {

@@ -141,8 +141,9 @@ impl ContainerFlow<'_> {
     ) -> crate::Result<ContainerRestoreOutcome> {
         let started = Instant::now();
         let interrupt = InterruptGuard::new();
-        let (info, manifest, record) = self.find_container(&opts.checkpoint)?;
         let id = opts.id.as_str();
+        super::check_container_id(id)?;
+        let (info, manifest, record) = self.find_container(&opts.checkpoint)?;
         match self.runtime.state(id) {
             Err(Error::NoSuchContainer { .. }) => {}
             Err(e) => return Err(e.into()),

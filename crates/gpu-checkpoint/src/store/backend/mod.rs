@@ -28,7 +28,7 @@ pub use memory::MemoryBackend;
 pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
 #[cfg(feature = "s3")]
 pub use s3::{S3Backend, S3Config, S3_RETRY_TIMEOUT_ENV};
-pub use trust::{user_name, Access};
+pub use trust::{uid_of, user_name, Access};
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};

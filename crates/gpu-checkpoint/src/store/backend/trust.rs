@@ -57,6 +57,14 @@ pub fn user_name(uid: u32) -> String {
     }
 }
 
+/// The uid of user `name`, or `name` itself when it is a number.
+pub fn uid_of(name: &str) -> Option<u32> {
+    match nix::unistd::User::from_name(name) {
+        Ok(Some(u)) => Some(u.uid.as_raw()),
+        _ => name.parse().ok(),
+    }
+}
+
 /// Who may own a store's folders and files: the effective user, root and, read-only, `trusted`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Owners {
