@@ -55,7 +55,7 @@ mod tests {
         ));
         assert_eq!(
             escape_controls("a\u{1b}]0;title\u{7}b\rc\u{9b}d\u{0}\u{7f}"),
-            "a\\u{1b}]0;title\\u{7}b\\rc\\u{9b}d\\0\\u{7f}"
+            "a\\u{1b}]0;title\\u{7}b\\rc\\u{9b}d\\u{0}\\u{7f}"
         );
     }
 
