@@ -354,7 +354,8 @@ fn a_list_without_permission_is_exit_4() {
 }
 /// Issue 13, item 11: loosened store permissions (the store folder 0755, a chunk 0644, a manifest 0644) are
 /// reported by `verify` on stderr and put back to 0700/0600; opening the store to write does the same for
-/// folders and manifests.
+/// folders and manifests. (Permissions that let others write are refused instead: issue 26,
+/// `store_trust.rs`.)
 #[test]
 fn loosened_permissions_are_reported_and_put_back() {
     let t = tempfile::tempdir().unwrap();
@@ -369,7 +370,7 @@ fn loosened_permissions_are_reported_and_put_back() {
     let manifest = store.manifest_path(&id).unwrap();
     let loosen = || {
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
-        fs::set_permissions(dir.join("chunks"), fs::Permissions::from_mode(0o777)).unwrap();
+        fs::set_permissions(dir.join("chunks"), fs::Permissions::from_mode(0o755)).unwrap();
         fs::set_permissions(&chunk, fs::Permissions::from_mode(0o644)).unwrap();
         fs::set_permissions(&manifest, fs::Permissions::from_mode(0o644)).unwrap();
     };

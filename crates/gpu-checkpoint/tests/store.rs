@@ -1424,3 +1424,60 @@ fn a_read_only_store_can_be_verified_and_restored() {
     store.materialize(&info.id, &out, &NoProgress).unwrap();
     assert!(out.join("pages-1.img").is_file());
 }
+
+/// Issue 26: six first checkpoints started at once into a store folder that did not exist yet (the ranks of
+/// a job, agents sharing a file system): four failed with "is not empty and not a gpu-checkpoint store (no
+/// store.json)". Six opens and checkpoints at once, many rounds: every one succeeds, into one store.
+#[test]
+fn concurrent_first_opens_make_one_store() {
+    let t = tempfile::tempdir().unwrap();
+    for round in 0..25 {
+        let dir = t.path().join(format!("r{round}")).join("store");
+        let start = std::sync::Barrier::new(6);
+        std::thread::scope(|s| {
+            for i in 0..6u8 {
+                let (dir, start) = (&dir, &start);
+                s.spawn(move || {
+                    start.wait();
+                    let store = Store::open(dir, small_opts())
+                        .unwrap_or_else(|e| panic!("round {round}, opener {i}: {e}"));
+                    ingest(&store, None, |d| {
+                        fs::write(d.join("core-1.img"), [i; 64]).unwrap()
+                    });
+                });
+            }
+        });
+        let store = Store::open(&dir, small_opts()).unwrap();
+        assert_eq!(store.list().unwrap().len(), 6, "round {round}");
+        assert!(store.verify(None, &NoProgress).unwrap().problems.is_empty());
+    }
+}
+
+/// A store folder that is a file, a folder holding something else, or a marker that is a link: each is
+/// refused with what is wrong, and nothing is made in it.
+#[test]
+fn only_an_empty_or_missing_folder_becomes_a_store() {
+    let t = tempfile::tempdir().unwrap();
+    let other = t.path().join("other");
+    fs::create_dir(&other).unwrap();
+    fs::write(other.join("notes.txt"), "mine").unwrap();
+    let err = Store::open(&other, small_opts()).err().unwrap();
+    assert!(err.to_string().contains("is not empty"), "{err}");
+    assert_eq!(
+        fs::read_dir(&other).unwrap().count(),
+        1,
+        "nothing made in it"
+    );
+    let linked = t.path().join("linked");
+    fs::create_dir(&linked).unwrap();
+    std::os::unix::fs::symlink(other.join("notes.txt"), linked.join("store.json")).unwrap();
+    let err = Store::open(&linked, small_opts()).err().unwrap();
+    assert_eq!(err.exit_status(), ExitStatus::PermissionDenied, "{err}");
+    assert!(err.to_string().contains("symbolic link"), "{err}");
+    // An empty folder of this user made with a loose umask becomes a private store.
+    let loose = t.path().join("loose");
+    fs::create_dir(&loose).unwrap();
+    fs::set_permissions(&loose, fs::Permissions::from_mode(0o775)).unwrap();
+    Store::open(&loose, small_opts()).unwrap();
+    assert_eq!(mode(&loose), 0o700);
+}
