@@ -217,7 +217,21 @@ impl Beneath {
 
     /// Opens `rel` with `flags` (`O_NOFOLLOW` and `O_CLOEXEC` added) and, for a file it creates, `mode`.
     pub fn open_fd(&self, rel: impl AsRef<Path>, flags: OFlag, mode: u32) -> io::Result<OwnedFd> {
-        open_below(self.fd.as_fd(), rel.as_ref(), flags, mode, true)
+        let rel = rel.as_ref();
+        match open_below(self.fd.as_fd(), rel, flags, mode, true) {
+            // A folder asked for where a link is: the kernel says "not a folder"; say it is a link, so that
+            // no caller takes it for a missing or a plain entry.
+            Err(e)
+                if e.raw_os_error() == Some(libc::ENOTDIR)
+                    && flags.contains(OFlag::O_DIRECTORY) =>
+            {
+                let link = open_below(self.fd.as_fd(), rel, OFlag::O_PATH, 0, true)
+                    .and_then(|fd| File::from(fd).metadata())
+                    .is_ok_and(|m| m.file_type().is_symlink());
+                Err(if link { errno(Errno::ELOOP) } else { e })
+            }
+            r => r,
+        }
     }
 
     /// [`Beneath::open_fd`] as a file.

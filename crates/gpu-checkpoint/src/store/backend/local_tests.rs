@@ -149,3 +149,84 @@ fn a_raw_chunk_in_a_segment_goes_to_the_device_from_where_it_lies() {
         parts.parts().concat()
     );
 }
+
+/// Links planted in a store after it was opened and checked (the race the owner check alone would leave):
+/// every operation works below the folder held open and follows none of them, so nothing outside is
+/// removed, chmodded or created (issue 26).
+#[test]
+fn links_planted_after_the_open_lead_nowhere() {
+    use std::os::unix::fs::symlink;
+    let t = tempfile::tempdir().unwrap();
+    let b = backend(t.path(), false);
+    let root = t.path().join("store");
+    let outside = t.path().join("outside");
+    fs::create_dir_all(outside.join("sub")).unwrap();
+    for f in ["a", "sub/b"] {
+        fs::write(outside.join(f), "keep").unwrap();
+        fs::set_permissions(outside.join(f), fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let untouched = || {
+        for f in ["a", "sub/b"] {
+            assert_eq!(fs::read_to_string(outside.join(f)).unwrap(), "keep");
+            assert_eq!(
+                fs::metadata(outside.join(f)).unwrap().permissions().mode() & 0o777,
+                0o644
+            );
+        }
+    };
+    let plant = |name: &str, target: &Path| {
+        let at = root.join(name);
+        if at.is_dir() {
+            fs::remove_dir_all(&at).unwrap();
+        } else {
+            let _ = fs::remove_file(&at);
+        }
+        symlink(target, at).unwrap();
+    };
+    plant("staging", &outside);
+    plant("manifests", &outside);
+    let created = t.path().join("created");
+    plant("lock", &created);
+    fs::remove_dir_all(root.join("chunks")).unwrap();
+    fs::create_dir(root.join("chunks")).unwrap();
+    symlink(&outside, root.join("chunks/ab")).unwrap();
+
+    assert!(
+        b.cleanup_stale().is_err(),
+        "a linked staging folder is refused"
+    );
+    let listed = b.list_manifests();
+    assert!(
+        listed.is_err(),
+        "a linked manifests folder is refused: {listed:?}"
+    );
+    b.restore_permissions();
+    assert!(b.lock(LockMode::Shared).is_err());
+    assert!(b.try_lock(LockMode::Exclusive).is_err());
+    assert!(!created.exists(), "the lock was created through its link");
+    assert!(b.put("manifests/x.json", &[b"{}"], true).is_err());
+    let id = ChunkId::of(b"x");
+    let key = crate::store::backend::chunk_key(&id);
+    let fan = &id.to_hex()[..2];
+    fs::remove_file(root.join("chunks/ab")).unwrap();
+    symlink(&outside, root.join("chunks").join(fan)).unwrap();
+    assert!(b.put(&key, &[b"object"], false).is_err());
+    assert!(b.delete(&format!("chunks/{fan}/a")).is_err());
+    assert!(!b
+        .get(&format!("chunks/{fan}/a"), &mut Vec::new())
+        .unwrap_or(false));
+    assert!(b
+        .head(&format!("chunks/{fan}/a"))
+        .map_or(true, |m| m.is_none()));
+    untouched();
+    assert_eq!(
+        fs::read_dir(&outside).unwrap().count(),
+        2,
+        "nothing made outside"
+    );
+    // Opening the store again refuses it, naming the link.
+    let err = LocalBackend::with_direct_io(&root, false)
+        .init()
+        .unwrap_err();
+    assert!(err.to_string().contains("symbolic link"), "{err}");
+}
