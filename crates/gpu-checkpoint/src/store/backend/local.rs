@@ -545,10 +545,12 @@ impl Backend for LocalBackend {
                     format!("{key}/{name}")
                 };
                 match entry.kind {
-                    Kind::Dir if depth < 2 => {
-                        if prefix.starts_with(&format!("{child}/")) || child.starts_with(prefix) {
-                            stack.push((child, depth + 1));
-                        }
+                    Kind::Dir
+                        if depth < 2
+                            && (prefix.starts_with(&format!("{child}/"))
+                                || child.starts_with(prefix)) =>
+                    {
+                        stack.push((child, depth + 1));
                     }
                     Kind::File if child.starts_with(prefix) => f(ObjectMeta {
                         key: child,
