@@ -274,6 +274,18 @@ fn another_users_store_is_refused_and_only_read_when_trusted() {
         assert_eq!(code, Some(6), "{args:?}: {err}");
         assert!(err.contains("trusted for reading only"), "{err}");
     }
+    // An import writes: refused too, into the store of another user trusted or not.
+    let src = s.dir.path().join("a.tar");
+    archive(&src, 10_000);
+    let (code, err) = s.run(&["import", src.to_str().unwrap()]);
+    assert_eq!(code, Some(4), "{err}");
+    let (code, err) = s.run(&[
+        "import",
+        src.to_str().unwrap(),
+        "--trust-store-owner",
+        "nobody",
+    ]);
+    assert_eq!(code, Some(6), "{err}");
     assert_eq!(
         snapshot(&s.store),
         before,

@@ -2,11 +2,14 @@
 //!
 //! The tool runs as root, so every place it writes must be one no other local user can steer: the store's
 //! own `logs/` folder, or a per-user folder in the temporary folder that must already be private
-//! (created 0700, refused when it is a link, belongs to someone else or is open to others). Log files are
-//! created new (`O_EXCL`, `O_NOFOLLOW`): a planted file or link is never written through.
+//! (created 0700, refused when it is a link, belongs to someone else or is open to others), held open and
+//! written below without following a link ([`crate::beneath`]). Log files are created new (`O_EXCL`,
+//! `O_NOFOLLOW`): a planted file or link is never written through.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use crate::beneath::Beneath;
 
 /// Where the flows keep CRIU logs that are not part of a checkpoint: failed dumps, and restores.
 pub fn logs_dir(storage: &Path) -> PathBuf {
@@ -26,31 +29,32 @@ pub fn fallback_logs_dir() -> PathBuf {
 /// went, or `None` when it could be kept nowhere.
 pub fn save_log(storage: Option<&Path>, src: &Path, name: &str) -> Option<PathBuf> {
     let data = std::fs::read(src).ok()?;
-    for dir in storage
-        .map(logs_dir)
-        .into_iter()
-        .chain([fallback_logs_dir()])
-    {
-        let usable = match storage {
-            // The store's folder is ours (0700, made by us); its logs/ must be a private folder in it.
-            Some(s) if dir.starts_with(s) => crate::util::ensure_private_dir(&dir),
-            _ => crate::util::check_trusted_dir(&std::env::temp_dir())
-                .and_then(|()| crate::util::ensure_private_dir(&dir)),
+    let in_store = storage.map(|s| open_logs(s, true));
+    let fallback = || {
+        let temp = std::env::temp_dir();
+        crate::util::check_trusted_dir(&temp)?;
+        let dir = fallback_logs_dir();
+        crate::util::ensure_private_dir(&dir)?;
+        open_logs(&dir, false)
+    };
+    for dir in in_store.into_iter().chain(std::iter::once_with(fallback)) {
+        let dir = match dir {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!("not keeping the log {name} there: {e}");
+                continue;
+            }
         };
-        if let Err(e) = usable {
-            tracing::debug!("not keeping the log in {}: {e}", dir.display());
-            continue;
-        }
         for n in 0..100 {
-            let dest = match n {
-                0 => dir.join(name),
-                n => dir.join(format!("{name}.{n}")),
+            let file = match n {
+                0 => name.to_string(),
+                n => format!("{name}.{n}"),
             };
-            match crate::util::create_new_private_file(&dest) {
+            match dir.create_new(&file, crate::util::FILE_MODE, nix::fcntl::OFlag::empty()) {
                 Ok(mut f) => match f.write_all(&data) {
-                    Ok(()) => return Some(dest),
+                    Ok(()) => return Some(dir.join(&file)),
                     Err(_) => {
-                        let _ = std::fs::remove_file(&dest);
+                        let _ = dir.remove_file(&file);
                         break;
                     }
                 },
@@ -60,6 +64,24 @@ pub fn save_log(storage: Option<&Path>, src: &Path, name: &str) -> Option<PathBu
         }
     }
     None
+}
+
+/// The private logs folder: `STORE/logs` (`in_store`, made where missing), or the fallback itself, held
+/// open; it must be a private folder of this user, reached without a link.
+fn open_logs(dir: &Path, in_store: bool) -> std::io::Result<Beneath> {
+    let held = if in_store {
+        let store = Beneath::open(dir)?;
+        match store.create_dir("logs", crate::util::DIR_MODE) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        store.subdir("logs")?
+    } else {
+        Beneath::open(dir)?
+    };
+    crate::util::check_private(&held.metadata()?, held.path())?;
+    Ok(held)
 }
 
 #[cfg(test)]

@@ -356,4 +356,42 @@ mod tests {
         fs::create_dir(dir.path().join("elsewhere")).unwrap();
         assert!(CachedBackend::new(mem, &link).is_err());
     }
+
+    /// Issue 26: a link planted in the cache (a fan-out folder pointing elsewhere) is never followed, to
+    /// read or to write; and a cache folder of another user (made where root's would go) is refused.
+    #[test]
+    fn links_in_the_cache_lead_nowhere_and_another_users_folder_is_refused() {
+        let raw: Vec<u8> = (0..20_000u32).map(|i| (i % 11) as u8).collect();
+        let (mem, id, dir) = stored(&raw, None);
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        let cache_dir = dir.path().join("cache");
+        let cache = CachedBackend::new(mem.clone(), &cache_dir).unwrap();
+        let fan = &id.to_hex()[..2];
+        std::os::unix::fs::symlink(&outside, cache.root.path().join(fan)).unwrap();
+        // A copy of the chunk where the link points: not taken from there, and nothing written there.
+        fs::write(outside.join(id.to_hex()), b"planted").unwrap();
+        let mut buf = Vec::new();
+        assert!(cache.get(&chunk_key(&id), &mut buf).unwrap());
+        assert_eq!(cache.stats().hits, 0);
+        assert_eq!(cache.stats().fetched, 1);
+        assert_eq!(fs::read_dir(&outside).unwrap().count(), 1);
+        assert_eq!(fs::read(outside.join(id.to_hex())).unwrap(), b"planted");
+
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI runs as root: this test needs it"
+            );
+            eprintln!("SKIPPED (the other-user half): not root");
+            return;
+        }
+        let theirs = dir.path().join("theirs");
+        fs::create_dir(&theirs).unwrap();
+        fs::set_permissions(&theirs, fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        let err = CachedBackend::new(mem, &theirs).err().unwrap();
+        assert!(err.to_string().contains("not a private folder"), "{err}");
+    }
 }
