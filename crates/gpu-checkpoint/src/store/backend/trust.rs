@@ -80,12 +80,15 @@ impl Owners {
         if self.trusted == Some(uid) {
             return Ok(Access::ReadOnly { owner: uid });
         }
+        let allowed = match me() {
+            0 => "root".to_string(),
+            me => format!("this user ({}) or root", user_name(me)),
+        };
         Err(format!(
-            "belongs to {}, not to this user ({}) or root: whoever owns a store can make the tool run \
-             their code and reach any file through it (a store you only read: --trust-store-owner USER, \
-             read-only)",
+            "belongs to {}, not to {allowed}: whoever owns a store can make the tool run their code and \
+             reach any file through it (to read a store of a user you trust: --trust-store-owner USER, \
+             read-only; docs/security.md)",
             user_name(uid),
-            user_name(me())
         ))
     }
 
