@@ -1,7 +1,7 @@
 //! The local backend's direct I/O: objects of every length written and read back exact.
 
 use super::*;
-use crate::store::backend::Objects;
+use crate::store::backend::{LockMode, Objects};
 use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
 use crate::testdata::random_bytes as random;
 use std::fs;
