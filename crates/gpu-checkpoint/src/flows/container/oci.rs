@@ -80,14 +80,25 @@ impl OciCli {
                 runtime: kind.name().into(),
                 what: "not on PATH".into(),
             })?;
-        Ok(OciCli {
+        Ok(OciCli::at(kind, binary, criu, root, extra))
+    }
+
+    /// The runtime `kind` at `binary` (the engines' path runs the real runc a node names).
+    pub fn at(
+        kind: RuntimeKind,
+        binary: PathBuf,
+        criu: Option<PathBuf>,
+        root: Option<PathBuf>,
+        extra: Vec<String>,
+    ) -> OciCli {
+        OciCli {
             kind,
             binary,
             criu: criu.filter(|_| kind == RuntimeKind::Runc),
             root,
             extra,
             restore_proxy: None,
-        })
+        }
     }
 
     /// Lets runc restore from streamed images through `exe`, a program that acts as
