@@ -52,8 +52,7 @@ const LIBEXEC: &str = "usr/local/libexec/gpu-checkpoint";
 const PLUGINS: &str = "usr/local/lib/gpu-checkpoint/criu-plugins";
 const CONFIG: &str = "etc/gpu-checkpoint/node.json";
 const CONTAINERD_CONFIG: &str = "etc/containerd/config.toml";
-const CONTAINERD_IMPORTS: &str = "imports = ['/etc/containerd/conf.d/*.toml']";
-/// Where node-setup notes that it added [`CONTAINERD_IMPORTS`] (the undo removes it then only).
+/// Where node-setup notes that it added the `imports` line (the undo removes it then only).
 const IMPORTS_ADDED: &str = "etc/gpu-checkpoint/containerd-imports-added";
 
 fn drop_in(engine: EngineKind) -> &'static str {
@@ -177,27 +176,27 @@ impl NodeSetup {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(io(&main, e)),
         };
+        let conf_d = self.named("etc/containerd/conf.d");
+        let wanted = format!("{}/*.toml", conf_d.display());
+        let line = imports_line(&conf_d);
         let imports = text.lines().find(|l| l.trim_start().starts_with("imports"));
         match imports {
-            Some(l) if l.contains("/etc/containerd/conf.d/") => Ok(None),
+            Some(l) if l.contains(&wanted) => Ok(None),
             Some(l) => Err(Error::Io(format!(
-                "{} has its own `{}`: add '/etc/containerd/conf.d/*.toml' to it",
+                "{} has its own `{}`: add '{wanted}' to it",
                 main.display(),
                 l.trim()
             ))),
             None => {
                 // A top-level key goes before the first table.
                 let body = if text.is_empty() {
-                    format!("version = 3\n{CONTAINERD_IMPORTS}\n")
+                    format!("version = 3\n{line}\n")
                 } else {
-                    format!("{CONTAINERD_IMPORTS}\n{text}")
+                    format!("{line}\n{text}")
                 };
                 write(&main, body.as_bytes(), 0o644)?;
-                write(&self.at(IMPORTS_ADDED), b"", 0o644)?;
-                Ok(Some(format!(
-                    "added `{CONTAINERD_IMPORTS}` to {}",
-                    main.display()
-                )))
+                write(&self.at(IMPORTS_ADDED), line.as_bytes(), 0o644)?;
+                Ok(Some(format!("added `{line}` to {}", main.display())))
             }
         }
     }
@@ -220,10 +219,12 @@ pub fn undo(engine: EngineKind, prefix: &Path) -> Result<Vec<String>, Error> {
     remove(prefix.join(drop_in(engine)))?;
     if engine == EngineKind::Containerd && prefix.join(IMPORTS_ADDED).exists() {
         let main = prefix.join(CONTAINERD_CONFIG);
+        // The line node-setup wrote names the conf.d folder as the files do (the note holds it).
+        let added = std::fs::read_to_string(prefix.join(IMPORTS_ADDED)).unwrap_or_default();
         if let Ok(text) = std::fs::read_to_string(&main) {
             let kept: String = text
                 .lines()
-                .filter(|l| l.trim() != CONTAINERD_IMPORTS)
+                .filter(|l| l.trim() != added.trim())
                 .map(|l| format!("{l}\n"))
                 .collect();
             write(&main, kept.as_bytes(), 0o644)?;
@@ -243,6 +244,11 @@ pub fn undo(engine: EngineKind, prefix: &Path) -> Result<Vec<String>, Error> {
         }
     }
     Ok(done)
+}
+
+/// containerd's `imports` line for the drop-ins of `conf_d`.
+fn imports_line(conf_d: &Path) -> String {
+    format!("imports = [{}]", toml_string(&conf_d.join("*.toml")))
 }
 
 /// Writes `bytes` to `path` (its folders made), with `mode`, through a temporary file renamed over.
@@ -293,7 +299,8 @@ mod tests {
         std::fs::write(&main, original).unwrap();
         s.install().unwrap();
         let conf = std::fs::read_to_string(&main).unwrap();
-        assert!(conf.starts_with(CONTAINERD_IMPORTS), "{conf}");
+        let line = imports_line(&s.at("etc/containerd/conf.d"));
+        assert!(conf.starts_with(&format!("{line}\n{original}")), "{conf}");
         let drop = std::fs::read_to_string(s.at(drop_in(EngineKind::Containerd))).unwrap();
         assert!(
             drop.contains(&format!("BinaryName = \"{}\"", s.wrapper().display())),

@@ -1,0 +1,223 @@
+//! Kubernetes' checkpoint path with a real containerd (2.1) driven through its CRI API as the kubelet
+//! drives it (KEP-2008 `CheckpointContainer`; restore by `CreateContainer` from the archive), the node
+//! set up as docs/kubernetes.md says (`gpu-checkpoint node-setup --engine containerd`): containerd's runc
+//! is gpu-checkpoint's wrapper, which freezes the SIMULATED GPU state of the container's processes with
+//! the freeze stage around runc's checkpoint, records it in containerd's own archive, and restores it
+//! onto the GPUs the new container was given. Needs root, CRIU, runc, busybox-static and containerd
+//! (scripts/install-containerd.sh): fails in CI without them, skips locally.
+
+mod container_support;
+mod engine_support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use container_support::*;
+use engine_support::*;
+use gpu_checkpoint::freeze::sim;
+
+/// The container's init: a shell counting in memory (written to /tmp/c) beside a SIMULATED GPU process
+/// with one child, each computing on simulated GPU 0.
+const GPU_SCRIPT: &str = "gpu-sim-workload --mib 8 --children 1 --workers 1 & \
+     i=0; while true; do i=$((i+1)); echo $i > /tmp/c; usleep 100000; done";
+const CPU_SCRIPT: &str = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; usleep 100000; done";
+
+const RUNNING: i32 = cri_client::api::ContainerState::ContainerRunning as i32;
+
+fn gpu_env(index: u32) -> (&'static str, String) {
+    (
+        "NVIDIA_VISIBLE_DEVICES",
+        sim::sim_gpu_uuid(index).to_string(),
+    )
+}
+
+/// The container's SIMULATED GPU processes, once `n` of them answer.
+fn gpu_pids(node: &mut Node, id: &str, n: usize) -> Vec<i32> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let pids: Vec<i32> = node
+            .pids(id)
+            .into_iter()
+            .filter(|&p| sim::status(p).is_ok())
+            .collect();
+        if pids.len() >= n {
+            return pids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{id}: {pids:?} of {n} GPU processes up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The shell's counter, once it has one.
+fn counter(node: &mut Node, id: &str) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(n) = node.read_number(id, "/tmp/c") {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "{id}: no counter");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Creates and starts container `name` in pod `pod` running `script` with `env`.
+fn run(
+    node: &mut Node,
+    pod: &(String, cri_client::api::PodSandboxConfig),
+    name: &str,
+    image: &str,
+    script: &str,
+    env: &[(&str, &str)],
+) -> Result<String, (String, cri_client::Error)> {
+    let config = container_config(name, image, script, env);
+    let id = node
+        .cri
+        .create(&pod.0, &config, &pod.1)
+        .expect("CreateContainer");
+    node.cri.start(&id).map_err(|e| (id.clone(), e))?;
+    Ok(id)
+}
+
+/// The record gpu-checkpoint put into containerd's archive.
+fn record_of(archive_path: &Path) -> serde_json::Value {
+    let files = archive(archive_path);
+    assert!(
+        files.contains_key("checkpoint/inventory.img"),
+        "CRIU's images in containerd's archive: {:?}",
+        files.keys()
+    );
+    for f in ["config.dump", "spec.dump", "status.dump"] {
+        assert!(files.contains_key(f), "{f}: {:?}", files.keys());
+    }
+    let rec = files
+        .get("checkpoint/gpu-checkpoint.json")
+        .unwrap_or_else(|| panic!("no GPU record in the archive: {:?}", files.keys()));
+    serde_json::from_slice(rec).unwrap()
+}
+
+#[test]
+fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the_gpu_it_is_given() {
+    if !containerd_ready() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), &[]);
+    let pod = node.pod("gpu-pod");
+    let (k, v) = gpu_env(0);
+    let id = run(
+        &mut node,
+        &pod,
+        "gpu",
+        &image().name,
+        GPU_SCRIPT,
+        &[(k, &v)],
+    )
+    .unwrap();
+    let pids = gpu_pids(&mut node, &id, 2);
+    let before = counter(&mut node, &id);
+
+    // KEP-2008: the kubelet's checkpoint is the CRI's CheckpointContainer; the container runs on.
+    let ck = dir.path().join("checkpoint.tar");
+    node.cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let after = counter(&mut node, &id);
+    assert_eq!(node.state(&id), RUNNING);
+    assert_healthy(&pids);
+
+    // containerd's own archive, with our record: the GPU state frozen by the freeze stage.
+    let rec = record_of(&ck);
+    assert_eq!(rec["schema"], "gpu-checkpoint/engine-checkpoint");
+    assert!(
+        rec["frozen_by"]
+            .as_str()
+            .unwrap()
+            .contains("gpu-checkpoint"),
+        "{rec}"
+    );
+    assert_eq!(rec["strategy"], "cuda-driver");
+    assert_eq!(rec["leave_running"], true);
+    assert_eq!(rec["given_gpus"], serde_json::json!([v]));
+    let gpu = &rec["gpu"];
+    assert_eq!(gpu["backend"], "sim");
+    assert!(
+        gpu["driver_version"]
+            .as_str()
+            .unwrap()
+            .contains("SIMULATED"),
+        "{gpu}"
+    );
+    assert_eq!(gpu["gpus"][0]["model"], sim::SIM_MODEL);
+    assert!(gpu["gpus"][0]["memory_bytes"].as_u64().unwrap() > 0);
+    let processes = gpu["processes"].as_array().unwrap();
+    assert_eq!(processes.len(), 2, "{gpu}");
+    for p in processes {
+        let ops: Vec<&str> = p["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["op"].as_str().unwrap())
+            .collect();
+        assert_eq!(ops, ["lock", "checkpoint"], "{p}");
+        assert!(p["memory"][0]["bytes"].as_u64().unwrap() >= 8 << 20, "{p}");
+    }
+    assert_eq!(
+        gpu["thaw"].as_array().unwrap().len(),
+        2,
+        "restored + unlocked after the dump"
+    );
+
+    // The pod goes; the kubelet's restore creates the container from the archive in a new pod, given
+    // another GPU: the checkpoint's GPU 0 is mapped onto it.
+    node.cri.remove(&id, Duration::ZERO).unwrap();
+    node.cri.remove_pod(&pod.0).unwrap();
+    wait_gone(&pids);
+    let pod2 = node.pod("gpu-pod-restored");
+    let (k, v1) = gpu_env(1);
+    let restored = run(
+        &mut node,
+        &pod2,
+        "gpu",
+        &ck.display().to_string(),
+        GPU_SCRIPT,
+        &[(k, &v1)],
+    )
+    .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    assert_eq!(node.state(&restored), RUNNING);
+    let now = gpu_pids(&mut node, &restored, 2);
+    assert_healthy(&now);
+    for &p in &now {
+        let st = sim::status(p).unwrap();
+        assert_eq!(
+            st["uuids"], v1,
+            "pid {p} runs on the GPU the container was given"
+        );
+    }
+    // The counter carried on from where it was checkpointed.
+    let resumed = counter(&mut node, &restored);
+    assert!(
+        resumed >= before && resumed < after + 50,
+        "before {before}, at the checkpoint <= {after}, restored {resumed}"
+    );
+    wait_for("the restored counter to go on", &|| {
+        node_counter_above(&node.socket, &restored, resumed)
+    });
+}
+
+/// Whether container `id`'s counter went past `n` (a client of its own: `wait_for` takes `Fn`).
+fn node_counter_above(socket: &Path, id: &str, n: u64) -> bool {
+    let mut cri = cri_client::Cri::connect(socket, Duration::from_secs(10)).unwrap();
+    cri.exec(id, &["cat", "/tmp/c"])
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .is_some_and(|v| v > n)
+}
