@@ -221,3 +221,164 @@ fn node_counter_above(socket: &Path, id: &str, n: u64) -> bool {
         })
         .is_some_and(|v| v > n)
 }
+
+/// `runc state` of `id` under containerd's runc root: whether runc knows the container.
+fn runc_knows(id: &str) -> bool {
+    std::process::Command::new("runc")
+        .args(["--root", RUNC_ROOT, "state", id])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Every GPU process is `running` (not locked, not checkpointed), verified and computing.
+fn untouched(node: &mut Node, id: &str, pids: &[i32]) {
+    assert_eq!(node.state(id), RUNNING);
+    assert_healthy(pids);
+    let c = counter(node, id);
+    wait_for("the counter to go on", &|| {
+        node_counter_above(&node.socket, id, c)
+    });
+}
+
+#[test]
+fn a_gpu_container_the_freeze_cannot_take_is_refused_with_the_reason_and_keeps_running() {
+    if !containerd_ready() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), &[]);
+    let pod = node.pod("blocked-pod");
+    let (k, v) = gpu_env(0);
+    let image = image().name.clone();
+
+    // An MPS client (detect's blocker): refused before anything is touched, with the reason.
+    let mps = [(k, v.as_str()), ("CUDA_MPS_PIPE_DIRECTORY", "/tmp/mps")];
+    let id = run(&mut node, &pod, "mps", &image, GPU_SCRIPT, &mps).unwrap();
+    let pids = gpu_pids(&mut node, &id, 2);
+    let ck = dir.path().join("refused.tar");
+    let e = node
+        .cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .expect_err("an MPS client is refused");
+    let msg = e.to_string();
+    eprintln!("CheckpointContainer of an MPS client: {msg}");
+    assert!(msg.contains("refusing to checkpoint container"), "{msg}");
+    assert!(msg.contains("nothing was touched"), "{msg}");
+    assert!(msg.contains("mps"), "the blocker is named: {msg}");
+    assert!(!ck.exists(), "no archive");
+    untouched(&mut node, &id, &pids);
+    node.cri.remove(&id, Duration::ZERO).unwrap();
+    wait_gone(&pids);
+
+    // The freeze fails half-way (one process's GPU checkpoint): every process is put back (restored
+    // and unlocked), the container runs on, and the engine says why.
+    let id = run(&mut node, &pod, "fault", &image, GPU_SCRIPT, &[(k, &v)]).unwrap();
+    let pids = gpu_pids(&mut node, &id, 2);
+    sim::inject_fault(pids[1], "checkpoint").unwrap();
+    let e = node
+        .cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .expect_err("the freeze fails");
+    let msg = e.to_string();
+    assert!(msg.contains("checkpoint of pid"), "{msg}");
+    sim::inject_fault(pids[1], "none").unwrap();
+    untouched(&mut node, &id, &pids);
+    // And then it checkpoints.
+    node.cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    untouched(&mut node, &id, &pids);
+}
+
+#[test]
+fn a_restore_onto_gpus_that_cannot_hold_the_checkpoint_is_refused_before_anything_is_created() {
+    if !containerd_ready() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let a_dir = dir.path().join("a");
+    let mut a = Node::start(&a_dir, &[]);
+    let pod = a.pod("src");
+    let (k, v) = gpu_env(0);
+    let image = image().name.clone();
+    let id = run(&mut a, &pod, "gpu", &image, GPU_SCRIPT, &[(k, &v)]).unwrap();
+    let pids = gpu_pids(&mut a, &id, 2);
+    let ck = dir.path().join("checkpoint.tar");
+    a.cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    a.cri.remove(&id, Duration::ZERO).unwrap();
+    wait_gone(&pids);
+    let archive = ck.display().to_string();
+
+    let refused = |node: &mut Node,
+                   pod: &(String, cri_client::api::PodSandboxConfig),
+                   env: &[(&str, &str)],
+                   why: &str| {
+        let (id, e) = run(node, pod, "restored", &archive, GPU_SCRIPT, env)
+            .expect_err("the restore is refused");
+        let msg = e.to_string();
+        eprintln!("StartContainer of the restore ({why}): {msg}");
+        assert!(msg.contains("refusing to restore"), "{msg}");
+        assert!(msg.contains("nothing was created"), "{msg}");
+        assert!(msg.contains(why), "{why:?} not in {msg}");
+        assert_ne!(node.state(&id), RUNNING);
+        assert!(!runc_knows(&id), "runc created {id}");
+        assert!(node.pids(&id).is_empty(), "{id} has processes");
+        node.cri.remove(&id, Duration::ZERO).unwrap();
+    };
+    // A GPU the node does not have, and no GPU at all.
+    let pod = a.pod("dst");
+    let missing = sim::sim_gpu_uuid(7).to_string();
+    refused(&mut a, &pod, &[(k, &missing)], "not on this node");
+    refused(&mut a, &pod, &[], "given no GPU");
+
+    // Another node, whose GPUs are smaller than the checkpoint's (4 MiB against 1 GiB).
+    let b_dir = dir.path().join("b");
+    let mut b = Node::start(&b_dir, &[(sim::ENV_GPU_MIB, "4")]);
+    let pod = b.pod("dst");
+    refused(&mut b, &pod, &[(k, &v)], "memory");
+}
+
+#[test]
+fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
+    if !containerd_ready() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = Node::start(dir.path(), &[]);
+    let pod = node.pod("cpu-pod");
+    let image = image().name.clone();
+    let id = run(&mut node, &pod, "cpu", &image, CPU_SCRIPT, &[]).unwrap();
+    let before = counter(&mut node, &id);
+    let ck = dir.path().join("checkpoint.tar");
+    node.cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let after = counter(&mut node, &id);
+    let rec = record_of(&ck);
+    assert_eq!(rec["strategy"], "none");
+    assert!(rec["gpu"].is_null() && rec["frozen_by"].is_null(), "{rec}");
+    node.cri.remove(&id, Duration::ZERO).unwrap();
+    let pod2 = node.pod("cpu-restored");
+    let restored = run(
+        &mut node,
+        &pod2,
+        "cpu",
+        &ck.display().to_string(),
+        CPU_SCRIPT,
+        &[],
+    )
+    .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    let resumed = counter(&mut node, &restored);
+    assert!(
+        resumed >= before && resumed < after + 50,
+        "before {before}, at the checkpoint <= {after}, restored {resumed}"
+    );
+    wait_for("the restored counter to go on", &|| {
+        node_counter_above(&node.socket, &restored, resumed)
+    });
+}

@@ -27,20 +27,38 @@ pub struct WrapperArgs {
 }
 
 /// `runtime-wrapper --config FILE -- RUNC_ARGS...`: exits with runc's exit code, or ours when we
-/// refuse (the reason on stderr and in runc's `--log`, where the engines read it).
+/// refuse or fail: the reason on one line, first (containerd's shim keeps only the first line of a failed
+/// checkpoint's output), and in runc's `--log`, where the engines read a failed restore's reason.
 pub fn wrapper(a: WrapperArgs) -> anyhow::Result<()> {
     let config = NodeConfig::read(&a.config)?;
     let call = RuncCall::parse(&a.args);
     let line = match engine::plan(&call, &config) {
         Plan::Exec(line) => line,
         Plan::Checkpoint | Plan::Restore => {
-            let code = ours(&call, &config).inspect_err(|e| {
-                let chain: Vec<String> = e.chain().map(ToString::to_string).collect();
-                engine::log_error(&call, &format!("gpu-checkpoint: {}", chain.join(": ")));
-            })?;
-            match code {
-                Some(code) => std::process::exit(code),
-                None => call.with_criu(config.criu.as_deref()),
+            let out = ours(&call, &config);
+            let simulated = || {
+                if config.simulated() {
+                    eprintln!("SIMULATED GPU: this node's GPU backend is the simulator (tests and demos only)");
+                }
+            };
+            if out.is_ok() {
+                simulated();
+            }
+            match out {
+                Ok(Some(code)) => std::process::exit(code),
+                Ok(None) => call.with_criu(config.criu.as_deref()),
+                Err(e) => {
+                    let chain: Vec<String> = e.chain().map(ToString::to_string).collect();
+                    let msg = format!("gpu-checkpoint: {}", chain.join(": ").replace('\n', " "));
+                    eprintln!("{msg}");
+                    simulated();
+                    engine::log_error(&call, &msg);
+                    let status = e
+                        .chain()
+                        .find_map(gpu_checkpoint::error::exit_status_of)
+                        .unwrap_or(gpu_checkpoint::ExitStatus::Failure);
+                    std::process::exit(status as i32);
+                }
             }
         }
     };
@@ -71,9 +89,6 @@ fn ours(call: &RuncCall, config: &NodeConfig) -> anyhow::Result<Option<i32>> {
             .code()
             .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
     };
-    if config.simulated() {
-        eprintln!("SIMULATED GPU: this node's GPU backend is the simulator (tests and demos only)");
-    }
     // Puts the GPU state back, or deletes a half-restored container, should this process die.
     let guardian = super::start_guardian()?;
     let mut flow = Engine {

@@ -97,6 +97,19 @@ impl Engine<'_> {
             reason,
         };
         if let Some(reason) = container::blocked(&found.report) {
+            // One line: an engine may keep only the first line of runc's output.
+            let remedies: Vec<&str> = found
+                .report
+                .strategy
+                .blockers
+                .iter()
+                .map(|b| b.remedy.as_str())
+                .collect();
+            let reason = format!(
+                "{}; what to do: {}",
+                reason.replace("\n  - ", " ").replace(":  ", ": "),
+                remedies.join("; ")
+            );
             return Err(refuse(reason).into());
         }
         let gpu_state = found.report.strategy.name != StrategyName::None;
