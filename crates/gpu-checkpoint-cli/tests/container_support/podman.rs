@@ -28,6 +28,8 @@ pub fn podman_ready() -> bool {
 pub struct Podman {
     dir: PathBuf,
     path: String,
+    /// A `containers.conf` (CONTAINERS_CONF) naming the runtime instead of `--runtime runc`.
+    conf: Option<PathBuf>,
 }
 
 impl Podman {
@@ -54,7 +56,16 @@ impl Podman {
         Podman {
             dir: dir.to_path_buf(),
             path,
+            conf: None,
         }
+    }
+
+    /// podman reading its runtime from `conf` (`CONTAINERS_CONF`), as `gpu-checkpoint node-setup
+    /// --engine podman` writes it, instead of being told `--runtime runc`.
+    pub fn with_conf(dir: &Path, conf: &Path) -> Podman {
+        let mut p = Podman::new(dir);
+        p.conf = Some(conf.to_path_buf());
+        p
     }
 
     pub fn cmd(&self) -> Command {
@@ -62,15 +73,12 @@ impl Podman {
         c.arg("--root")
             .arg(self.dir.join("storage"))
             .arg("--runroot")
-            .arg(self.dir.join("run"))
-            .args([
-                "--runtime",
-                "runc",
-                "--cgroup-manager",
-                "cgroupfs",
-                "--events-backend",
-                "file",
-            ])
+            .arg(self.dir.join("run"));
+        match &self.conf {
+            Some(conf) => c.env("CONTAINERS_CONF", conf),
+            None => c.args(["--runtime", "runc"]),
+        };
+        c.args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
             .env("PATH", &self.path)
             .stdin(std::process::Stdio::null());
         c

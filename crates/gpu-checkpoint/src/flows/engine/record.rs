@@ -50,6 +50,9 @@ impl ArchiveRecord {
     pub fn write(&self, images: &Path) -> Result<(), Error> {
         let path = images.join(RECORD_FILE);
         let bytes = serde_json::to_vec_pretty(self).map_err(|e| Error::Io(format!("{e}")))?;
+        // Before runc's checkpoint the folder may not exist yet (runc makes it, private, as here).
+        crate::util::create_private_dir_all(images)
+            .map_err(|e| Error::Io(format!("creating {}: {e}", images.display())))?;
         crate::util::write_atomic(&path, &bytes)
             .map_err(|e| Error::Io(format!("writing {}: {e}", path.display())))
     }
