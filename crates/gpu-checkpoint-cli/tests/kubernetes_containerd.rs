@@ -382,3 +382,41 @@ fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
         node_counter_above(&node.socket, &restored, resumed)
     });
 }
+
+/// The wrapper is SIGKILLed right after it froze the GPU state (containerd had paused the container
+/// for its checkpoint): its guardian resumes the container and puts the GPU state back, so the
+/// container computes on, and the CRI call fails.
+#[test]
+fn the_wrapper_killed_after_the_freeze_leaves_the_container_computing() {
+    if !containerd_ready() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let fault = [("GPU_CHECKPOINT_FAULT", "engine.after-freeze=kill")];
+    let mut node = Node::start(dir.path(), &fault);
+    let pod = node.pod("killed");
+    let (k, v) = gpu_env(0);
+    let image = image().name.clone();
+    let id = run(&mut node, &pod, "gpu", &image, GPU_SCRIPT, &[(k, &v)]).unwrap();
+    let pids = gpu_pids(&mut node, &id, 2);
+    let ck = dir.path().join("checkpoint.tar");
+    let e = node
+        .cri
+        .checkpoint(&id, &ck, Duration::from_secs(60))
+        .expect_err("the wrapper was killed");
+    eprintln!("CheckpointContainer with the wrapper killed: {e}");
+    // The guardian works on after the wrapper died.
+    wait_for("the GPU processes to be unlocked", &|| {
+        pids.iter()
+            .all(|&p| sim::status(p).is_ok_and(|s| s["state"] == "running"))
+    });
+    // The guardian says what it did, in the node's log (not in runc's output, which the engine reads
+    // to its end).
+    let log = node.prefix.join("var/log/gpu-checkpoint/guardian.log");
+    wait_for("the guardian's report", &|| {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("put back the GPU state of 2"))
+    });
+    eprintln!("{}", std::fs::read_to_string(&log).unwrap());
+    untouched(&mut node, &id, &pids);
+}

@@ -90,7 +90,17 @@ fn ours(call: &RuncCall, config: &NodeConfig) -> anyhow::Result<Option<i32>> {
             .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
     };
     // Puts the GPU state back, or deletes a half-restored container, should this process die.
-    let guardian = super::start_guardian()?;
+    let log = match &config.guardian_log {
+        Some(path) => std::process::Stdio::from(
+            std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .open(path)?,
+        ),
+        None => std::process::Stdio::null(),
+    };
+    let guardian =
+        gpu_checkpoint::flows::guardian::Guardian::spawn_logging(&std::env::current_exe()?, log)?;
     let mut flow = Engine {
         config,
         call,

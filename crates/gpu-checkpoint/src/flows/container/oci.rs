@@ -168,6 +168,14 @@ impl OciCli {
         argv
     }
 
+    /// The command line of `verb ID` (`state`, `pause`, `resume`), program first: for another process
+    /// to run (the guardian).
+    pub fn command_line(&self, verb: &str, id: &str) -> Vec<String> {
+        let mut argv = self.argv();
+        argv.extend([verb.to_string(), id.to_string()]);
+        argv
+    }
+
     fn no_such(&self, id: &str) -> Error {
         Error::NoSuchContainer {
             runtime: self.kind.name().into(),
@@ -261,9 +269,7 @@ impl ContainerRuntime for OciCli {
     }
 
     fn resume_command(&self, id: &str) -> Vec<String> {
-        let mut argv = self.argv();
-        argv.extend(["resume".to_string(), id.to_string()]);
-        argv
+        self.command_line("resume", id)
     }
 
     fn cli(&self) -> Option<OciCli> {

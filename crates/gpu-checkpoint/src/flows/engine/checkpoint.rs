@@ -21,6 +21,7 @@ use super::record::{ArchiveRecord, RECORD_SCHEMA, RECORD_VERSION};
 use super::{Engine, Error};
 use crate::detect::{DetectOptions, StrategyName};
 use crate::flows::container::{self, ContainerRuntime};
+use crate::flows::guardian::EnginePaused;
 use crate::flows::thaw::GpuThawGuard;
 use crate::flows::Event;
 use crate::freeze::{FreezeContext, GpuHook, ThawRecord};
@@ -152,9 +153,14 @@ impl Engine<'_> {
             backend: self.config.gpu_backend,
         })?;
         if engine_paused {
-            self.watch.tell(&Event::Paused {
-                resume: self.runtime.resume_command(&id),
-            })?;
+            // Should we die, the engine resumes the container itself (the guardian waits for that).
+            if let Some(cli) = self.runtime.cli() {
+                self.watch.tell(&Event::EnginePaused(EnginePaused {
+                    state: cli.command_line("state", &id),
+                    resume: cli.command_line("resume", &id),
+                    pause: cli.command_line("pause", &id),
+                }))?;
+            }
             self.runtime.resume(&id)?;
         }
         let ctx = FreezeContext {

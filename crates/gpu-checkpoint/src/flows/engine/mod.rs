@@ -64,6 +64,10 @@ pub struct NodeConfig {
     /// How long the lock of a CUDA process may wait for its submitted work.
     #[serde(default)]
     pub lock_timeout_ms: Option<u64>,
+    /// Where the guardian reports what it put back after a wrapper died (appended); `None`: nowhere.
+    /// Not the wrapper's own output, which the engine reads to its end.
+    #[serde(default)]
+    pub guardian_log: Option<PathBuf>,
 }
 
 /// `schema` of [`NodeConfig`].

@@ -7,6 +7,7 @@
 //! - `usr/local/lib/gpu-checkpoint/criu-plugins/`: an empty folder, CRIU's plugin folder for runc's
 //!   CRIU (no cuda plugin acts beside us);
 //! - `etc/gpu-checkpoint/node.json`: the node's configuration ([`NodeConfig`]);
+//! - `var/log/gpu-checkpoint/`: where the guardian of a wrapper that died says what it put back;
 //! - the engine's drop-in: containerd `etc/containerd/conf.d/50-gpu-checkpoint.toml` (runc's
 //!   `BinaryName`; containerd 2.1 reads `conf.d` only where its `config.toml` imports it, so an
 //!   `imports` line is added to a `config.toml` that has none, and removed by the undo), CRI-O
@@ -51,6 +52,7 @@ pub struct NodeSetup {
 const LIBEXEC: &str = "usr/local/libexec/gpu-checkpoint";
 const PLUGINS: &str = "usr/local/lib/gpu-checkpoint/criu-plugins";
 const CONFIG: &str = "etc/gpu-checkpoint/node.json";
+const GUARDIAN_LOG: &str = "var/log/gpu-checkpoint/guardian.log";
 const CONTAINERD_CONFIG: &str = "etc/containerd/config.toml";
 /// Where node-setup notes that it added the `imports` line (the undo removes it then only).
 const IMPORTS_ADDED: &str = "etc/gpu-checkpoint/containerd-imports-added";
@@ -134,6 +136,10 @@ impl NodeSetup {
         }
         let plugins = self.at(PLUGINS);
         std::fs::create_dir_all(&plugins).map_err(|e| io(&plugins, e))?;
+        let logs = self.at(GUARDIAN_LOG);
+        if let Some(dir) = logs.parent() {
+            crate::util::create_private_dir_all(dir).map_err(|e| io(dir, e))?;
+        }
         let config = NodeConfig {
             schema: CONFIG_SCHEMA.into(),
             version: CONFIG_VERSION,
@@ -142,6 +148,7 @@ impl NodeSetup {
             criu_plugins: Some(self.named(PLUGINS)),
             gpu_backend: self.gpu_backend,
             lock_timeout_ms: self.lock_timeout_ms,
+            guardian_log: Some(self.named(GUARDIAN_LOG)),
         };
         let config_path = self.at(CONFIG);
         write(
