@@ -99,12 +99,14 @@ impl Node {
                  [plugins.'io.containerd.cri.v1.images'.pinned_images]\n  sandbox = '{}'\n\n\
                  [plugins.'io.containerd.cri.v1.runtime']\n  enable_cdi = false\n  \
                  restrict_oom_score_adj = true\n\n\
-                 [plugins.'io.containerd.cri.v1.runtime'.cni]\n  conf_dir = '{}'\n",
+                 [plugins.'io.containerd.cri.v1.runtime'.cni]\n  conf_dir = '{}'\n\n\
+                 [plugins.'io.containerd.internal.v1.opt']\n  path = '{}'\n",
                 d("root"),
                 d("state"),
                 socket.display(),
                 image().name,
                 d("cni"),
+                d("opt"),
             ),
         )
         .unwrap();
@@ -274,12 +276,9 @@ impl Drop for Node {
         for pid in pids {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let cmdline = String::from_utf8_lossy(&cmdline);
-            if cmdline.starts_with("containerd-shim") || cmdline.contains("containerd-shim-runc-v2")
-            {
-                if cmdline.contains(&ours) {
-                    // SAFETY: a shim of the containerd this test started.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
+            if cmdline.contains("containerd-shim") && cmdline.contains(&ours) {
+                // SAFETY: a shim of the containerd this test started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
             }
         }
         gpu_checkpoint::flows::container::unmount_under(&self.dir);
@@ -336,7 +335,6 @@ pub fn container_config(
 /// digest reference, even when the node has it), and as an archive for `ctr images import`. Made once
 /// per test binary.
 pub struct TestImage {
-    layout: tempfile::TempDir,
     /// `127.0.0.1:PORT/gpu-checkpoint-test:1`.
     pub name: String,
     /// `127.0.0.1:PORT/gpu-checkpoint-test@sha256:...`: what the CRI records as its image ref.
@@ -346,30 +344,56 @@ pub struct TestImage {
     _registry: registry::Registry,
 }
 
+/// Where this test binary keeps its image: a folder of this process's under cargo's temporary folder,
+/// removed at exit (a static is never dropped) and, should a run have died, by the next run.
+fn image_dir() -> PathBuf {
+    extern "C" fn remove_at_exit() {
+        let _ = std::fs::remove_dir_all(image_dir());
+    }
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let parent = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        for e in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let dead = name
+                .strip_prefix("engine-image.")
+                .and_then(|pid| pid.parse::<i32>().ok())
+                .is_some_and(|pid| !gpu_checkpoint::proc::is_alive(pid));
+            if dead {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        // SAFETY: registers a plain function, run once at exit.
+        unsafe { libc::atexit(remove_at_exit) };
+        parent.join(format!("engine-image.{}", std::process::id()))
+    })
+    .clone()
+}
+
 pub fn image() -> &'static TestImage {
     static IMAGE: OnceLock<TestImage> = OnceLock::new();
     IMAGE.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let bundle = Bundle::new(&dir.path().join("bundle"), &["true"], &[]);
+        let dir = image_dir();
+        let layout = dir.join("layout");
+        std::fs::create_dir_all(&layout).unwrap();
+        let bundle = Bundle::new(&dir.join("bundle"), &["true"], &[]);
+        // The CPU workload is not used here (90 MiB of a debug build).
+        std::fs::remove_file(bundle.rootfs().join("bin/workload")).unwrap();
         for applet in ["usleep", "echo"] {
             let _ = std::os::unix::fs::symlink("busybox", bundle.rootfs().join("bin").join(applet));
         }
-        let layout = tempfile::tempdir().unwrap();
-        let manifest = oci_layout(&bundle.rootfs(), layout.path());
-        let registry = registry::Registry::serve(layout.path(), &manifest);
+        let manifest = oci_layout(&bundle.rootfs(), &layout);
+        std::fs::remove_dir_all(&bundle.dir).unwrap();
+        let registry = registry::Registry::serve(&layout, &manifest);
         let repo = format!("{}/gpu-checkpoint-test", registry.addr);
         let name = format!("{repo}:1");
         let digest_ref = format!("{repo}@sha256:{manifest}");
-        let tar = dir.path().join("image.tar");
-        oci_archive(layout.path(), &manifest, &[&name, &digest_ref], &tar);
-        // The bundle is not needed any more; the archive is, for every node of the binary.
-        let tar_kept = layout.path().join("image.tar");
-        std::fs::rename(&tar, &tar_kept).unwrap();
+        let tar = dir.join("image.tar");
+        oci_archive(&layout, &manifest, &[&name, &digest_ref], &tar);
         TestImage {
-            layout,
             name,
             digest_ref,
-            tar: tar_kept,
+            tar,
             _registry: registry,
         }
     })

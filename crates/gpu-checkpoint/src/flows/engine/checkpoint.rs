@@ -24,7 +24,7 @@ use crate::flows::container::{self, ContainerRuntime};
 use crate::flows::guardian::EnginePaused;
 use crate::flows::thaw::GpuThawGuard;
 use crate::flows::Event;
-use crate::freeze::{FreezeContext, GpuHook, ThawRecord};
+use crate::freeze::{has_cuda_context, FreezeContext, GpuHook, ThawRecord};
 
 /// Holds the container's GPU state frozen; put back when dropped unless committed or thawed. A
 /// container the engine paused is resumed for the GPU's restore + unlock, and paused again.
@@ -112,6 +112,22 @@ impl Engine<'_> {
                 remedies.join("; ")
             );
             return Err(refuse(reason).into());
+        }
+        // NVIDIA device files held without a CUDA context (an NVML-only process, a child forked from a
+        // CUDA process): runc's CRIU cannot dump them, and the freeze would leave them alone.
+        if let Some(p) = found.report.processes.iter().find(|p| {
+            matches!(p.strategy, StrategyName::CudaDriver | StrategyName::CudaCli)
+                && !p.simulated
+                && !has_cuda_context(&found.report, p.pid)
+        }) {
+            return Err(refuse(format!(
+                "pid {} holds NVIDIA device files without a CUDA context (an NVML-only process, or a child \
+                 forked from a CUDA process), which runc's CRIU cannot dump; what to do: close them before \
+                 the checkpoint, or checkpoint the container with `gpu-checkpoint checkpoint --container`, \
+                 whose CRIU reopens them (docs/criu.md)",
+                p.pid
+            ))
+            .into());
         }
         let gpu_state = found.report.strategy.name != StrategyName::None;
         for flag in ["pre-dump", "lazy-pages"] {

@@ -245,7 +245,15 @@ pub fn undo(engine: EngineKind, prefix: &Path) -> Result<Vec<String>, Error> {
         remove(prefix.join(LIBEXEC).join("runc"))?;
         remove(prefix.join(LIBEXEC).join("gpu-checkpoint"))?;
         remove(prefix.join(CONFIG))?;
-        for dir in [LIBEXEC, PLUGINS, "etc/gpu-checkpoint"] {
+        let ours = [
+            LIBEXEC,
+            PLUGINS,
+            "usr/local/lib/gpu-checkpoint",
+            "etc/gpu-checkpoint",
+            // Kept when the guardian wrote to it.
+            "var/log/gpu-checkpoint",
+        ];
+        for dir in ours {
             // Only when empty: never what someone else put there.
             let _ = std::fs::remove_dir(prefix.join(dir));
         }
