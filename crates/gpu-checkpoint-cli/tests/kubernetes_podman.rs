@@ -7,8 +7,6 @@
 
 mod container_support;
 
-use std::time::{Duration, Instant};
-
 use container_support::podman::*;
 use container_support::*;
 use gpu_checkpoint::freeze::sim;
@@ -16,28 +14,15 @@ use gpu_checkpoint::freeze::sim;
 const GPU_SCRIPT: &str = "gpu-sim-workload --mib 8 --children 1 --workers 1 & \
      i=0; while true; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done";
 
-/// The container's SIMULATED GPU processes, once `n` of them answer.
-fn gpu_pids(podman: &Podman, name: &str, n: usize) -> Vec<i32> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let init: i32 = podman
+/// The container's 2 SIMULATED GPU processes, once they answer.
+fn gpu_pids(podman: &Podman, name: &str) -> Vec<i32> {
+    let mut init = || {
+        podman
             .ok(&["inspect", "--format", "{{.State.Pid}}", name])
             .parse()
-            .unwrap_or(0);
-        let pids: Vec<i32> = gpu_checkpoint::flows::container::members::members(init)
-            .iter()
-            .map(|m| m.pid)
-            .filter(|&p| sim::status(p).is_ok())
-            .collect();
-        if pids.len() >= n {
-            return pids;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{name}: {pids:?} of {n} GPU processes up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+            .unwrap_or(0)
+    };
+    wait_gpu_processes(name, &mut init, 2)
 }
 
 /// gpu-checkpoint's record in a podman archive.
@@ -61,19 +46,7 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
     }
     let dir = tempfile::tempdir().unwrap();
     let prefix = dir.path().join("node");
-    let runc = gpu_checkpoint::path_search::which("runc").expect("runc on PATH");
-    let o = gc_run(&[
-        "node-setup",
-        "--engine",
-        "podman",
-        "--prefix",
-        &prefix.display().to_string(),
-        "--runc",
-        &runc.display().to_string(),
-        "--gpu-backend",
-        "sim",
-    ]);
-    assert!(o.status.success(), "node-setup: {}", text(&o));
+    node_setup("podman", &prefix);
     let conf = prefix.join("etc/containers/containers.conf.d/50-gpu-checkpoint.conf");
     let podman = Podman::with_conf(dir.path(), &conf);
     let bundle = Bundle::new(&dir.path().join("bundle"), &["true"], &[]);
@@ -81,26 +54,13 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
     podman.import_rootfs(&bundle, image);
     let name = format!("gc-{}-podman-gpu", std::process::id());
     let gpu0 = sim::sim_gpu_uuid(0).to_string();
-    podman.ok(&[
-        "run",
-        "--detach",
-        "--name",
+    podman.run_detached(
         &name,
-        "--network",
-        "none",
-        // The limits podman's runc path needs on this machine (as `Podman::run_counter`).
-        "--ulimit",
-        "nofile=1024:1024",
-        "--ulimit",
-        "nproc=4096:4096",
-        "--env",
-        &format!("NVIDIA_VISIBLE_DEVICES={gpu0}"),
         image,
-        "sh",
-        "-c",
+        &[("NVIDIA_VISIBLE_DEVICES", &gpu0)],
         GPU_SCRIPT,
-    ]);
-    let pids = gpu_pids(&podman, &name, 2);
+    );
+    let pids = gpu_pids(&podman, &name);
     // podman's runtime is the wrapper node-setup wrote.
     let runtime = podman.ok(&["inspect", "--format", "{{.OCIRuntime}}", &name]);
     assert_eq!(runtime, "gpu-checkpoint");
@@ -165,7 +125,7 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
         "--name",
         &restored,
     ]);
-    let now = gpu_pids(&podman, &restored, 2);
+    let now = gpu_pids(&podman, &restored);
     assert_healthy(&now);
     let resumed = podman.counter(&restored);
     assert!(resumed >= before, "before {before}, restored {resumed}");

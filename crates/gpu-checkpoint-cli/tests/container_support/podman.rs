@@ -118,22 +118,15 @@ impl Podman {
     /// reached).
     pub fn import_rootfs(&self, bundle: &Bundle, name: &str) {
         let layer = self.dir.join("rootfs.tar");
-        let st = Command::new("tar")
-            .arg("-C")
-            .arg(bundle.rootfs())
-            .arg("-cf")
-            .arg(&layer)
-            .arg(".")
-            .status()
-            .unwrap();
-        assert!(st.success(), "tar of the rootfs");
+        super::tar_rootfs(&bundle.rootfs(), &layer);
         self.ok(&["import", &layer.display().to_string(), name]);
     }
 
-    /// `podman run --detach` of `image` running the shell `script`, without a network and with the
-    /// limits podman's runc path needs here; waits until its counter (`/tmp/c`) reaches `at_least`.
-    pub fn run_counter(&self, name: &str, image: &str, script: &str, at_least: u64) {
-        self.ok(&[
+    /// `podman run --detach` of `image` running the shell `script` with `env`, without a network and
+    /// with the limits podman's runc path needs here.
+    pub fn run_detached(&self, name: &str, image: &str, env: &[(&str, &str)], script: &str) {
+        let env: Vec<String> = env.iter().map(|(k, v)| format!("--env={k}={v}")).collect();
+        let mut args = vec![
             "run",
             "--detach",
             "--name",
@@ -144,22 +137,21 @@ impl Podman {
             "nofile=1024:1024",
             "--ulimit",
             "nproc=4096:4096",
-            image,
-            "sh",
-            "-c",
-            script,
-        ]);
+        ];
+        args.extend(env.iter().map(String::as_str));
+        args.extend([image, "sh", "-c", script]);
+        self.ok(&args);
+    }
+
+    /// [`Podman::run_detached`], waiting until its counter (`/tmp/c`) reaches `at_least`.
+    pub fn run_counter(&self, name: &str, image: &str, script: &str, at_least: u64) {
+        self.run_detached(name, image, &[], script);
         super::wait_for("the counter", &|| {
             self.cmd()
                 .args(["exec", name, "busybox", "cat", "/tmp/c"])
                 .output()
                 .ok()
-                .and_then(|o| {
-                    String::from_utf8_lossy(&o.stdout)
-                        .trim()
-                        .parse::<u64>()
-                        .ok()
-                })
+                .and_then(|o| super::parse_counter(&o.stdout))
                 .is_some_and(|c| c >= at_least)
         });
     }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use cri_client::api;
 use cri_client::Cri;
 
-use crate::container_support::{containers_ready, gpu_checkpoint, Bundle};
+use crate::container_support::{containers_ready, Bundle};
 
 pub mod registry;
 
@@ -52,21 +52,6 @@ pub fn containerd_ready() -> bool {
 pub fn one_at_a_time() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::new(());
     TURN.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// `gpu-checkpoint node-setup ARGS`: its output; panics with it on failure.
-pub fn node_setup(args: &[&str]) -> String {
-    let o = Command::new(gpu_checkpoint())
-        .arg("node-setup")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "node-setup {args:?}: {}",
-        crate::container_support::text(&o)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// One node: a containerd configured by `node-setup`, and a CRI client of it. Stopped (its pods removed)
@@ -111,17 +96,7 @@ impl Node {
         )
         .unwrap();
         // docs/kubernetes.md's node setup, into the test's prefix.
-        let runc = gpu_checkpoint::path_search::which("runc").expect("runc on PATH");
-        node_setup(&[
-            "--engine",
-            "containerd",
-            "--prefix",
-            &prefix.display().to_string(),
-            "--runc",
-            &runc.display().to_string(),
-            "--gpu-backend",
-            "sim",
-        ]);
+        crate::container_support::node_setup("containerd", &prefix);
         let criu = gpu_checkpoint::dump::discover(None).unwrap().path;
         // containerd checks for a CRIU on its PATH before a checkpoint (runc is given ours anyway).
         let path = format!(
@@ -241,7 +216,7 @@ impl Node {
     /// `ExecSync ... cat PATH`, parsed.
     pub fn read_number(&mut self, id: &str, path: &str) -> Option<u64> {
         let out = self.cri.exec(id, &["cat", path]).ok()?;
-        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+        crate::container_support::parse_counter(&out.stdout)
     }
 }
 
@@ -421,15 +396,7 @@ pub fn oci_layout(rootfs: &Path, dir: &Path) -> String {
         (digest, size)
     };
     let layer = dir.join("layer.tar");
-    let st = Command::new("tar")
-        .arg("-C")
-        .arg(rootfs)
-        .arg("-cf")
-        .arg(&layer)
-        .arg(".")
-        .status()
-        .unwrap();
-    assert!(st.success(), "tar of the rootfs");
+    crate::container_support::tar_rootfs(rootfs, &layer);
     let (layer_digest, layer_size) = blob(&layer);
     let write_json = |file: &str, v: serde_json::Value| -> (String, u64) {
         let p = dir.join(file);
