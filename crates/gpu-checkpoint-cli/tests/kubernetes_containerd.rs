@@ -56,27 +56,13 @@ fn scene(env: &[(&str, &str)]) -> Option<Scene> {
 }
 
 impl Scene {
-    /// Creates and starts container `name` of `image` in `pod` running `script` with `env`; the
-    /// container's id, or the CRI's error with the id of the container it created.
-    fn run(
-        &mut self,
-        pod: &Pod,
-        name: &str,
-        image: &str,
-        script: &str,
-        env: &[(&str, &str)],
-    ) -> Result<String, (String, cri_client::Error)> {
-        run_on(&mut self.node, pod, name, image, script, env)
-    }
-
     /// A container of the test image with SIMULATED GPU processes on GPU 0 (and `env`), and those
     /// processes once both answer.
     fn start_gpu(&mut self, pod: &Pod, name: &str, env: &[(&str, &str)]) -> (String, Vec<i32>) {
         let gpu0 = gpu(0);
         let mut env = env.to_vec();
         env.push((GPU_ENV, &gpu0));
-        let id = self
-            .run(pod, name, &image().name, GPU_SCRIPT, &env)
+        let id = run_on(&mut self.node, pod, name, &image().name, GPU_SCRIPT, &env)
             .unwrap_or_else(|(_, e)| panic!("{name}: {e}"));
         let pids = gpu_pids(&mut self.node, &id);
         (id, pids)
@@ -92,6 +78,8 @@ impl Scene {
     }
 }
 
+/// Creates and starts container `name` of `image` in `pod` running `script` with `env`; the
+/// container's id, or the CRI's error with the id of the container it created.
 fn run_on(
     node: &mut Node,
     pod: &Pod,
@@ -167,21 +155,13 @@ fn runc_knows(id: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// The record gpu-checkpoint put into containerd's archive.
+/// The record gpu-checkpoint put into containerd's archive, which is containerd's own.
 fn record_of(archive_path: &Path) -> serde_json::Value {
     let files = archive(archive_path);
-    assert!(
-        files.contains_key("checkpoint/inventory.img"),
-        "CRIU's images in containerd's archive: {:?}",
-        files.keys()
-    );
     for f in ["config.dump", "spec.dump", "status.dump"] {
         assert!(files.contains_key(f), "{f}: {:?}", files.keys());
     }
-    let rec = files
-        .get("checkpoint/gpu-checkpoint.json")
-        .unwrap_or_else(|| panic!("no GPU record in the archive: {:?}", files.keys()));
-    serde_json::from_slice(rec).unwrap()
+    archived_gpu_record(archive_path)
 }
 
 #[test]
@@ -201,13 +181,7 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     // containerd's own archive, with our record: the GPU state frozen by the freeze stage.
     let rec = record_of(&ck);
     assert_eq!(rec["schema"], "gpu-checkpoint/engine-checkpoint");
-    assert!(
-        rec["frozen_by"]
-            .as_str()
-            .unwrap()
-            .contains("gpu-checkpoint"),
-        "{rec}"
-    );
+    assert_frozen_by_us(&rec);
     assert_eq!(rec["strategy"], "cuda-driver");
     assert_eq!(rec["leave_running"], true);
     assert_eq!(rec["given_gpus"], serde_json::json!([gpu(0)]));
@@ -244,15 +218,15 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     wait_gone(&pids);
     let pod2 = s.node.pod("gpu-pod-restored");
     let gpu1 = gpu(1);
-    let restored = s
-        .run(
-            &pod2,
-            "gpu",
-            &ck.display().to_string(),
-            GPU_SCRIPT,
-            &[(GPU_ENV, &gpu1)],
-        )
-        .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    let restored = run_on(
+        &mut s.node,
+        &pod2,
+        "gpu",
+        &ck.display().to_string(),
+        GPU_SCRIPT,
+        &[(GPU_ENV, &gpu1)],
+    )
+    .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
     assert_eq!(s.node.state(&restored), RUNNING);
     let now = gpu_pids(&mut s.node, &restored);
     assert_healthy(&now);
@@ -342,8 +316,7 @@ fn a_restore_onto_gpus_that_cannot_hold_the_checkpoint_is_refused_before_anythin
 fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
     let Some(mut s) = scene(&[]) else { return };
     let pod = s.node.pod("cpu-pod");
-    let id = s
-        .run(&pod, "cpu", &image().name, CPU_SCRIPT, &[])
+    let id = run_on(&mut s.node, &pod, "cpu", &image().name, CPU_SCRIPT, &[])
         .unwrap_or_else(|(_, e)| panic!("{e}"));
     let before = counter(&mut s.node, &id);
     let ck = s
@@ -355,9 +328,15 @@ fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
     assert!(rec["gpu"].is_null() && rec["frozen_by"].is_null(), "{rec}");
     s.node.cri.remove(&id, Duration::ZERO).unwrap();
     let pod2 = s.node.pod("cpu-restored");
-    let restored = s
-        .run(&pod2, "cpu", &ck.display().to_string(), CPU_SCRIPT, &[])
-        .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    let restored = run_on(
+        &mut s.node,
+        &pod2,
+        "cpu",
+        &ck.display().to_string(),
+        CPU_SCRIPT,
+        &[],
+    )
+    .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
     counter_carried_on(&mut s.node, &restored, before, after);
 }
 

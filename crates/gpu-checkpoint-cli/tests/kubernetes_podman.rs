@@ -25,20 +25,6 @@ fn gpu_pids(podman: &Podman, name: &str) -> Vec<i32> {
     wait_gpu_processes(name, &mut init, 2)
 }
 
-/// gpu-checkpoint's record in a podman archive.
-fn record_of(path: &std::path::Path) -> serde_json::Value {
-    let files = archive_entries(path);
-    assert!(
-        files.contains_key("checkpoint/inventory.img"),
-        "{:?}",
-        files.keys()
-    );
-    let rec = files
-        .get("checkpoint/gpu-checkpoint.json")
-        .unwrap_or_else(|| panic!("no GPU record in podman's archive: {:?}", files.keys()));
-    serde_json::from_slice(rec).unwrap()
-}
-
 #[test]
 fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
     if !podman_ready() {
@@ -76,14 +62,8 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
         &name,
     ]);
     assert_healthy(&pids);
-    let rec = record_of(&running);
-    assert!(
-        rec["frozen_by"]
-            .as_str()
-            .unwrap()
-            .contains("gpu-checkpoint"),
-        "{rec}"
-    );
+    let rec = archived_gpu_record(&running);
+    assert_frozen_by_us(&rec);
     assert_eq!(rec["leave_running"], true);
     assert_eq!(
         rec["gpu"]["processes"].as_array().unwrap().len(),
@@ -103,7 +83,7 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
         &name,
     ]);
     wait_gone(&pids);
-    let rec = record_of(&stopped);
+    let rec = archived_gpu_record(&stopped);
     assert_eq!(rec["leave_running"], false);
     assert!(rec["gpu"]["thaw"].is_null(), "{rec}");
     let steps: Vec<&str> = rec["gpu"]["processes"][0]["steps"]

@@ -477,3 +477,24 @@ pub fn wait_gpu_processes(what: &str, init: &mut dyn FnMut() -> i32, n: usize) -
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// The record gpu-checkpoint's wrapper put into an engine's checkpoint archive (beside CRIU's images),
+/// read as JSON.
+pub fn archived_gpu_record(archive: &Path) -> serde_json::Value {
+    let files = archive_entries(archive);
+    assert!(
+        files.contains_key("checkpoint/inventory.img"),
+        "CRIU's images in the archive: {:?}",
+        files.keys()
+    );
+    let rec = files
+        .get("checkpoint/gpu-checkpoint.json")
+        .unwrap_or_else(|| panic!("no GPU record in the archive: {:?}", files.keys()));
+    serde_json::from_slice(rec).unwrap()
+}
+
+/// The record says our freeze stage froze the GPU state.
+pub fn assert_frozen_by_us(rec: &serde_json::Value) {
+    let by = rec["frozen_by"].as_str().unwrap_or_default();
+    assert!(by.contains("gpu-checkpoint"), "{rec}");
+}
