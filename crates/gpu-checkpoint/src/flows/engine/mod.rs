@@ -251,3 +251,6 @@ fn read_spec(bundle: &Path) -> Result<serde_json::Value, Error> {
     let bytes = std::fs::read(&path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
     serde_json::from_slice(&bytes).map_err(|e| Error::Io(format!("{}: {e}", path.display())))
 }
+
+#[cfg(test)]
+mod tests;
