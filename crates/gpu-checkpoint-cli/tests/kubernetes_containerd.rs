@@ -367,3 +367,42 @@ fn the_wrapper_killed_after_the_freeze_leaves_the_container_computing() {
     eprintln!("{}", std::fs::read_to_string(&log).unwrap());
     untouched(&mut s.node, &id, &pids);
 }
+
+/// The wrapper is SIGKILLed during a restore, once the GPU state is back and before it is unlocked: its
+/// guardian deletes the half-restored container (a copy whose GPU state is locked must not run on), the
+/// CRI call fails, and the archive restores on another node.
+#[test]
+fn the_wrapper_killed_during_a_restore_leaves_no_container_and_the_archive_restores() {
+    let Some(mut s) = scene(&[("GPU_CHECKPOINT_FAULT", "engine.gpu-restored=kill")]) else {
+        return;
+    };
+    let pod = s.node.pod("src");
+    let (id, pids) = s.start_gpu(&pod, "gpu", &[]);
+    let ck = s
+        .checkpoint(&id, "checkpoint.tar")
+        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    s.node.cri.remove(&id, Duration::ZERO).unwrap();
+    wait_gone(&pids);
+    let archive = ck.display().to_string();
+    let gpu0 = gpu(0);
+    let env = [(GPU_ENV, gpu0.as_str())];
+    let pod = s.node.pod("dst");
+    let (id, e) = run_on(&mut s.node, &pod, "restored", &archive, GPU_SCRIPT, &env)
+        .expect_err("the wrapper was killed");
+    eprintln!("StartContainer with the wrapper killed: {e}");
+    let log = s.node.prefix.join("var/log/gpu-checkpoint/guardian.log");
+    wait_for("the guardian's report", &|| {
+        std::fs::read_to_string(&log)
+            .is_ok_and(|l| l.contains("deleted the half-restored container"))
+    });
+    eprintln!("{}", std::fs::read_to_string(&log).unwrap());
+    assert!(!runc_knows(&id), "runc still knows {id}");
+    assert_ne!(s.node.state(&id), RUNNING);
+    assert!(s.node.pids(&id).is_empty(), "{id} has processes");
+
+    let mut b = Node::start(&s.dir.path().join("node-b"), &[]);
+    let pod = b.pod("dst");
+    let restored = run_on(&mut b, &pod, "restored", &archive, GPU_SCRIPT, &env)
+        .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    assert_healthy(&gpu_pids(&mut b, &restored));
+}
