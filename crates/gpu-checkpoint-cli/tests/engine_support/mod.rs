@@ -64,9 +64,38 @@ pub struct Node {
     pub cri: Cri,
 }
 
+/// Deletes the containers under containerd's runc root whose bundle is under `under`, or, without one,
+/// whose bundle is gone (a test run that died left them; with the node's network namespace shared, a
+/// SIMULATED GPU process of theirs would hold the control socket a new one needs).
+fn delete_runc_containers(under: Option<&Path>) {
+    let out = Command::new("runc")
+        .args(["--root", RUNC_ROOT, "list", "--format", "json"])
+        .output();
+    let list: serde_json::Value = out
+        .ok()
+        .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+        .unwrap_or_default();
+    for c in list.as_array().into_iter().flatten() {
+        let (Some(id), Some(bundle)) = (c["id"].as_str(), c["bundle"].as_str()) else {
+            continue;
+        };
+        let ours = match under {
+            Some(dir) => Path::new(bundle).starts_with(dir),
+            None => !Path::new(bundle).exists(),
+        };
+        if ours {
+            gpu_checkpoint::flows::container::unmount_under(&Path::new(RUNC_ROOT).join(id));
+            let _ = Command::new("runc")
+                .args(["--root", RUNC_ROOT, "delete", "--force", id])
+                .output();
+        }
+    }
+}
+
 impl Node {
     /// A node in `dir` whose containerd (and so its runc shims and our wrapper) runs with `env`.
     pub fn start(dir: &Path, env: &[(&str, &str)]) -> Node {
+        delete_runc_containers(None);
         let prefix = dir.join("node");
         let conf = prefix.join("etc/containerd/config.toml");
         std::fs::create_dir_all(conf.parent().unwrap()).unwrap();
@@ -256,6 +285,8 @@ impl Drop for Node {
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
         }
+        // What containerd lost track of (a restore whose wrapper died, say).
+        delete_runc_containers(Some(&self.dir));
         gpu_checkpoint::flows::container::unmount_under(&self.dir);
     }
 }

@@ -99,13 +99,12 @@ impl Engine<'_> {
         };
         if let Some(reason) = container::blocked(&found.report) {
             // One line: an engine may keep only the first line of runc's output.
-            let remedies: Vec<&str> = found
-                .report
-                .strategy
-                .blockers
-                .iter()
-                .map(|b| b.remedy.as_str())
-                .collect();
+            let mut remedies: Vec<&str> = Vec::new();
+            for b in &found.report.strategy.blockers {
+                if !remedies.contains(&b.remedy.as_str()) {
+                    remedies.push(&b.remedy);
+                }
+            }
             let reason = format!(
                 "{}; what to do: {}",
                 reason.replace("\n  - ", " ").replace(":  ", ": "),

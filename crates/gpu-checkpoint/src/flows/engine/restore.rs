@@ -88,8 +88,14 @@ impl Engine<'_> {
             }
         };
         let map = record::restore_map(&rec, &given).map_err(&refuse)?;
-        let pairs =
-            match_gpus(&gpu_record, &node, Some(&map)).map_err(|e| refuse(e.to_string()))?;
+        // The GPUs were the container's to choose (no `--device-map` here): said without that advice.
+        let mismatch = |e: crate::freeze::Error| match e {
+            crate::freeze::Error::GpuMismatch(m) => {
+                refuse(format!("the GPUs given do not match the checkpoint's: {m}"))
+            }
+            e => refuse(e.to_string()),
+        };
+        let pairs = match_gpus(&gpu_record, &node, Some(&map)).map_err(mismatch)?;
         if let Some(p) = pairs
             .iter()
             .find(|p| !given.iter().any(|g| g.uuid == p.new))
@@ -101,8 +107,7 @@ impl Engine<'_> {
             .into());
         }
         let mut hook = self.hook(Some(map));
-        hook.prepare_restore(Some(&gpu_record))
-            .map_err(|e| refuse(e.to_string()))?;
+        hook.prepare_restore(Some(&gpu_record)).map_err(mismatch)?;
         if self.config.simulated() {
             eprintln!("SIMULATED GPU: restoring the simulated GPU state of container {id}");
         }
