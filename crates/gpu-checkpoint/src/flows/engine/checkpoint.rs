@@ -2,7 +2,8 @@
 //!
 //! In order, and why:
 //! 1. Refuse before anything is touched: detect's refusals (managed memory, MIG, MPS, CUDA IPC without
-//!    an order to lock in, a PCI BAR, RDMA...), and what a GPU checkpoint cannot be taken with (runc's
+//!    an order to lock in, a PCI BAR, RDMA...), NVIDIA device files held without a CUDA context (runc's
+//!    CRIU cannot dump them), and what a GPU checkpoint cannot be taken with (runc's
 //!    `--pre-dump` and `--lazy-pages`: GPU state reaches host memory only at the checkpoint itself). The
 //!    reason goes to runc's output and log, which the engine hands its caller (the kubelet).
 //! 2. An engine may have paused (frozen) the container first (containerd's client pauses a task around
