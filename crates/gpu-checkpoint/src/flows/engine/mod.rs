@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::exit::{Classify, ExitStatus};
 use crate::freeze::Backend;
-pub use record::{given_gpus, ArchiveRecord, Given, RECORD_FILE};
+pub use record::{given_gpus, ArchiveRecord, Given, GPU_ENV, RECORD_FILE};
 pub use runc_args::RuncCall;
 
 /// The wrapper's configuration: one file per node, written by `gpu-checkpoint node-setup`.
