@@ -142,11 +142,12 @@ impl RuncCall {
         Self::value_of(&self.command_flags, names)
     }
 
-    /// The container's id: the command's one argument (`None` when there is not exactly one, which
-    /// runc itself refuses).
+    /// The container's id: the command's one argument, when runc would take it as one (`None` when
+    /// there is not exactly one, or it is no valid id: runc itself refuses those). The id names folders
+    /// (runc's state folder for it), so nothing else is acted on.
     pub fn id(&self) -> Option<&str> {
         match self.positional.as_slice() {
-            [id] => id.to_str().filter(|s| !s.is_empty()),
+            [id] => id.to_str().filter(|s| valid_id(s)),
             _ => None,
         }
     }
@@ -196,6 +197,16 @@ impl RuncCall {
         }
         out
     }
+}
+
+/// runc's rule for a container id (`^[\w+-\.]+$`), without the names `.` and `..`.
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'+' | b'-' | b'.'))
 }
 
 #[cfg(test)]
@@ -263,6 +274,12 @@ mod tests {
         // No id, or two: runc refuses these itself.
         assert_eq!(call("checkpoint --image-path /i").id(), None);
         assert_eq!(call("checkpoint a b").id(), None);
+        // What runc would refuse, never a folder name of ours.
+        for bad in ["..", ".", "a/b", "../x", "a b"] {
+            let c = RuncCall::parse(&["checkpoint".into(), bad.into()]);
+            assert_eq!(c.id(), None, "{bad:?}");
+        }
+        assert_eq!(call("checkpoint gc-1.a_b+c").id(), Some("gc-1.a_b+c"));
         // Without --image-path: runc's default, ./checkpoint.
         let here = std::env::current_dir().unwrap().join("checkpoint");
         assert_eq!(call("checkpoint c1").image_path().unwrap(), here);
