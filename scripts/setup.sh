@@ -56,8 +56,17 @@ if ! bash scripts/install-checkpointctl.sh >/dev/null; then
     fi
     echo "setup: installing checkpointctl failed; the checkpointctl test will be skipped" >&2
 fi
-# etcd and protoc for the cluster flow (the etcd-client crate's build needs protoc; the cluster tests start
-# etcd on loopback). Needed to build the default features, so a failure stops the setup everywhere.
+# containerd 2.x (Debian testing's, into .deps/containerd), whose CRI tests/kubernetes_containerd.rs drives as
+# the kubelet does (docs/kubernetes.md); the same rule.
+if ! bash scripts/install-containerd.sh >/dev/null; then
+    if [ "${CI:-}" = true ]; then
+        echo "setup: installing containerd failed" >&2
+        exit 1
+    fi
+    echo "setup: installing containerd failed; the containerd CRI tests will be skipped" >&2
+fi
+# etcd and protoc for the cluster flow (the etcd-client crate's build needs protoc, and so does the CRI
+# client of the engine tests, crates/cri-client; the cluster tests start etcd on loopback). Needed to build the default features, so a failure stops the setup everywhere.
 bash scripts/install-etcd.sh >/dev/null
 # s3s-fs, the S3-compatible server the store's object-storage tests run against, built once into a cache
 # outside the clone (scripts/install-s3s.sh); the same rule: a failure fails CI, elsewhere the S3 tests say

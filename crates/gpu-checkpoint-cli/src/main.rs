@@ -58,6 +58,13 @@ enum Command {
     #[cfg(feature = "cluster")]
     #[command(subcommand)]
     Job(commands::job::Command),
+    /// Configure a node's container engine (containerd, CRI-O, podman) to checkpoint and restore GPU
+    /// containers through gpu-checkpoint (docs/kubernetes.md); --undo removes it.
+    NodeSetup(commands::engine::SetupArgs),
+    /// (internal) runc as the engines run it, with GPU-aware checkpoint and restore (node-setup's
+    /// wrapper runs it).
+    #[command(hide = true)]
+    RuntimeWrapper(commands::engine::WrapperArgs),
     /// (internal) The process checkpoint and restore start to finish or undo their work if they die.
     #[command(hide = true)]
     Guardian(commands::guardian::Args),
@@ -107,6 +114,8 @@ fn main() {
         Command::Cuda(c) => commands::cuda::run(c),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Guardian(a) => commands::guardian::run(a),
+        Command::NodeSetup(a) => commands::engine::setup(a),
+        Command::RuntimeWrapper(a) => commands::engine::wrapper(a),
         #[cfg(feature = "cluster")]
         Command::Agent(a) => commands::agent::run(a),
         #[cfg(feature = "cluster")]

@@ -30,6 +30,8 @@ pub enum Error {
     Guardian(#[from] crate::flows::guardian::Error),
     #[error(transparent)]
     Container(#[from] crate::flows::container::Error),
+    #[error(transparent)]
+    Engine(#[from] crate::flows::engine::Error),
 }
 
 impl Classify for Error {
@@ -43,6 +45,7 @@ impl Classify for Error {
             Error::Restore(e) => e.exit_status(),
             Error::Guardian(e) => e.exit_status(),
             Error::Container(e) => e.exit_status(),
+            Error::Engine(e) => e.exit_status(),
         }
     }
 }
@@ -75,6 +78,7 @@ classified!(
     crate::restore::Error,
     crate::flows::guardian::Error,
     crate::flows::container::Error,
+    crate::flows::engine::Error,
     crate::flows::cluster::ClusterError,
     crate::flows::cluster::CoordError,
 );

@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod delete;
 pub mod detect;
 pub mod doctor;
+pub mod engine;
 pub mod gc;
 pub mod guardian;
 pub mod inspect;

@@ -420,3 +420,81 @@ pub fn checkpoint_container(store: &Path, runc: &Runc, id: &str) -> String {
     let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     ck["id"].as_str().unwrap().to_string()
 }
+
+/// Writes a tar of `rootfs`'s contents to `out` (an image layer).
+pub fn tar_rootfs(rootfs: &Path, out: &Path) {
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(rootfs)
+        .arg("-cf")
+        .arg(out)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success(), "tar of {}", rootfs.display());
+}
+
+/// The number a container's shell counter wrote (`cat /tmp/c`'s output), if it is one.
+pub fn parse_counter(out: &[u8]) -> Option<u64> {
+    String::from_utf8_lossy(out).trim().parse().ok()
+}
+
+/// `gpu-checkpoint node-setup --engine ENGINE` as docs/kubernetes.md says, into `prefix` (the tests'
+/// own folder), with the SIMULATED GPU backend and the runc on PATH; its output.
+pub fn node_setup(engine: &str, prefix: &Path) -> String {
+    let runc = gpu_checkpoint::path_search::which("runc").expect("runc on PATH");
+    let o = gc_run(&[
+        "node-setup",
+        "--engine",
+        engine,
+        "--prefix",
+        &prefix.display().to_string(),
+        "--runc",
+        &runc.display().to_string(),
+        "--gpu-backend",
+        "sim",
+    ]);
+    assert!(o.status.success(), "node-setup: {}", text(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The SIMULATED GPU processes of the container whose init `init()` says, once `n` of them answer.
+pub fn wait_gpu_processes(what: &str, init: &mut dyn FnMut() -> i32, n: usize) -> Vec<i32> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let pids: Vec<i32> = gpu_checkpoint::flows::container::members::members(init())
+            .iter()
+            .map(|m| m.pid)
+            .filter(|&p| gpu_checkpoint::freeze::sim::status(p).is_ok())
+            .collect();
+        if pids.len() >= n {
+            return pids;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: {pids:?} of {n} GPU processes up"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// The record gpu-checkpoint's wrapper put into an engine's checkpoint archive (beside CRIU's images),
+/// read as JSON.
+pub fn archived_gpu_record(archive: &Path) -> serde_json::Value {
+    let files = archive_entries(archive);
+    assert!(
+        files.contains_key("checkpoint/inventory.img"),
+        "CRIU's images in the archive: {:?}",
+        files.keys()
+    );
+    let rec = files
+        .get("checkpoint/gpu-checkpoint.json")
+        .unwrap_or_else(|| panic!("no GPU record in the archive: {:?}", files.keys()));
+    serde_json::from_slice(rec).unwrap()
+}
+
+/// The record says our freeze stage froze the GPU state.
+pub fn assert_frozen_by_us(rec: &serde_json::Value) {
+    let by = rec["frozen_by"].as_str().unwrap_or_default();
+    assert!(by.contains("gpu-checkpoint"), "{rec}");
+}

@@ -28,6 +28,8 @@ pub fn podman_ready() -> bool {
 pub struct Podman {
     dir: PathBuf,
     path: String,
+    /// A `containers.conf` (CONTAINERS_CONF) naming the runtime instead of `--runtime runc`.
+    conf: Option<PathBuf>,
 }
 
 impl Podman {
@@ -54,7 +56,16 @@ impl Podman {
         Podman {
             dir: dir.to_path_buf(),
             path,
+            conf: None,
         }
+    }
+
+    /// podman reading its runtime from `conf` (`CONTAINERS_CONF`), as `gpu-checkpoint node-setup
+    /// --engine podman` writes it, instead of being told `--runtime runc`.
+    pub fn with_conf(dir: &Path, conf: &Path) -> Podman {
+        let mut p = Podman::new(dir);
+        p.conf = Some(conf.to_path_buf());
+        p
     }
 
     pub fn cmd(&self) -> Command {
@@ -62,15 +73,12 @@ impl Podman {
         c.arg("--root")
             .arg(self.dir.join("storage"))
             .arg("--runroot")
-            .arg(self.dir.join("run"))
-            .args([
-                "--runtime",
-                "runc",
-                "--cgroup-manager",
-                "cgroupfs",
-                "--events-backend",
-                "file",
-            ])
+            .arg(self.dir.join("run"));
+        match &self.conf {
+            Some(conf) => c.env("CONTAINERS_CONF", conf),
+            None => c.args(["--runtime", "runc"]),
+        };
+        c.args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
             .env("PATH", &self.path)
             .stdin(std::process::Stdio::null());
         c
@@ -110,22 +118,15 @@ impl Podman {
     /// reached).
     pub fn import_rootfs(&self, bundle: &Bundle, name: &str) {
         let layer = self.dir.join("rootfs.tar");
-        let st = Command::new("tar")
-            .arg("-C")
-            .arg(bundle.rootfs())
-            .arg("-cf")
-            .arg(&layer)
-            .arg(".")
-            .status()
-            .unwrap();
-        assert!(st.success(), "tar of the rootfs");
+        super::tar_rootfs(&bundle.rootfs(), &layer);
         self.ok(&["import", &layer.display().to_string(), name]);
     }
 
-    /// `podman run --detach` of `image` running the shell `script`, without a network and with the
-    /// limits podman's runc path needs here; waits until its counter (`/tmp/c`) reaches `at_least`.
-    pub fn run_counter(&self, name: &str, image: &str, script: &str, at_least: u64) {
-        self.ok(&[
+    /// `podman run --detach` of `image` running the shell `script` with `env`, without a network and
+    /// with the limits podman's runc path needs here.
+    pub fn run_detached(&self, name: &str, image: &str, env: &[(&str, &str)], script: &str) {
+        let env: Vec<String> = env.iter().map(|(k, v)| format!("--env={k}={v}")).collect();
+        let mut args = vec![
             "run",
             "--detach",
             "--name",
@@ -136,22 +137,21 @@ impl Podman {
             "nofile=1024:1024",
             "--ulimit",
             "nproc=4096:4096",
-            image,
-            "sh",
-            "-c",
-            script,
-        ]);
+        ];
+        args.extend(env.iter().map(String::as_str));
+        args.extend([image, "sh", "-c", script]);
+        self.ok(&args);
+    }
+
+    /// [`Podman::run_detached`], waiting until its counter (`/tmp/c`) reaches `at_least`.
+    pub fn run_counter(&self, name: &str, image: &str, script: &str, at_least: u64) {
+        self.run_detached(name, image, &[], script);
         super::wait_for("the counter", &|| {
             self.cmd()
                 .args(["exec", name, "busybox", "cat", "/tmp/c"])
                 .output()
                 .ok()
-                .and_then(|o| {
-                    String::from_utf8_lossy(&o.stdout)
-                        .trim()
-                        .parse::<u64>()
-                        .ok()
-                })
+                .and_then(|o| super::parse_counter(&o.stdout))
                 .is_some_and(|c| c >= at_least)
         });
     }

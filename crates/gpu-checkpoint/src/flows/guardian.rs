@@ -90,6 +90,12 @@ pub enum Event {
     /// (program and arguments) resumes it, before the tree is continued or killed (a frozen process
     /// neither runs nor dies).
     Paused { resume: Vec<String> },
+    /// The tree's container was paused by its engine before the tool touched it (containerd pauses a
+    /// task around its checkpoint), and the engine resumes it once the runtime's command returns: the
+    /// guardian waits for that before it puts the GPU state back, so that the engine's own resume still
+    /// finds the container paused, as it expects. Only a container the engine leaves paused is resumed
+    /// (then paused again) by the guardian.
+    EnginePaused(EnginePaused),
     /// CRIU's dump left the tree stopped with its TCP connections in repair mode and locked
     /// (`--tcp-established`): released before the tree is continued.
     Network(crate::dump::NetworkHold),
@@ -132,6 +138,13 @@ impl Guardian {
     /// Starts `exe guardian --tool-pid PID` with its end of a socket at [`GUARDIAN_FD`], and waits until
     /// it watches us.
     pub fn spawn(exe: &Path) -> Result<Guardian, Error> {
+        Guardian::spawn_logging(exe, Stdio::inherit())
+    }
+
+    /// [`Guardian::spawn`] with the guardian's reports going to `stderr` instead of ours: a tool whose
+    /// output is read to its end by its caller (an engine running its runtime) must not leave the
+    /// guardian holding that output, or the caller would wait for the guardian.
+    pub fn spawn_logging(exe: &Path, stderr: Stdio) -> Result<Guardian, Error> {
         let spawn_err = |source| Error::Spawn {
             exe: exe.display().to_string(),
             source,
@@ -143,7 +156,8 @@ impl Guardian {
             .arg("--tool-pid")
             .arg(std::process::id().to_string())
             .stdin(Stdio::null())
-            .stdout(Stdio::null());
+            .stdout(Stdio::null())
+            .stderr(stderr);
         // SAFETY: between fork and exec only async-signal-safe calls: dup2, setsid.
         unsafe {
             cmd.pre_exec(move || {
@@ -216,6 +230,59 @@ struct Tree {
     leave_running: bool,
 }
 
+/// See [`Event::EnginePaused`]: the runtime's command lines for the container.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnginePaused {
+    /// Prints the container's state (`runc state ID`: JSON with `status`).
+    pub state: Vec<String>,
+    pub resume: Vec<String>,
+    pub pause: Vec<String>,
+}
+
+/// How long the guardian waits for the engine to resume the container it paused.
+const ENGINE_RESUME_WAIT: Duration = Duration::from_secs(30);
+
+impl EnginePaused {
+    fn paused(&self) -> bool {
+        let Some((program, args)) = self.state.split_first() else {
+            return false;
+        };
+        Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .ok()
+            .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+            .is_some_and(|v| v["status"] == "paused")
+    }
+
+    /// Waits for the engine's resume; returns whether the guardian had to resume the container itself
+    /// (it pauses it again once the GPU state is back: [`EnginePaused::pause_again`]).
+    fn wait_for_engine(&self) -> bool {
+        let until = std::time::Instant::now() + ENGINE_RESUME_WAIT;
+        while std::time::Instant::now() < until {
+            if !self.paused() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        resume_container(&self.resume, true);
+        true
+    }
+
+    fn pause_again(&self) {
+        if let Some((program, args)) = self.pause.split_first() {
+            let _ = Command::new(program)
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
 /// What the guardian knows: only what it was told.
 #[derive(Default)]
 struct Watched {
@@ -225,6 +292,8 @@ struct Watched {
     restore: Option<Vec<i32>>,
     /// The command that resumes the tree's paused container.
     resume: Option<Vec<String>>,
+    /// The container its engine paused.
+    engine_paused: Option<EnginePaused>,
     sandbox: Option<SandboxUndo>,
     /// The images of the runtime's checkpoint that stops the sandbox.
     stopping: Option<std::path::PathBuf>,
@@ -322,6 +391,7 @@ impl Watched {
             }
             Event::Gpu { backend } => self.gpu = Some(backend),
             Event::Paused { resume } => self.resume = Some(resume),
+            Event::EnginePaused(e) => self.engine_paused = Some(e),
             Event::Sandbox(s) => self.sandbox = Some(s),
             Event::Stopping { images } => self.stopping = Some(images),
             Event::Network(hold) => self.network = Some(hold),
@@ -388,10 +458,21 @@ impl Watched {
         if let Some(resume) = &self.resume {
             resume_settled(resume, &tree.all.pids());
         }
+        let resumed_for_the_engine = self
+            .engine_paused
+            .as_ref()
+            .is_some_and(EnginePaused::wait_for_engine);
         tree.running.continue_all();
         let thawed = self.gpu.map(|b| thaw_gpu(b, &tree.all.pids())).unwrap_or(0);
         // The GPU restore runs in the processes themselves; continue again in case one was stopped meanwhile.
         tree.running.continue_all();
+        if let Some(e) = self
+            .engine_paused
+            .as_ref()
+            .filter(|_| resumed_for_the_engine)
+        {
+            e.pause_again();
+        }
         say(&format!(
             "the checkpoint was not durable: resumed the tree ({} processes) and put back the GPU state of {thawed}{}",
             tree.running.pids().len(),

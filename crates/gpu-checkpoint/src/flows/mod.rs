@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod cluster;
 pub mod container;
+pub mod engine;
 pub mod guardian;
 mod logs;
 pub mod manifest;

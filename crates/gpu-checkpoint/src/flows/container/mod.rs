@@ -29,6 +29,7 @@
 
 pub mod archive;
 pub mod direct;
+mod discover;
 mod error;
 mod fake;
 mod follow;
@@ -45,6 +46,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use direct::DirectDump;
+pub use discover::{blocked, discover, discover_in, Discovered};
 pub use error::Error;
 pub use fake::FakeRuntime;
 pub use follow::{Follow, FollowReader};
@@ -158,56 +160,6 @@ pub struct ContainerCheckpointOutcome {
 /// How long a killed container's init may take to go.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The container's processes and detect's report of them, for `detect --container` and the checkpoint.
-#[derive(Debug, Clone)]
-pub struct Discovered {
-    pub state: ContainerState,
-    pub processes: Vec<members::Member>,
-    pub report: Report,
-}
-
-/// Finds container `id`'s processes and detect's report of its tree (GPU processes by NVML where
-/// present, /proc otherwise), keeping only what shares the container's cgroups.
-pub fn discover(
-    runtime: &dyn ContainerRuntime,
-    id: &str,
-    opts: &DetectOptions,
-) -> crate::Result<Discovered> {
-    check_container_id(id)?;
-    let state = runtime.state(id)?;
-    if state.status != "running" || state.pid <= 0 {
-        return Err(Error::NotRunning {
-            id: id.into(),
-            status: state.status,
-        }
-        .into());
-    }
-    let processes = members::members(state.pid);
-    if processes.is_empty() {
-        return Err(Error::Processes {
-            id: id.into(),
-            reason: format!("its init (pid {}) is gone", state.pid),
-        }
-        .into());
-    }
-    let mut report = detect::detect_pid(
-        state.pid,
-        &DetectOptions {
-            tree: true,
-            ..opts.clone()
-        },
-    )?;
-    // The tree of init could hold a process moved to another cgroup: not the container's.
-    report
-        .processes
-        .retain(|p| processes.iter().any(|m| m.pid == p.pid));
-    Ok(Discovered {
-        state,
-        processes,
-        report,
-    })
-}
-
 /// A signal came since `interrupt` was made: the caller's guards undo as it returns the error.
 fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
     if !interrupt.interrupted() {
@@ -271,17 +223,10 @@ impl ContainerFlow<'_> {
             }),
             None => None,
         };
-        if found.report.strategy.name == StrategyName::Unsupported {
-            let blockers = found
-                .report
-                .strategy
-                .blockers
-                .iter()
-                .map(|b| format!("\n  - pid {} {}: {}", b.pid, b.kind, b.message))
-                .collect::<String>();
+        if let Some(reason) = blocked(&found.report) {
             return Err(Error::Unsupported {
                 id: id.into(),
-                reason: format!("its GPU state cannot be checkpointed:{blockers}"),
+                reason,
             }
             .into());
         }

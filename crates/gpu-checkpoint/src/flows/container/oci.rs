@@ -80,14 +80,25 @@ impl OciCli {
                 runtime: kind.name().into(),
                 what: "not on PATH".into(),
             })?;
-        Ok(OciCli {
+        Ok(OciCli::at(kind, binary, criu, root, extra))
+    }
+
+    /// The runtime `kind` at `binary` (the engines' path runs the real runc a node names).
+    pub fn at(
+        kind: RuntimeKind,
+        binary: PathBuf,
+        criu: Option<PathBuf>,
+        root: Option<PathBuf>,
+        extra: Vec<String>,
+    ) -> OciCli {
+        OciCli {
             kind,
             binary,
             criu: criu.filter(|_| kind == RuntimeKind::Runc),
             root,
             extra,
             restore_proxy: None,
-        })
+        }
     }
 
     /// Lets runc restore from streamed images through `exe`, a program that acts as
@@ -154,6 +165,14 @@ impl OciCli {
         let c = self.command();
         let mut argv = vec![c.get_program().to_string_lossy().into_owned()];
         argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
+        argv
+    }
+
+    /// The command line of `verb ID` (`state`, `pause`, `resume`), program first: for another process
+    /// to run (the guardian).
+    pub fn command_line(&self, verb: &str, id: &str) -> Vec<String> {
+        let mut argv = self.argv();
+        argv.extend([verb.to_string(), id.to_string()]);
         argv
     }
 
@@ -256,9 +275,7 @@ impl ContainerRuntime for OciCli {
     }
 
     fn resume_command(&self, id: &str) -> Vec<String> {
-        let mut argv = self.argv();
-        argv.extend(["resume".to_string(), id.to_string()]);
-        argv
+        self.command_line("resume", id)
     }
 
     fn cli(&self) -> Option<OciCli> {

@@ -90,6 +90,13 @@ pub fn map_device(
     at: Option<DeviceRange>,
 ) -> Result<DeviceRange, (i32, String)> {
     let _ = std::fs::remove_file(path);
+    // A restore into another container finds its own, empty /dev/shm: the "device" is there again, as
+    // a real GPU's device nodes are in a container given the GPU.
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            return Err((OPERATING_SYSTEM, format!("creating {}: {e}", dir.display())));
+        }
+    }
     let c = CString::new(path).map_err(|e| (INVALID_VALUE, e.to_string()))?;
     let at = at.map_or(std::ptr::null_mut(), |r| r.addr);
     // SAFETY: plain syscalls on a path we own; every result is checked. MAP_FIXED only over a range of
