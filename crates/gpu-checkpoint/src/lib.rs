@@ -27,8 +27,12 @@ pub mod interrupt;
 pub mod path_search;
 pub mod proc;
 pub mod store;
-pub mod testdata;
 pub mod util;
+
+// The tests' pseudo-random data, as `crate::testdata` (a crate of its own, so that no build of the tool
+// links it).
+#[cfg(test)]
+use gpu_checkpoint_testdata as testdata;
 
 pub use error::{Error, Result};
 pub use exit::{Classify, ExitStatus};

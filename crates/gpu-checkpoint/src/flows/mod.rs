@@ -32,7 +32,7 @@ pub use manifest::{
 };
 
 /// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU
-/// or [`crate::dump::FakeCriu`], the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).
+/// or `FakeCriu` in unit tests, the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).
 pub struct Flow<'a> {
     pub criu: &'a dyn Criu,
     pub gpu: &'a mut dyn GpuHook,

@@ -70,7 +70,8 @@ impl FreezeHook {
         match (sim_record, chosen) {
             (true, Backend::Sim)
             | (false, Backend::Auto | Backend::CudaDriver | Backend::CudaCli) => Ok(chosen),
-            (false, Backend::Fake) | (true, Backend::Fake) => Ok(chosen),
+            #[cfg(test)]
+            (_, Backend::Fake) => Ok(chosen),
             (true, _) => Err(Error::WrongBackend(
                 "the checkpoint holds SIMULATED GPU state; restore it with --gpu-backend sim"
                     .into(),
@@ -107,7 +108,11 @@ impl GpuHook for FreezeHook {
 
     fn backend(&self) -> Option<Backend> {
         // The fake driver lives in this process: nobody else can reach its state.
-        (self.opts.backend != Backend::Fake).then_some(self.opts.backend)
+        #[cfg(test)]
+        if self.opts.backend == Backend::Fake {
+            return None;
+        }
+        Some(self.opts.backend)
     }
 
     fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error> {

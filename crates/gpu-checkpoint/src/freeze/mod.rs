@@ -14,6 +14,7 @@
 
 pub mod cuda_cli;
 pub mod cuda_driver;
+#[cfg(test)]
 pub mod fake;
 pub mod freeze_hook;
 pub mod group;
@@ -235,7 +236,8 @@ pub enum Backend {
     CudaCli,
     /// The simulated GPU (tests and demos only).
     Sim,
-    /// The in-memory test implementation ([`fake`]); only reachable from code.
+    /// The in-memory test implementation (`fake`): unit tests only, never in a build users run.
+    #[cfg(test)]
     Fake,
 }
 
@@ -245,8 +247,7 @@ impl Backend {
     }
 }
 
-/// Reads a backend's name, all but `fake`, which only code reaches. (Not strum's `EnumString`: it would
-/// read `fake` too.)
+/// Reads a backend's name, all but `fake` (unit tests only), which only code reaches.
 impl std::str::FromStr for Backend {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -254,7 +255,7 @@ impl std::str::FromStr for Backend {
         Backend::VARIANTS
             .iter()
             .copied()
-            .find(|b| *b != Backend::Fake && b.as_str() == s)
+            .find(|b| b.as_str() == s && s != "fake")
             .ok_or_else(|| {
                 Error::DeviceMap(format!(
                     "unknown GPU backend `{s}` (auto, cuda-driver, cuda-cli, sim)"
@@ -270,6 +271,7 @@ pub fn open(backend: Backend) -> Result<Arc<dyn GpuDriver>> {
         Backend::CudaDriver => Ok(Arc::new(cuda_driver::CudaDriver::open()?)),
         Backend::CudaCli => Ok(Arc::new(cuda_cli::CudaCli::open()?)),
         Backend::Sim => Ok(Arc::new(sim::SimDriver::new())),
+        #[cfg(test)]
         Backend::Fake => Ok(Arc::new(fake::FakeDriver::new())),
         Backend::Auto => {
             let driver_err = match cuda_driver::CudaDriver::open() {

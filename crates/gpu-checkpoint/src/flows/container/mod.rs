@@ -30,6 +30,7 @@
 pub mod archive;
 pub mod direct;
 mod error;
+#[cfg(test)]
 mod fake;
 mod follow;
 mod guards;
@@ -45,6 +46,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use direct::DirectDump;
 pub use error::Error;
+#[cfg(test)]
 pub use fake::FakeRuntime;
 pub use follow::{Follow, FollowReader};
 pub use oci::{unmount_under, OciCli, RuntimeKind};
