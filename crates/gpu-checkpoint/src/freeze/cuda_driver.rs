@@ -8,7 +8,7 @@
 //! the layout is chosen from `cuDriverGetVersion`, never assumed. Reserved bytes are always zero.
 
 use super::types::{CuError, GpuInfo, GpuPair, GpuUuid, ProcessState};
-use super::{Backend, Error, GpuDriver, Op, Result, MIN_DRIVER_API};
+use super::{Error, GpuBackend, GpuDriver, Op, Result, MIN_DRIVER_API};
 use libloading::Library;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::Mutex;
@@ -489,8 +489,8 @@ impl<'l> Resolver<'l> {
 }
 
 impl GpuDriver for CudaDriver {
-    fn backend(&self) -> Backend {
-        Backend::CudaDriver
+    fn backend(&self) -> GpuBackend {
+        GpuBackend::CudaDriver
     }
 
     fn simulated(&self) -> bool {

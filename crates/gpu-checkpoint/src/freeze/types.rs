@@ -458,10 +458,13 @@ mod tests {
         assert_eq!(Op::RestoreTid.to_string(), "restore thread id query");
         assert_eq!(Op::State.to_string(), "state query");
         assert_eq!(Op::Checkpoint.to_string(), "checkpoint");
-        for b in super::super::Backend::VARIANTS {
+        for b in super::super::GpuBackend::VARIANTS {
             assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
         }
-        assert_eq!(super::super::Backend::CudaDriver.to_string(), "cuda-driver");
+        assert_eq!(
+            super::super::GpuBackend::CudaDriver.to_string(),
+            "cuda-driver"
+        );
     }
 
     #[test]
