@@ -1,4 +1,5 @@
-//! What the shipped binary holds: no test double (they are compiled for the library's unit tests only).
+//! What the shipped binary and CRIU plugin hold: no test double in the binary (they are compiled for the
+//! library's unit tests only), not the library in the plugin (only the crate of its record types).
 //!
 //! The binary these tests look at is the one `cargo test` builds for them, with the library compiled as
 //! for any build of the tool (`cfg(test)` is set only in the library's own unit-test harness), so what is
@@ -82,4 +83,25 @@ fn the_fake_gpu_backend_cannot_be_chosen() {
             "{err}"
         );
     }
+}
+
+/// The plugin (`libgpu_checkpoint_devices.so`, loaded into CRIU) is built from its record types, not from
+/// the whole library: a dependency on `gpu-checkpoint` would make it tens of MB again.
+#[test]
+fn the_criu_plugin_does_not_link_the_library() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
+        .args(["-p", "gpu-checkpoint-criu-devices", "--format", "{p}"])
+        .output()
+        .expect("run cargo tree");
+    let tree = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let crates: Vec<&str> = tree.lines().filter_map(|l| l.split(' ').next()).collect();
+    assert!(crates.contains(&"gpu-checkpoint-device-records"), "{tree}");
+    assert!(!crates.contains(&"gpu-checkpoint"), "{tree}");
 }
