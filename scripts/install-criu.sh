@@ -50,7 +50,6 @@ command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
 . "$REPO/scripts/lib/debian-apt.sh"
 APTDIR="$PREFIX.apt"
 debian_apt_init "$APTDIR" "deb $SUITES"
-mkdir -p "$APTDIR/debs"
 
 # --- Dependencies: criu, libcompel1 and the libraries they need, recursively (criu's non-library
 # dependencies, none today, carry no code the binary loads). ------------------------------------------------
@@ -59,21 +58,13 @@ mapfile -t PKGS <<<"$CLOSURE"
 log "packages: ${PKGS[*]}"
 
 # --- Download and unpack into a fresh folder, then swap it in, so an interrupted run leaves no half prefix. --
-rm -f "$APTDIR"/debs/*.deb
-(cd "$APTDIR/debs" && apt-get "${APT_OPTS[@]}" -qq download "${PKGS[@]}" >&2) || die "apt-get download failed"
+# (LOADER and LIBDIR: the dynamic loader and the multiarch library folder of this architecture.)
 NEW="$PREFIX.new"
-rm -rf "$NEW"
-mkdir -p "$NEW/root" "$NEW/bin" "$NEW/plugins"
-for deb in "$APTDIR"/debs/*.deb; do
-    dpkg-deb -x "$deb" "$NEW/root"
-done
+debian_apt_unpack "$NEW" "${PKGS[@]}"
+mkdir -p "$NEW/plugins"
 
 CRIU_BIN=$NEW/root/usr/sbin/criu
 [ -x "$CRIU_BIN" ] || die "criu binary missing from the package"
-# The dynamic loader and the multiarch library folder of this architecture (x86_64, aarch64, ...).
-LOADER=$(find "$NEW/root/usr/lib" -maxdepth 2 -name 'ld-linux*.so*' -path '*-linux-gnu*/*' | head -1)
-[ -n "$LOADER" ] || die "dynamic loader missing from libc6"
-LIBDIR=$(dirname "$LOADER")
 rel() { echo "${1#"$NEW"/}"; }
 
 # The wrapper runs CRIU through the prefix's loader with --library-path rather than LD_LIBRARY_PATH: the
@@ -93,10 +84,7 @@ chmod 0755 "$NEW/bin/criu"
 
 "$NEW/bin/criu" --version | grep -q '^Version: [4-9]\.' || die "the unpacked CRIU does not run: $("$NEW/bin/criu" --version 2>&1 | head -3)"
 echo "$STAMP" >"$NEW/installed-from"
-rm -rf "$PREFIX.old"
-[ -e "$PREFIX" ] && mv "$PREFIX" "$PREFIX.old"
-mv "$NEW" "$PREFIX"
-rm -rf "$PREFIX.old"
+debian_apt_swap_in "$NEW" "$PREFIX"
 rm -f "$APTDIR"/debs/*.deb # unpacked; the package index stays for a quick reinstall
 log "$("$PREFIX/bin/criu" --version | head -1) installed in $PREFIX"
 echo "$PREFIX/bin/criu"

@@ -90,10 +90,7 @@ done >"$NEW/commands"
 
 echo "$VERSION" >"$NEW/version"
 echo "$STAMP" >"$NEW/installed-from"
-rm -rf "$PREFIX.old"
-[ -e "$PREFIX" ] && mv "$PREFIX" "$PREFIX.old"
-mv "$NEW" "$PREFIX"
-rm -rf "$PREFIX.old"
+debian_apt_swap_in "$NEW" "$PREFIX"
 rm -f "$APTDIR"/src/* # unpacked; the source index stays for a quick reinstall
 log "zdtm of criu $VERSION built in $PREFIX"
 echo "$PREFIX"

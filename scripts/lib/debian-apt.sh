@@ -137,3 +137,35 @@ debian_apt_lib_closure() {
     done
     return 0
 }
+
+# debian_apt_unpack NEW PACKAGE...: downloads the packages into the private apt's debs/ folder and unpacks
+# them into NEW/root, NEW a fresh folder (anything there before is removed) that debian_apt_swap_in later
+# puts in place; sets LOADER to the dynamic loader of the libc6 among them (an unpacked binary runs
+# through it, with the unpacked libraries) and LIBDIR to its multiarch library folder.
+debian_apt_unpack() {
+    local new=$1 debs=$APTDIR/debs deb
+    shift
+    mkdir -p "$debs"
+    rm -f "$debs"/*.deb
+    (cd "$debs" && apt-get "${APT_OPTS[@]}" -qq download "$@" >&2) || die "apt-get download failed"
+    rm -rf "$new"
+    mkdir -p "$new/root" "$new/bin"
+    for deb in "$debs"/*.deb; do
+        dpkg-deb -x "$deb" "$new/root"
+    done
+    LOADER=$(find "$new/root/usr/lib" -maxdepth 2 -name 'ld-linux*.so*' -path '*-linux-gnu*/*' | head -1)
+    [ -n "$LOADER" ] || die "dynamic loader missing from libc6"
+    # shellcheck disable=SC2034 # used by the scripts that source this file
+    LIBDIR=$(dirname "$LOADER")
+}
+
+# debian_apt_swap_in NEW PREFIX: puts the finished folder NEW in PREFIX's place (the previous PREFIX is
+# removed), so that an interrupted install leaves the old prefix or the new one, never half of one.
+debian_apt_swap_in() {
+    rm -rf "$2.old"
+    if [ -e "$2" ]; then
+        mv "$2" "$2.old"
+    fi
+    mv "$1" "$2"
+    rm -rf "$2.old"
+}

@@ -8,7 +8,8 @@
 //! This plugin takes only character devices that are NVIDIA device nodes or named in
 //! `GPU_CHECKPOINT_DEVICES_ALLOW`, and only when gpu-checkpoint named its record file in
 //! `GPU_CHECKPOINT_DEVICES_RECORD`; every other file is "not mine" (`-ENOTSUP`). See
-//! `gpu_checkpoint::dump::devices` for the tool's side and the record format. Nothing panics across the
+//! `gpu_checkpoint::dump::devices` for the tool's side and `gpu_checkpoint_device_records` for the record
+//! format. Nothing panics across the
 //! C boundary: each hook runs under `catch_unwind` and answers an errno instead.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -16,7 +17,7 @@ use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 
-use gpu_checkpoint::dump::devices::{
+use gpu_checkpoint_device_records::{
     is_taken, parse_records, ReopenedDevice, ENV_ALLOW, ENV_RECORD,
 };
 

@@ -9,6 +9,18 @@ mod container_support;
 use container_support::*;
 use gpu_checkpoint_workloads::{chain, field_u64, read_state};
 
+/// What every test here starts from, or `None` (skipped: containers_ready said why): a network namespace
+/// of its own (`tag` in its name), a private folder, and the store's path in it.
+fn lab(tag: &str) -> Option<(NetNs, tempfile::TempDir, std::path::PathBuf)> {
+    if !containers_ready() {
+        return None;
+    }
+    let ns = NetNs::add(&format!("gc-{}-{tag}", std::process::id()))?;
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    Some((ns, dir, store))
+}
+
 /// The container's established TCP connections (`local remote`, as `/proc/PID/net/tcp` writes them),
 /// seen through its init's network namespace.
 fn established(init: i32) -> Vec<String> {
@@ -101,12 +113,7 @@ fn a_connection_survives(
     dump: &str,
     config: Option<&str>,
 ) -> Option<u64> {
-    if !containers_ready() {
-        return None;
-    }
-    let ns = NetNs::add(&format!("gc-{}-{tag}", std::process::id()))?;
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
+    let (ns, dir, store) = lab(tag)?;
     let runc = Runc::new(dir.path());
     let args = ["exec workload sockets --state /state/s --unix /tmp/u --tcp-pair 1"];
     let bundle = Bundle::new(&dir.path().join("bundle"), &args, &[]);
@@ -189,20 +196,29 @@ fn an_established_connection_survives_runcs_checkpoint_with_tcp_established() {
     }
 }
 
+/// [`a_connection_survives`] on both dump paths (the direct dump, container `TAGd`; runc's checkpoint,
+/// `TAGr`) with CRIU configuration file `conf`: each path's name and lock method (none where skipped).
+fn on_both_paths(tag: &str, conf: &str) -> Vec<(&'static str, u64)> {
+    let mut methods = Vec::new();
+    for (suffix, extra, dump) in [
+        ("d", &[][..], "direct"),
+        ("r", &["--runtime-checkpoint"][..], "runtime"),
+    ] {
+        if let Some(m) = a_connection_survives(&format!("{tag}{suffix}"), extra, dump, Some(conf)) {
+            methods.push((dump, m));
+        }
+    }
+    methods
+}
+
 /// A configuration file that names the lock method decides it on both paths: the direct dump's command
 /// line must not override it (it did, with nftables: `--network-lock` on CRIU's command line wins over
 /// its `--config` file).
 #[test]
 fn a_criu_configuration_file_names_the_network_lock_of_both_paths() {
-    let conf = "network-lock skip\n";
-    for (tag, extra, dump) in [
-        ("tcpcd", &[][..], "direct"),
-        ("tcpcr", &["--runtime-checkpoint"][..], "runtime"),
-    ] {
-        if let Some(m) = a_connection_survives(tag, extra, dump, Some(conf)) {
-            assert_ne!(m, NFTABLES, "{dump}: our default overrode the file");
-            assert_eq!(m, SKIP, "{dump}: the file's skip");
-        }
+    for (dump, m) in on_both_paths("tcpc", "network-lock skip\n") {
+        assert_ne!(m, NFTABLES, "{dump}: our default overrode the file");
+        assert_eq!(m, SKIP, "{dump}: the file's skip");
     }
 }
 
@@ -210,14 +226,8 @@ fn a_criu_configuration_file_names_the_network_lock_of_both_paths() {
 /// of its own on both paths, and the restore deletes it.
 #[test]
 fn an_established_connection_survives_a_dump_under_an_nftables_lock() {
-    let conf = "network-lock nftables\n";
-    for (tag, extra, dump) in [
-        ("tcpnd", &[][..], "direct"),
-        ("tcpnr", &["--runtime-checkpoint"][..], "runtime"),
-    ] {
-        if let Some(m) = a_connection_survives(tag, extra, dump, Some(conf)) {
-            assert_eq!(m, NFTABLES, "{dump}: the file's nftables");
-        }
+    for (dump, m) in on_both_paths("tcpn", "network-lock nftables\n") {
+        assert_eq!(m, NFTABLES, "{dump}: the file's nftables");
     }
 }
 
@@ -261,14 +271,9 @@ fn echo(s: &mut std::io::BufReader<std::net::TcpStream>, line: &str) -> String {
 /// after the restore the echo of that line and of a new one come back over the same connection.
 fn a_peer_outside_keeps_its_connection(tag: &str, extra: &[&str]) {
     use std::io::BufRead;
-    if !containers_ready() {
-        return;
-    }
-    let Some(ns) = NetNs::add(&format!("gc-{}-{tag}", std::process::id())) else {
+    let Some((ns, dir, store)) = lab(tag) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
     let (runc, id, mut peer, _bundle) = nc_container(dir.path(), &ns, tag, &[], None);
     let o = checkpoint_tcp(&store, &runc, &id, extra);
     assert!(o.status.success(), "{tag}: checkpoint: {}", text(&o));
@@ -374,14 +379,9 @@ fn a_peer_outside_the_container_loses_its_connection_through_runcs_checkpoint_an
 /// stored, the peer's line is echoed over the same connection, and the ping-pong inside goes on without
 /// an error.
 fn a_failed_checkpoint_keeps_the_connections(tag: &str, config: Option<&str>) {
-    if !containers_ready() {
-        return;
-    }
-    let Some(ns) = NetNs::add(&format!("gc-{}-{tag}", std::process::id())) else {
+    let Some((ns, dir, store)) = lab(tag) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
     let inside = "workload sockets --state /state/s --unix /tmp/u --tcp-pair 1 &";
     let (runc, id, mut peer, bundle) = nc_container(dir.path(), &ns, tag, &[inside], config);
     let state = bundle.rootfs().join("state/s");
@@ -427,18 +427,8 @@ fn a_failed_checkpoint_keeps_the_connections(tag: &str, config: Option<&str>) {
             rounds().is_some_and(|r| r > r0 + 5)
         });
     }
-    let o = gc_run(&[
-        "list",
-        "--storage",
-        store.to_str().unwrap(),
-        "--format",
-        "json",
-    ]);
-    let listed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
-    assert!(
-        listed.as_array().is_none_or(|a| a.is_empty()),
-        "nothing stored: {listed}"
-    );
+    let stored = listed(&store);
+    assert!(stored.is_empty(), "nothing stored: {stored:?}");
     let errors = field_u64(read_state(&state).unwrap().first().unwrap(), "errors");
     assert_eq!(errors, Some(0), "{tag}");
 }

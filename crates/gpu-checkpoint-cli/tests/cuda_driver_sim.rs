@@ -10,11 +10,11 @@
 
 mod sim_support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use gpu_checkpoint::freeze::sim;
-use sim_support::common::{list_ids, wait_pid_free};
+use sim_support::common::{list_ids, restore_args, run_checkpoint_env, wait_pid_free};
 use sim_support::*;
 
 /// The CUDA versions whose argument layouts differ.
@@ -42,12 +42,19 @@ impl Driver {
         Driver { dir, version }
     }
 
+    /// The variables that make `gpu-checkpoint` load this driver.
+    fn env(&self) -> [(&str, &str); 2] {
+        [
+            ("LD_LIBRARY_PATH", self.dir.path().to_str().unwrap()),
+            ("GPU_CHECKPOINT_SIM_CUDA_VERSION", self.version),
+        ]
+    }
+
     /// `gpu-checkpoint ARGS` with this driver.
     fn run(&self, args: &[&str]) -> Output {
         Command::new(gpu_checkpoint())
             .args(args)
-            .env("LD_LIBRARY_PATH", self.dir.path())
-            .env("GPU_CHECKPOINT_SIM_CUDA_VERSION", self.version)
+            .envs(self.env())
             .output()
             .unwrap()
     }
@@ -64,39 +71,35 @@ impl Driver {
     }
 
     fn checkpoint(&self, pid: i32, store: &Path, extra: &[&str]) -> Output {
-        let pid = pid.to_string();
-        let mut args = vec![
-            "checkpoint",
-            "--pid",
-            &pid,
-            "--storage",
-            store.to_str().unwrap(),
+        let backend = [
             "--gpu-backend",
             "cuda-driver",
             "--simulated-gpus",
             "--format",
             "json",
         ];
-        args.extend_from_slice(extra);
-        self.run(&args)
+        run_checkpoint_env(pid, store, &[&backend[..], extra].concat(), &self.env())
     }
 
     fn restore(&self, id: &str, store: &Path, extra: &[&str]) -> Output {
-        let mut args = vec![
-            "restore",
+        self.run(&restore_args(
             id,
-            "--storage",
-            store.to_str().unwrap(),
-            "--gpu-backend",
-            "cuda-driver",
-        ];
-        args.extend_from_slice(extra);
-        self.run(&args)
+            store,
+            &[&["--gpu-backend", "cuda-driver"][..], extra].concat(),
+        ))
     }
 }
 
-fn store_in(dir: &tempfile::TempDir) -> PathBuf {
-    dir.path().join("store")
+/// Runs `test` with the driver of every layout and an empty store (in a private folder); not at all
+/// where CRIU cannot run (criu_ready says why).
+fn with_every_layout(test: impl Fn(&Driver, &Path, &Path)) {
+    if !criu_ready() {
+        return;
+    }
+    for v in VERSIONS {
+        let dir = tempfile::tempdir().unwrap();
+        test(&Driver::new(v), &dir.path().join("store"), dir.path());
+    }
 }
 
 #[test]
@@ -145,8 +148,7 @@ fn the_cuda_subcommands_drive_every_layout() {
         // 13.4's custom storage is found at run time where the driver has it.
         let o = Command::new(gpu_checkpoint())
             .arg("doctor")
-            .env("LD_LIBRARY_PATH", d.dir.path())
-            .env("GPU_CHECKPOINT_SIM_CUDA_VERSION", v)
+            .envs(d.env())
             .env("GPU_CHECKPOINT_SIM_CUSTOM_STORAGE", "1")
             .output()
             .unwrap();
@@ -161,17 +163,12 @@ fn the_cuda_subcommands_drive_every_layout() {
 
 #[test]
 fn a_four_process_tree_checkpoints_and_restores_through_every_layout() {
-    if !criu_ready() {
-        return;
-    }
-    for v in VERSIONS {
-        let d = Driver::new(v);
-        let dir = tempfile::tempdir().unwrap();
-        let store = store_in(&dir);
+    with_every_layout(|d, store, _| {
+        let v = d.version;
         let tree = SimProcess::start(&["--mib", "8", "--children", "3"]);
         let pids = tree.all_pids();
         assert_eq!(pids.len(), 4);
-        let o = d.checkpoint(tree.pid, &store, &[]);
+        let o = d.checkpoint(tree.pid, store, &[]);
         assert!(o.status.success(), "CUDA {v}: {}", text(&o));
         let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(ck["gpu"]["backend"], "cuda-driver", "CUDA {v}");
@@ -194,34 +191,29 @@ fn a_four_process_tree_checkpoints_and_restores_through_every_layout() {
         // Onto other GPUs: 13.0 and later take a device map; 12.8's driver cannot (exit 5, before CRIU
         // restores anything), and the checkpoint stays for a restore onto the same GPUs. Without NVML
         // the record counts both GPUs as used, so the map swaps both.
-        let o = d.restore(id, &store, &["--device-map", "0=1,1=0"]);
+        let o = d.restore(id, store, &["--device-map", "0=1,1=0"]);
         if v == "12.8" {
             assert_eq!(o.status.code(), Some(5), "CUDA {v}: {}", text(&o));
             assert!(text(&o).contains("13.0"), "CUDA {v}: {}", text(&o));
             assert!(pids
                 .iter()
                 .all(|&p| !std::path::Path::new(&format!("/proc/{p}")).exists()));
-            let o = d.restore(id, &store, &[]);
+            let o = d.restore(id, store, &[]);
             assert!(o.status.success(), "CUDA {v}: {}", text(&o));
         } else {
             assert!(o.status.success(), "CUDA {v}: {}", text(&o));
             assert_eq!(status(tree.pid)["uuids"], sim::sim_gpu_uuid(1).to_string());
         }
         assert_healthy(&pids);
-    }
+    });
 }
 
 #[test]
 fn every_injected_failure_leaves_the_tree_running_or_the_checkpoint_restorable() {
-    if !criu_ready() {
-        return;
-    }
-    for v in VERSIONS {
-        let d = Driver::new(v);
-        let dir = tempfile::tempdir().unwrap();
-        let store = store_in(&dir);
+    with_every_layout(|d, store, dir| {
+        let v = d.version;
         // The fault file lives outside the processes, so it reaches the copies CRIU restores.
-        let fault_file = dir.path().join("faults");
+        let fault_file = dir.join("faults");
         std::fs::write(&fault_file, "").unwrap();
         let tree = SimProcess::start_env(
             &["--mib", "4", "--children", "3"],
@@ -239,21 +231,21 @@ fn every_injected_failure_leaves_the_tree_running_or_the_checkpoint_restorable()
             (tree.children[0], "checkpoint", &[][..]),
         ] {
             sim::inject_fault(victim, fault).unwrap();
-            let o = d.checkpoint(tree.pid, &store, extra);
+            let o = d.checkpoint(tree.pid, store, extra);
             assert!(!o.status.success(), "CUDA {v} {fault}: {}", text(&o));
             sim::inject_fault(victim, "none").unwrap();
             assert_healthy(&pids);
-            assert!(list_ids(&store).is_empty(), "CUDA {v} {fault}");
+            assert!(list_ids(store).is_empty(), "CUDA {v} {fault}");
         }
         // A GPU restore that runs out of device memory: the copy is killed, the checkpoint stays, and it
         // restores once the memory is there.
-        let o = d.checkpoint(tree.pid, &store, &[]);
+        let o = d.checkpoint(tree.pid, store, &[]);
         assert!(o.status.success(), "CUDA {v}: {}", text(&o));
         let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let id = ck["id"].as_str().unwrap();
         wait_gone(&pids);
         std::fs::write(&fault_file, "restore-oom").unwrap();
-        let o = d.restore(id, &store, &[]);
+        let o = d.restore(id, store, &[]);
         assert!(!o.status.success(), "CUDA {v}: {}", text(&o));
         assert!(
             text(&o).contains("CUDA_ERROR_OUT_OF_MEMORY"),
@@ -261,9 +253,9 @@ fn every_injected_failure_leaves_the_tree_running_or_the_checkpoint_restorable()
             text(&o)
         );
         wait_gone(&pids);
-        assert_eq!(list_ids(&store).len(), 1, "CUDA {v}");
+        assert_eq!(list_ids(store).len(), 1, "CUDA {v}");
         std::fs::write(&fault_file, "").unwrap();
-        let o = d.restore(id, &store, &[]);
+        let o = d.restore(id, store, &[]);
         assert!(o.status.success(), "CUDA {v}: {}", text(&o));
         assert_healthy(&pids);
         for &p in &pids {
@@ -273,5 +265,5 @@ fn every_injected_failure_leaves_the_tree_running_or_the_checkpoint_restorable()
         for &p in &pids {
             wait_pid_free(p);
         }
-    }
+    });
 }

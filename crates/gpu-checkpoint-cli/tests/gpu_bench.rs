@@ -9,7 +9,7 @@
 
 mod sim_support;
 
-use gpu_checkpoint::freeze::{self, group, Backend, GpuDriver, GroupOptions};
+use gpu_checkpoint::freeze::{self, group, GpuBackend, GpuDriver, GroupOptions};
 use sim_support::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ fn parallel_freeze_vs_serial_and_in_process_vs_spawn() {
         .map(|_| SimProcess::start(&["--mib", "16", "--workers", "1", "--kernel-us", "50000"]))
         .collect();
     let pids: Vec<i32> = procs.iter().map(|p| p.pid).collect();
-    let d: Arc<dyn GpuDriver> = freeze::open(Backend::Sim).unwrap();
+    let d: Arc<dyn GpuDriver> = freeze::open(GpuBackend::Sim).unwrap();
     let opts = GroupOptions {
         lock_timeout: Some(Duration::from_secs(10)),
         ..GroupOptions::default()

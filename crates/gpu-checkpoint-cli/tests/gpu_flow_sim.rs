@@ -64,17 +64,9 @@ fn checkpoint_fails(pid: i32, store: &Path, extra: &[&str], needle: &str) -> Str
     t
 }
 
+/// `restore ID --storage STORE --gpu-backend sim EXTRA...`.
 fn restore_args<'a>(id: &'a str, store: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![
-        "restore",
-        id,
-        "--storage",
-        store.to_str().unwrap(),
-        "--gpu-backend",
-        "sim",
-    ];
-    args.extend_from_slice(extra);
-    args
+    common::restore_args(id, store, &[&["--gpu-backend", "sim"][..], extra].concat())
 }
 
 fn restore(id: &str, store: &Path, extra: &[&str]) -> i32 {

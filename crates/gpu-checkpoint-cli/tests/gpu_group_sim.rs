@@ -4,14 +4,14 @@
 mod sim_support;
 
 use gpu_checkpoint::freeze::{
-    self, group, sim, Backend, GpuDriver, GpuStep, GroupOptions, ProcessState,
+    self, group, sim, GpuBackend, GpuDriver, GpuStep, GroupOptions, ProcessState,
 };
 use sim_support::*;
 use std::sync::Arc;
 use std::time::Duration;
 
 fn driver() -> Arc<dyn GpuDriver> {
-    freeze::open(Backend::Sim).unwrap()
+    freeze::open(GpuBackend::Sim).unwrap()
 }
 
 fn opts(ms: u64) -> GroupOptions {

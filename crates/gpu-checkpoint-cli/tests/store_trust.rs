@@ -329,7 +329,7 @@ fn archive(path: &Path, image_bytes: usize) {
     };
     add("config.dump", br#"{"id": "c1", "runtime": "runc"}"#);
     let mut image = vec![0u8; image_bytes];
-    gpu_checkpoint::testdata::XorShift64::new(9).fill_bytes(&mut image);
+    gpu_checkpoint_testdata::XorShift64::new(9).fill_bytes(&mut image);
     add("checkpoint/inventory.img", &image);
     add("checkpoint/pages-1.img", &image[..image.len().min(4096)]);
     tar.into_inner().unwrap();

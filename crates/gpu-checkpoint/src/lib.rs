@@ -1,6 +1,7 @@
 //! gpu-checkpoint: checkpoint and restore GPU processes on Linux.
 //!
-//! The crate is laid out by pipeline stage, in the order a checkpoint moves through them:
+//! The crate is laid out in stages, in the order a checkpoint moves through them, and flows on top of them
+//! (`docs/architecture.md` draws both):
 //!
 //! | stage | module | what it does |
 //! |---|---|---|
@@ -8,11 +9,11 @@
 //! | 2 | [`freeze`] | lock / checkpoint / restore / unlock GPU state (CUDA driver API, `cuda-checkpoint`, simulator) |
 //! | 3 | [`dump`] | dump and restore the CPU side with CRIU over its RPC |
 //! | 4 | [`store`] | chunked, compressed, content-addressed, verified checkpoint images |
-//! | 5 | [`restore`] | fetch + verify, CRIU restore, GPU restore + unlock |
 //!
-//! [`checkpoint`] strings stages 1-4 together into the checkpoint flow; [`restore`] does the way back.
-//! The library returns typed errors ([`Error`]); the `gpu-checkpoint` binary parses arguments, prints and
-//! shows progress.
+//! The [`flows`] string the stages together: [`checkpoint`] (stages 1-4, a process tree), [`restore`] (the
+//! way back: fetch + verify, CRIU restore, GPU restore + unlock), [`flows::container`] (a runc or runsc
+//! container) and [`flows::cluster`] (a job of trees on many nodes, through etcd). The library returns typed
+//! errors ([`Error`]); the `gpu-checkpoint` binary parses arguments, prints and shows progress.
 
 pub mod beneath;
 pub mod detect;
@@ -28,8 +29,12 @@ pub mod interrupt;
 pub mod path_search;
 pub mod proc;
 pub mod store;
-pub mod testdata;
 pub mod util;
+
+// The tests' pseudo-random data, as `crate::testdata` (a crate of its own, so that no build of the tool
+// links it).
+#[cfg(test)]
+use gpu_checkpoint_testdata as testdata;
 
 pub use error::{Error, Result};
 pub use exit::{Classify, ExitStatus};

@@ -18,8 +18,8 @@ use gpu_checkpoint::store::{
     Backend, ChunkParams, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store,
     StoreOptions, GRACE,
 };
-use gpu_checkpoint::testdata::XorShift64;
 use gpu_checkpoint::{Classify, ExitStatus};
+use gpu_checkpoint_testdata::XorShift64;
 
 fn opts() -> StoreOptions {
     StoreOptions {

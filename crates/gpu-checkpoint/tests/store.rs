@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use gpu_checkpoint::store::{
     ChunkParams, Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
 };
-use gpu_checkpoint::testdata::XorShift64;
 use gpu_checkpoint::Classify;
 use gpu_checkpoint::ExitStatus;
+use gpu_checkpoint_testdata::XorShift64;
 use proptest::prelude::*;
 
 /// Small chunks so that test-sized files have many of them (and debug builds stay quick).

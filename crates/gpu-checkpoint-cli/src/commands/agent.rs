@@ -17,7 +17,7 @@ use gpu_checkpoint::flows::container::{
 };
 use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
 use gpu_checkpoint::freeze::{
-    Backend, BeforeUnlock, DeviceMap, FreezeHook, GroupOptions, HookOptions,
+    BeforeUnlock, DeviceMap, FreezeHook, GpuBackend, GroupOptions, HookOptions,
 };
 use gpu_checkpoint::interrupt::InterruptGuard;
 use gpu_checkpoint::restore::Target;
@@ -61,7 +61,7 @@ pub struct Args {
 struct LocalWork {
     criu: CriuRpc,
     store: Store,
-    backend: Backend,
+    backend: GpuBackend,
     criu_options: gpu_checkpoint::dump::CriuOptions,
     /// The CRIU binary (runc's `--criu`).
     criu_path: PathBuf,
@@ -121,7 +121,7 @@ impl LocalWork {
         opts.name = Some(format!("{}.rank{}", task.job, task.member.rank));
         opts.leave_running = task.leave_running;
         opts.tcp_established = self.criu_options.tcp_established;
-        opts.detect.simulator = self.backend == Backend::Sim;
+        opts.detect.simulator = self.backend == GpuBackend::Sim;
         flow.checkpoint_phased(&opts, phases)
             .map(drop)
             .map_err(|e| e.to_string())
@@ -192,7 +192,7 @@ impl MemberWork for LocalWork {
         opts.leave_running = task.leave_running;
         opts.criu = self.criu_options.clone();
         // The simulator is recognised only when asked for, never silently.
-        opts.detect.simulator = self.backend == Backend::Sim;
+        opts.detect.simulator = self.backend == GpuBackend::Sim;
         flow.checkpoint_phased(&opts, phases)
             .map(drop)
             .map_err(|e| e.to_string())
@@ -302,7 +302,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let work = LocalWork {
         criu,
         store,
-        backend: args.gpu.gpu_backend.into(),
+        backend: args.gpu.gpu_backend,
         criu_options: args.criu_opts.options()?,
         criu_path: found.path.clone(),
         runtime: args.runtime,

@@ -6,7 +6,7 @@ use gpu_checkpoint::checkpoint::CheckpointOptions;
 use gpu_checkpoint::detect::StrategyChoice;
 use gpu_checkpoint::dump::{discover, CriuRpc};
 use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer};
-use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::freeze::{FreezeHook, GpuBackend, GroupOptions, HookOptions};
 use gpu_checkpoint::store::StoreOptions;
 use serde_json::json;
 
@@ -142,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .store
         .open_or_create(args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
-    let backend = backend_for(args.strategy, args.gpu.gpu_backend.into())?;
+    let backend = backend_for(args.strategy, args.gpu.gpu_backend)?;
     let mut gpu = FreezeHook::new(HookOptions {
         backend,
         group: GroupOptions {
@@ -166,7 +166,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     opts.leave_running = args.leave_running;
     opts.criu = criu_options;
     // The simulator is recognised only when asked for, never silently.
-    opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
+    opts.detect.simulator = backend == GpuBackend::Sim || args.simulated_gpus;
     opts.strategy = args.strategy;
     opts.allow_stopped = args.allow_stopped;
     opts.reopen_devices = args.reopen_device;
@@ -297,16 +297,19 @@ fn parse_strategy(s: &str) -> Result<StrategyChoice, String> {
 
 /// The GPU backend a forced strategy means: `--strategy cuda-cli` is the cuda-checkpoint binary, whatever
 /// `--gpu-backend auto` would pick; a `--gpu-backend` that contradicts the strategy is a usage error.
-pub(super) fn backend_for(strategy: StrategyChoice, chosen: Backend) -> anyhow::Result<Backend> {
+pub(super) fn backend_for(
+    strategy: StrategyChoice,
+    chosen: GpuBackend,
+) -> anyhow::Result<GpuBackend> {
     let wanted = match strategy {
-        StrategyChoice::CudaDriver => Backend::CudaDriver,
-        StrategyChoice::CudaCli => Backend::CudaCli,
+        StrategyChoice::CudaDriver => GpuBackend::CudaDriver,
+        StrategyChoice::CudaCli => GpuBackend::CudaCli,
         _ => return Ok(chosen),
     };
     match chosen {
-        Backend::Auto => Ok(wanted),
+        GpuBackend::Auto => Ok(wanted),
         // The simulator speaks the driver API.
-        Backend::Sim if strategy == StrategyChoice::CudaDriver => Ok(Backend::Sim),
+        GpuBackend::Sim if strategy == StrategyChoice::CudaDriver => Ok(GpuBackend::Sim),
         b if b == wanted => Ok(b),
         b => Err(super::usage(format!(
             "--strategy {strategy} contradicts --gpu-backend {b}"

@@ -9,7 +9,7 @@ use gpu_checkpoint::flows::container::{
     self, ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
 };
 use gpu_checkpoint::flows::CheckpointManifest;
-use gpu_checkpoint::freeze::{Backend, FreezeHook, GroupOptions, HookOptions};
+use gpu_checkpoint::freeze::{FreezeHook, GpuBackend, GroupOptions, HookOptions};
 use serde_json::json;
 
 use super::Format;
@@ -63,7 +63,11 @@ fn our_criu(kind: RuntimeKind, given: Option<&std::path::Path>) -> anyhow::Resul
     Ok(Some(criu))
 }
 
-fn hook(backend: Backend, lock_timeout: Option<std::time::Duration>, ordered: bool) -> FreezeHook {
+fn hook(
+    backend: GpuBackend,
+    lock_timeout: Option<std::time::Duration>,
+    ordered: bool,
+) -> FreezeHook {
     FreezeHook::new(HookOptions {
         backend,
         group: GroupOptions {
@@ -121,7 +125,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
         .store
         .open_or_create(args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
-    let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend.into())?;
+    let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend)?;
     let mut gpu = hook(backend, args.lock_timeout.0, args.ordered);
     // Started before the container is touched, dropped (told it is done) after the flow's own undo.
     let guardian = super::start_guardian()?;
@@ -141,7 +145,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
     opts.sandbox_gpu_tool = args.cuda_checkpoint_path;
     opts.tcp_established = args.criu_opts.options()?.tcp_established;
     // The simulator is recognised only when asked for, never silently.
-    opts.detect.simulator = backend == Backend::Sim || args.simulated_gpus;
+    opts.detect.simulator = backend == GpuBackend::Sim || args.simulated_gpus;
     let result = flow.checkpoint(&opts);
     super::say_if_interrupted();
     let out = result?;
@@ -248,7 +252,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
     }
     let progress = Bar::new(args.store.format == Format::Text);
     let mut gpu = FreezeHook::new(HookOptions {
-        backend: args.gpu.gpu_backend.into(),
+        backend: args.gpu.gpu_backend,
         device_map: match args.device_map.as_deref() {
             None => None,
             Some(m) => Some(m.parse()?),

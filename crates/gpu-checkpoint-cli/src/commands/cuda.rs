@@ -7,36 +7,25 @@
 
 use super::Format;
 use anyhow::Context;
+use clap::builder::TypedValueParser;
 use gpu_checkpoint::freeze::{
-    self, Backend, DeviceMap, DeviceRef, GpuDriver, GpuPair, Op, ProcessState,
+    self, DeviceMap, DeviceRef, GpuBackend, GpuDriver, GpuPair, Op, ProcessState,
 };
 use serde::Serialize;
 use std::time::{Duration, Instant};
+use strum::{EnumMessage, VariantArray};
 
-/// `--gpu-backend`: which GPU driver boundary to use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendArg {
-    /// cuda-driver when libcuda has the checkpoint API (driver >= 570), else cuda-cli when
-    /// `cuda-checkpoint` is on PATH. Never the simulator.
-    #[default]
-    Auto,
-    /// The CUDA driver API, in-process (libcuda.so.1, driver >= 570).
-    CudaDriver,
-    /// NVIDIA's `cuda-checkpoint` binary (drivers 550-569).
-    CudaCli,
-    /// The SIMULATED GPU of `gpu-sim-workload` (tests and demos only).
-    Sim,
-}
-
-impl From<BackendArg> for Backend {
-    fn from(b: BackendArg) -> Backend {
-        match b {
-            BackendArg::Auto => Backend::Auto,
-            BackendArg::CudaDriver => Backend::CudaDriver,
-            BackendArg::CudaCli => Backend::CudaCli,
-            BackendArg::Sim => Backend::Sim,
-        }
-    }
+/// `--gpu-backend`'s parser: the library's names and, as each one's help, its documentation (clap's way
+/// of writing help: one line, no final period), so that the names have one source
+/// ([`GpuBackend`]'s).
+pub fn gpu_backend_parser() -> impl TypedValueParser<Value = GpuBackend> {
+    let values = GpuBackend::VARIANTS.iter().map(|b| {
+        let doc = b.get_documentation().unwrap_or_default();
+        let help = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        clap::builder::PossibleValue::new(b.as_str()).help(help.trim_end_matches('.').to_string())
+    });
+    clap::builder::PossibleValuesParser::new(values)
+        .map(|name| name.parse::<GpuBackend>().expect("one of the listed names"))
 }
 
 /// A `--lock-timeout`; `None` means no limit.
@@ -68,8 +57,8 @@ pub fn parse_timeout(s: &str) -> Result<Timeout, String> {
 #[derive(clap::Args, Debug)]
 pub struct GpuArgs {
     /// GPU checkpoint backend (only used when the tree holds GPU state).
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
-    pub gpu_backend: BackendArg,
+    #[arg(long, value_parser = gpu_backend_parser(), default_value_t = GpuBackend::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
+    pub gpu_backend: GpuBackend,
 }
 
 /// Options every `cuda` subcommand takes.
@@ -80,8 +69,8 @@ pub struct Common {
     pub pid: i32,
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
-    pub gpu_backend: BackendArg,
+    #[arg(long, value_parser = gpu_backend_parser(), default_value_t = GpuBackend::Auto, env = "GPU_CHECKPOINT_GPU_BACKEND")]
+    pub gpu_backend: GpuBackend,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -135,7 +124,7 @@ struct Call {
 #[derive(Serialize, Debug)]
 struct Report {
     pid: i32,
-    backend: Backend,
+    backend: GpuBackend,
     #[serde(skip_serializing_if = "Option::is_none")]
     driver_version: Option<String>,
     action: &'static str,
@@ -168,7 +157,7 @@ impl Session {
             )));
         }
         let t = Instant::now();
-        let backend: Backend = c.gpu_backend.into();
+        let backend = c.gpu_backend;
         let driver = freeze::open(backend)?;
         let open_ms = t.elapsed().as_secs_f64() * 1000.0;
         let mut s = Session {

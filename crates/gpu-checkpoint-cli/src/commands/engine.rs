@@ -10,7 +10,8 @@ use gpu_checkpoint::flows::container::{OciCli, RuntimeKind};
 use gpu_checkpoint::flows::engine::node::{self, EngineKind, NodeSetup};
 use gpu_checkpoint::flows::engine::{self, Engine, NodeConfig, Plan, RuncCall};
 
-use super::cuda::{parse_timeout, BackendArg, Timeout};
+use super::cuda::{gpu_backend_parser, parse_timeout, Timeout};
+use gpu_checkpoint::freeze::GpuBackend;
 
 #[derive(clap::Args, Debug)]
 pub struct WrapperArgs {
@@ -139,8 +140,8 @@ pub struct SetupArgs {
     #[arg(long, value_name = "PATH")]
     criu: Option<PathBuf>,
     /// The GPU backend of this node's checkpoints.
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
-    gpu_backend: BackendArg,
+    #[arg(long, value_parser = gpu_backend_parser(), default_value_t = GpuBackend::Auto)]
+    gpu_backend: GpuBackend,
     /// How long locking a CUDA process may wait for its submitted GPU work (0: no limit).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
     lock_timeout: Timeout,
@@ -168,7 +169,7 @@ pub fn setup(a: SetupArgs) -> anyhow::Result<()> {
             binary: std::env::current_exe()?,
             runc,
             criu,
-            gpu_backend: a.gpu_backend.into(),
+            gpu_backend: a.gpu_backend,
             lock_timeout_ms: a.lock_timeout.0.map(|d| d.as_millis() as u64),
         };
         let mut done = setup.install()?;

@@ -110,7 +110,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(m) => Some(m.parse::<DeviceMap>()?),
     };
     let mut gpu = FreezeHook::new(HookOptions {
-        backend: args.gpu.gpu_backend.into(),
+        backend: args.gpu.gpu_backend,
         device_map,
         ..HookOptions::default()
     });

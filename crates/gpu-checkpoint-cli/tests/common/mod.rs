@@ -257,11 +257,16 @@ pub fn restore(target: &str, store: &Path) -> i32 {
     restore_with(target, store, &[])
 }
 
-/// `gpu-checkpoint restore TARGET --storage STORE EXTRA...` -> the restored PID.
-pub fn restore_with(target: &str, store: &Path, extra: &[&str]) -> i32 {
+/// `restore TARGET --storage STORE EXTRA...`.
+pub fn restore_args<'a>(target: &'a str, store: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["restore", target, "--storage", store.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let out = ok(&gc(&args));
+    args
+}
+
+/// `gpu-checkpoint restore TARGET --storage STORE EXTRA...` -> the restored PID.
+pub fn restore_with(target: &str, store: &Path, extra: &[&str]) -> i32 {
+    let out = ok(&gc(&restore_args(target, store, extra)));
     out.trim().parse().expect("restore prints the PID")
 }
 

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
-use gpu_checkpoint::testdata::XorShift64;
+use gpu_checkpoint_testdata::XorShift64;
 
 mod parts;
 

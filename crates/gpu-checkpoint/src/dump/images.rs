@@ -328,6 +328,7 @@ pub fn parse_pstree(bytes: &[u8]) -> Result<Vec<PstreeEntry>, String> {
 
 /// Encoding, for tests and the fake CRIU: a CRIU image of `msgs` (the type magic is not checked on
 /// reading).
+#[cfg(test)]
 pub(crate) fn image(msgs: &[Vec<u8>]) -> Vec<u8> {
     image_of_type(0x1234_5678, msgs)
 }
@@ -357,16 +358,19 @@ pub(crate) mod encode {
         varint((field as u64) << 3, out);
         varint(v, out);
     }
+    #[cfg(test)]
     pub fn bytes(field: u32, b: &[u8], out: &mut Vec<u8>) {
         varint(((field as u64) << 3) | 2, out);
         varint(b.len() as u64, out);
         out.extend_from_slice(b);
     }
+    #[cfg(test)]
     pub fn pagemap_head(pages_id: u32) -> Vec<u8> {
         let mut m = Vec::new();
         uint(1, pages_id as u64, &mut m);
         m
     }
+    #[cfg(test)]
     pub fn pagemap_entry(vaddr: u64, nr_pages: u64, flags: u32) -> Vec<u8> {
         let mut m = Vec::new();
         uint(1, vaddr, &mut m);
@@ -375,6 +379,7 @@ pub(crate) mod encode {
         m
     }
     /// An mm entry whose mappings are private anonymous memory.
+    #[cfg(test)]
     pub fn mm(vmas: &[(u64, u64)]) -> Vec<u8> {
         let anon: Vec<super::Vma> = vmas
             .iter()
@@ -388,6 +393,7 @@ pub(crate) mod encode {
             .collect();
         mm_of(1, &anon)
     }
+    #[cfg(test)]
     pub fn mm_of(exe_file_id: u32, vmas: &[super::Vma]) -> Vec<u8> {
         let mut m = Vec::new();
         uint(1, 0x400000, &mut m);

@@ -1,7 +1,8 @@
 //! Stage 3: dump and restore the CPU side of a process tree with CRIU (>= 4.0) over its RPC.
 //!
 //! [`Criu`] is the boundary: [`CriuRpc`] talks to a real CRIU through `criu swrk <fd>` (the same service
-//! protocol libcriu, runc and Podman use); [`FakeCriu`] stands in for it in unit tests of the flows.
+//! protocol libcriu, runc and Podman use); `FakeCriu` (`fake.rs`, compiled for unit tests only) stands in
+//! for it in unit tests of the flows.
 //! [`discover`] finds a CRIU that is new enough (`--criu`, `GPU_CHECKPOINT_CRIU`, `PATH`, the project's own
 //! prefix filled by `scripts/install-criu.sh`).
 //!
@@ -11,6 +12,7 @@
 mod container;
 pub mod devices;
 mod discover;
+#[cfg(test)]
 mod fake;
 pub mod images;
 mod log;
@@ -31,6 +33,7 @@ use crate::exit::{Classify, ExitStatus};
 
 pub use container::ContainerDump;
 pub use discover::{discover, named, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
+#[cfg(test)]
 pub use fake::{FakeCriu, FakeCriuCall};
 pub use log::{error_lines, log_error_lines};
 pub use network::{criu_lock_tables, outside_connections, LocksBefore, NetworkHold};
@@ -140,7 +143,7 @@ pub struct CheckOutcome {
     pub output: String,
 }
 
-/// The boundary to CRIU. Implementations: [`CriuRpc`] (real) and [`FakeCriu`] (tests).
+/// The boundary to CRIU. Implementations: [`CriuRpc`] (real) and `FakeCriu` (unit tests only).
 pub trait Criu: Send + Sync {
     /// The CRIU binary (or a description of the fake), for messages and the manifest.
     fn describe(&self) -> String;

@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 use super::container::{RestoreUndo, SandboxUndo};
 use crate::exit::{Classify, ExitStatus};
-use crate::freeze::{Backend, GpuDriver, ProcessState};
+use crate::freeze::{GpuBackend, GpuDriver, ProcessState};
 use crate::proc::{self as tree, Held};
 
 /// The descriptor number the guardian finds its end of the socket at.
@@ -78,7 +78,7 @@ pub enum Event {
         stopped: Vec<i32>,
     },
     /// GPU state of the tree may be locked or checkpointed from now on, through this backend.
-    Gpu { backend: Backend },
+    Gpu { backend: GpuBackend },
     /// The tree is a sandbox its runtime cannot hold paused (runsc): to be brought back should the
     /// runtime's checkpoint have stopped it, and its GPU state put back inside it. Told before its GPU
     /// processes are locked inside it.
@@ -287,7 +287,7 @@ impl EnginePaused {
 #[derive(Default)]
 struct Watched {
     tree: Option<Tree>,
-    gpu: Option<Backend>,
+    gpu: Option<GpuBackend>,
     durable: bool,
     restore: Option<Vec<i32>>,
     /// The command that resumes the tree's paused container.
@@ -555,7 +555,7 @@ fn tracer(pid: i32) -> Option<i32> {
 
 /// Puts back the GPU state of every process of `pids` the driver says is locked or checkpointed; returns
 /// how many. Asked of the driver, not remembered: the tool may have died at any point of the freeze.
-fn thaw_gpu(backend: Backend, pids: &[i32]) -> usize {
+fn thaw_gpu(backend: GpuBackend, pids: &[i32]) -> usize {
     match crate::freeze::open(backend) {
         Ok(driver) => put_back_gpu(&*driver, pids),
         Err(e) => {
@@ -630,7 +630,7 @@ mod tests {
                 stopped: vec![5],
             },
             Event::Gpu {
-                backend: Backend::Sim,
+                backend: GpuBackend::Sim,
             },
             Event::Paused {
                 resume: vec!["runc".into(), "resume".into(), "c1".into()],

@@ -1,11 +1,14 @@
-//! The flows: the checkpoint and the restore (and next the container and cluster flows), built on the
-//! stages below them (`detect`, `freeze`, `dump`, `store`). A flow owns the order of operations and the undo
-//! on failure; the stages know how to do one thing each.
+//! The flows: the checkpoint and the restore of a process tree, of a container ([`container`]) and of a
+//! job on many nodes ([`cluster`]), built on the stages below them (`detect`, `freeze`, `dump`, `store`). A
+//! flow owns the order of operations and the undo on failure; the stages know how to do one thing each.
 //!
-//! What the flows share lives here, not in one of them, so that no flow reaches into another: the outside
-//! world they work with ([`Flow`]), how images travel ([`ImageTransfer`]), the checkpoint's manifest
-//! ([`manifest`]) and where CRIU's logs are kept ([`save_log`]). Each flow adds its own `impl Flow` block
-//! (`Flow::checkpoint` in [`checkpoint`], `Flow::restore` in [`restore`]).
+//! What the flows share lives here, not in one of them: the outside world they work with ([`Flow`]), how
+//! images travel ([`ImageTransfer`]), the checkpoint's manifest ([`manifest`]) and where CRIU's logs are
+//! kept ([`save_log`]). Each of the tree's flows adds its own `impl Flow` block (`Flow::checkpoint` in
+//! [`checkpoint`], `Flow::restore` in [`restore`]). Known violation, until the flows become one pipeline
+//! with targets (issue 29): the container flow imports inner pieces of the checkpoint and restore flows
+//! (`checkpoint::freeze_phased`, `dump_tree`, `restore::stream::send_image`, ...), and [`guardian`] the
+//! container flow's undo types.
 
 pub mod checkpoint;
 pub mod cluster;
@@ -34,7 +37,7 @@ pub use manifest::{
 };
 
 /// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU
-/// or [`crate::dump::FakeCriu`], the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).
+/// or `FakeCriu` in unit tests, the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).
 pub struct Flow<'a> {
     pub criu: &'a dyn Criu,
     pub gpu: &'a mut dyn GpuHook,

@@ -4,7 +4,7 @@
 //! 2.67 s per `--get-state`); the `cuda-driver` backend avoids that and is preferred by `auto`.
 
 use super::types::{CuError, GpuInfo, GpuPair, ProcessState};
-use super::{Backend, Error, GpuDriver, Op, Result};
+use super::{Error, GpuBackend, GpuDriver, Op, Result};
 use crate::path_search::{is_executable, which};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -138,8 +138,8 @@ fn find_cuda_error(text: &str) -> Option<CuError> {
 }
 
 impl GpuDriver for CudaCli {
-    fn backend(&self) -> Backend {
-        Backend::CudaCli
+    fn backend(&self) -> GpuBackend {
+        GpuBackend::CudaCli
     }
 
     fn driver_version(&self) -> Option<String> {

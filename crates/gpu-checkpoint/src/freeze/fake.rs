@@ -3,7 +3,7 @@
 //! Used by unit tests of the lifecycle, the group logic and the flows; never chosen by `auto`.
 
 use super::types::{CuError, GpuInfo, GpuPair, ProcessState};
-use super::{sim, Backend, Error, GpuDriver, Op, Result};
+use super::{sim, Error, GpuBackend, GpuDriver, Op, Result};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -91,8 +91,8 @@ impl FakeDriver {
 }
 
 impl GpuDriver for FakeDriver {
-    fn backend(&self) -> Backend {
-        Backend::Fake
+    fn backend(&self) -> GpuBackend {
+        GpuBackend::Fake
     }
 
     fn driver_version(&self) -> Option<String> {

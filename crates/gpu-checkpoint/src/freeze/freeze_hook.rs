@@ -7,14 +7,14 @@ use super::group::{GroupOptions, Skipped};
 use super::hook::{FreezeContext, GpuHook, RestoreRecord, RestoredTree, ThawRecord};
 use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
-use super::{Backend, Error};
+use super::{Error, GpuBackend};
 use crate::detect::{FindingKind, Report, StrategyName};
 use crate::interrupt::InterruptGuard;
 
 /// Options of the GPU step, from the command line.
 #[derive(Debug, Clone)]
 pub struct HookOptions {
-    pub backend: Backend,
+    pub backend: GpuBackend,
     pub group: GroupOptions,
     /// `restore --device-map`.
     pub device_map: Option<DeviceMap>,
@@ -23,7 +23,7 @@ pub struct HookOptions {
 impl Default for HookOptions {
     fn default() -> Self {
         HookOptions {
-            backend: Backend::Auto,
+            backend: GpuBackend::Auto,
             group: GroupOptions::default(),
             device_map: None,
         }
@@ -52,7 +52,7 @@ impl FreezeHook {
         }
     }
 
-    fn step(&mut self, backend: Backend) -> Result<&mut GpuStep, Error> {
+    fn step(&mut self, backend: GpuBackend) -> Result<&mut GpuStep, Error> {
         if self.step.is_none() {
             let driver = super::open(backend)?;
             self.name = driver.backend().as_str().to_string();
@@ -64,13 +64,16 @@ impl FreezeHook {
     /// The backend to restore with: the user's choice, which must fit how the checkpoint was taken (a
     /// simulated checkpoint is never restored onto a real GPU, nor the reverse, and `auto` never picks
     /// the simulator).
-    fn restore_backend(&self, rec: &GpuRecord) -> Result<Backend, Error> {
+    fn restore_backend(&self, rec: &GpuRecord) -> Result<GpuBackend, Error> {
         let chosen = self.opts.backend;
-        let sim_record = rec.backend == Backend::Sim;
+        let sim_record = rec.backend == GpuBackend::Sim;
         match (sim_record, chosen) {
-            (true, Backend::Sim)
-            | (false, Backend::Auto | Backend::CudaDriver | Backend::CudaCli) => Ok(chosen),
-            (false, Backend::Fake) | (true, Backend::Fake) => Ok(chosen),
+            (true, GpuBackend::Sim)
+            | (false, GpuBackend::Auto | GpuBackend::CudaDriver | GpuBackend::CudaCli) => {
+                Ok(chosen)
+            }
+            #[cfg(test)]
+            (_, GpuBackend::Fake) => Ok(chosen),
             (true, _) => Err(Error::WrongBackend(
                 "the checkpoint holds SIMULATED GPU state; restore it with --gpu-backend sim"
                     .into(),
@@ -105,9 +108,13 @@ impl GpuHook for FreezeHook {
         &self.name
     }
 
-    fn backend(&self) -> Option<Backend> {
+    fn backend(&self) -> Option<GpuBackend> {
         // The fake driver lives in this process: nobody else can reach its state.
-        (self.opts.backend != Backend::Fake).then_some(self.opts.backend)
+        #[cfg(test)]
+        if self.opts.backend == GpuBackend::Fake {
+            return None;
+        }
+        Some(self.opts.backend)
     }
 
     fn freeze(&mut self, ctx: &FreezeContext<'_>) -> Result<Option<GpuRecord>, Error> {
@@ -119,7 +126,7 @@ impl GpuHook for FreezeHook {
                 StrategyName::CudaDriver | StrategyName::CudaCli => {
                     // The simulator must never stand in for a real GPU: a real CUDA process would answer
                     // "not a simulated process" and be skipped, its GPU state lost.
-                    if self.opts.backend == Backend::Sim && !p.simulated {
+                    if self.opts.backend == GpuBackend::Sim && !p.simulated {
                         return Err(Error::WrongBackend(format!(
                             "pid {} holds real NVIDIA GPU state; --gpu-backend sim only handles the simulator",
                             p.pid
@@ -226,7 +233,7 @@ impl GpuHook for FreezeHook {
         let backend = self.restore_backend(rec)?;
         let map = self.opts.device_map.clone();
         let step = self.step(backend)?;
-        let simulated_record = rec.backend == Backend::Sim
+        let simulated_record = rec.backend == GpuBackend::Sim
             || rec
                 .driver_version
                 .as_deref()
@@ -311,7 +318,7 @@ mod tests {
 
     fn sim_hook() -> FreezeHook {
         FreezeHook::new(HookOptions {
-            backend: Backend::Sim,
+            backend: GpuBackend::Sim,
             ..HookOptions::default()
         })
     }
@@ -385,7 +392,7 @@ mod tests {
 
     #[test]
     fn restore_backend_must_match_how_the_checkpoint_was_taken() {
-        let rec = |backend: Backend| GpuRecord {
+        let rec = |backend: GpuBackend| GpuRecord {
             schema: RECORD_SCHEMA,
             ordered: false,
             backend,
@@ -397,26 +404,26 @@ mod tests {
             timings: Default::default(),
             thaw: None,
         };
-        let with = |b: Backend| {
+        let with = |b: GpuBackend| {
             FreezeHook::new(HookOptions {
                 backend: b,
                 ..HookOptions::default()
             })
         };
-        assert!(with(Backend::Auto)
-            .restore_backend(&rec(Backend::Sim))
+        assert!(with(GpuBackend::Auto)
+            .restore_backend(&rec(GpuBackend::Sim))
             .is_err());
-        assert!(with(Backend::CudaDriver)
-            .restore_backend(&rec(Backend::Sim))
+        assert!(with(GpuBackend::CudaDriver)
+            .restore_backend(&rec(GpuBackend::Sim))
             .is_err());
-        assert!(with(Backend::Sim)
-            .restore_backend(&rec(Backend::Sim))
+        assert!(with(GpuBackend::Sim)
+            .restore_backend(&rec(GpuBackend::Sim))
             .is_ok());
-        assert!(with(Backend::Sim)
-            .restore_backend(&rec(Backend::CudaDriver))
+        assert!(with(GpuBackend::Sim)
+            .restore_backend(&rec(GpuBackend::CudaDriver))
             .is_err());
-        assert!(with(Backend::Auto)
-            .restore_backend(&rec(Backend::CudaCli))
+        assert!(with(GpuBackend::Auto)
+            .restore_backend(&rec(GpuBackend::CudaCli))
             .is_ok());
         // A record from a newer gpu-checkpoint is refused, not misread.
         let newer = json!({"schema": RECORD_SCHEMA + 1});

@@ -151,7 +151,7 @@ pub trait GpuHook {
     /// The backend another process (the guardian) opens to put GPU state back, should this one die
     /// between [`GpuHook::freeze`] and the end of the checkpoint; `None` where none could (no GPU step,
     /// an in-process fake driver).
-    fn backend(&self) -> Option<super::Backend> {
+    fn backend(&self) -> Option<super::GpuBackend> {
         None
     }
 

@@ -1,7 +1,7 @@
 //! Stage 2: freeze GPU state: lock -> checkpoint -> (CPU dump) -> restore -> unlock.
 //!
 //! One trait, [`GpuDriver`], stands at the boundary with the GPU driver. It has three implementations,
-//! always chosen explicitly ([`Backend`]):
+//! always chosen explicitly ([`GpuBackend`]):
 //!
 //! * [`cuda_driver`]: the CUDA driver checkpoint API (`cuCheckpointProcess*`, driver >= 570), loaded from
 //!   `libcuda.so.1` at run time, so the tool runs (and says what is missing) on machines without a driver;
@@ -14,6 +14,7 @@
 
 pub mod cuda_cli;
 pub mod cuda_driver;
+#[cfg(test)]
 pub mod fake;
 pub mod freeze_hook;
 pub mod group;
@@ -177,7 +178,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// RUNNING); [`lifecycle`] wraps them in types.
 pub trait GpuDriver: Send + Sync {
     /// Which backend this is (`cuda-driver`, `cuda-cli`, `sim`, `fake`).
-    fn backend(&self) -> Backend;
+    fn backend(&self) -> GpuBackend;
     /// The driver version as text, when known (for the manifest and for error messages).
     fn driver_version(&self) -> Option<String>;
     /// The driver is a simulator (the `sim` backend, or the SIMULATED libcuda of `crates/cuda-sim`): only
@@ -222,56 +223,62 @@ pub trait GpuDriver: Send + Sync {
     }
 }
 
-/// The `--gpu-backend` choice, named as in JSON (`cuda-driver`, ...) everywhere.
+/// Which GPU driver boundary to use: `--gpu-backend`, and the backend a checkpoint's GPU record names.
+///
+/// Its names (`auto`, `cuda-driver`, ...) have one source, strum's kebab-case of the variants: text
+/// ([`Self::as_str`], `Display`, `FromStr`), JSON (serde goes through the same two) and the command line
+/// (the binary lists [`strum::VariantArray::VARIANTS`] with each one's documentation as its help, through
+/// [`strum::EnumMessage`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[serde(into = "&'static str", try_from = "String")]
+#[derive(
+    strum::IntoStaticStr, strum::Display, strum::EnumString, strum::VariantArray, strum::EnumMessage,
+)]
 #[strum(serialize_all = "kebab-case")]
-pub enum Backend {
-    /// cuda-driver when libcuda has the checkpoint API, else cuda-cli when `cuda-checkpoint` is on PATH.
-    /// Never the simulator.
+pub enum GpuBackend {
+    /// cuda-driver when libcuda has the checkpoint API (driver >= 570), else cuda-cli when
+    /// `cuda-checkpoint` is on PATH. Never the simulator.
     Auto,
+    /// The CUDA driver API, in-process (libcuda.so.1, driver >= 570).
     CudaDriver,
+    /// NVIDIA's `cuda-checkpoint` binary (drivers 550-569).
     CudaCli,
-    /// The simulated GPU (tests and demos only).
+    /// The SIMULATED GPU of `gpu-sim-workload` (tests and demos only).
     Sim,
-    /// The in-memory test implementation ([`fake`]); only reachable from code.
+    /// The in-memory test implementation (`fake`): the library's unit tests only, so no build of the tool
+    /// can name it.
+    #[cfg(test)]
     Fake,
 }
 
-impl Backend {
+impl GpuBackend {
     pub fn as_str(self) -> &'static str {
         self.into()
     }
 }
 
-/// Reads a backend's name, all but `fake`, which only code reaches. (Not strum's `EnumString`: it would
-/// read `fake` too.)
-impl std::str::FromStr for Backend {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
+/// How serde reads a name (`try_from`): `FromStr`, with an error that lists the names.
+impl TryFrom<String> for GpuBackend {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
         use strum::VariantArray;
-        Backend::VARIANTS
-            .iter()
-            .copied()
-            .find(|b| *b != Backend::Fake && b.as_str() == s)
-            .ok_or_else(|| {
-                Error::DeviceMap(format!(
-                    "unknown GPU backend `{s}` (auto, cuda-driver, cuda-cli, sim)"
-                ))
-            })
+        s.parse().map_err(|_| {
+            let names: Vec<&str> = GpuBackend::VARIANTS.iter().map(|b| b.as_str()).collect();
+            Error::DeviceMap(format!("unknown GPU backend `{s}` ({})", names.join(", ")))
+        })
     }
 }
 
 /// Opens the chosen backend. `Auto` prefers the in-process driver API and falls back to the
 /// `cuda-checkpoint` binary; it never picks the simulator.
-pub fn open(backend: Backend) -> Result<Arc<dyn GpuDriver>> {
+pub fn open(backend: GpuBackend) -> Result<Arc<dyn GpuDriver>> {
     match backend {
-        Backend::CudaDriver => Ok(Arc::new(cuda_driver::CudaDriver::open()?)),
-        Backend::CudaCli => Ok(Arc::new(cuda_cli::CudaCli::open()?)),
-        Backend::Sim => Ok(Arc::new(sim::SimDriver::new())),
-        Backend::Fake => Ok(Arc::new(fake::FakeDriver::new())),
-        Backend::Auto => {
+        GpuBackend::CudaDriver => Ok(Arc::new(cuda_driver::CudaDriver::open()?)),
+        GpuBackend::CudaCli => Ok(Arc::new(cuda_cli::CudaCli::open()?)),
+        GpuBackend::Sim => Ok(Arc::new(sim::SimDriver::new())),
+        #[cfg(test)]
+        GpuBackend::Fake => Ok(Arc::new(fake::FakeDriver::new())),
+        GpuBackend::Auto => {
             let driver_err = match cuda_driver::CudaDriver::open() {
                 Ok(d) => return Ok(Arc::new(d)),
                 Err(e) => e,
@@ -304,7 +311,7 @@ pub struct Probe {
     pub nvml_driver: Option<String>,
     pub gpus: Vec<GpuInfo>,
     /// What `--gpu-backend auto` would pick.
-    pub auto: Option<Backend>,
+    pub auto: Option<GpuBackend>,
 }
 
 /// Looks for every real backend without touching any process.
@@ -329,9 +336,9 @@ pub fn probe() -> Probe {
         .ok()
         .map(|c| c.path().to_path_buf());
     let auto = if cuda_driver.is_some() {
-        Some(Backend::CudaDriver)
+        Some(GpuBackend::CudaDriver)
     } else if cuda_cli.is_some() {
-        Some(Backend::CudaCli)
+        Some(GpuBackend::CudaCli)
     } else {
         None
     };
@@ -362,17 +369,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backend_names_round_trip_and_auto_is_not_sim() {
-        for b in [
-            Backend::Auto,
-            Backend::CudaDriver,
-            Backend::CudaCli,
-            Backend::Sim,
-        ] {
-            assert_eq!(b.as_str().parse::<Backend>().unwrap(), b);
+    fn backend_names_round_trip_in_text_and_json() {
+        use strum::VariantArray;
+        for b in GpuBackend::VARIANTS {
+            assert_eq!(b.as_str().parse::<GpuBackend>().unwrap(), *b);
+            assert_eq!(b.to_string(), b.as_str());
+            let json = serde_json::to_string(b).unwrap();
+            assert_eq!(json, format!("\"{}\"", b.as_str()));
+            assert_eq!(serde_json::from_str::<GpuBackend>(&json).unwrap(), *b);
+            // Owned strings too (a manifest read through serde_json::Value).
+            assert_eq!(
+                serde_json::from_value::<GpuBackend>(b.as_str().into()).unwrap(),
+                *b
+            );
         }
-        assert!("fake".parse::<Backend>().is_err());
-        assert!("gpu".parse::<Backend>().is_err());
+        assert_eq!(GpuBackend::CudaDriver.as_str(), "cuda-driver");
+        assert!("gpu".parse::<GpuBackend>().is_err());
+        let err = serde_json::from_str::<GpuBackend>("\"gpu\"").unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("unknown GPU backend `gpu` (auto, cuda-driver"),
+            "{err}"
+        );
     }
 
     #[test]

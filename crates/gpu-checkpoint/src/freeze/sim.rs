@@ -12,7 +12,7 @@
 //! The answers use the CUDA driver's result codes, so errors are mapped exactly as the driver's are.
 
 use super::types::{CuError, GpuInfo, GpuPair, GpuUuid, ProcessState};
-use super::{Backend, Error, GpuDriver, GpuMemory, Op, Result};
+use super::{Error, GpuBackend, GpuDriver, GpuMemory, Op, Result};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::linux::net::SocketAddrExt;
@@ -186,8 +186,8 @@ impl SimDriver {
 }
 
 impl GpuDriver for SimDriver {
-    fn backend(&self) -> Backend {
-        Backend::Sim
+    fn backend(&self) -> GpuBackend {
+        GpuBackend::Sim
     }
 
     fn driver_version(&self) -> Option<String> {

@@ -4,7 +4,7 @@
 use super::group::{self, Frozen, GroupOptions, Plan, ProcessRecord, Skipped};
 use super::hook::ThawRecord;
 use super::types::{DeviceMap, GpuInfo, GpuPair, GpuUuid, Op};
-use super::{Backend, Error, GpuDriver, Result};
+use super::{Error, GpuBackend, GpuDriver, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,7 +49,7 @@ pub struct StepTimings {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuRecord {
     pub schema: u32,
-    pub backend: Backend,
+    pub backend: GpuBackend,
     pub driver_version: Option<String>,
     /// This node's GPUs at checkpoint time.
     pub gpus: Vec<GpuInfo>,
@@ -147,7 +147,7 @@ impl GpuStep {
         &self.driver
     }
 
-    pub fn backend(&self) -> Backend {
+    pub fn backend(&self) -> GpuBackend {
         self.driver.backend()
     }
 
@@ -411,7 +411,7 @@ mod tests {
         GpuRecord {
             schema: RECORD_SCHEMA,
             ordered: false,
-            backend: Backend::Fake,
+            backend: GpuBackend::Fake,
             driver_version: None,
             gpus,
             lock_timeout_ms: Some(10_000),

@@ -236,7 +236,7 @@ pub struct GpuUuid(pub [u8; 16]);
 
 impl fmt::Display for GpuUuid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let h = hex::encode(self.0);
+        let h = format!("{:032x}", u128::from_be_bytes(self.0));
         write!(
             f,
             "GPU-{}-{}-{}-{}-{}",
@@ -255,13 +255,16 @@ impl FromStr for GpuUuid {
         let body = s.trim();
         let body = body.strip_prefix("GPU-").unwrap_or(body);
         let hexdigits: String = body.chars().filter(|c| *c != '-').collect();
-        let mut out = [0u8; 16];
-        if hexdigits.len() != 32 || hex::decode_to_slice(&hexdigits, &mut out).is_err() {
+        // from_str_radix alone would take a sign.
+        let value = (hexdigits.len() == 32 && hexdigits.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| u128::from_str_radix(&hexdigits, 16).ok())
+            .flatten();
+        let Some(value) = value else {
             return Err(Error::DeviceMap(format!(
                 "`{s}` is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"
             )));
-        }
-        Ok(GpuUuid(out))
+        };
+        Ok(GpuUuid(value.to_be_bytes()))
     }
 }
 
@@ -458,10 +461,13 @@ mod tests {
         assert_eq!(Op::RestoreTid.to_string(), "restore thread id query");
         assert_eq!(Op::State.to_string(), "state query");
         assert_eq!(Op::Checkpoint.to_string(), "checkpoint");
-        for b in super::super::Backend::VARIANTS {
+        for b in super::super::GpuBackend::VARIANTS {
             assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
         }
-        assert_eq!(super::super::Backend::CudaDriver.to_string(), "cuda-driver");
+        assert_eq!(
+            super::super::GpuBackend::CudaDriver.to_string(),
+            "cuda-driver"
+        );
     }
 
     #[test]
@@ -476,6 +482,12 @@ mod tests {
             u
         );
         assert!("GPU-1234".parse::<GpuUuid>().is_err());
+        assert_eq!(s.to_uppercase().parse::<GpuUuid>().unwrap(), u);
+        assert!("GPU-+123abcd-4567-89ef-0123-456789abcdef"
+            .parse::<GpuUuid>()
+            .is_err());
+        let low = GpuUuid([0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xfe]);
+        assert_eq!(low.to_string(), "GPU-00000001-0000-0000-0000-0000000000fe");
         assert!("GPU-0123abcd-4567-89ef-0123-456789abcdeZ"
             .parse::<GpuUuid>()
             .is_err());

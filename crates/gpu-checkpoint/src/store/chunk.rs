@@ -73,14 +73,16 @@ impl ChunkId {
         )
     }
 
+    /// 64 lowercase hex digits (BLAKE3's own writing of a hash).
     pub fn to_hex(&self) -> String {
-        hex::encode(self.0)
+        blake3::Hash::from_bytes(self.0).to_hex().to_string()
     }
 
+    /// 64 hex digits, either case.
     pub fn from_hex(s: &str) -> Option<ChunkId> {
-        let mut out = [0u8; 32];
-        hex::decode_to_slice(s, &mut out).ok()?;
-        Some(ChunkId(out))
+        blake3::Hash::from_hex(s)
+            .ok()
+            .map(|h| ChunkId(*h.as_bytes()))
     }
 }
 

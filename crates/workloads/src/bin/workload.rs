@@ -32,7 +32,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use gpu_checkpoint::testdata::XorShift64;
+use gpu_checkpoint_testdata::XorShift64;
 use gpu_checkpoint_workloads::{detach, sleep_ms, step, Opts, StateFile};
 
 /// Tick of the workloads: fast enough that a test sees progress within a fraction of a second.

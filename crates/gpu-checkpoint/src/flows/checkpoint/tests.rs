@@ -11,7 +11,7 @@ use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
 use crate::flows::{logs_dir, save_log, ImageTransfer};
 use crate::freeze::step::{RecordedProcess, RECORD_SCHEMA};
-use crate::freeze::{Backend, GpuHook, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
+use crate::freeze::{GpuBackend, GpuHook, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
 use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 
@@ -59,7 +59,7 @@ fn frozen_record(pid: i32) -> GpuRecord {
     GpuRecord {
         schema: RECORD_SCHEMA,
         ordered: false,
-        backend: Backend::Fake,
+        backend: GpuBackend::Fake,
         driver_version: None,
         gpus: vec![],
         lock_timeout_ms: None,

@@ -1,7 +1,7 @@
 //! The cluster flow's boundary with its coordination service (etcd): a small key-value interface with
 //! leases, transactions and a blocking watch, which is all the two-phase protocol needs.
 //!
-//! [`super::EtcdCoordinator`] (feature `cluster`) is the real one, [`super::MemoryCoordinator`] the test
+//! [`super::EtcdCoordinator`] (feature `cluster`) is the real one, `MemoryCoordinator` the test
 //! one (unit tests of the protocol, with faults such as an expired lease made on purpose). The calls
 //! block: the rest of the code base is synchronous, and the etcd client's async runtime stays inside its
 //! implementation.

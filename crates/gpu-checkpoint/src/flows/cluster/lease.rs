@@ -3,9 +3,11 @@
 //! the TTL etcd deletes its keys, which is how the others learn it is gone.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crossbeam_channel::{RecvTimeoutError, Sender};
 
 use super::coord::{CoordError, CoordResult, Coordinator, LeaseId};
 
@@ -14,7 +16,7 @@ pub struct LeaseGuard {
     coord: Arc<dyn Coordinator>,
     id: LeaseId,
     lost: Arc<AtomicBool>,
-    stop: Option<mpsc::Sender<()>>,
+    stop: Option<Sender<()>>,
     keeper: Option<JoinHandle<()>>,
 }
 
@@ -23,7 +25,7 @@ impl LeaseGuard {
     pub fn grant(coord: Arc<dyn Coordinator>, ttl: Duration) -> CoordResult<LeaseGuard> {
         let id = coord.grant(ttl)?;
         let lost = Arc::new(AtomicBool::new(false));
-        let (stop, stopped) = mpsc::channel::<()>();
+        let (stop, stopped) = crossbeam_channel::unbounded::<()>();
         let keeper = {
             let coord = Arc::clone(&coord);
             let lost = Arc::clone(&lost);
@@ -32,7 +34,7 @@ impl LeaseGuard {
                 .spawn(move || {
                     let every = (ttl / 3).max(Duration::from_millis(100));
                     // A message or a closed channel both mean: stop.
-                    while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
                         match coord.keep_alive(id) {
                             Ok(()) => {}
                             Err(CoordError::LeaseLost(_)) => {

@@ -2,7 +2,7 @@
 //! nodes, coordinated through etcd. `docs/cluster.md` has the protocol and the commands.
 //!
 //! - [`coord`]: the boundary with etcd ([`Coordinator`]), [`EtcdCoordinator`] (feature `cluster`)
-//!   and [`MemoryCoordinator`] (tests);
+//!   and `MemoryCoordinator` (unit tests only);
 //! - [`records`]: the key layout and the versioned records;
 //! - [`job`]: the coordinator's side (`job checkpoint`, `job restore` from `job_restore.rs`, the reads
 //!   of `list`/`status`); [`placement`]: where a restore puts each member;
@@ -20,6 +20,7 @@ mod follow;
 pub mod job;
 mod job_restore;
 mod lease;
+#[cfg(test)]
 mod memory;
 pub mod placement;
 pub mod records;
@@ -41,6 +42,7 @@ pub use job::{
     checkpoint_job, restore_job, JobCheckpointOptions, JobRestoreOutcome, RestoredMember, Timeouts,
 };
 pub use lease::LeaseGuard;
+#[cfg(test)]
 pub use memory::MemoryCoordinator;
 pub use placement::{Chosen, Placement};
 pub use records::{

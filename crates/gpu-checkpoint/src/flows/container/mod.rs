@@ -31,6 +31,7 @@ pub mod archive;
 pub mod direct;
 mod discover;
 mod error;
+#[cfg(test)]
 mod fake;
 mod follow;
 mod guards;
@@ -48,6 +49,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 pub use direct::DirectDump;
 pub use discover::{blocked, discover, discover_in, Discovered};
 pub use error::Error;
+#[cfg(test)]
 pub use fake::FakeRuntime;
 pub use follow::{Follow, FollowReader};
 pub use id::check_container_id;

@@ -1,5 +1,6 @@
 //! The container runtime, the container flow's boundary with the outside world: one trait, with the real
-//! OCI runtimes' command lines ([`super::OciCli`]: runc, runsc) and a test fake ([`super::FakeRuntime`]).
+//! OCI runtimes' command lines ([`super::OciCli`]: runc, runsc) and a test fake (`FakeRuntime`,
+//! unit tests only).
 //!
 //! The flow only needs what every OCI runtime's command line offers: `state`, `pause`/`resume`,
 //! `checkpoint`/`restore` into and from a folder of images, `kill`, `delete`, `list`.

@@ -40,7 +40,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::exit::{Classify, ExitStatus};
-use crate::freeze::Backend;
+use crate::freeze::GpuBackend;
 pub use record::{given_gpus, ArchiveRecord, Given, GPU_ENV, RECORD_FILE};
 pub use runc_args::RuncCall;
 
@@ -60,7 +60,7 @@ pub struct NodeConfig {
     #[serde(default)]
     pub criu_plugins: Option<PathBuf>,
     /// The GPU backend (`auto`; `sim` only on test nodes, which say SIMULATED).
-    pub gpu_backend: Backend,
+    pub gpu_backend: GpuBackend,
     /// How long the lock of a CUDA process may wait for its submitted work.
     #[serde(default)]
     pub lock_timeout_ms: Option<u64>,
@@ -103,7 +103,7 @@ impl NodeConfig {
 
     /// The simulator is chosen explicitly (a test node): said on every checkpoint and restore.
     pub fn simulated(&self) -> bool {
-        self.gpu_backend == Backend::Sim
+        self.gpu_backend == GpuBackend::Sim
     }
 }
 

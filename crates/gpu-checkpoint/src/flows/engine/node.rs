@@ -20,7 +20,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{Error, NodeConfig, CONFIG_SCHEMA, CONFIG_VERSION};
-use crate::freeze::Backend;
+use crate::freeze::GpuBackend;
 
 /// The engines `node-setup` configures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, strum::EnumString, strum::Display)]
@@ -45,7 +45,7 @@ pub struct NodeSetup {
     pub runc: PathBuf,
     /// The CRIU runc is given.
     pub criu: Option<PathBuf>,
-    pub gpu_backend: Backend,
+    pub gpu_backend: GpuBackend,
     pub lock_timeout_ms: Option<u64>,
 }
 
@@ -299,7 +299,7 @@ mod tests {
             binary: exe,
             runc: "/usr/sbin/runc".into(),
             criu: Some("/opt/criu".into()),
-            gpu_backend: Backend::Auto,
+            gpu_backend: GpuBackend::Auto,
             lock_timeout_ms: Some(10_000),
         }
     }

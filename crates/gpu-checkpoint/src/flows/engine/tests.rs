@@ -21,7 +21,7 @@ fn config() -> NodeConfig {
         runtime: "/usr/sbin/runc".into(),
         criu: Some("/our/criu".into()),
         criu_plugins: None,
-        gpu_backend: Backend::Sim,
+        gpu_backend: GpuBackend::Sim,
         lock_timeout_ms: None,
         guardian_log: None,
     }
@@ -100,7 +100,7 @@ fn gpu_record(images: &Path) {
         given_gpus: Some(vec![gpus[0].uuid]),
         gpu: Some(GpuRecord {
             schema: crate::freeze::step::RECORD_SCHEMA,
-            backend: Backend::Sim,
+            backend: GpuBackend::Sim,
             driver_version: Some("SIMULATED".into()),
             gpus,
             lock_timeout_ms: None,

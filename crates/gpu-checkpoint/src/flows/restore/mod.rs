@@ -1,4 +1,4 @@
-//! Stage 5: the restore flow: fetch + verify, CRIU restore, GPU restore (optionally onto other GPUs) + unlock.
+//! The restore flow: fetch + verify, CRIU restore, GPU restore (optionally onto other GPUs) + unlock.
 //!
 //! Order, and why:
 //! 1. Find the checkpoint (id, name, or the path of its manifest) and read its manifest.

@@ -1,5 +1,6 @@
 //! Restore with the processes' private memory copied from the store straight into them through
-//! userfaultfd (`restore --uffd`), instead of through CRIU.
+//! userfaultfd, instead of through CRIU: what `restore` does by default where userfaultfd is available
+//! (`--stream` and `--staged` choose the other ways).
 //!
 //! Why: a streamed restore cannot get under about 1.22x plain `criu restore` (`docs/criu.md`): in stream
 //! mode CRIU premaps every private mapping and reads its pages from a pipe, while a plain restore reads
