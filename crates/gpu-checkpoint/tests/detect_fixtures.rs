@@ -66,7 +66,11 @@ const CASES: &[Case] = &[
     Case { dir: "proc/cuda-ipc-pair-r610", pid: 6001, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "cuda-ipc"), blockers: &["cuda-ipc"] },
     Case { dir: "proc/pytorch-nccl", pid: 7000, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "nccl", "nvml", "cuda-ipc"), blockers: &["cuda-ipc"] },
     Case { dir: "proc/cuda-rdma", pid: 7100, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "rdma"), blockers: &["rdma"] },
-    Case { dir: "proc/nvidia-smi", pid: 7200, tree: false, simulator: false, strategy: "cuda-driver", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvml"), blockers: &[] },
+    // NVML only, no mapping: no CUDA context, nothing for the GPU step; the descriptors are reopened.
+    Case { dir: "proc/nvidia-smi", pid: 7200, tree: false, simulator: false, strategy: "none", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvml"), blockers: &[] },
+    // Derived from real/torch-470: a child forked without exec keeps descriptors and /dev/nvidia0 windows.
+    Case { dir: "proc/cuda-fork-child", pid: 530, tree: false, simulator: false, strategy: "none", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvidia-uvm", "device-mapping", "cuda-library", "nvml", "nccl", "gpu-env"), blockers: &[] },
+    Case { dir: "proc/cuda-fork-child", pid: 470, tree: true, simulator: false, strategy: "cuda-driver", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvidia-uvm", "device-mapping", "cuda-library", "nvml", "nccl", "gpu-env"), blockers: &[] },
     Case { dir: "proc/cuda-mig", pid: 7300, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "mig"), blockers: &["mig"] },
     Case { dir: "proc/cuda-mps-client", pid: 7400, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "mps"), blockers: &["mps"] },
     Case { dir: "proc/pci-bar", pid: 7500, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "pci-bar"), blockers: &["pci-bar"] },
@@ -99,8 +103,9 @@ const REAL: &[(&str, &str)] = &[
     ("real/ipc-468", "cuda-driver"),
     ("real/ipcc-490", "cuda-driver"),
     ("real/torch-470", "cuda-driver"),
-    // NVML only: device files open, no CUDA context; the freeze stage skips it (freeze/hook.rs).
-    ("real/smi-475", "cuda-driver"),
+    // NVML only: device files open, no CUDA context (one /dev/nvidiactl page, not the 27 mappings of a
+    // context), so not `cuda-driver`; that page is an NVML client's state, refused (`device-mapping`).
+    ("real/smi-475", "unsupported"),
 ];
 
 fn json_names<T: serde::Serialize>(items: impl IntoIterator<Item = T>) -> BTreeSet<String> {
@@ -158,8 +163,10 @@ fn fixture_cases() {
             }
         }
         // GPU state and a strategy other than `none` go together, except for RDMA without a GPU: refused
-        // (CRIU cannot dump it) but not GPU state.
-        let gpu_expected = case.strategy != "none" && case.kinds != ["rdma"];
+        // (CRIU cannot dump it) but not GPU state; and NVIDIA device files without a CUDA context:
+        // device state (`--all` lists them), though nothing for the GPU step.
+        let gpu_expected = (case.strategy != "none" && case.kinds != ["rdma"])
+            || case.kinds.contains(&"nvidia-ctl");
         if r.gpu != gpu_expected {
             failures.push(format!("{what}: gpu = {}", r.gpu));
         }
@@ -677,6 +684,55 @@ fn real_layouts_driver_uvm_mapping_and_mig_capabilities() {
             .iter()
             .any(|f| f.evidence.path.as_deref() == Some("/dev/nvidia-caps/nvidia-cap1")));
     }
+}
+
+/// The driver cannot tell a CUDA context from none (driver 580 answers RUNNING either way); /proc can. Every
+/// real capture with a context maps /dev/nvidiactl many times; nvidia-smi maps one page of it and is refused
+/// before anything is touched, with the remedy; a child forked without exec (derived from torch-470) keeps
+/// only /dev/nvidia0 windows, which a checkpoint replaces.
+#[test]
+fn a_cuda_context_is_told_from_none_by_the_maps() {
+    use gpu_checkpoint::detect::context::{has_cuda_context, inherited_mappings};
+    for (dir, pid) in [
+        ("real/malloc-462", 462),
+        ("real/host-466", 466),
+        ("real/torch-470", 470),
+        ("real/ipcc-490", 490),
+    ] {
+        let r = detect_pid(pid, &opts(dir, false, false)).unwrap();
+        assert!(has_cuda_context(r.findings_of(pid)), "{dir}");
+        assert!(inherited_mappings(&r).is_empty(), "{dir}");
+    }
+    let smi = detect_pid(475, &opts("real/smi-475", false, false)).unwrap();
+    assert!(!has_cuda_context(smi.findings_of(475)));
+    assert_eq!(smi.processes[0].strategy.as_str(), "unsupported");
+    let b = &smi.strategy.blockers;
+    assert_eq!(b.len(), 1, "{b:?}");
+    assert_eq!(b[0].kind.as_str(), "device-mapping");
+    assert_eq!(b[0].pid, 475);
+    assert!(b[0].message.contains("/dev/nvidiactl"), "{}", b[0].message);
+    assert!(b[0].remedy.contains("NVML client"), "{}", b[0].remedy);
+
+    let tree = detect_pid(470, &opts("proc/cuda-fork-child", true, false)).unwrap();
+    let strategy = |pid: i32| {
+        tree.processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .unwrap()
+            .strategy
+            .as_str()
+    };
+    assert_eq!((strategy(470), strategy(530)), ("cuda-driver", "none"));
+    assert!(has_cuda_context(tree.findings_of(470)));
+    assert!(!has_cuda_context(tree.findings_of(530)));
+    let inherited = inherited_mappings(&tree);
+    assert_eq!(inherited.len(), 1, "{inherited:?}");
+    assert_eq!(inherited[0].pid, 530);
+    assert_eq!(inherited[0].path, "/dev/nvidia0");
+    assert_eq!(
+        inherited[0].ranges,
+        ["0x200600000-0x200800000", "0x7f1eec320000-0x7f1eec330000"]
+    );
 }
 
 /// Processes sharing CUDA IPC memory (driver 610, checkpointed as one tree) need the ordered GPU step:

@@ -48,6 +48,11 @@ pub enum FindingKind {
     /// names the checkpoint flag. Not GPU state and no blocker: a checkpoint without the flag is refused
     /// before the tree is touched.
     NeedsOption,
+    /// Something CRIU cannot dump at all, found before the tree is touched (an io_uring instance, SysV
+    /// shared memory of the host's IPC namespace, a terminal shared with processes outside the tree,
+    /// another user's process without `CAP_SYS_RESOURCE`, a PID namespace without its init): `blocks`
+    /// names the blocker it makes, `remedy` what to do. Not GPU state.
+    CannotDump,
 }
 
 impl FindingKind {
@@ -73,6 +78,8 @@ pub enum NeededOption {
     ExtUnixSk { inode: u64 },
     /// A resource CRIU can only treat as external (`--external RESOURCE`).
     External { resource: String },
+    /// The tree shares a terminal or session with processes outside it (`--shell-job`).
+    ShellJob,
 }
 
 impl NeededOption {
@@ -86,6 +93,7 @@ impl NeededOption {
             NeededOption::TcpEstablished => "--tcp-established".into(),
             NeededOption::ExtUnixSk { .. } => "--ext-unix-sk".into(),
             NeededOption::External { resource } => format!("--external {resource}"),
+            NeededOption::ShellJob => "--shell-job".into(),
         }
     }
 }
@@ -144,9 +152,12 @@ pub struct Evidence {
     /// The CRIU option a `needs-option` finding asks for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub needs: Option<NeededOption>,
-    /// What to do about a `needs-option` finding: the checkpoint flag to add.
+    /// What to do about a `needs-option` finding (the checkpoint flag to add) or a `cannot-dump` one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remedy: Option<String>,
+    /// The blocker a `cannot-dump` finding makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<super::strategy::BlockerKind>,
 }
 
 impl Finding {
@@ -177,7 +188,8 @@ impl Finding {
             | FindingKind::Nccl
             | FindingKind::Mps
             | FindingKind::GpuEnv
-            | FindingKind::NeedsOption => false,
+            | FindingKind::NeedsOption
+            | FindingKind::CannotDump => false,
         }
     }
 

@@ -6,6 +6,7 @@
 //! - [`process`]: reading one process into a [`process::ProcessSnapshot`]
 //! - [`paths`]: what a path names (device files, shared segments, GPU libraries)
 //! - [`classify`]: classifying a snapshot into [`Finding`]s
+//! - [`context`]: whether a process holding NVIDIA device files has a CUDA context
 //! - [`needs`]: what CRIU will need an option for (locks, deleted files, TCP, external UNIX sockets)
 //! - [`unix_diag`]: which UNIX socket is connected to which (the live kernel's `NETLINK_SOCK_DIAG`)
 //! - [`finding`]: the [`Finding`]s, their kinds and evidence
@@ -18,6 +19,7 @@
 pub mod choice;
 pub mod classify;
 mod connections;
+pub mod context;
 mod error;
 pub mod finding;
 pub mod needs;

@@ -12,6 +12,14 @@
 //! status flags (never creating or truncating anything) after checking it is still the same device
 //! (character device, same device number), and CRIU puts the descriptor at its old number.
 //!
+//! A child forked without exec from a CUDA process also keeps its parent's `/dev/nvidiaN` mappings, which CRIU
+//! cannot dump either ("Can't handle non-regular mapping"). When the tool says so ([`ENV_REPLACE`]), the
+//! plugin answers CRIU's `HANDLE_DEVICE_VMA` for them: CRIU then records such a mapping as a shared
+//! mapping of the node (no contents) and, on restore, asks the plugin for a descriptor to map in its place
+//! (`UPDATE_VMA_MAP`); the plugin hands it `/dev/zero`, so the restored child has zeroed shared memory
+//! where it had windows onto a context that was never its own
+//! ([`crate::detect::context::inherited_mappings`]).
+//!
 //! The tool hands CRIU a private plugin folder ([`PluginDir`]: 0700, unguessable name) holding a link to the
 //! plugin and nothing else, through `CRIU_LIBS_DIR`, and tells the plugin where its record file is
 //! ([`ENV_RECORD`]) and which nodes besides NVIDIA's it takes ([`ENV_ALLOW`]). Nothing about the images
@@ -35,6 +43,8 @@ pub const ENV_PLUGIN: &str = "GPU_CHECKPOINT_DEVICES_PLUGIN";
 pub const ENV_RECORD: &str = "GPU_CHECKPOINT_DEVICES_RECORD";
 /// Device nodes the plugin takes besides NVIDIA's, separated by `:`.
 pub const ENV_ALLOW: &str = "GPU_CHECKPOINT_DEVICES_ALLOW";
+/// Set (to `1`) when the plugin is to let CRIU record inherited NVIDIA mappings and replace them on restore.
+pub const ENV_REPLACE: &str = "GPU_CHECKPOINT_DEVICES_REPLACE_MAPPINGS";
 /// Where CRIU looks for plugins (its own variable).
 pub const ENV_CRIU_LIBS_DIR: &str = "CRIU_LIBS_DIR";
 
@@ -98,13 +108,19 @@ pub fn parse_records(text: &str) -> Result<Vec<ReopenedDevice>, String> {
     Ok(out)
 }
 
-/// The NVIDIA device nodes the plugin always takes: `/dev/nvidiactl`, `/dev/nvidiaN`, `/dev/nvidia-modeset`.
-/// Not `/dev/nvidia-uvm`: a UVM descriptor is set up by the CUDA driver, and reopening it blank is not
-/// known to be what a process expects.
+/// The NVIDIA device nodes the plugin always takes: `/dev/nvidiactl`, `/dev/nvidiaN`, `/dev/nvidia-modeset`,
+/// `/dev/nvidia-uvm(-tools)` and `/dev/nvidia-caps/nvidia-capN`: every node an NVML client or a forked
+/// child holds. Processes with a CUDA context hold none of them once the GPU step has checkpointed them,
+/// so whatever CRIU meets belongs to a process without one (NVML opens the UVM node without using it;
+/// MIG instances, whose capabilities are `nvidia-capN` too, are refused by detect).
 pub fn is_nvidia_node(path: &str) -> bool {
+    let number = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+    if let Some(cap) = path.strip_prefix("/dev/nvidia-caps/nvidia-cap") {
+        return number(cap);
+    }
     match path.strip_prefix("/dev/nvidia") {
-        Some("ctl") | Some("-modeset") => true,
-        Some(n) => !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()),
+        Some("ctl" | "-modeset" | "-uvm" | "-uvm-tools") => true,
+        Some(n) => number(n),
         None => false,
     }
 }
@@ -121,21 +137,26 @@ pub struct PluginDir {
     dir: PathBuf,
     record: PathBuf,
     allow: Vec<PathBuf>,
+    /// Inherited NVIDIA mappings are recorded (dump) or replaced (restore): [`ENV_REPLACE`].
+    replace: bool,
 }
 
 impl PluginDir {
-    /// For a dump: an empty record file the plugin appends to; `allow`: the nodes besides NVIDIA's.
-    pub fn for_dump(allow: &[PathBuf]) -> Result<PluginDir, Error> {
+    /// For a dump: an empty record file the plugin appends to; `allow`: the nodes besides NVIDIA's;
+    /// `replace`: inherited NVIDIA mappings are to be recorded for replacement.
+    pub fn for_dump(allow: &[PathBuf], replace: bool) -> Result<PluginDir, Error> {
         let mut dir = Self::create()?;
         dir.write_record(&[])?;
         dir.allow = allow.to_vec();
+        dir.replace = replace;
         Ok(dir)
     }
 
-    /// For a restore: the records the plugin reopens.
-    pub fn for_restore(devices: &[ReopenedDevice]) -> Result<PluginDir, Error> {
-        let dir = Self::create()?;
+    /// For a restore: the records the plugin reopens; `replace`: the checkpoint replaced mappings.
+    pub fn for_restore(devices: &[ReopenedDevice], replace: bool) -> Result<PluginDir, Error> {
+        let mut dir = Self::create()?;
         dir.write_record(devices)?;
+        dir.replace = replace;
         Ok(dir)
     }
 
@@ -148,6 +169,7 @@ impl PluginDir {
             record: dir.join("devices.records"),
             dir,
             allow: Vec::new(),
+            replace: false,
         };
         // A link, not a copy (a debug build's plugin is tens of MB): the plugin is as trusted as the binary
         // it lies beside, and the folder holds nothing else for CRIU to load.
@@ -184,6 +206,9 @@ impl PluginDir {
         ];
         let allow: Vec<String> = self.allow.iter().map(|p| p.display().to_string()).collect();
         env.push((ENV_ALLOW.into(), allow.join(":").into()));
+        // Always set, so that a value in the caller's environment never counts.
+        let replace = if self.replace { "1" } else { "" };
+        env.push((ENV_REPLACE.into(), replace.into()));
         env
     }
 
@@ -283,15 +308,18 @@ mod tests {
             "/dev/nvidia0",
             "/dev/nvidia12",
             "/dev/nvidia-modeset",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+            "/dev/nvidia-caps/nvidia-cap1",
         ] {
             assert!(is_taken(p, None), "{p}");
         }
         for p in [
-            "/dev/nvidia-uvm",
             "/dev/nvidia",
             "/dev/nvidia0x",
             "/dev/fuse",
             "/dev/nvidia-caps/x",
+            "/dev/nvidia-caps/nvidia-cap",
         ] {
             assert!(!is_taken(p, None), "{p}");
         }

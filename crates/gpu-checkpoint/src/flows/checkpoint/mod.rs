@@ -283,7 +283,10 @@ impl Flow<'_> {
             path: self.criu.describe(),
         };
         // CRIU's devices plugin, in a private folder, when the tree holds device files it cannot dump.
-        let plugin = reopen.as_deref().map(PluginDir::for_dump).transpose()?;
+        let plugin = reopen
+            .as_ref()
+            .map(|p| PluginDir::for_dump(&p.allow, !p.replaced.is_empty()))
+            .transpose()?;
         let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let ingest = self.store.begin(opts.name.as_deref())?;
         // The guardian learns what it would have to put back before anything is touched; if it cannot be

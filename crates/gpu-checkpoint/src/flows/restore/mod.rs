@@ -239,8 +239,10 @@ impl Flow<'_> {
         }
         // The device files CRIU's devices plugin reopens: the same nodes must be here.
         preflight::check_devices(&info.id, &manifest.devices)?;
-        let plugin = (!manifest.devices.is_empty())
-            .then(|| PluginDir::for_restore(&manifest.devices))
+        // Mappings a forked child inherited from its CUDA parent are replaced by the plugin, too.
+        let replace = !crate::detect::context::inherited_mappings(&manifest.detect).is_empty();
+        let plugin = (!manifest.devices.is_empty() || replace)
+            .then(|| PluginDir::for_restore(&manifest.devices, replace))
             .transpose()?;
         let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
