@@ -19,6 +19,7 @@
 //! restored again once the first copy has exited.
 
 mod preflight;
+mod premap;
 pub(crate) mod stream;
 mod uffd;
 
@@ -133,6 +134,10 @@ pub struct Timings {
     /// copied (the copy is part of `restore`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<uffd::FillStats>,
+    /// Why the restore was staged instead of the transfer asked for (CRIU's premapping would not fit
+    /// here: `premap.rs`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staged_instead: Option<String>,
     /// The GPU step (restore + unlock, and a job restore's wait for the other members between them); 0
     /// without GPU state.
     pub gpu: f64,
@@ -166,6 +171,52 @@ impl Flow<'_> {
             }
         })?;
         Ok((info, manifest))
+    }
+
+    /// How this restore moves the images: the flow's way, unless that needs CRIU to premap the processes'
+    /// private memory (the userfaultfd and streamed restores) and the kernel would refuse it here
+    /// (`premap.rs`): then staged, with the reason.
+    fn transfer_for(
+        &self,
+        info: &CheckpointInfo,
+        pids: &[i32],
+    ) -> crate::Result<(ImageTransfer, Option<String>)> {
+        let chosen = self.images;
+        let Some(overcommit) = premap::Overcommit::here() else {
+            return Ok((chosen, None));
+        };
+        if chosen == ImageTransfer::Staged || overcommit.mode == 1 {
+            return Ok((chosen, None));
+        }
+        let mut processes = Vec::with_capacity(pids.len());
+        for pid in pids {
+            let name = format!("mm-{pid}.img");
+            let mut image = Vec::new();
+            if store_file(self.store, info, &name, &mut image)? {
+                let vmas = crate::dump::images::parse_mm_protections(&image).map_err(|reason| {
+                    Error::BadManifest {
+                        id: info.id.clone(),
+                        reason: format!("{name}: {reason}"),
+                    }
+                })?;
+                processes.push((*pid, vmas));
+            }
+        }
+        Ok(match premap::refusal(&processes, overcommit) {
+            Some(why) => (
+                ImageTransfer::Staged,
+                Some(format!(
+                    "the {} restore has CRIU map every private mapping writable first, and {why}; a staged \
+                     restore maps them in place, as plain criu restore does",
+                    if chosen == ImageTransfer::Stream {
+                        "streamed"
+                    } else {
+                        "default"
+                    }
+                )),
+            ),
+            None => (chosen, None),
+        })
     }
 
     /// Restores a checkpoint; see the module documentation for the order.
@@ -219,14 +270,30 @@ impl Flow<'_> {
                 reason,
             })?
             .options;
-        let pids = manifest.pids();
-        // CRIU gives every thread back its ID too: those must be free as well as the PIDs.
-        let ids = with_thread_ids(self.store, &info, &pids)?;
-        check_pids_free(&info.id, &ids)?;
+        // CRIU gives every thread back its ID too: those must be free as well as the PIDs. A tree that
+        // is a PID namespace of its own is restored into a new one, where every ID is free.
+        let ids = RecordedIds::of(self.store, &info, &manifest)?;
+        check_pids_free(&info.id, &ids.host)?;
+        let mut pids = ids.host_pids.clone();
         if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
             preflight::check_host_memory(&info.id, manifest.sizes.pages_bytes, &meminfo)?;
         }
+        let (images, staged_instead) = self.transfer_for(&info, &ids.images)?;
+        if let Some(why) = &staged_instead {
+            tracing::warn!("restoring checkpoint {} staged: {why}", info.id);
+        }
         let gpu_record = manifest.gpu_record()?;
+        if ids.own_namespace && gpu_record.as_ref().is_some_and(|r| !r.processes.is_empty()) {
+            // The GPU step finds its processes by the PIDs they had, which a new namespace changes.
+            return Err(Error::Options {
+                id: info.id.clone(),
+                reason:
+                    "its tree is a PID namespace of its own and holds GPU state: restoring GPU \
+                         state into a new PID namespace is not supported"
+                        .into(),
+            }
+            .into());
+        }
         self.gpu.prepare_restore(gpu_record.as_ref())?;
 
         if let Some(dir) = self.store.local_dir() {
@@ -247,7 +314,9 @@ impl Flow<'_> {
         let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
         // Should this process die from here on, the guardian kills what CRIU created of the copy.
-        self.watch.tell(&Event::Restore { pids: ids.clone() })?;
+        self.watch.tell(&Event::Restore {
+            pids: ids.host.clone(),
+        })?;
         fault::at("restore.before-criu");
         if interrupt.interrupted() {
             return Err(Error::Interrupted {
@@ -259,13 +328,13 @@ impl Flow<'_> {
             images_dir: work.path(),
             log_file: RESTORE_LOG,
             options: &criu_options,
-            stream: self.images == ImageTransfer::Stream,
+            stream: images == ImageTransfer::Stream,
             lazy_pages: false,
             post_restore: None,
             env: &criu_env,
         };
         let mut uffd_stats = None;
-        let (fetch, restore_ms, restored) = if self.images == ImageTransfer::Uffd {
+        let (fetch, restore_ms, restored) = if images == ImageTransfer::Uffd {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
             // post-restore notification.
             let t = Instant::now();
@@ -327,7 +396,7 @@ impl Flow<'_> {
                 };
                 // A PID taken between our check and CRIU's fork: say by whom.
                 if e.failure().map(|f| f.kind) == Some(FailureKind::PidInUse) {
-                    if let Err(conflict) = check_pids_free_now(&info.id, &ids) {
+                    if let Err(conflict) = check_pids_free_now(&info.id, &ids.host) {
                         tracing::debug!("CRIU: {e}");
                         return Err(conflict.into());
                     }
@@ -336,6 +405,10 @@ impl Flow<'_> {
             }
         };
 
+        if ids.own_namespace {
+            // Its PIDs in this namespace are new: the restored tree as it runs is the tree.
+            pids = tree::process_tree(pid).iter().map(|p| p.pid).collect();
+        }
         fault::at("restore.after-criu");
         let t = Instant::now();
         let gpu = match self.gpu.finish_restore(
@@ -363,6 +436,7 @@ impl Flow<'_> {
                 restore: restore_ms,
                 streamed: req.stream,
                 uffd: uffd_stats,
+                staged_instead,
                 gpu: gpu_ms,
                 total: ms(started),
             },
@@ -407,28 +481,76 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
     )
 }
 
-/// The tree's PIDs followed by the IDs of its other threads, as CRIU recorded them in `pstree.img`. A
-/// checkpoint without that image (made by a stand-in CRIU) has only the PIDs.
-fn with_thread_ids(store: &Store, info: &CheckpointInfo, pids: &[i32]) -> crate::Result<Vec<i32>> {
-    let mut ids = pids.to_vec();
-    let mut image = Vec::new();
-    if store
-        .stream_file(info, "pstree.img", &mut image, &crate::store::NoProgress)?
-        .is_none()
-    {
-        return Ok(ids);
-    }
-    let tree = crate::dump::images::parse_pstree(&image).map_err(|reason| Error::BadManifest {
-        id: info.id.clone(),
-        reason: format!("pstree.img: {reason}"),
-    })?;
-    for tid in tree.iter().flat_map(|p| &p.threads) {
-        let tid = *tid as i32;
-        if !ids.contains(&tid) {
-            ids.push(tid);
+/// The IDs a restore gives back, as the checkpoint recorded them.
+struct RecordedIds {
+    /// The tree's PIDs followed by the IDs of its other threads (`pstree.img`), as they must be free in
+    /// this PID namespace; empty for a tree that is a PID namespace of its own.
+    host: Vec<i32>,
+    /// The tree's PIDs in this namespace at checkpoint time (empty for a namespace of its own).
+    host_pids: Vec<i32>,
+    /// The processes' IDs as CRIU recorded them (`pstree.img`): its images are named after them.
+    images: Vec<i32>,
+    /// The root was the init of its own PID namespace (`unshare --fork --pid`): CRIU recorded the
+    /// namespace's IDs (the root is 1) and restores the tree into a new namespace, as `criu restore` does,
+    /// so none of them can be in use, and the restored tree gets new PIDs here.
+    own_namespace: bool,
+}
+
+impl RecordedIds {
+    /// A checkpoint without `pstree.img` (made by a stand-in CRIU) has only the PIDs.
+    fn of(
+        store: &Store,
+        info: &CheckpointInfo,
+        manifest: &CheckpointManifest,
+    ) -> crate::Result<RecordedIds> {
+        let pids = manifest.pids();
+        let mut ids = RecordedIds {
+            host: pids.clone(),
+            images: pids.clone(),
+            host_pids: pids,
+            own_namespace: false,
+        };
+        let mut image = Vec::new();
+        if !store_file(store, info, "pstree.img", &mut image)? {
+            return Ok(ids);
         }
+        let tree =
+            crate::dump::images::parse_pstree(&image).map_err(|reason| Error::BadManifest {
+                id: info.id.clone(),
+                reason: format!("pstree.img: {reason}"),
+            })?;
+        ids.images = tree.iter().map(|p| p.pid as i32).collect();
+        // CRIU's IDs are those of the root's PID namespace: the same as ours, unless the root was the
+        // init of a namespace of its own.
+        if tree
+            .first()
+            .is_some_and(|root| root.pid as i32 != manifest.root_pid)
+        {
+            ids.host.clear();
+            ids.host_pids.clear();
+            ids.own_namespace = true;
+            return Ok(ids);
+        }
+        for tid in tree.iter().flat_map(|p| &p.threads) {
+            let tid = *tid as i32;
+            if !ids.host.contains(&tid) {
+                ids.host.push(tid);
+            }
+        }
+        Ok(ids)
     }
-    Ok(ids)
+}
+
+/// Reads image `name` of a checkpoint into `out`; false when the checkpoint has no such file.
+fn store_file(
+    store: &Store,
+    info: &CheckpointInfo,
+    name: &str,
+    out: &mut Vec<u8>,
+) -> crate::Result<bool> {
+    Ok(store
+        .stream_file(info, name, out, &crate::store::NoProgress)?
+        .is_some())
 }
 
 /// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies
