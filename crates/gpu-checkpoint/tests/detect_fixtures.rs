@@ -88,6 +88,10 @@ const CASES: &[Case] = &[
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("cuda-library"), blockers: &[] },
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/needs-options", pid: 9300, tree: true, simulator: false, strategy: "none", kinds: kinds!("needs-option"), blockers: &[] },
+    // What CRIU cannot dump is no GPU blocker: the strategy stays, a checkpoint refuses (docs/criu.md).
+    Case { dir: "proc/io-uring", pid: 9400, tree: false, simulator: false, strategy: "none", kinds: kinds!("cannot-dump"), blockers: &[] },
+    // nvidia-smi's page of /dev/nvidiactl without a CUDA context: refused.
+    Case { dir: "real/smi-475", pid: 475, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvidia-uvm", "device-mapping", "cuda-library", "nvml", "nccl", "gpu-env"), blockers: &["device-mapping"] },
 ];
 
 /// Real captures: (folder under `fixtures/`, expected strategy of the tree of its top process).
@@ -202,6 +206,7 @@ fn fixtures_cover_every_kind() {
         "amd-gpu",
         "gpu-env",
         "needs-option",
+        "cannot-dump",
     ];
     let all_blockers = [
         "managed-memory",
@@ -211,6 +216,7 @@ fn fixtures_cover_every_kind() {
         "pci-bar",
         "rdma",
         "driver-too-old",
+        "device-mapping",
     ];
     for k in all_kinds {
         assert!(kinds.contains(k), "no fixture shows finding kind {k}");
@@ -751,4 +757,27 @@ fn a_tree_sharing_cuda_ipc_memory_is_reported_as_needing_order() {
             "{dir} {pid}"
         );
     }
+}
+
+/// An io_uring instance (stock MariaDB's) is what CRIU cannot dump: a `cannot-dump` finding naming it,
+/// with its fd and a remedy, in the JSON users script against.
+#[test]
+fn io_uring_is_reported_as_what_criu_cannot_dump() {
+    let r = detect_pid(9400, &opts("proc/io-uring", false, false)).unwrap();
+    let f: Vec<&gpu_checkpoint::detect::Finding> = r
+        .findings
+        .iter()
+        .filter(|f| f.kind.as_str() == "cannot-dump")
+        .collect();
+    assert_eq!(f.len(), 1, "{:?}", r.findings);
+    let v = serde_json::to_value(f[0]).unwrap();
+    assert_eq!(v["evidence"]["limit"], "io-uring", "{v}");
+    assert_eq!(v["evidence"]["fds"], serde_json::json!([9]), "{v}");
+    assert!(
+        v["evidence"]["remedy"]
+            .as_str()
+            .is_some_and(|r| r.contains("--innodb-use-native-aio=0")),
+        "{v}"
+    );
+    assert!(r.strategy.blockers.is_empty());
 }

@@ -50,8 +50,9 @@ pub enum FindingKind {
     NeedsOption,
     /// Something CRIU cannot dump at all, found before the tree is touched (an io_uring instance, SysV
     /// shared memory of the host's IPC namespace, a terminal shared with processes outside the tree,
-    /// another user's process without `CAP_SYS_RESOURCE`, a PID namespace without its init): `blocks`
-    /// names the blocker it makes, `remedy` what to do. Not GPU state.
+    /// another user's process without `CAP_SYS_RESOURCE`, a PID namespace without its init): `limit`
+    /// names which, `remedy` what to do. Not GPU state and no blocker (the strategy is the GPU's); a
+    /// checkpoint is refused before it touches the tree (docs/criu.md).
     CannotDump,
 }
 
@@ -96,6 +97,25 @@ impl NeededOption {
             NeededOption::ShellJob => "--shell-job".into(),
         }
     }
+}
+
+/// What CRIU cannot dump (the `limit` of a `cannot-dump` finding). Users script against these names.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
+pub enum Limit {
+    /// An io_uring instance (`anon_inode:[io_uring]`).
+    IoUring,
+    /// SysV shared memory of the IPC namespace CRIU runs in (it dumps SysV IPC only with a namespace of
+    /// the tree's own).
+    SysvShm,
+    /// `/dev/tty` of a session whose terminal another process holds ("ctty inheritance").
+    Terminal,
+    /// Another user's process, and no `CAP_SYS_RESOURCE` to read its resource limits.
+    OtherUser,
+    /// A PID namespace without its init in the tree, nested deeper, or whose session leader is outside.
+    PidNamespace,
 }
 
 /// One thing found in one process.
@@ -155,9 +175,9 @@ pub struct Evidence {
     /// What to do about a `needs-option` finding (the checkpoint flag to add) or a `cannot-dump` one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remedy: Option<String>,
-    /// The blocker a `cannot-dump` finding makes.
+    /// What a `cannot-dump` finding is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub blocks: Option<super::strategy::BlockerKind>,
+    pub limit: Option<Limit>,
 }
 
 impl Finding {

@@ -61,16 +61,6 @@ pub enum BlockerKind {
     DriverTooOld,
     /// A process without a CUDA context maps `/dev/nvidiactl` (an NVML client such as nvidia-smi).
     DeviceMapping,
-    /// An io_uring instance (`anon_inode:[io_uring]`): CRIU cannot dump one.
-    IoUring,
-    /// SysV shared memory of an IPC namespace CRIU does not dump (the host's).
-    SysvShm,
-    /// A terminal whose session or other side lies outside the tree, in a way `--shell-job` does not cover.
-    Terminal,
-    /// A process of another user, and no `CAP_SYS_RESOURCE` to read its resource limits.
-    OtherUser,
-    /// A PID namespace CRIU cannot dump: its init outside the tree, or a session leader outside it.
-    PidNamespace,
 }
 
 impl BlockerKind {
@@ -157,13 +147,6 @@ pub fn decide_process(
             "CRIU cannot checkpoint RDMA verbs state: close the RDMA resources first (e.g. NCCL_IB_DISABLE=1 \
              for a single-node job), or checkpoint at the application level",
         );
-    }
-    // What CRIU cannot dump at all, found before anything is touched (`cannot-dump` findings).
-    for f in mine().filter(|f| f.kind == FindingKind::CannotDump) {
-        if let Some(kind) = f.evidence.blocks {
-            let remedy = f.evidence.remedy.as_deref().unwrap_or_default();
-            block(kind, f.evidence.detail.clone(), remedy);
-        }
     }
     if nvidia && !context {
         let held = contextless_mappings(mine());

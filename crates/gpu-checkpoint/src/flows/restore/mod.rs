@@ -18,6 +18,7 @@
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
 
+mod ids;
 mod preflight;
 mod premap;
 pub(crate) mod stream;
@@ -173,52 +174,6 @@ impl Flow<'_> {
         Ok((info, manifest))
     }
 
-    /// How this restore moves the images: the flow's way, unless that needs CRIU to premap the processes'
-    /// private memory (the userfaultfd and streamed restores) and the kernel would refuse it here
-    /// (`premap.rs`): then staged, with the reason.
-    fn transfer_for(
-        &self,
-        info: &CheckpointInfo,
-        pids: &[i32],
-    ) -> crate::Result<(ImageTransfer, Option<String>)> {
-        let chosen = self.images;
-        let Some(overcommit) = premap::Overcommit::here() else {
-            return Ok((chosen, None));
-        };
-        if chosen == ImageTransfer::Staged || overcommit.mode == 1 {
-            return Ok((chosen, None));
-        }
-        let mut processes = Vec::with_capacity(pids.len());
-        for pid in pids {
-            let name = format!("mm-{pid}.img");
-            let mut image = Vec::new();
-            if store_file(self.store, info, &name, &mut image)? {
-                let vmas = crate::dump::images::parse_mm_protections(&image).map_err(|reason| {
-                    Error::BadManifest {
-                        id: info.id.clone(),
-                        reason: format!("{name}: {reason}"),
-                    }
-                })?;
-                processes.push((*pid, vmas));
-            }
-        }
-        Ok(match premap::refusal(&processes, overcommit) {
-            Some(why) => (
-                ImageTransfer::Staged,
-                Some(format!(
-                    "the {} restore has CRIU map every private mapping writable first, and {why}; a staged \
-                     restore maps them in place, as plain criu restore does",
-                    if chosen == ImageTransfer::Stream {
-                        "streamed"
-                    } else {
-                        "default"
-                    }
-                )),
-            ),
-            None => (chosen, None),
-        })
-    }
-
     /// Restores a checkpoint; see the module documentation for the order.
     pub fn restore(&mut self, target: &Target) -> crate::Result<RestoreOutcome> {
         self.restore_with(target, &CriuOptions::default())
@@ -272,13 +227,14 @@ impl Flow<'_> {
             .options;
         // CRIU gives every thread back its ID too: those must be free as well as the PIDs. A tree that
         // is a PID namespace of its own is restored into a new one, where every ID is free.
-        let ids = RecordedIds::of(self.store, &info, &manifest)?;
+        let ids = ids::RecordedIds::of(self.store, &info, &manifest)?;
         check_pids_free(&info.id, &ids.host)?;
         let mut pids = ids.host_pids.clone();
         if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
             preflight::check_host_memory(&info.id, manifest.sizes.pages_bytes, &meminfo)?;
         }
-        let (images, staged_instead) = self.transfer_for(&info, &ids.images)?;
+        let (images, staged_instead) =
+            premap::transfer_for(self.images, self.store, &info, &ids.images)?;
         if let Some(why) = &staged_instead {
             tracing::warn!("restoring checkpoint {} staged: {why}", info.id);
         }
@@ -479,78 +435,6 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
         &src,
         &format!("{id}.restore-{stamp}.log"),
     )
-}
-
-/// The IDs a restore gives back, as the checkpoint recorded them.
-struct RecordedIds {
-    /// The tree's PIDs followed by the IDs of its other threads (`pstree.img`), as they must be free in
-    /// this PID namespace; empty for a tree that is a PID namespace of its own.
-    host: Vec<i32>,
-    /// The tree's PIDs in this namespace at checkpoint time (empty for a namespace of its own).
-    host_pids: Vec<i32>,
-    /// The processes' IDs as CRIU recorded them (`pstree.img`): its images are named after them.
-    images: Vec<i32>,
-    /// The root was the init of its own PID namespace (`unshare --fork --pid`): CRIU recorded the
-    /// namespace's IDs (the root is 1) and restores the tree into a new namespace, as `criu restore` does,
-    /// so none of them can be in use, and the restored tree gets new PIDs here.
-    own_namespace: bool,
-}
-
-impl RecordedIds {
-    /// A checkpoint without `pstree.img` (made by a stand-in CRIU) has only the PIDs.
-    fn of(
-        store: &Store,
-        info: &CheckpointInfo,
-        manifest: &CheckpointManifest,
-    ) -> crate::Result<RecordedIds> {
-        let pids = manifest.pids();
-        let mut ids = RecordedIds {
-            host: pids.clone(),
-            images: pids.clone(),
-            host_pids: pids,
-            own_namespace: false,
-        };
-        let mut image = Vec::new();
-        if !store_file(store, info, "pstree.img", &mut image)? {
-            return Ok(ids);
-        }
-        let tree =
-            crate::dump::images::parse_pstree(&image).map_err(|reason| Error::BadManifest {
-                id: info.id.clone(),
-                reason: format!("pstree.img: {reason}"),
-            })?;
-        ids.images = tree.iter().map(|p| p.pid as i32).collect();
-        // CRIU's IDs are those of the root's PID namespace: the same as ours, unless the root was the
-        // init of a namespace of its own.
-        if tree
-            .first()
-            .is_some_and(|root| root.pid as i32 != manifest.root_pid)
-        {
-            ids.host.clear();
-            ids.host_pids.clear();
-            ids.own_namespace = true;
-            return Ok(ids);
-        }
-        for tid in tree.iter().flat_map(|p| &p.threads) {
-            let tid = *tid as i32;
-            if !ids.host.contains(&tid) {
-                ids.host.push(tid);
-            }
-        }
-        Ok(ids)
-    }
-}
-
-/// Reads image `name` of a checkpoint into `out`; false when the checkpoint has no such file.
-fn store_file(
-    store: &Store,
-    info: &CheckpointInfo,
-    name: &str,
-    out: &mut Vec<u8>,
-) -> crate::Result<bool> {
-    Ok(store
-        .stream_file(info, name, out, &crate::store::NoProgress)?
-        .is_some())
 }
 
 /// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies

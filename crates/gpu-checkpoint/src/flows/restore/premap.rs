@@ -14,8 +14,58 @@
 
 use std::fmt::Write as _;
 
+use super::ids::store_file;
+use super::Error;
 use crate::dump::images::Vma;
+use crate::flows::ImageTransfer;
 use crate::fmt::human_bytes;
+use crate::store::{CheckpointInfo, Store};
+
+/// How this restore moves the images: the flow's way, unless that needs CRIU to premap the processes'
+/// private memory (the userfaultfd and streamed restores) and the kernel would refuse it here
+/// ([`refusal`]): then staged, with the reason.
+pub(super) fn transfer_for(
+    chosen: ImageTransfer,
+    store: &Store,
+    info: &CheckpointInfo,
+    pids: &[i32],
+) -> crate::Result<(ImageTransfer, Option<String>)> {
+    let Some(overcommit) = Overcommit::here() else {
+        return Ok((chosen, None));
+    };
+    if chosen == ImageTransfer::Staged || overcommit.mode == 1 {
+        return Ok((chosen, None));
+    }
+    let mut processes = Vec::with_capacity(pids.len());
+    for pid in pids {
+        let name = format!("mm-{pid}.img");
+        let mut image = Vec::new();
+        if store_file(store, info, &name, &mut image)? {
+            let vmas = crate::dump::images::parse_mm_protections(&image).map_err(|reason| {
+                Error::BadManifest {
+                    id: info.id.clone(),
+                    reason: format!("{name}: {reason}"),
+                }
+            })?;
+            processes.push((*pid, vmas));
+        }
+    }
+    Ok(match refusal(&processes, overcommit) {
+        Some(why) => (
+            ImageTransfer::Staged,
+            Some(format!(
+                "the {} restore has CRIU map every private mapping writable first, and {why}; a staged \
+                 restore maps them in place, as plain criu restore does",
+                if chosen == ImageTransfer::Stream {
+                    "streamed"
+                } else {
+                    "default"
+                }
+            )),
+        ),
+        None => (chosen, None),
+    })
+}
 
 /// CRIU's `VMA_EXT_PLUGIN`: a device mapping a plugin restores, never premapped.
 const VMA_EXT_PLUGIN: u32 = 1 << 27;
