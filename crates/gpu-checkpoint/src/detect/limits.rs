@@ -217,6 +217,7 @@ fn tree_checks(root: i32, snaps: &[ProcessSnapshot]) -> Vec<(i32, FindingKind, E
         return out;
     };
     let masters: Vec<u32> = snaps.iter().flat_map(|s| s.pty_masters.clone()).collect();
+    let order = dump_order(root, snaps);
     let depth = |s: &ProcessSnapshot| s.nspid.len().max(1);
     let ns_init = depth(r) > 1 && r.nspid.last() == Some(&1);
 
@@ -300,11 +301,20 @@ fn tree_checks(root: i32, snaps: &[ProcessSnapshot]) -> Vec<(i32, FindingKind, E
         if ctty.is_empty() {
             continue;
         }
-        // CRIU restores /dev/tty through the pty of its session: the same process must hold it, and the
-        // session must be its terminal's foreground (tty_verify_ctty in criu/tty.c).
-        let own = pts_index(s.stat.tty_nr)
-            .is_some_and(|n| slaves.iter().any(|(_, m)| *m == n) || s.pty_masters.contains(&n));
-        if !own || s.stat.tpgid != s.stat.session {
+        // CRIU restores /dev/tty through the first descriptor of its terminal (master or slave) that it
+        // meets in its dump order (the tree depth first), which must be this process's, and the session
+        // must be its terminal's foreground (tty_verify_ctty in criu/tty.c). A tmux server (the root,
+        // holding every pane's master) and an interactive shell in a pane (holding /dev/tty) fail it.
+        let term = pts_index(s.stat.tty_nr);
+        let first = term.and_then(|n| order.iter().find(|p| holds_pty(p, n)).map(|p| p.pid));
+        if first != Some(s.pid) || s.stat.tpgid != s.stat.session {
+            let why = match first {
+                Some(p) if p != s.pid => format!(
+                    "process {p} holds that terminal and comes first in CRIU's order, not this one"
+                ),
+                Some(_) => "its session is not the terminal's foreground".to_string(),
+                None => "no process of the tree holds that terminal".to_string(),
+            };
             out.push((
                 s.pid,
                 FindingKind::CannotDump,
@@ -313,25 +323,48 @@ fn tree_checks(root: i32, snaps: &[ProcessSnapshot]) -> Vec<(i32, FindingKind, E
                     ..cannot(
                         Limit::Terminal,
                         format!(
-                            "fd {} is /dev/tty, the controlling terminal of session {}, which {} (CRIU: \
+                            "fd {} is /dev/tty, the controlling terminal of session {}: {why} (CRIU: \
                              \"ctty inheritance detected\")",
-                            ctty[0],
-                            s.stat.session,
-                            if own {
-                                "is not its terminal's foreground session"
-                            } else {
-                                "this process does not hold itself"
-                            }
+                            ctty[0], s.stat.session
                         ),
-                        "CRIU restores /dev/tty only in the process that holds its session's terminal: \
-                         close /dev/tty in the program, or start it detached from any terminal (`setsid \
-                         PROGRAM </dev/null >LOG 2>&1`), or checkpoint the tree that holds the terminal",
+                        "CRIU restores /dev/tty only in the first process of the tree that holds its \
+                         session's terminal: close /dev/tty in the program (an interactive shell opens it: \
+                         run the program itself, not a shell, in a tmux pane or a terminal), or start it \
+                         detached from any terminal (`setsid PROGRAM </dev/null >LOG 2>&1`)",
                     )
                 },
             ));
         }
     }
     out
+}
+
+/// The processes in CRIU's dump order: the tree depth first from the root, children by PID.
+fn dump_order(root: i32, snaps: &[ProcessSnapshot]) -> Vec<&ProcessSnapshot> {
+    let mut out = Vec::with_capacity(snaps.len());
+    let mut stack = vec![root];
+    while let Some(pid) = stack.pop() {
+        let Some(s) = snaps.iter().find(|s| s.pid == pid) else {
+            continue;
+        };
+        out.push(s);
+        let mut kids: Vec<i32> = snaps
+            .iter()
+            .filter(|c| c.stat.ppid == pid && c.pid != pid)
+            .map(|c| c.pid)
+            .collect();
+        kids.sort_unstable_by(|a, b| b.cmp(a));
+        stack.extend(kids);
+    }
+    out
+}
+
+/// Whether `s` holds either side of `/dev/pts/N`.
+fn holds_pty(s: &ProcessSnapshot, n: u32) -> bool {
+    s.pty_masters.contains(&n)
+        || s.fds
+            .iter()
+            .any(|(_, t)| t.strip_prefix("/dev/pts/") == Some(&n.to_string()))
 }
 
 fn shell_job(detail: String) -> Evidence {
@@ -441,17 +474,51 @@ mod tests {
         let mut tree = vec![holder.clone(), s.clone()];
         tree[1].stat.ppid = 22;
         assert_eq!(findings(Some(22), &tree, Some(&root_caller())), []);
-        // /dev/tty in a process that holds its terminal and is the foreground: fine; in a child that
-        // does not hold it: ctty inheritance.
-        tree[1].fds.push((5, "/dev/tty".into()));
-        assert_eq!(findings(Some(22), &tree, Some(&root_caller())), []);
+        // /dev/tty in the process that holds its terminal first, the foreground: fine (the master
+        // outside, a shell job); in its child, which does not hold the terminal: ctty inheritance.
+        s.fds.push((5, "/dev/tty".into()));
+        let f = findings(Some(21), &[s.clone()], Some(&root_caller()));
+        assert_eq!(kinds(&f), [(21, None, Some(NeededOption::ShellJob))]);
         let mut child = snap(23, 21);
+        child.stat.ppid = 21;
         child.stat.tty_nr = (136 << 8) | 3;
         child.stat.tpgid = 21;
         child.fds.push((3, "/dev/tty".into()));
-        tree.push(child);
-        let f = findings(Some(22), &tree, Some(&root_caller()));
-        assert_eq!(kinds(&f), [(23, Some(Limit::Terminal), None)]);
+        let f = findings(Some(21), &[s.clone(), child], Some(&root_caller()));
+        assert_eq!(
+            kinds(&f),
+            [
+                (21, None, Some(NeededOption::ShellJob)),
+                (23, Some(Limit::Terminal), None)
+            ]
+        );
+        // A tmux server (root, holding the pane's master) and an interactive shell in the pane, which
+        // holds /dev/tty and its slave: CRIU meets the server's master first.
+        let mut server = snap(40, 40);
+        server.pty_masters = vec![7];
+        let mut shell = snap(41, 41);
+        shell.stat.ppid = 40;
+        shell.stat.tty_nr = (136 << 8) | 7;
+        shell.stat.tpgid = 41;
+        shell.fds = vec![(0, "/dev/pts/7".into()), (10, "/dev/tty".into())];
+        let f = findings(
+            Some(40),
+            &[server.clone(), shell.clone()],
+            Some(&root_caller()),
+        );
+        assert_eq!(kinds(&f), [(41, Some(Limit::Terminal), None)]);
+        assert!(
+            f[0].evidence
+                .detail
+                .contains("process 40 holds that terminal"),
+            "{f:?}"
+        );
+        // The same shell without /dev/tty (a program run in the pane): fine.
+        shell.fds.pop();
+        assert_eq!(
+            findings(Some(40), &[server, shell], Some(&root_caller())),
+            []
+        );
         assert_eq!(pts_index((136 << 8) | 3), Some(3));
         assert_eq!(pts_index((137 << 8) | 1), Some(257));
         assert_eq!(pts_index((4 << 8) | 1), None);
