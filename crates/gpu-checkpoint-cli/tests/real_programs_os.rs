@@ -51,6 +51,14 @@ fn reported_past(report: &Report, key: &str, at_least: u64, what: &str) -> serde
     last.unwrap()
 }
 
+/// Held by the tests that make pseudo-terminals, one at a time: CRIU restores a pty at the index it had
+/// (opening `/dev/ptmx` until it gets it), which fails when another pty has taken that index meanwhile;
+/// tests of this file run in parallel otherwise.
+fn terminals() -> std::sync::MutexGuard<'static, ()> {
+    static TERMINALS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TERMINALS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Kills the tree at a PID learnt after the start (a restored copy, a daemonized server) on drop.
 struct KillOnDrop(i32);
 
@@ -111,7 +119,7 @@ fn start_tmux(bin: &Path, sock: &Path, second: &str) -> i32 {
             count,
         ],
     );
-    tmux(bin, sock, &["new-window", "-t", "t", second]);
+    tmux(bin, sock, &["new-window", "-t", "t:", second]);
     let server = tmux(bin, sock, &["display", "-p", "#{pid}"])
         .trim()
         .parse()
@@ -154,6 +162,7 @@ fn tmux_server(mode: Mode) {
     let Some(bin) = program("tmux", "tmux") else {
         return;
     };
+    let _terminals = terminals();
     Via::each(&format!("a tmux server with two panes, {mode}"), |via| {
         tmux_round(via, mode, &bin)
     });
@@ -177,6 +186,7 @@ fn tmux_with_an_interactive_shell_is_refused_and_goes_on() {
     let Some(bin) = program("tmux", "tmux") else {
         return;
     };
+    let _terminals = terminals();
     let work = tempfile::tempdir().unwrap();
     let sock = work.path().join("tmux.sock");
     let server = start_tmux(&bin, &sock, "sh");
@@ -288,6 +298,7 @@ fn kernel_objects_round(via: Via, mode: Mode, py: &Path) {
 
 fn kernel_objects(mode: Mode) {
     let Some(py) = python() else { return };
+    let _terminals = terminals();
     Via::each(
         &format!("inotify, eventfd, a pty pair and 64 threads, {mode}"),
         |via| kernel_objects_round(via, mode, &py),
@@ -625,6 +636,7 @@ while True:
 #[test]
 fn dev_tty_held_apart_from_its_terminal_is_refused() {
     let Some(py) = python() else { return };
+    let _terminals = terminals();
     let work = tempfile::tempdir().unwrap();
     let script = work.path().join("ctty.py");
     std::fs::write(&script, [REPORT_PY, CTTY].concat()).unwrap();
