@@ -208,6 +208,10 @@ fn start_postgres(t: &PgTemplate, dir: &Path, own_ipc: bool) -> (Program, Pg) {
         "listen_addresses=127.0.0.1".into(),
         "-c".into(),
         "fsync=off".into(),
+        // Dynamic shared memory in the data folder, not /dev/shm: a killed server leaves its segments
+        // behind, and the private folder goes with the test.
+        "-c".into(),
+        "dynamic_shared_memory_type=mmap".into(),
     ]);
     let p = Program::start(&argv);
     wait_for("postgres answering", || pg.try_sql("SELECT 1").is_some());

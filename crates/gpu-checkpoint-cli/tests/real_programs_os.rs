@@ -96,9 +96,9 @@ fn ticks(bin: &Path, sock: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// A tmux server on a socket in `dir`: window 0 counting, window 1 running `second` (`cat`, or an
-/// interactive `sh`); the server's PID.
-fn start_tmux(bin: &Path, sock: &Path, second: &str) -> i32 {
+/// A tmux server on socket `sock`: window 0 counting, window 1 running `second` (`cat`, or an
+/// interactive `sh`); its PID, whose tree is killed when the guard goes (also should this panic).
+fn start_tmux(bin: &Path, sock: &Path, second: &str) -> KillOnDrop {
     let count = "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.1; done";
     tmux(
         bin,
@@ -119,11 +119,13 @@ fn start_tmux(bin: &Path, sock: &Path, second: &str) -> i32 {
             count,
         ],
     );
+    let server = KillOnDrop(
+        tmux(bin, sock, &["display", "-p", "#{pid}"])
+            .trim()
+            .parse()
+            .unwrap(),
+    );
     tmux(bin, sock, &["new-window", "-t", "t:", second]);
-    let server = tmux(bin, sock, &["display", "-p", "#{pid}"])
-        .trim()
-        .parse()
-        .unwrap();
     wait_for("the pane counting", || ticks(bin, sock) >= 5);
     server
 }
@@ -131,8 +133,8 @@ fn start_tmux(bin: &Path, sock: &Path, second: &str) -> i32 {
 fn tmux_round(via: Via, mode: Mode, bin: &Path) {
     let work = tempfile::tempdir().unwrap();
     let sock = work.path().join("tmux.sock");
-    let server = start_tmux(bin, &sock, "cat");
-    let _guard = KillOnDrop(server);
+    let guard = start_tmux(bin, &sock, "cat");
+    let server = guard.0;
 
     // The count the checkpoint holds is at least this (the server is gone once it is taken).
     let at = ticks(bin, &sock);
@@ -189,8 +191,8 @@ fn tmux_with_an_interactive_shell_is_refused_and_goes_on() {
     let _terminals = terminals();
     let work = tempfile::tempdir().unwrap();
     let sock = work.path().join("tmux.sock");
-    let server = start_tmux(&bin, &sock, "sh");
-    let _guard = KillOnDrop(server);
+    let guard = start_tmux(&bin, &sock, "sh");
+    let server = guard.0;
     refused(
         "tmux with an interactive shell",
         server,
