@@ -15,14 +15,21 @@ if [ -z "${GPU_CHECKPOINT_CRIU:-}" ]; then
         echo "setup: installing CRIU failed; checkpoint/restore and their tests will not work" >&2
     fi
 fi
-# The programs tests/real_programs.rs checkpoints (redis, nginx; python3 for it and criu_options.rs),
-# from the distribution's packages, installed only when missing: a no-op when they are there (never
-# started as services: scripts/lib/apt-missing.sh).
+# The programs tests/real_programs*.rs checkpoint (redis, nginx, PostgreSQL, MariaDB, memcached, tmux;
+# python3 for them and criu_options.rs), from the distribution's packages, installed only when missing: a
+# no-op when they are there (never started as services: scripts/lib/apt-missing.sh).
 # shellcheck source=scripts/lib/apt-missing.sh
 . scripts/lib/apt-missing.sh
 test_programs() {
-    APT_MISSING_SERVICES="redis-server nginx" apt_install_missing \
-        redis-server:redis-server redis-cli:redis-tools nginx:nginx python3:python3
+    # PostgreSQL's server is not on PATH (/usr/lib/postgresql/VERSION/bin): look for it there.
+    local pg=postgres:postgresql
+    if compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null; then
+        pg=
+    fi
+    APT_MISSING_SERVICES="redis-server nginx mariadb-server:mariadb memcached postgresql" \
+        apt_install_missing \
+        redis-server:redis-server redis-cli:redis-tools nginx:nginx python3:python3 \
+        mariadbd:mariadb-server mariadb:mariadb-client memcached:memcached tmux:tmux ${pg:+"$pg"}
 }
 if ! test_programs; then
     if [ "${CI:-}" = true ]; then

@@ -2,7 +2,8 @@
 # Sourced by the setup scripts: installs Debian packages from the system's own apt sources, only those
 # whose program is missing. Packages installed here never start as services: a policy-rc.d forbids it for
 # the install (one already there is left alone), and where systemd runs, the units named in
-# APT_MISSING_SERVICES are disabled as well.
+# APT_MISSING_SERVICES are disabled as well (`PACKAGE` for a unit of the package's name, `PACKAGE:UNIT`
+# otherwise).
 #
 #   apt_install_missing PROGRAM:PACKAGE...
 # installs PACKAGE where PROGRAM is neither on PATH nor in /usr/sbin. Returns 1 (with a message) when
@@ -37,9 +38,13 @@ apt_install_missing() {
         rm -f "$policy"
     fi
     if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
-        local p
+        local p s
         for p in "${want[@]}"; do
-            case " ${APT_MISSING_SERVICES:-} " in *" $p "*) systemctl disable --now "$p" >/dev/null 2>&1 || true ;; esac
+            for s in ${APT_MISSING_SERVICES:-}; do
+                if [ "${s%%:*}" = "$p" ]; then
+                    systemctl disable --now "${s#*:}" >/dev/null 2>&1 || true
+                fi
+            done
         done
     fi
     [ -n "$ok" ] || { echo "setup: installing ${want[*]} failed" >&2; return 1; }

@@ -7,6 +7,14 @@
 #  4. a managed-memory process is refused before it is touched, and keeps running
 #  5. --leave-running, then restore after the original exited
 #  6. ours vs the plain baseline (driver API probe + criu dump/restore) on the same process, alternately
+#  7. processes without a CUDA context (issue 28): an NVML-only process (nvml_workload.py: NVML polling,
+#     libcuda initialised without a context) is `none`, checkpointed with its descriptors reopened and
+#     restored, and its NVML calls after the restore are logged (unverified until this runs); nvidia-smi
+#     (a page of /dev/nvidiactl mapped) is refused before it is touched (exit 9) and keeps running
+#  8. a PyTorch process with a child forked without exec (fork_workload.py): the tree is checkpointed (the
+#     parent's GPU state by the driver, the child's inherited /dev/nvidiaN mappings replaced by zeroed
+#     shared memory through the devices plugin) and restored; the parent verifies its device memory, the
+#     child counts on
 set -u
 OUT=${OUT:-/tmp/e2e-out}
 mkdir -p "$OUT" /tmp/p
@@ -77,5 +85,32 @@ for round in 1 2; do
   $CRIU restore -D $img -d -o restore.log >/dev/null 2>&1; /tmp/p/probe $E restore unlock > /dev/null; t2=$(ms); sleep 2
   log "baseline round $round: checkpoint $(( t1 - t0 )) ms restore $(( t2 - t1 )) ms -> $(st /tmp/p/e.state) (raw images $(du -sh $img | cut -f1))"
 done
+
+log "== 7. without a CUDA context: NVML-only, nvidia-smi"
+start python3 "$here/nvml_workload.py" /tmp/p/n.log
+for i in $(seq 100); do [ -s /tmp/p/n.log ] && break; sleep 0.1; done
+N=$(pgrep -f nvml_workload | head -1); log "N=$N $(tail -1 /tmp/p/n.log)"
+$G detect --pid $N --verbose 2>&1 | head -30; $G detect --pid $N --format json > $OUT/detect-N.json
+grep -E "nvidia|uvm" /proc/$N/maps > $OUT/maps-N.txt; ls -l /proc/$N/fd > $OUT/fds-N.txt
+id=$($G checkpoint --pid $N --storage $S --format json 2>$OUT/ck-N.err | tee $OUT/ck-N.json | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])'); log "N checkpoint id=$id"; tail -5 $OUT/ck-N.err
+wait_gone $N; before=$(wc -l < /tmp/p/n.log)
+np=$($G restore "$id" --storage $S 2>$OUT/rs-N.err); log "N restore rc=$? pid=$np"; tail -5 $OUT/rs-N.err
+sleep 3; log "N after the restore (NVML inside a restored process): $(tail -n +$((before + 1)) /tmp/p/n.log | awk '{print $3, ($3 == "error" ? $4 : "")}' | sort | uniq -c | tr '\n' ';')"
+ls -l /proc/$np/fd > $OUT/fds-N-restored.txt 2>&1; kill -9 $np 2>/dev/null
+$G checkpoint --pid $SMI --storage $S 2>&1 | head -8; echo "nvidia-smi checkpoint rc=${PIPESTATUS[0]} (9: refused before it was touched)"
+sleep 1; log "nvidia-smi alive: $([ -d /proc/$SMI ] && echo yes || echo NO)"
+
+log "== 8. a child forked without exec from a CUDA process"
+start python3 "$here/fork_workload.py" /tmp/p/f.state 256
+for i in $(seq 120); do [ -s /tmp/p/f.state ] && [ -s /tmp/p/f.state.childpid ] && break; sleep 0.5; done
+F=$(pgrep -f fork_workload | head -1); FC=$(cat /tmp/p/f.state.childpid); log "F=$F child=$FC $(st /tmp/p/f.state)"
+grep -E "nvidia" /proc/$FC/maps > $OUT/maps-F-child.txt; cat $OUT/maps-F-child.txt
+$G detect --pid $F --tree 2>&1 | head -20; $G detect --pid $F --tree --format json > $OUT/detect-F.json
+t=$(ms); id=$($G checkpoint --pid $F --storage $S -v 2>$OUT/ck-F.err); rc=$?; log "F checkpoint rc=$rc id=$id $(( $(ms) - t )) ms"; tail -5 $OUT/ck-F.err
+wait_gone $F; wait_gone $FC; before=$(wc -l < /tmp/p/f.state.child)
+np=$($G restore "$id" --storage $S -v 2>$OUT/rs-F.err); log "F restore rc=$? pid=$np"; tail -5 $OUT/rs-F.err
+sleep 4; log "F after: $(st /tmp/p/f.state); child after: $(tail -1 /tmp/p/f.state.child) (was line $before)"
+grep -E "^200600000-| /dev/zero" /proc/$FC/maps | head -3 > $OUT/maps-F-child-restored.txt; cat $OUT/maps-F-child-restored.txt
+
 $G list --storage $S; du -sh $S
 $G inspect hw-A --storage $S --format json > $OUT/inspect-A.json

@@ -9,7 +9,12 @@
 //! `GPU_CHECKPOINT_DEVICES_ALLOW`, and only when gpu-checkpoint named its record file in
 //! `GPU_CHECKPOINT_DEVICES_RECORD`; every other file is "not mine" (`-ENOTSUP`). See
 //! `gpu_checkpoint::dump::devices` for the tool's side and `gpu_checkpoint_device_records` for the record
-//! format. Nothing panics across the
+//! format.
+//!
+//! With `GPU_CHECKPOINT_DEVICES_REPLACE_MAPPINGS=1` it also answers `HANDLE_DEVICE_VMA` for mappings of
+//! `/dev/nvidiaN` and `/dev/nvidia-uvm` (what a child forked without exec keeps of its CUDA parent): CRIU
+//! then records the mapping without contents, and on restore calls `UPDATE_VMA_MAP`, where the plugin hands
+//! it a descriptor of `/dev/zero` to map instead: zeroed shared memory at the same address. Nothing panics across the
 //! C boundary: each hook runs under `catch_unwind` and answers an errno instead.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -18,7 +23,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 
 use gpu_checkpoint_device_records::{
-    is_taken, parse_records, ReopenedDevice, ENV_ALLOW, ENV_RECORD,
+    is_replaceable_node, is_taken, parse_records, ReopenedDevice, ENV_ALLOW, ENV_RECORD,
+    ENV_REPLACE,
 };
 
 /// `CRIU_PLUGIN_GEN_VERSION(0, 2, 0)`.
@@ -27,6 +33,8 @@ const PLUGIN_VERSION: c_uint = 2 << 8;
 const MAX_HOOKS: usize = 13;
 const HOOK_DUMP_EXT_FILE: usize = 2;
 const HOOK_RESTORE_EXT_FILE: usize = 3;
+const HOOK_HANDLE_DEVICE_VMA: usize = 7;
+const HOOK_UPDATE_VMA_MAP: usize = 8;
 
 /// CRIU's `cr_plugin_desc_t`.
 #[repr(C)]
@@ -46,6 +54,8 @@ const fn hooks() -> [*const c_void; MAX_HOOKS] {
     let mut h = [std::ptr::null(); MAX_HOOKS];
     h[HOOK_DUMP_EXT_FILE] = dump_ext_file as *const c_void;
     h[HOOK_RESTORE_EXT_FILE] = restore_ext_file as *const c_void;
+    h[HOOK_HANDLE_DEVICE_VMA] = handle_device_vma as *const c_void;
+    h[HOOK_UPDATE_VMA_MAP] = update_vma_map as *const c_void;
     h
 }
 
@@ -172,4 +182,134 @@ fn open_same(path: &CStr, dev: &ReopenedDevice) -> std::io::Result<c_int> {
         return Err(std::io::Error::from_raw_os_error(libc::ENODEV));
     }
     Ok(fd)
+}
+
+/// Whether the tool asked for inherited NVIDIA mappings to be replaced (and named a record file: the
+/// plugin acts only for gpu-checkpoint).
+fn replacing() -> bool {
+    std::env::var_os(ENV_RECORD).is_some_and(|r| !r.is_empty())
+        && std::env::var(ENV_REPLACE).as_deref() == Ok("1")
+}
+
+/// Whether a mapping of the file at `path` (a character device when `chr`) is one this plugin lets CRIU
+/// record for replacement.
+fn replaces(path: &str, chr: bool, replacing: bool) -> bool {
+    replacing && chr && is_replaceable_node(path)
+}
+
+/// `HANDLE_DEVICE_VMA`: 0 for a mapping of an NVIDIA node this dump replaces (CRIU records it as a shared
+/// mapping of the node, without contents), `-ENOTSUP` for any other.
+unsafe extern "C" fn handle_device_vma(fd: c_int, st: *const libc::stat) -> c_int {
+    guarded(|| {
+        // SAFETY: CRIU passes the stat of the mapping's file, valid for the call (or null).
+        let chr =
+            unsafe { st.as_ref() }.is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFCHR);
+        let path = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+        let path = path.as_deref().and_then(|p| p.to_str()).unwrap_or("");
+        if replaces(path, chr, replacing()) {
+            0
+        } else {
+            -libc::ENOTSUP
+        }
+    })
+}
+
+thread_local! {
+    /// The `/dev/zero` descriptor handed to CRIU in this (restored) process: CRIU maps every replaced
+    /// mapping of one node through the first descriptor it got and closes it in its restorer, so handing
+    /// the same one again opens nothing CRIU would leave behind.
+    static ZERO: std::cell::Cell<Option<c_int>> = const { std::cell::Cell::new(None) };
+}
+
+/// A descriptor of `/dev/zero` (read-write: a shared writable mapping needs it), opened once per process.
+fn zero_fd() -> std::io::Result<c_int> {
+    if let Some(fd) = ZERO.with(|z| z.get()) {
+        return Ok(fd);
+    }
+    // SAFETY: a valid C string; no O_CREAT, so no mode argument is read.
+    let fd = unsafe { libc::open(c"/dev/zero".as_ptr(), libc::O_RDWR | libc::O_NOCTTY) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    ZERO.with(|z| z.set(Some(fd)));
+    Ok(fd)
+}
+
+/// `UPDATE_VMA_MAP`: for a mapping of an NVIDIA node recorded for replacement, 1 with a descriptor of
+/// `/dev/zero` (offset 0) for CRIU to map in its place; `-ENOTSUP` for any other.
+unsafe extern "C" fn update_vma_map(
+    path: *const c_char,
+    _addr: u64,
+    _old_pgoff: u64,
+    new_pgoff: *mut u64,
+    plugin_fd: *mut c_int,
+) -> c_int {
+    guarded(|| {
+        if path.is_null() || new_pgoff.is_null() || plugin_fd.is_null() {
+            return -libc::ENOTSUP;
+        }
+        // SAFETY: CRIU passes the file's recorded path, a NUL-terminated string.
+        let path = unsafe { CStr::from_ptr(path) }.to_str().unwrap_or("");
+        if !replaces(path, true, replacing()) {
+            return -libc::ENOTSUP;
+        }
+        match zero_fd() {
+            Ok(fd) => {
+                // SAFETY: both pointers are CRIU's out-parameters, checked non-null above.
+                unsafe {
+                    *new_pgoff = 0;
+                    *plugin_fd = fd;
+                }
+                1
+            }
+            Err(e) => errno_of(&e),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_inherited_nvidia_mappings_are_replaced_and_only_when_asked() {
+        for p in ["/dev/nvidia0", "/dev/nvidia3", "/dev/nvidia-uvm"] {
+            assert!(replaces(p, true, true), "{p}");
+            assert!(!replaces(p, true, false), "{p} without the tool asking");
+            assert!(!replaces(p, false, true), "{p} not a character device");
+        }
+        // An NVML client's page of the control device is state: never replaced (detect refuses it).
+        for p in [
+            "/dev/nvidiactl",
+            "/dev/nvidia-modeset",
+            "/dev/fuse",
+            "/dev/zero",
+        ] {
+            assert!(!replaces(p, true, true), "{p}");
+        }
+    }
+
+    #[test]
+    fn the_replacement_maps_shared_and_writable_and_is_opened_once() {
+        let fd = zero_fd().unwrap();
+        assert_eq!(zero_fd().unwrap(), fd, "one descriptor per process");
+        // SAFETY: a fresh shared mapping of /dev/zero, written and unmapped here only.
+        unsafe {
+            let len = 2 << 20;
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            let b = p as *mut u8;
+            assert_eq!(*b.add(len - 1), 0, "zeroed");
+            *b = 7;
+            assert_eq!(*b, 7);
+            libc::munmap(p, len);
+        }
+    }
 }

@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 pub const ENV_RECORD: &str = "GPU_CHECKPOINT_DEVICES_RECORD";
 /// Device nodes the plugin takes besides NVIDIA's, separated by `:`.
 pub const ENV_ALLOW: &str = "GPU_CHECKPOINT_DEVICES_ALLOW";
+/// Set (to `1`) when the plugin is to let CRIU record inherited NVIDIA mappings and replace them on restore.
+pub const ENV_REPLACE: &str = "GPU_CHECKPOINT_DEVICES_REPLACE_MAPPINGS";
 
 /// One open file of a device node, as the plugin saw it while dumping: the manifest's `devices` entries.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -78,12 +80,28 @@ pub fn parse_records(text: &str) -> Result<Vec<ReopenedDevice>, String> {
     Ok(out)
 }
 
-/// The NVIDIA device nodes the plugin always takes: `/dev/nvidiactl`, `/dev/nvidiaN`, `/dev/nvidia-modeset`.
-/// Not `/dev/nvidia-uvm`: a UVM descriptor is set up by the CUDA driver, and reopening it blank is not
-/// known to be what a process expects.
+/// The NVIDIA device nodes the plugin always takes: `/dev/nvidiactl`, `/dev/nvidiaN`, `/dev/nvidia-modeset`,
+/// `/dev/nvidia-uvm(-tools)` and `/dev/nvidia-caps/nvidia-capN`: every node an NVML client or a forked
+/// child holds. Processes with a CUDA context hold none of them once the GPU step has checkpointed them,
+/// so whatever CRIU meets belongs to a process without one (NVML opens the UVM node without using it;
+/// MIG instances, whose capabilities are `nvidia-capN` too, are refused by detect).
 pub fn is_nvidia_node(path: &str) -> bool {
+    let number = |n: &str| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+    if let Some(cap) = path.strip_prefix("/dev/nvidia-caps/nvidia-cap") {
+        return number(cap);
+    }
     match path.strip_prefix("/dev/nvidia") {
-        Some("ctl") | Some("-modeset") => true,
+        Some("ctl" | "-modeset" | "-uvm" | "-uvm-tools") => true,
+        Some(n) => number(n),
+        None => false,
+    }
+}
+
+/// `/dev/nvidiaN` and `/dev/nvidia-uvm`: the nodes whose mappings a child forked without exec keeps of its
+/// CUDA parent, which the plugin replaces with zeroed shared memory ([`ENV_REPLACE`]).
+pub fn is_replaceable_node(path: &str) -> bool {
+    match path.strip_prefix("/dev/nvidia") {
+        Some("-uvm") => true,
         Some(n) => !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()),
         None => false,
     }
@@ -143,15 +161,18 @@ mod tests {
             "/dev/nvidia0",
             "/dev/nvidia12",
             "/dev/nvidia-modeset",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+            "/dev/nvidia-caps/nvidia-cap1",
         ] {
             assert!(is_taken(p, None), "{p}");
         }
         for p in [
-            "/dev/nvidia-uvm",
             "/dev/nvidia",
             "/dev/nvidia0x",
             "/dev/fuse",
             "/dev/nvidia-caps/x",
+            "/dev/nvidia-caps/nvidia-cap",
         ] {
             assert!(!is_taken(p, None), "{p}");
         }

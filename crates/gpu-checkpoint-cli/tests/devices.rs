@@ -248,11 +248,14 @@ fn plain_criu_with_the_plugin() {
     kill_tree_and_wait_free(restored);
 }
 
-/// The NVIDIA case end to end, with a stand-in: in a private mount namespace whose `/dev` is a tmpfs,
-/// `/dev/nvidiactl` is made a node of the stand-in device (10:229). A process holding it at fd 9 and
-/// mapping nothing is what an NVML-only process or a child forked from a CUDA process looks like to detect:
-/// `nvidia-ctl`, no CUDA context. It is checkpointed without any flag (the GPU step leaves it alone, the
-/// plugin takes its descriptor) and restored with fd 9 on `/dev/nvidiactl` again, counting on.
+/// The NVIDIA case end to end, with a stand-in: in a private mount namespace whose `/dev` is a tmpfs, the
+/// NVIDIA nodes an NVML client holds are made nodes of the stand-in device (10:229). A process holding
+/// them at the descriptors the real `nvidia-smi` capture holds them (`tests/fixtures/real/smi-475`: fd 9
+/// `/dev/nvidiactl`, 10 and 15-17 `/dev/nvidia0`, 11 and 14 `/dev/nvidia-uvm`, 12 and 13 the MIG
+/// config/monitor capabilities) and mapping nothing is what a `pynvml` process looks like to detect: no
+/// CUDA context, strategy `none`. It is checkpointed without any flag (no GPU step; the plugin takes every
+/// descriptor, `/dev/nvidia-uvm` included, on which CRIU failed on the H200) and restored with each
+/// descriptor on its node again, counting on.
 const NVIDIA_IN_A_NAMESPACE: &str = r#"
 set -eu
 py=$1 gc=$2 work=$3
@@ -263,21 +266,28 @@ ln -s /proc/self/fd "$d"/fd
 mkdir "$d"/pts "$d"/shm
 mount --bind /dev/pts "$d"/pts
 mount --bind /dev/shm "$d"/shm
-mknod "$d"/nvidiactl c 10 229
+mkdir "$d"/nvidia-caps
+for n in nvidiactl nvidia0 nvidia-uvm nvidia-caps/nvidia-cap1 nvidia-caps/nvidia-cap2; do
+    mknod "$d"/$n c 10 229
+done
 mount --move "$d" /dev
 cat > "$work"/holder.py <<'PY'
 import os, sys, time
 # Descriptors inherited from outside (a harness's) name files of the host's /dev, which this namespace
 # hides from CRIU.
 os.closerange(3, 4096)
-f = os.open("/dev/nvidiactl", os.O_RDWR)
-os.dup2(f, 9)
-os.close(f)
+layout = {9: "nvidiactl", 10: "nvidia0", 11: "nvidia-uvm", 12: "nvidia-caps/nvidia-cap1",
+          13: "nvidia-caps/nvidia-cap2", 14: "nvidia-uvm", 15: "nvidia0", 16: "nvidia0", 17: "nvidia0"}
+for fd, node in layout.items():
+    f = os.open("/dev/" + node, os.O_RDWR)
+    os.dup2(f, fd)
+    os.close(f)
 n = 0
 while True:
     n += 1
+    ok = all(os.readlink("/proc/self/fd/%d" % fd) == "/dev/" + node for fd, node in layout.items())
     with open(sys.argv[1] + ".tmp", "w") as s:
-        s.write("%d %d\n" % (n, os.readlink("/proc/self/fd/9") == "/dev/nvidiactl"))
+        s.write("%d %d\n" % (n, ok))
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     time.sleep(0.02)
 PY
@@ -291,7 +301,7 @@ rm "$work"/state
 id=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["id"])' "$work"/checkpoint.json)
 restored=$("$gc" restore "$id" --storage "$work"/store)
 for _ in $(seq 100); do [ -s "$work"/state ] && [ "$(cut -d' ' -f1 "$work"/state)" -gt "$at" ] && break; sleep 0.05; done
-echo "at=$at restored=$restored state=$(cat "$work"/state) link=$(readlink /proc/$restored/fd/9)"
+echo "at=$at restored=$restored state=$(cat "$work"/state) link=$(readlink /proc/$restored/fd/9) uvm=$(readlink /proc/$restored/fd/14)"
 "#;
 
 #[test]
@@ -318,7 +328,27 @@ fn nvidia_node_without_a_context_is_reopened_without_a_flag() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("checkpoint.json")).unwrap())
             .unwrap();
     assert_eq!(v["devices"][0]["path"], "/dev/nvidiactl", "{v}");
-    assert_eq!(v["gpu"]["skipped"].as_array().map(Vec::len), Some(1), "{v}");
+    // One record per open file (nine descriptors, nine opens), every node.
+    let paths: std::collections::BTreeSet<&str> = v["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(v["devices"].as_array().map(Vec::len), Some(9), "{v}");
+    assert_eq!(
+        paths.into_iter().collect::<Vec<_>>(),
+        [
+            "/dev/nvidia-caps/nvidia-cap1",
+            "/dev/nvidia-caps/nvidia-cap2",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia0",
+            "/dev/nvidiactl"
+        ]
+    );
+    // No CUDA context: nothing for the GPU step.
+    assert_eq!(v["strategy"], "none", "{v}");
+    assert!(v["gpu"].is_null(), "{v}");
     let field = |k: &str| {
         said.split_whitespace()
             .find_map(|w| w.strip_prefix(&format!("{k}=")))
@@ -328,7 +358,10 @@ fn nvidia_node_without_a_context_is_reopened_without_a_flag() {
     let at: u64 = field("at").parse().unwrap();
     let n: u64 = field("state").parse().unwrap();
     assert!(n > at, "the copy counts on from {at}: {said}");
-    assert!(said.contains(" 1 link=/dev/nvidiactl"), "{said}");
+    assert!(
+        said.contains(" 1 link=/dev/nvidiactl uvm=/dev/nvidia-uvm"),
+        "{said}"
+    );
     let restored: i32 = field("restored").parse().unwrap();
     kill_tree_and_wait_free(restored);
 }

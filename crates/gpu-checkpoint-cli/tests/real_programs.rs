@@ -204,15 +204,7 @@ fn http_get(port: u16, path: &str) -> Option<Vec<u8>> {
 /// process of another user (`Can't get rlimit 0: Operation not permitted`, plain CRIU and ours alike),
 /// so nginx's workers then run as root instead of nginx's default, nobody.
 fn has_cap_sys_resource() -> bool {
-    const CAP_SYS_RESOURCE: u32 = 24;
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+    gpu_checkpoint::detect::limits::has_cap_sys_resource()
 }
 
 /// The command line of `pid`, its NULs as spaces.

@@ -30,6 +30,12 @@ pub struct ProcStat {
     /// The state letter: R, S, D, T, t, Z, X, I...
     pub state: char,
     pub ppid: i32,
+    /// Process group, session, controlling terminal (`tty_nr`, 0 for none) and the terminal's foreground
+    /// process group (`tpgid`, -1 for none): 0 (-1) when the line stops before them.
+    pub pgrp: i32,
+    pub session: i32,
+    pub tty_nr: i32,
+    pub tpgid: i32,
     /// The number of threads; 0 when the line stops before that field (a truncated capture).
     pub threads: u32,
     /// The kernel's `PF_*` flags of the (main) thread.
@@ -89,6 +95,7 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, &'static str> {
         .get(6)
         .and_then(|s| s.parse().ok())
         .ok_or("no flags field")?;
+    let field = |n: usize, none: i32| rest.get(n).and_then(|s| s.parse().ok()).unwrap_or(none);
     let threads = rest.get(17).and_then(|s| s.parse().ok()).unwrap_or(0);
     let start_ticks = rest.get(19).and_then(|s| s.parse().ok()).unwrap_or(0);
     Ok(ProcStat {
@@ -96,10 +103,29 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, &'static str> {
         comm,
         state,
         ppid,
+        pgrp: field(2, 0),
+        session: field(3, 0),
+        tty_nr: field(4, 0),
+        tpgid: field(5, -1),
         threads,
         flags,
         start_ticks,
     })
+}
+
+/// Has `cmd` start its process the way a service runs: leading a session of its own, which is what CRIU
+/// expects of the root of a tree it dumps (otherwise it wants `--shell-job`, and detect says so).
+pub fn in_own_session(cmd: &mut std::process::Command) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only setsid (async-signal-safe) between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
 }
 
 /// `/proc/PID/stat` of a live (or zombie) process; `None` when the PID is free.

@@ -66,7 +66,11 @@ const CASES: &[Case] = &[
     Case { dir: "proc/cuda-ipc-pair-r610", pid: 6001, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "cuda-ipc"), blockers: &["cuda-ipc"] },
     Case { dir: "proc/pytorch-nccl", pid: 7000, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "nccl", "nvml", "cuda-ipc"), blockers: &["cuda-ipc"] },
     Case { dir: "proc/cuda-rdma", pid: 7100, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "rdma"), blockers: &["rdma"] },
-    Case { dir: "proc/nvidia-smi", pid: 7200, tree: false, simulator: false, strategy: "cuda-driver", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvml"), blockers: &[] },
+    // NVML only, no mapping: no CUDA context, nothing for the GPU step; the descriptors are reopened.
+    Case { dir: "proc/nvidia-smi", pid: 7200, tree: false, simulator: false, strategy: "none", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvml"), blockers: &[] },
+    // Derived from real/torch-470: a child forked without exec keeps descriptors and /dev/nvidia0 windows.
+    Case { dir: "proc/cuda-fork-child", pid: 530, tree: false, simulator: false, strategy: "none", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvidia-uvm", "device-mapping", "cuda-library", "nvml", "nccl", "gpu-env"), blockers: &[] },
+    Case { dir: "proc/cuda-fork-child", pid: 470, tree: true, simulator: false, strategy: "cuda-driver", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvidia-uvm", "device-mapping", "cuda-library", "nvml", "nccl", "gpu-env"), blockers: &[] },
     Case { dir: "proc/cuda-mig", pid: 7300, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "mig"), blockers: &["mig"] },
     Case { dir: "proc/cuda-mps-client", pid: 7400, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "mps"), blockers: &["mps"] },
     Case { dir: "proc/pci-bar", pid: 7500, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!(CUDA + "pci-bar"), blockers: &["pci-bar"] },
@@ -84,6 +88,10 @@ const CASES: &[Case] = &[
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: true, strategy: "cuda-driver", kinds: kinds!("cuda-library"), blockers: &[] },
     Case { dir: "proc/simulator-checkpointed", pid: 9100, tree: false, simulator: false, strategy: "none", kinds: &[], blockers: &[] },
     Case { dir: "proc/needs-options", pid: 9300, tree: true, simulator: false, strategy: "none", kinds: kinds!("needs-option"), blockers: &[] },
+    // What CRIU cannot dump is no GPU blocker: the strategy stays, a checkpoint refuses (docs/criu.md).
+    Case { dir: "proc/io-uring", pid: 9400, tree: false, simulator: false, strategy: "none", kinds: kinds!("cannot-dump"), blockers: &[] },
+    // nvidia-smi's page of /dev/nvidiactl without a CUDA context: refused.
+    Case { dir: "real/smi-475", pid: 475, tree: false, simulator: false, strategy: "unsupported", kinds: kinds!("nvidia-ctl", "nvidia-device", "nvidia-uvm", "device-mapping", "cuda-library", "nvml", "nccl", "gpu-env"), blockers: &["device-mapping"] },
 ];
 
 /// Real captures: (folder under `fixtures/`, expected strategy of the tree of its top process).
@@ -99,8 +107,9 @@ const REAL: &[(&str, &str)] = &[
     ("real/ipc-468", "cuda-driver"),
     ("real/ipcc-490", "cuda-driver"),
     ("real/torch-470", "cuda-driver"),
-    // NVML only: device files open, no CUDA context; the freeze stage skips it (freeze/hook.rs).
-    ("real/smi-475", "cuda-driver"),
+    // NVML only: device files open, no CUDA context (one /dev/nvidiactl page, not the 27 mappings of a
+    // context), so not `cuda-driver`; that page is an NVML client's state, refused (`device-mapping`).
+    ("real/smi-475", "unsupported"),
 ];
 
 fn json_names<T: serde::Serialize>(items: impl IntoIterator<Item = T>) -> BTreeSet<String> {
@@ -158,8 +167,10 @@ fn fixture_cases() {
             }
         }
         // GPU state and a strategy other than `none` go together, except for RDMA without a GPU: refused
-        // (CRIU cannot dump it) but not GPU state.
-        let gpu_expected = case.strategy != "none" && case.kinds != ["rdma"];
+        // (CRIU cannot dump it) but not GPU state; and NVIDIA device files without a CUDA context:
+        // device state (`--all` lists them), though nothing for the GPU step.
+        let gpu_expected = (case.strategy != "none" && case.kinds != ["rdma"])
+            || case.kinds.contains(&"nvidia-ctl");
         if r.gpu != gpu_expected {
             failures.push(format!("{what}: gpu = {}", r.gpu));
         }
@@ -195,6 +206,7 @@ fn fixtures_cover_every_kind() {
         "amd-gpu",
         "gpu-env",
         "needs-option",
+        "cannot-dump",
     ];
     let all_blockers = [
         "managed-memory",
@@ -204,6 +216,7 @@ fn fixtures_cover_every_kind() {
         "pci-bar",
         "rdma",
         "driver-too-old",
+        "device-mapping",
     ];
     for k in all_kinds {
         assert!(kinds.contains(k), "no fixture shows finding kind {k}");
@@ -679,6 +692,55 @@ fn real_layouts_driver_uvm_mapping_and_mig_capabilities() {
     }
 }
 
+/// The driver cannot tell a CUDA context from none (driver 580 answers RUNNING either way); /proc can. Every
+/// real capture with a context maps /dev/nvidiactl many times; nvidia-smi maps one page of it and is refused
+/// before anything is touched, with the remedy; a child forked without exec (derived from torch-470) keeps
+/// only /dev/nvidia0 windows, which a checkpoint replaces.
+#[test]
+fn a_cuda_context_is_told_from_none_by_the_maps() {
+    use gpu_checkpoint::detect::context::{has_cuda_context, inherited_mappings};
+    for (dir, pid) in [
+        ("real/malloc-462", 462),
+        ("real/host-466", 466),
+        ("real/torch-470", 470),
+        ("real/ipcc-490", 490),
+    ] {
+        let r = detect_pid(pid, &opts(dir, false, false)).unwrap();
+        assert!(has_cuda_context(r.findings_of(pid)), "{dir}");
+        assert!(inherited_mappings(&r).is_empty(), "{dir}");
+    }
+    let smi = detect_pid(475, &opts("real/smi-475", false, false)).unwrap();
+    assert!(!has_cuda_context(smi.findings_of(475)));
+    assert_eq!(smi.processes[0].strategy.as_str(), "unsupported");
+    let b = &smi.strategy.blockers;
+    assert_eq!(b.len(), 1, "{b:?}");
+    assert_eq!(b[0].kind.as_str(), "device-mapping");
+    assert_eq!(b[0].pid, 475);
+    assert!(b[0].message.contains("/dev/nvidiactl"), "{}", b[0].message);
+    assert!(b[0].remedy.contains("NVML client"), "{}", b[0].remedy);
+
+    let tree = detect_pid(470, &opts("proc/cuda-fork-child", true, false)).unwrap();
+    let strategy = |pid: i32| {
+        tree.processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .unwrap()
+            .strategy
+            .as_str()
+    };
+    assert_eq!((strategy(470), strategy(530)), ("cuda-driver", "none"));
+    assert!(has_cuda_context(tree.findings_of(470)));
+    assert!(!has_cuda_context(tree.findings_of(530)));
+    let inherited = inherited_mappings(&tree);
+    assert_eq!(inherited.len(), 1, "{inherited:?}");
+    assert_eq!(inherited[0].pid, 530);
+    assert_eq!(inherited[0].path, "/dev/nvidia0");
+    assert_eq!(
+        inherited[0].ranges,
+        ["0x200600000-0x200800000", "0x7f1eec320000-0x7f1eec330000"]
+    );
+}
+
 /// Processes sharing CUDA IPC memory (driver 610, checkpointed as one tree) need the ordered GPU step:
 /// detect says so; a blocked tree (older driver, or one process alone) and a tree without IPC do not.
 #[test]
@@ -695,4 +757,27 @@ fn a_tree_sharing_cuda_ipc_memory_is_reported_as_needing_order() {
             "{dir} {pid}"
         );
     }
+}
+
+/// An io_uring instance (stock MariaDB's) is what CRIU cannot dump: a `cannot-dump` finding naming it,
+/// with its fd and a remedy, in the JSON users script against.
+#[test]
+fn io_uring_is_reported_as_what_criu_cannot_dump() {
+    let r = detect_pid(9400, &opts("proc/io-uring", false, false)).unwrap();
+    let f: Vec<&gpu_checkpoint::detect::Finding> = r
+        .findings
+        .iter()
+        .filter(|f| f.kind.as_str() == "cannot-dump")
+        .collect();
+    assert_eq!(f.len(), 1, "{:?}", r.findings);
+    let v = serde_json::to_value(f[0]).unwrap();
+    assert_eq!(v["evidence"]["limit"], "io-uring", "{v}");
+    assert_eq!(v["evidence"]["fds"], serde_json::json!([9]), "{v}");
+    assert!(
+        v["evidence"]["remedy"]
+            .as_str()
+            .is_some_and(|r| r.contains("--innodb-use-native-aio=0")),
+        "{v}"
+    );
+    assert!(r.strategy.blockers.is_empty());
 }

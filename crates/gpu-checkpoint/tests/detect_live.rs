@@ -64,7 +64,11 @@ fn start(spec: &str, env: &[(&str, &str)]) -> Workload {
     cmd.args(["--exact", "live_child", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, spec)
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
+        .stdout(Stdio::piped())
+        // Away from the terminal the tests may run in, and leading its own session, as a service: detect
+        // would otherwise (rightly) say a checkpoint of it needs --shell-job.
+        .stderr(Stdio::null());
+    gpu_checkpoint::proc::in_own_session(&mut cmd);
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -180,6 +180,33 @@ pub fn render_text(r: &Report, verbose: bool) -> String {
             );
         }
     }
+    // Not blockers of the GPU strategy, but a checkpoint is refused: say so whatever the verbosity.
+    for f in r
+        .findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::CannotDump)
+    {
+        let limit = f.evidence.limit.map_or("?", <&str>::from);
+        let _ = writeln!(
+            s,
+            "  cannot dump {limit} (pid {}): {}\n    remedy: {}",
+            f.pid,
+            f.evidence.detail,
+            f.evidence.remedy.as_deref().unwrap_or("")
+        );
+    }
+    // What a checkpoint does about a forked child's windows onto its parent's CUDA context.
+    for m in gpu_checkpoint::detect::context::inherited_mappings(r) {
+        let _ = writeln!(
+            s,
+            "  replaces (pid {}): {} mapping(s) of {} inherited across fork without a CUDA context ({}): \
+             zeroed shared memory there after a restore",
+            m.pid,
+            m.ranges.len(),
+            m.path,
+            m.ranges.join(", ")
+        );
+    }
     for p in &r.processes {
         let mut line = format!(
             "  {:>7} {:<15} {:<11} {}",

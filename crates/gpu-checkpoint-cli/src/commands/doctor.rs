@@ -1,5 +1,6 @@
 //! `gpu-checkpoint doctor`: what this machine has for checkpointing: CRIU (where, which version, how it
-//! was found) and `criu check`'s verdict, the kernel, whether we run as root, and the GPU checkpoint
+//! was found) and `criu check`'s verdict, the kernel, whether we run as root (and with
+//! `CAP_SYS_RESOURCE`, without which CRIU cannot dump other users' processes), and the GPU checkpoint
 //! backends (a machine without a GPU is fine: CPU-only trees need none).
 
 use std::path::PathBuf;
@@ -60,9 +61,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         problem
     };
+    // What `criu check` does not look at ("Looks good." all the same), but checkpoints meet.
+    let mut warnings = Vec::new();
+    let cap_sys_resource = gpu_checkpoint::detect::limits::has_cap_sys_resource();
+    if root && !cap_sys_resource {
+        warnings.push(
+            "no CAP_SYS_RESOURCE (a container that drops it): CRIU cannot read the resource limits of \
+             another user's process (\"Can't get rlimit\"), so trees with processes of other users (nginx \
+             or PostgreSQL workers, anything that drops privileges) cannot be checkpointed here; \
+             checkpoint refuses them before touching them. Grant it (--cap-add SYS_RESOURCE) to \
+             checkpoint them"
+                .to_string(),
+        );
+    }
     let report = json!({
         "host": host,
         "root": root,
+        "cap_sys_resource": cap_sys_resource,
+        "warnings": warnings,
         "criu": criu,
         // How `restore` moves memory by default: through userfaultfd when it is there, else streamed.
         "userfaultfd": gpu_checkpoint::restore::uffd_available(),
@@ -118,7 +134,15 @@ fn print_text(r: &serde_json::Value) {
         } else {
             "FAILED"
         };
-        println!("criu check  {verdict}");
+        let limited = r["warnings"].as_array().is_some_and(|w| !w.is_empty());
+        println!(
+            "criu check  {verdict}{}",
+            if limited && check["ok"] == json!(true) {
+                " (what criu check does not look at: see the warnings below)"
+            } else {
+                ""
+            }
+        );
         let text = check["output"]
             .as_str()
             .or(check["error"].as_str())
@@ -173,4 +197,7 @@ fn print_text(r: &serde_json::Value) {
             .as_str()
             .unwrap_or("none (CPU-only checkpoints work; GPU trees need a driver >= 550)")
     );
+    for w in r["warnings"].as_array().into_iter().flatten() {
+        println!("warning     {}", s(w));
+    }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use gpu_checkpoint::proc as tree;
 
-use super::{checkpoint, criu_ready, restore, text, wait_pid_free};
+use super::{checkpoint, criu_ready, text, wait_pid_free};
 
 /// In CI (`CI=true`) a missing component fails the test; locally the test is skipped with the reason.
 pub fn missing<T>(why: &str) -> Option<T> {
@@ -502,12 +502,67 @@ impl Taken {
     /// Restores the tree (detached), which must come back under `pid`; plain CRIU gets `plain_opts`
     /// (CRIU's restore needs some dump options again; gpu-checkpoint takes them from the checkpoint).
     pub fn restore(&self, pid: i32, plain_opts: &[&str]) {
+        assert_eq!(
+            self.restore_as(plain_opts, &[]),
+            pid,
+            "restored under its PID"
+        );
+    }
+
+    /// Restores the tree (detached) and returns the root's PID here, which a tree that is a PID
+    /// namespace of its own does not keep; `ours` are gpu-checkpoint restore's own flags (`--stream`).
+    pub fn restore_as(&self, plain_opts: &[&str], ours: &[&str]) -> i32 {
         match self {
             Taken::Plain(dir) => {
-                plain_restore(dir, plain_opts);
+                let pidfile = dir.join("restored.pid");
+                let _ = std::fs::remove_file(&pidfile);
+                let pidfile_arg = pidfile.to_str().unwrap();
+                let mut opts = vec!["--pidfile", pidfile_arg];
+                opts.extend_from_slice(plain_opts);
+                plain_restore(dir, &opts);
+                let pid: i32 = std::fs::read_to_string(&pidfile)
+                    .expect("criu restore --pidfile")
+                    .trim()
+                    .parse()
+                    .expect("a pid");
                 assert!(tree::is_alive(pid), "plain CRIU restored {pid}");
+                pid
             }
-            Taken::Ours { store, id, .. } => assert_eq!(restore(id, store), pid),
+            Taken::Ours { store, id, .. } => super::restore_with(id, store, ours),
         }
     }
+}
+
+/// A case whose right answer is a refusal: `gpu-checkpoint checkpoint --pid PID EXTRA` must exit 9
+/// before touching the tree, its message naming each of `says`, and the program must run on; plain CRIU
+/// is run beside (`criu dump --leave-running`), and how it fared is printed (it fails after freezing the
+/// tree, in its own words, or it does not: either is news about CRIU, not a failure of this test).
+pub fn refused(what: &str, pid: i32, extra: &[&str], says: &[&str]) -> String {
+    let work = tempfile::tempdir().unwrap();
+    let (out, dir) = plain_dump(pid, work.path(), "plain", &["--leave-running"]);
+    let criu_said = if out.status.success() {
+        "plain criu dump succeeded".to_string()
+    } else {
+        format!("plain criu dump failed: {}", criu_errors(&dir))
+    };
+    let _ = writeln!(std::io::stderr(), "{what}: {criu_said}");
+    // CRIU resumes the tree whether it succeeded or not; a stopped process would not "run on".
+    wait_for(&format!("{what}: {pid} running after plain CRIU"), || {
+        runs(pid)
+    });
+    let out = super::run_checkpoint(pid, &work.path().join("store"), extra);
+    let err = super::fails_with(&out, 9);
+    assert!(
+        err.contains("nothing was touched"),
+        "{what}: refused before touching the tree: {err}"
+    );
+    for s in says {
+        assert!(err.contains(s), "{what}: the refusal names {s:?}: {err}");
+    }
+    assert!(runs(pid), "{what}: {pid} runs on after the refusal");
+    assert!(
+        super::list_ids(&work.path().join("store")).is_empty(),
+        "{what}: nothing stored"
+    );
+    err
 }

@@ -46,6 +46,8 @@ pub const BAR_SLIDING: &str = "\"BAR sliding\" (moving the BAR0 PRAMIN window ac
 /// Facts about a report's processes that the reasons quote.
 struct Facts {
     nvidia: usize,
+    /// Processes holding NVIDIA device files without a CUDA context.
+    contextless: usize,
     simulated: usize,
     amd: usize,
     driver: Option<u32>,
@@ -61,8 +63,12 @@ impl Facts {
                 StrategyName::CudaDriver | StrategyName::CudaCli | StrategyName::Unsupported
             ) && r.findings_of(p.pid).any(|f| f.is_nvidia_state())
         };
+        let contextless = |p: &super::ProcessReport| {
+            p.strategy == StrategyName::None && r.findings_of(p.pid).any(|f| f.is_nvidia_state())
+        };
         Facts {
             nvidia: count(&|p| !p.simulated && gpu(p)),
+            contextless: count(&contextless),
             simulated: count(&|p| p.simulated),
             amd: count(&|p| p.strategy == StrategyName::Amdgpu),
             driver: r
@@ -84,7 +90,13 @@ pub fn considered(r: &Report) -> Vec<Considered> {
         why,
     };
     let gpu_procs = f.nvidia + f.simulated + f.amd;
-    let none_why = if gpu_procs == 0 && !blocked {
+    let none_why = if gpu_procs == 0 && !blocked && f.contextless > 0 {
+        format!(
+            "no process holds a CUDA context: CRIU alone dumps the tree; the NVIDIA device files {} \
+             process(es) hold without one are reopened on restore (docs/criu.md)",
+            f.contextless
+        )
+    } else if gpu_procs == 0 && !blocked {
         "no process holds GPU state: CRIU alone dumps the tree".to_string()
     } else if gpu_procs == 0 {
         "CRIU alone cannot dump what the blockers name".to_string()

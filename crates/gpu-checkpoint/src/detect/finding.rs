@@ -48,6 +48,12 @@ pub enum FindingKind {
     /// names the checkpoint flag. Not GPU state and no blocker: a checkpoint without the flag is refused
     /// before the tree is touched.
     NeedsOption,
+    /// Something CRIU cannot dump at all, found before the tree is touched (an io_uring instance, SysV
+    /// shared memory of the host's IPC namespace, a terminal shared with processes outside the tree,
+    /// another user's process without `CAP_SYS_RESOURCE`, a PID namespace without its init): `limit`
+    /// names which, `remedy` what to do. Not GPU state and no blocker (the strategy is the GPU's); a
+    /// checkpoint is refused before it touches the tree (docs/criu.md).
+    CannotDump,
 }
 
 impl FindingKind {
@@ -73,6 +79,8 @@ pub enum NeededOption {
     ExtUnixSk { inode: u64 },
     /// A resource CRIU can only treat as external (`--external RESOURCE`).
     External { resource: String },
+    /// The tree shares a terminal or session with processes outside it (`--shell-job`).
+    ShellJob,
 }
 
 impl NeededOption {
@@ -86,8 +94,28 @@ impl NeededOption {
             NeededOption::TcpEstablished => "--tcp-established".into(),
             NeededOption::ExtUnixSk { .. } => "--ext-unix-sk".into(),
             NeededOption::External { resource } => format!("--external {resource}"),
+            NeededOption::ShellJob => "--shell-job".into(),
         }
     }
+}
+
+/// What CRIU cannot dump (the `limit` of a `cannot-dump` finding). Users script against these names.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "kebab-case")]
+#[derive(strum::IntoStaticStr, strum::Display, strum::VariantArray)]
+#[strum(serialize_all = "kebab-case")]
+pub enum Limit {
+    /// An io_uring instance (`anon_inode:[io_uring]`).
+    IoUring,
+    /// SysV shared memory of the IPC namespace CRIU runs in (it dumps SysV IPC only with a namespace of
+    /// the tree's own).
+    SysvShm,
+    /// `/dev/tty` of a session whose terminal another process holds ("ctty inheritance").
+    Terminal,
+    /// Another user's process, and no `CAP_SYS_RESOURCE` to read its resource limits.
+    OtherUser,
+    /// A PID namespace without its init in the tree, nested deeper, or whose session leader is outside.
+    PidNamespace,
 }
 
 /// One thing found in one process.
@@ -144,9 +172,12 @@ pub struct Evidence {
     /// The CRIU option a `needs-option` finding asks for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub needs: Option<NeededOption>,
-    /// What to do about a `needs-option` finding: the checkpoint flag to add.
+    /// What to do about a `needs-option` finding (the checkpoint flag to add) or a `cannot-dump` one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remedy: Option<String>,
+    /// What a `cannot-dump` finding is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<Limit>,
 }
 
 impl Finding {
@@ -177,7 +208,8 @@ impl Finding {
             | FindingKind::Nccl
             | FindingKind::Mps
             | FindingKind::GpuEnv
-            | FindingKind::NeedsOption => false,
+            | FindingKind::NeedsOption
+            | FindingKind::CannotDump => false,
         }
     }
 

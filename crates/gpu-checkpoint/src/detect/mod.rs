@@ -6,7 +6,10 @@
 //! - [`process`]: reading one process into a [`process::ProcessSnapshot`]
 //! - [`paths`]: what a path names (device files, shared segments, GPU libraries)
 //! - [`classify`]: classifying a snapshot into [`Finding`]s
+//! - [`context`]: whether a process holding NVIDIA device files has a CUDA context
 //! - [`needs`]: what CRIU will need an option for (locks, deleted files, TCP, external UNIX sockets)
+//! - [`limits`]: what CRIU cannot dump at all (io_uring, the host's SysV memory, another user's process
+//!   without `CAP_SYS_RESOURCE`, inherited terminals, PID namespaces), or only as a shell job
 //! - [`unix_diag`]: which UNIX socket is connected to which (the live kernel's `NETLINK_SOCK_DIAG`)
 //! - [`finding`]: the [`Finding`]s, their kinds and evidence
 //! - [`strategy`]: deciding a [`StrategyName`] per process and for the scope, with [`Blocker`]s
@@ -18,8 +21,10 @@
 pub mod choice;
 pub mod classify;
 mod connections;
+pub mod context;
 mod error;
 pub mod finding;
+pub mod limits;
 pub mod needs;
 pub mod nvml;
 pub mod parse;
@@ -35,7 +40,7 @@ use std::path::PathBuf;
 
 pub use choice::{Considered, StrategyChoice};
 pub use error::Error;
-pub use finding::{Evidence, Finding, FindingKind, NeededOption};
+pub use finding::{Evidence, Finding, FindingKind, Limit, NeededOption};
 pub use report::{ProcessReport, Report, SCHEMA_VERSION};
 pub use strategy::{Blocker, BlockerKind, StrategyDecision, StrategyName};
 
@@ -122,6 +127,10 @@ mod tests {
         for b in BlockerKind::VARIANTS {
             assert_eq!(serde_json::to_value(b).unwrap(), b.as_str());
         }
+        for l in Limit::VARIANTS {
+            assert_eq!(serde_json::to_value(l).unwrap(), <&str>::from(l));
+        }
+        assert_eq!(Limit::IoUring.to_string(), "io-uring");
         assert_eq!(FindingKind::NvidiaCtl.as_str(), "nvidia-ctl");
         assert_eq!(FindingKind::PciBar.to_string(), "pci-bar");
         assert_eq!(StrategyName::CudaDriver.as_str(), "cuda-driver");

@@ -94,19 +94,28 @@ fn file_locks(snap: &ProcessSnapshot, _: &ClassifyContext<'_>) -> Vec<Evidence> 
     }]
 }
 
-/// Deleted files over CRIU's default limit ("Can't dump ghost file ... increase limit").
+/// Deleted files over CRIU's default limit, open or mapped ("Can't dump ghost file ... increase limit").
 fn ghost_files(snap: &ProcessSnapshot, _: &ClassifyContext<'_>) -> Vec<Evidence> {
-    snap.deleted
+    let open = snap
+        .deleted
         .iter()
-        .filter_map(|d| {
-            let size = d.size.filter(|s| *s > CRIU_GHOST_LIMIT)?;
+        .map(|d| (d.size, &d.path, vec![d.fd], format!("fd {}", d.fd)));
+    let mapped = snap.deleted_maps.iter().map(|d| {
+        (
+            d.size,
+            &d.path,
+            vec![],
+            format!("the mapping at {}", d.range),
+        )
+    });
+    open.chain(mapped)
+        .filter_map(|(size, path, fds, what)| {
+            let size = size.filter(|s| *s > CRIU_GHOST_LIMIT)?;
             let need = NeededOption::GhostLimit { bytes: size };
             let detail = format!(
-                "fd {} is a deleted file holding {} on disk: {} (CRIU copies deleted files into the images only up to \
-                 {} by default)",
-                d.fd,
+                "{what} is a deleted file holding {} on disk: {path} (CRIU copies deleted files into the \
+                 images only up to {} by default)",
                 human_bytes(size),
-                d.path,
                 human_bytes(CRIU_GHOST_LIMIT)
             );
             let remedy = format!(
@@ -115,8 +124,8 @@ fn ghost_files(snap: &ProcessSnapshot, _: &ClassifyContext<'_>) -> Vec<Evidence>
                 human_bytes(size)
             );
             Some(Evidence {
-                fds: vec![d.fd],
-                path: Some(d.path.clone()),
+                fds,
+                path: Some(path.clone()),
                 size: Some(size),
                 ..self::need(need, detail, remedy)
             })
@@ -218,29 +227,11 @@ fn external_unix_sockets(snap: &ProcessSnapshot, ctx: &ClassifyContext<'_>) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::parse::{Stat, TcpSocket};
+    use crate::detect::parse::TcpSocket;
     use crate::detect::process::DeletedFile;
 
     fn snap(fds: &[(i32, &str)]) -> ProcessSnapshot {
-        ProcessSnapshot {
-            pid: 100,
-            stat: Stat {
-                pid: 100,
-                comm: "app".into(),
-                state: 'S',
-                ppid: 1,
-                threads: 1,
-                flags: 0,
-                start_ticks: 0,
-            },
-            nspid: vec![],
-            maps: vec![],
-            fds: fds.iter().map(|(f, p)| (*f, p.to_string())).collect(),
-            env: vec![],
-            cgroup: None,
-            locks: vec![],
-            deleted: vec![],
-        }
+        crate::detect::process::test_snapshot(100, fds)
     }
 
     fn run(s: &ProcessSnapshot) -> Vec<Evidence> {

@@ -20,6 +20,35 @@ pub struct ProcessSnapshot {
     pub locks: Vec<(i32, String)>,
     /// Open files that were deleted.
     pub deleted: Vec<DeletedFile>,
+    /// Mapped files that were deleted (not open through an fd: those are in `deleted`).
+    pub deleted_maps: Vec<MappedDeleted>,
+    /// Real, effective and saved user and group ids (`Uid:`/`Gid:` of status); `None` when unknown.
+    pub creds: Option<Creds>,
+    /// The IPC and PID namespaces it is in (`ns/ipc`, `ns/pid` inodes); `None` when the tree has no `ns`
+    /// links (captures).
+    pub ipc_ns: Option<u64>,
+    pub pid_ns: Option<u64>,
+    /// The indexes of the pseudo-terminals whose master side it holds (`tty-index` of its `/dev/ptmx` fds).
+    pub pty_masters: Vec<u32>,
+}
+
+/// User and group ids: real, effective, saved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Creds {
+    pub uid: [u32; 3],
+    pub gid: [u32; 3],
+}
+
+/// A mapped file that was deleted (its maps path ends in ` (deleted)`): CRIU copies it into the images,
+/// up to `--ghost-limit`, as it does an open one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappedDeleted {
+    /// The path it had, without ` (deleted)`.
+    pub path: String,
+    /// Its first mapping (`0xSTART-0xEND`).
+    pub range: String,
+    /// The bytes it occupies on disk (`st_blocks` × 512, through `map_files`); unknown in a capture.
+    pub size: Option<u64>,
 }
 
 /// An open file that was deleted (its fd link ends in ` (deleted)`): CRIU copies its contents into the
@@ -62,6 +91,7 @@ impl Reader {
             });
         }
         let mut nspid = Vec::new();
+        let mut creds = None;
         if root.read_optional(pid, "status", &mut self.buf)? {
             match tgid(&self.buf) {
                 // An exiting task's status shows Tgid 0 once it is unhashed: it is gone.
@@ -75,6 +105,7 @@ impl Reader {
                 _ => {}
             }
             nspid = parse::parse_nspid(&self.buf);
+            creds = parse_creds(&self.buf);
         }
         root.read_into(pid, "maps", &mut self.buf)?;
         let maps = parse::parse_maps(&self.buf, &root.pid_file(pid, "maps"))?;
@@ -90,6 +121,8 @@ impl Reader {
             None
         };
         let (locks, deleted) = self.open_files(root, pid, &fds);
+        let deleted_maps = deleted_maps(root, pid, &maps, &deleted);
+        let pty_masters = self.pty_masters(root, pid, &fds);
         Ok(ProcessSnapshot {
             pid,
             stat,
@@ -100,7 +133,28 @@ impl Reader {
             cgroup,
             locks,
             deleted,
+            deleted_maps,
+            creds,
+            ipc_ns: root.ns_inode(pid, "ipc"),
+            pid_ns: root.ns_inode(pid, "pid"),
+            pty_masters,
         })
+    }
+
+    /// The `tty-index` of each `/dev/ptmx` descriptor (best effort: a capture has no fdinfo).
+    fn pty_masters(&mut self, root: &ProcRoot, pid: i32, fds: &[(i32, String)]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (fd, _) in fds.iter().filter(|(_, t)| is_ptmx(t)) {
+            if let Ok(true) = root.read_optional(pid, &format!("fdinfo/{fd}"), &mut self.buf) {
+                let text = String::from_utf8_lossy(&self.buf);
+                let index: Option<u32> = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("tty-index:"))
+                    .and_then(|v| v.trim().parse().ok());
+                out.extend(index);
+            }
+        }
+        out
     }
 
     /// The locks held through the fds that name files, and the files among them that were deleted.
@@ -181,9 +235,95 @@ impl Reader {
     }
 }
 
+/// A pseudo-terminal's master side, as an fd link names it.
+pub fn is_ptmx(target: &str) -> bool {
+    target == "/dev/ptmx" || target == "/dev/pts/ptmx"
+}
+
+/// The mapped files of `maps` that were deleted and are not among the open ones (`open`), one per path,
+/// with their size on disk where the tree can tell (`map_files`, live only).
+fn deleted_maps(
+    root: &ProcRoot,
+    pid: i32,
+    maps: &[MapEntry],
+    open: &[DeletedFile],
+) -> Vec<MappedDeleted> {
+    let mut out: Vec<MappedDeleted> = Vec::new();
+    for m in maps {
+        let Some(path) = m.path.as_deref().filter(|_| m.deleted) else {
+            continue;
+        };
+        // SysV segments, memfd and shared anonymous memory look deleted but are CRIU's other cases.
+        let special = !path.starts_with('/')
+            || path.starts_with("/SYSV")
+            || path.starts_with("/memfd:")
+            || path == "/dev/zero";
+        if special || open.iter().any(|d| d.path == path) || out.iter().any(|d| d.path == path) {
+            continue;
+        }
+        out.push(MappedDeleted {
+            path: path.to_string(),
+            range: format!("{:#x}-{:#x}", m.start, m.end),
+            size: root.map_file_allocated(pid, m.start, m.end),
+        });
+    }
+    out
+}
+
+/// `Uid:` and `Gid:` of a status file (real, effective, saved).
+fn parse_creds(status: &[u8]) -> Option<Creds> {
+    let text = String::from_utf8_lossy(status);
+    let ids = |key: &str| -> Option<[u32; 3]> {
+        let line = text.lines().find_map(|l| l.strip_prefix(key))?;
+        let v: Vec<u32> = line
+            .split_ascii_whitespace()
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        Some([*v.first()?, *v.get(1)?, *v.get(2)?])
+    };
+    Some(Creds {
+        uid: ids("Uid:")?,
+        gid: ids("Gid:")?,
+    })
+}
+
 fn tgid(status: &[u8]) -> Option<i32> {
     String::from_utf8_lossy(status)
         .lines()
         .find_map(|l| l.strip_prefix("Tgid:"))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// A process with the given fds and nothing else: a session leader, no terminal, ids and namespaces
+/// unknown (for the tests of what is made of a snapshot).
+#[cfg(test)]
+pub(crate) fn test_snapshot(pid: i32, fds: &[(i32, &str)]) -> ProcessSnapshot {
+    ProcessSnapshot {
+        pid,
+        stat: Stat {
+            pid,
+            comm: "app".into(),
+            state: 'S',
+            ppid: 1,
+            pgrp: pid,
+            session: pid,
+            tty_nr: 0,
+            tpgid: -1,
+            threads: 1,
+            flags: 0,
+            start_ticks: 0,
+        },
+        nspid: vec![],
+        maps: vec![],
+        fds: fds.iter().map(|(f, p)| (*f, p.to_string())).collect(),
+        env: vec![],
+        cgroup: None,
+        locks: vec![],
+        deleted: vec![],
+        deleted_maps: vec![],
+        creds: None,
+        ipc_ns: None,
+        pid_ns: None,
+        pty_masters: vec![],
+    }
 }

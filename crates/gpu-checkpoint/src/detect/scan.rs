@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 use super::classify::{classify, ClassifyContext};
 use super::connections::{ExternalPeers, TcpTables};
+use super::limits::{self, Caller};
 use super::nvml::GpuInventory;
 use super::parse::{self, socket_inode};
 use super::paths::{classify_path, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX};
@@ -58,9 +59,12 @@ pub fn detect_pid_with(
         tcp: TcpTables::new(&root),
         peers: ExternalPeers::of(&snaps, live, &mut notes),
     };
+    // What CRIU cannot dump, across the tree; what depends on who checkpoints only on the live /proc.
+    let caller = live.then(Caller::here);
+    let limits = limits::findings(Some(pid), &snaps, caller.as_ref());
     let mut analysed = Vec::with_capacity(snaps.len());
     for snap in snaps {
-        let findings = analyse(
+        let mut findings = analyse(
             &snap,
             opts,
             &root,
@@ -68,6 +72,7 @@ pub fn detect_pid_with(
             &mut reader,
             nvml.get(&snap.pid),
         );
+        findings.extend(limits.iter().filter(|f| f.pid == snap.pid).cloned());
         analysed.push((snap, findings));
     }
     Ok(build(Some(pid), analysed, driver, opts.tree, notes, t0))
@@ -113,6 +118,8 @@ pub fn detect_all_with(
             )
         })
         .collect();
+    let live = opts.proc_root == std::path::Path::new("/proc");
+    let caller = live.then(Caller::here);
     let mut analysed = Vec::new();
     let mut denied = 0usize;
     for (pid, filter) in filtered {
@@ -140,7 +147,7 @@ pub fn detect_all_with(
             // A malformed file in a captured tree is bad input, not something to skip quietly.
             Err(e) => return Err(e),
         };
-        let findings = analyse(
+        let mut findings = analyse(
             &snap,
             opts,
             &root,
@@ -148,6 +155,12 @@ pub fn detect_all_with(
             &mut reader,
             nvml.get(&pid),
         );
+        // A node scan has no tree: only what each process holds by itself.
+        findings.extend(limits::findings(
+            None,
+            std::slice::from_ref(&snap),
+            caller.as_ref(),
+        ));
         if findings.iter().any(Finding::is_state) {
             analysed.push((snap, findings));
         }

@@ -145,6 +145,26 @@ impl ProcRoot {
         md.is_file().then_some(md.blocks() * 512)
     }
 
+    /// The bytes on disk of the file mapped at `start`-`end` in `pid` (`map_files`, which reaches a deleted
+    /// file too), as [`ProcRoot::fd_file_allocated`]; `None` in a capture.
+    pub fn map_file_allocated(&self, pid: i32, start: u64, end: u64) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let md = fs::metadata(self.pid_file(pid, &format!("map_files/{start:x}-{end:x}"))).ok()?;
+        md.is_file().then_some(md.blocks() * 512)
+    }
+
+    /// The inode of namespace `kind` (`ipc`, `pid`, ...) of `pid`, from its `ns/KIND` link
+    /// (`ipc:[4026531839]`); `None` where the tree has no such link (captures).
+    pub fn ns_inode(&self, pid: i32, kind: &str) -> Option<u64> {
+        let link = fs::read_link(self.pid_file(pid, &format!("ns/{kind}"))).ok()?;
+        let link = link.to_str()?;
+        link.strip_prefix(kind)?
+            .strip_prefix(":[")?
+            .strip_suffix(']')?
+            .parse()
+            .ok()
+    }
+
     /// Thread ids of `pid` (`task/*`); empty when the tree has no task folder.
     pub fn tids(&self, pid: i32) -> Vec<i32> {
         let mut out: Vec<i32> = fs::read_dir(self.pid_file(pid, "task"))

@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::context::{contextless_mappings, has_cuda_context};
 use super::finding::{Finding, FindingKind};
 use crate::fmt::human_bytes;
 
@@ -58,6 +59,8 @@ pub enum BlockerKind {
     PciBar,
     Rdma,
     DriverTooOld,
+    /// A process without a CUDA context maps `/dev/nvidiactl` (an NVML client such as nvidia-smi).
+    DeviceMapping,
 }
 
 impl BlockerKind {
@@ -107,6 +110,9 @@ pub fn decide_process(
 ) -> (StrategyName, Vec<Blocker>, bool) {
     let mine = || findings.iter().filter(move |f| f.pid == pid);
     let nvidia = mine().any(Finding::is_nvidia_state);
+    // NVIDIA device files without a CUDA context (NVML only, a child forked without exec): nothing for
+    // the GPU step; CRIU's devices plugin reopens the descriptors (docs/criu.md).
+    let context = nvidia && has_cuda_context(mine());
     let simulated = !nvidia && mine().any(|f| f.evidence.simulated && f.is_state());
     let amd = mine().any(|f| f.kind == FindingKind::AmdGpu && f.is_state());
     let gpu = nvidia || simulated || amd;
@@ -141,6 +147,16 @@ pub fn decide_process(
             "CRIU cannot checkpoint RDMA verbs state: close the RDMA resources first (e.g. NCCL_IB_DISABLE=1 \
              for a single-node job), or checkpoint at the application level",
         );
+    }
+    if nvidia && !context {
+        let held = contextless_mappings(mine());
+        if let Some(ev) = join(&held.control) {
+            block(
+                BlockerKind::DeviceMapping,
+                format!("no CUDA context, yet it maps the NVIDIA control device: {ev}"),
+                NVML_MAPPING_REMEDY,
+            );
+        }
     }
 
     if gpu {
@@ -186,7 +202,7 @@ pub fn decide_process(
                  stop the MPS daemon for its GPUs)",
             );
         }
-        if nvidia {
+        if context {
             if let Some(d) = scope.driver_major.filter(|d| *d < MIN_DRIVER_CLI) {
                 block(
                     BlockerKind::DriverTooOld,
@@ -200,7 +216,7 @@ pub fn decide_process(
 
     let name = if !blockers.is_empty() {
         StrategyName::Unsupported
-    } else if nvidia {
+    } else if context {
         match scope.driver_major {
             Some(d) if d < MIN_DRIVER_API => StrategyName::CudaCli,
             // Unknown driver (a capture without driver/nvidia/version): the freeze stage checks the API
@@ -216,6 +232,24 @@ pub fn decide_process(
     };
     (name, blockers, simulated)
 }
+
+/// The details of several findings, joined.
+fn join(findings: &[&Finding]) -> Option<String> {
+    let d: Vec<&str> = findings
+        .iter()
+        .map(|f| f.evidence.detail.as_str())
+        .collect();
+    (!d.is_empty()).then(|| d.join("; "))
+}
+
+/// The remedy of a `device-mapping` blocker: an NVML client's mapping of the control device is state of a
+/// driver client that a restored process will not have.
+pub const NVML_MAPPING_REMEDY: &str = "reopening its NVIDIA descriptors cannot bring back what that \
+     mapping holds (state of a driver client the restored process will not have): stop the NVML client in \
+     this process before the checkpoint and start it again after the restore (nvidia-smi, DCGM and other \
+     monitoring agents belong to a node: run one on each node rather than migrating it), or checkpoint a \
+     tree without it. A child forked from a CUDA process that kept such mappings: start it with exec \
+     (multiprocessing's spawn or forkserver instead of fork), or fork before CUDA is initialised";
 
 /// The remedy of a `pci-bar` blocker. It says plainly that "BAR sliding" is no way out: the seeds of this
 /// project proposed it as a universal fallback, and users will ask.

@@ -12,6 +12,14 @@
 //! status flags (never creating or truncating anything) after checking it is still the same device
 //! (character device, same device number), and CRIU puts the descriptor at its old number.
 //!
+//! A child forked without exec from a CUDA process also keeps its parent's `/dev/nvidiaN` mappings, which CRIU
+//! cannot dump either ("Can't handle non-regular mapping"). When the tool says so ([`ENV_REPLACE`]), the
+//! plugin answers CRIU's `HANDLE_DEVICE_VMA` for them: CRIU then records such a mapping as a shared
+//! mapping of the node (no contents) and, on restore, asks the plugin for a descriptor to map in its place
+//! (`UPDATE_VMA_MAP`); the plugin hands it `/dev/zero`, so the restored child has zeroed shared memory
+//! where it had windows onto a context that was never its own
+//! ([`crate::detect::context::inherited_mappings`]).
+//!
 //! The tool hands CRIU a private plugin folder ([`PluginDir`]: 0700, unguessable name) holding a link to the
 //! plugin and nothing else, through `CRIU_LIBS_DIR`, and tells the plugin where its record file is
 //! ([`ENV_RECORD`]) and which nodes besides NVIDIA's it takes ([`ENV_ALLOW`]). Nothing about the images
@@ -23,7 +31,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 pub use gpu_checkpoint_device_records::{
-    is_nvidia_node, is_taken, parse_records, ReopenedDevice, ENV_ALLOW, ENV_RECORD,
+    is_nvidia_node, is_taken, parse_records, ReopenedDevice, ENV_ALLOW, ENV_RECORD, ENV_REPLACE,
 };
 
 use super::Error;
@@ -43,21 +51,26 @@ pub struct PluginDir {
     dir: PathBuf,
     record: PathBuf,
     allow: Vec<PathBuf>,
+    /// Inherited NVIDIA mappings are recorded (dump) or replaced (restore): [`ENV_REPLACE`].
+    replace: bool,
 }
 
 impl PluginDir {
-    /// For a dump: an empty record file the plugin appends to; `allow`: the nodes besides NVIDIA's.
-    pub fn for_dump(allow: &[PathBuf]) -> Result<PluginDir, Error> {
+    /// For a dump: an empty record file the plugin appends to; `allow`: the nodes besides NVIDIA's;
+    /// `replace`: inherited NVIDIA mappings are to be recorded for replacement.
+    pub fn for_dump(allow: &[PathBuf], replace: bool) -> Result<PluginDir, Error> {
         let mut dir = Self::create()?;
         dir.write_record(&[])?;
         dir.allow = allow.to_vec();
+        dir.replace = replace;
         Ok(dir)
     }
 
-    /// For a restore: the records the plugin reopens.
-    pub fn for_restore(devices: &[ReopenedDevice]) -> Result<PluginDir, Error> {
-        let dir = Self::create()?;
+    /// For a restore: the records the plugin reopens; `replace`: the checkpoint replaced mappings.
+    pub fn for_restore(devices: &[ReopenedDevice], replace: bool) -> Result<PluginDir, Error> {
+        let mut dir = Self::create()?;
         dir.write_record(devices)?;
+        dir.replace = replace;
         Ok(dir)
     }
 
@@ -70,6 +83,7 @@ impl PluginDir {
             record: dir.join("devices.records"),
             dir,
             allow: Vec::new(),
+            replace: false,
         };
         // A link, not a copy (a debug build's plugin is tens of MB): the plugin is as trusted as the binary
         // it lies beside, and the folder holds nothing else for CRIU to load.
@@ -106,6 +120,9 @@ impl PluginDir {
         ];
         let allow: Vec<String> = self.allow.iter().map(|p| p.display().to_string()).collect();
         env.push((ENV_ALLOW.into(), allow.join(":").into()));
+        // Always set, so that a value in the caller's environment never counts.
+        let replace = if self.replace { "1" } else { "" };
+        env.push((ENV_REPLACE.into(), replace.into()));
         env
     }
 

@@ -201,6 +201,20 @@ impl Mm {
 
 /// Parses `mm-PID.img`.
 pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
+    let (exe_file_id, vmas) = mm_entries(bytes)?;
+    Ok(Mm {
+        exe_file_id,
+        vmas: vmas.into_iter().map(|(v, _)| v).collect(),
+    })
+}
+
+/// The mappings of `mm-PID.img` with their protection (`PROT_*`), in the image's order.
+pub fn parse_mm_protections(bytes: &[u8]) -> Result<Vec<(Vma, u32)>, String> {
+    mm_entries(bytes).map(|(_, vmas)| vmas)
+}
+
+/// `exe_file_id` and every `vma_entry` (with its `prot`) of `mm-PID.img`.
+fn mm_entries(bytes: &[u8]) -> Result<(u32, Vec<(Vma, u32)>), String> {
     let msgs = messages(bytes)?;
     let mm = msgs.first().ok_or("empty mm image")?;
     let mut vmas = Vec::new();
@@ -216,6 +230,7 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
         }
         let vma = is.read_bytes()?;
         let (mut start, mut end, mut shmid, mut flags, mut status) = (None, None, 0, 0, 0);
+        let mut prot = 0;
         if let Err(e) = fields(&vma, |n, _, is| {
             Ok(match n {
                 1 => {
@@ -228,6 +243,10 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
                 }
                 4 => {
                     shmid = is.read_uint64()?;
+                    true
+                }
+                5 => {
+                    prot = is.read_uint32()?;
                     true
                 }
                 6 => {
@@ -244,13 +263,16 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
             bad.get_or_insert(e);
         }
         match (start, end) {
-            (Some(start), Some(end)) if start < end => vmas.push(Vma {
-                start,
-                end,
-                shmid,
-                flags,
-                status,
-            }),
+            (Some(start), Some(end)) if start < end => vmas.push((
+                Vma {
+                    start,
+                    end,
+                    shmid,
+                    flags,
+                    status,
+                },
+                prot,
+            )),
             _ => {
                 bad.get_or_insert("a mapping without bounds".to_string());
             }
@@ -260,7 +282,7 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
     if let Some(e) = bad {
         return Err(e);
     }
-    Ok(Mm { exe_file_id, vmas })
+    Ok((exe_file_id, vmas))
 }
 
 /// A pagemap image holding `entries`, written as CRIU writes them (`compat_nr_pages` 0, the count in
@@ -395,15 +417,24 @@ pub(crate) mod encode {
     }
     #[cfg(test)]
     pub fn mm_of(exe_file_id: u32, vmas: &[super::Vma]) -> Vec<u8> {
+        let rw = (libc::PROT_READ | libc::PROT_WRITE) as u32;
+        let with_prot: Vec<(super::Vma, u32)> = vmas.iter().map(|v| (*v, rw)).collect();
+        mm_with_prot(exe_file_id, &with_prot)
+    }
+
+    /// An mm message whose mappings have the given protections.
+    #[cfg(test)]
+    pub fn mm_with_prot(exe_file_id: u32, vmas: &[(super::Vma, u32)]) -> Vec<u8> {
         let mut m = Vec::new();
         uint(1, 0x400000, &mut m);
         uint(12, exe_file_id as u64, &mut m);
-        for v in vmas {
+        for (v, prot) in vmas {
             let mut e = Vec::new();
             uint(1, v.start, &mut e);
             uint(2, v.end, &mut e);
             uint(3, 0, &mut e);
             uint(4, v.shmid, &mut e);
+            uint(5, *prot as u64, &mut e);
             uint(6, v.flags as u64, &mut e);
             uint(7, v.status as u64, &mut e);
             bytes(14, &e, &mut m);

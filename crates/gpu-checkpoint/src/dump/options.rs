@@ -150,6 +150,7 @@ impl CriuOptions {
                 self.ext_unix_sk || self.external.contains(&format!("unix[{inode}]"))
             }
             NeededOption::External { resource } => self.external.contains(resource),
+            NeededOption::ShellJob => self.shell_job,
         }
     }
 

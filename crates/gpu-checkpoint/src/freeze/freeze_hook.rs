@@ -8,7 +8,7 @@ use super::hook::{FreezeContext, GpuHook, RestoreRecord, RestoredTree, ThawRecor
 use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
 use super::{Error, GpuBackend};
-use crate::detect::{FindingKind, Report, StrategyName};
+use crate::detect::{Report, StrategyName};
 use crate::interrupt::InterruptGuard;
 
 /// Options of the GPU step, from the command line.
@@ -86,21 +86,12 @@ impl FreezeHook {
     }
 }
 
-/// Whether detect saw a CUDA context in `pid`: GPU memory (or the context's BAR window) of a
-/// `/dev/nvidiaN` mapped, or the many `/dev/nvidiactl` mappings a context makes. On driver 580 an
-/// NVML-only process (nvidia-smi) also answers the state query with RUNNING and accepts a lock, so the
-/// query alone cannot tell (docs/hardware.md); such a process maps at most one page of /dev/nvidiactl.
+/// Whether detect saw a CUDA context in `pid` (the many `/dev/nvidiactl` mappings a context makes, or
+/// NVML listing it): on driver 580 a process without one (NVML only, a child forked without exec) also
+/// answers the state query with RUNNING and accepts a lock, so the query alone cannot tell
+/// ([`crate::detect::context`]).
 pub fn has_cuda_context(report: &Report, pid: i32) -> bool {
-    report.findings_of(pid).any(|f| {
-        f.kind == FindingKind::DeviceMapping
-            && match f.evidence.path.as_deref() {
-                Some("/dev/nvidiactl") => f.evidence.mappings.unwrap_or(1) > 4,
-                Some(p) => p
-                    .strip_prefix("/dev/nvidia")
-                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
-                None => false,
-            }
-    })
+    crate::detect::context::has_cuda_context(report.findings_of(pid))
 }
 
 impl GpuHook for FreezeHook {
@@ -347,8 +338,8 @@ mod tests {
     #[test]
     fn only_processes_with_a_cuda_context_are_frozen() {
         // Real GPU state through the simulator is refused before anything is touched, so use the
-        // context check directly: a CUDA process maps /dev/nvidia0 and many /dev/nvidiactl pages,
-        // nvidia-smi one /dev/nvidiactl page.
+        // context check directly: a CUDA process maps many /dev/nvidiactl pages, nvidia-smi one, a
+        // child forked without exec only its parent's /dev/nvidia0 windows.
         let r = report_with(
             &[
                 (1, "cuda-driver", false),
@@ -361,7 +352,7 @@ mod tests {
                 mapping(3, "/dev/nvidiactl", 27),
             ],
         );
-        assert!(has_cuda_context(&r, 1));
+        assert!(!has_cuda_context(&r, 1), "a forked child's windows");
         assert!(!has_cuda_context(&r, 2), "NVML-only");
         assert!(has_cuda_context(&r, 3));
         let r = report_with(

@@ -1,44 +1,65 @@
 //! Which device files the checkpoint has CRIU's devices plugin take (`dump::devices`), decided before the
 //! tree is touched.
 //!
-//! Descriptors, not mappings: the plugin reopens a device node at the same descriptor number, which is all a
-//! process that never mapped the device had of it. A process that maps the device is refused (nothing is
-//! touched): its mapping's contents would not come back.
+//! Descriptors: the plugin reopens a device node at the same descriptor number, which is all a process that
+//! never mapped the device had of it. Mappings: those a child forked without exec keeps of its CUDA
+//! parent's `/dev/nvidiaN` and `/dev/nvidia-uvm` (it cannot use them: the context is the parent's) are
+//! replaced by zeroed shared memory at the same addresses on restore; any other mapping of a device the
+//! plugin would take is refused (nothing is touched): its contents would not come back.
 
 use std::path::{Path, PathBuf};
 
 use super::Error;
+use crate::detect::context::{contextless_mappings, inherited_mappings, InheritedMapping};
 use crate::detect::{FindingKind, Report};
 use crate::dump::devices::is_nvidia_node;
 use crate::freeze::has_cuda_context;
 
-/// The nodes the plugin is to take besides NVIDIA's, or `None` when the tree needs no plugin: it holds no
-/// NVIDIA node outside a CUDA context and the user named no device (`--reopen-device`).
+/// What the plugin is to do in a dump.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Plan {
+    /// The nodes it takes besides NVIDIA's (`--reopen-device`).
+    pub allow: Vec<PathBuf>,
+    /// The inherited NVIDIA mappings it lets CRIU record, to be replaced on restore.
+    pub replaced: Vec<InheritedMapping>,
+}
+
+/// The plugin's work, or `None` when the tree needs no plugin: it holds no NVIDIA node outside a CUDA
+/// context and the user named no device (`--reopen-device`).
 pub(super) fn plan(
     pid: i32,
     report: &Report,
     given: &[PathBuf],
     proc_root: &Path,
-) -> Result<Option<Vec<PathBuf>>, Error> {
+) -> Result<Option<Plan>, Error> {
     let mut needed = !given.is_empty();
+    let replaced = inherited_mappings(report);
     for p in report.processes.iter().filter(|p| !p.simulated) {
         if has_cuda_context(report, p.pid) {
             // Its device files are the GPU step's (the CUDA driver's checkpoint) business.
             continue;
         }
-        let nvidia = |kinds: &[FindingKind]| {
-            report.findings_of(p.pid).find_map(|f| {
-                let path = f.evidence.path.as_deref()?;
-                (kinds.contains(&f.kind) && is_nvidia_node(path)).then(|| path.to_string())
+        let held = |kinds: &[FindingKind]| {
+            report.findings_of(p.pid).any(|f| {
+                kinds.contains(&f.kind) && f.evidence.path.as_deref().is_some_and(is_nvidia_node)
             })
         };
-        if nvidia(&[FindingKind::NvidiaCtl, FindingKind::NvidiaDevice]).is_none() {
-            continue;
+        let maps = contextless_mappings(report.findings_of(p.pid));
+        if let Some(f) = maps.control.first() {
+            // detect blocks this (`device-mapping`); kept so that no plan ever lets it through.
+            return Err(mapped(
+                pid,
+                p.pid,
+                f.evidence.path.as_deref().unwrap_or("?"),
+            ));
         }
-        if let Some(path) = nvidia(&[FindingKind::DeviceMapping]) {
-            return Err(mapped(pid, p.pid, &path));
-        }
-        needed = true;
+        needed |= !maps.inherited.is_empty()
+            || held(&[
+                FindingKind::NvidiaCtl,
+                FindingKind::NvidiaDevice,
+                FindingKind::NvidiaUvm,
+                FindingKind::Mig,
+            ]);
     }
     for p in report.processes.iter().filter(|_| !given.is_empty()) {
         let maps = proc_root.join(p.pid.to_string()).join("maps");
@@ -50,7 +71,10 @@ pub(super) fn plan(
             return Err(mapped(pid, p.pid, &path.display().to_string()));
         }
     }
-    Ok(needed.then(|| given.to_vec()))
+    Ok(needed.then(|| Plan {
+        allow: given.to_vec(),
+        replaced,
+    }))
 }
 
 fn mapped(pid: i32, process: i32, path: &str) -> Error {
@@ -104,32 +128,69 @@ mod tests {
     #[test]
     fn nvidia_nodes_without_a_context_need_the_plugin() {
         let proc_root = no_proc();
-        // pid 1: a CUDA process (context: /dev/nvidia0 mapped); pid 2: a child forked without exec,
-        // holding the descriptors and no mapping (CUDA marks its mappings do-not-fork).
+        // pid 1: a CUDA process (context: /dev/nvidiactl mapped many times); pid 2: an NVML client
+        // holding the descriptors and no mapping.
         let r = report(
             &[1, 2],
             vec![
                 finding("nvidia-ctl", 1, "/dev/nvidiactl", None),
-                finding("device-mapping", 1, "/dev/nvidia0", Some(3)),
+                finding("device-mapping", 1, "/dev/nvidiactl", Some(27)),
                 finding("nvidia-ctl", 2, "/dev/nvidiactl", None),
                 finding("nvidia-device", 2, "/dev/nvidia0", None),
             ],
         );
-        assert_eq!(plan(1, &r, &[], proc_root.path()).unwrap(), Some(vec![]));
+        assert_eq!(
+            plan(1, &r, &[], proc_root.path()).unwrap(),
+            Some(Plan::default())
+        );
         // The CUDA process alone needs nothing: its files are the GPU step's.
         let r = report(
             &[1],
             vec![
                 finding("nvidia-ctl", 1, "/dev/nvidiactl", None),
-                finding("device-mapping", 1, "/dev/nvidia0", Some(3)),
+                finding("device-mapping", 1, "/dev/nvidiactl", Some(27)),
             ],
         );
         assert_eq!(plan(1, &r, &[], proc_root.path()).unwrap(), None);
         // A device given by the user always takes the plugin.
         let given = vec![PathBuf::from("/dev/fuse")];
         assert_eq!(
-            plan(1, &r, &given, proc_root.path()).unwrap(),
-            Some(given.clone())
+            plan(1, &r, &given, proc_root.path())
+                .unwrap()
+                .unwrap()
+                .allow,
+            given
+        );
+    }
+
+    #[test]
+    fn a_forked_childs_inherited_mappings_are_replaced() {
+        // The hardware's fork-without-exec child: the parent's descriptors and two /dev/nvidia0
+        // windows, no /dev/nvidiactl mapping.
+        let proc_root = no_proc();
+        let mut child = finding("device-mapping", 2, "/dev/nvidia0", Some(2));
+        child["evidence"]["ranges"] =
+            json!(["0x200600000-0x200800000", "0x7f1e00000000-0x7f1e00010000"]);
+        let r = report(
+            &[1, 2],
+            vec![
+                finding("device-mapping", 1, "/dev/nvidiactl", Some(27)),
+                finding("nvidia-ctl", 2, "/dev/nvidiactl", None),
+                finding("nvidia-uvm", 2, "/dev/nvidia-uvm", None),
+                child,
+            ],
+        );
+        let p = plan(1, &r, &[], proc_root.path()).unwrap().unwrap();
+        assert_eq!(
+            p.replaced,
+            [InheritedMapping {
+                pid: 2,
+                path: "/dev/nvidia0".into(),
+                ranges: vec![
+                    "0x200600000-0x200800000".into(),
+                    "0x7f1e00000000-0x7f1e00010000".into()
+                ],
+            }]
         );
     }
 

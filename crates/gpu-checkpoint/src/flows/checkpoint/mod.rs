@@ -20,6 +20,7 @@
 
 mod devices;
 mod lock;
+mod refusals;
 pub(in crate::flows) mod stream;
 mod undo;
 
@@ -32,7 +33,7 @@ use super::manifest::{
     self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
 };
 use super::{ms, Alone, Flow, NotCommitted, Phases};
-use crate::detect::{self, DetectOptions, NeededOption, Report, StrategyChoice, StrategyName};
+use crate::detect::{self, DetectOptions, Report, StrategyChoice, StrategyName};
 use crate::dump::devices::PluginDir;
 use crate::dump::{AfterDump, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
@@ -74,6 +75,12 @@ pub enum Error {
         /// What needs each, per process.
         needs: Vec<String>,
     },
+    #[error("refusing to checkpoint process {pid} (nothing was touched): CRIU cannot dump what the tree holds:{}", limits.iter().map(|n| format!("\n  - {n}")).collect::<String>())]
+    CannotDump {
+        pid: i32,
+        /// Each, with its process and remedy.
+        limits: Vec<String>,
+    },
     #[error("refusing to checkpoint process {pid} (nothing was touched): process {stopped} is stopped (state {state}), so its checkpoint would be restored stopped; if an earlier checkpoint or a debugger left it so, continue it first (kill -CONT {stopped}); if it is stopped on purpose, pass --allow-stopped")]
     Stopped { pid: i32, stopped: i32, state: char },
     #[error("refusing --strategy {strategy} for process {pid} (nothing was touched): {reason}")]
@@ -112,6 +119,7 @@ impl Classify for Error {
             Error::Lock { source, .. } => crate::exit::io_exit_status(source),
             Error::Unsupported { .. }
             | Error::NeedsOptions { .. }
+            | Error::CannotDump { .. }
             | Error::Stopped { .. }
             | Error::StrategyRefused { .. }
             | Error::DeviceMapped { .. } => ExitStatus::Unsupported,
@@ -258,7 +266,8 @@ impl Flow<'_> {
         let t = Instant::now();
         let report = detect_tree(pid, &opts.detect)?;
         detect::choice::check(opts.strategy, &report).map_err(refuse)?;
-        check_options(pid, &report, &opts.criu)?;
+        refusals::check_options(pid, &report, &opts.criu)?;
+        refusals::check_limits(pid, &report)?;
         let reopen = devices::plan(pid, &report, &opts.reopen_devices, Path::new("/proc"))?;
         let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
         let _tree_locks = lock_tree(&tree_pids, pid)?;
@@ -283,7 +292,10 @@ impl Flow<'_> {
             path: self.criu.describe(),
         };
         // CRIU's devices plugin, in a private folder, when the tree holds device files it cannot dump.
-        let plugin = reopen.as_deref().map(PluginDir::for_dump).transpose()?;
+        let plugin = reopen
+            .as_ref()
+            .map(|p| PluginDir::for_dump(&p.allow, !p.replaced.is_empty()))
+            .transpose()?;
         let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let ingest = self.store.begin(opts.name.as_deref())?;
         // The guardian learns what it would have to put back before anything is touched; if it cannot be
@@ -587,47 +599,6 @@ fn detect_tree(pid: i32, opts: &DetectOptions) -> crate::Result<Report> {
         return Err(Error::Unsupported { pid, blockers }.into());
     }
     Ok(report)
-}
-
-/// Refuses, before anything is touched, a tree holding what CRIU dumps only with an option the user did
-/// not pass (detect's `needs-option` findings), on the command line or in CRIU's configuration files: CRIU
-/// would otherwise fail after freezing it.
-fn check_options(pid: i32, report: &Report, criu: &CriuOptions) -> Result<(), Error> {
-    let criu = criu.with_config_files();
-    let unmet: Vec<(&detect::Finding, &NeededOption)> = report
-        .findings
-        .iter()
-        .filter_map(|f| Some(f).zip(f.evidence.needs.as_ref()))
-        .filter(|(_, n)| !criu.provides(n))
-        .collect();
-    if unmet.is_empty() {
-        return Ok(());
-    }
-    // One --ghost-limit: the largest file's.
-    let ghost = unmet
-        .iter()
-        .filter_map(|(_, n)| match n {
-            NeededOption::GhostLimit { bytes } => Some(*bytes),
-            _ => None,
-        })
-        .max();
-    let mut flags: Vec<String> = Vec::new();
-    for (_, n) in &unmet {
-        let flag = match (n, ghost) {
-            (NeededOption::GhostLimit { .. }, Some(bytes)) => {
-                NeededOption::GhostLimit { bytes }.flag()
-            }
-            _ => n.flag(),
-        };
-        if !flags.contains(&flag) {
-            flags.push(flag);
-        }
-    }
-    let needs = unmet
-        .iter()
-        .map(|(f, n)| format!("pid {} needs {}: {}", f.pid, n.flag(), f.evidence.detail))
-        .collect();
-    Err(Error::NeedsOptions { pid, flags, needs })
 }
 
 /// The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the tree

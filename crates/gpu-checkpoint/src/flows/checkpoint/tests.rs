@@ -137,9 +137,22 @@ impl GpuHook for RecordingGpu {
 /// A child that sleeps; reaped on drop so its PID is freed.
 pub(super) struct Sleeper(Child);
 
+/// `sleep 60` as a service runs: leading its own session, away from any terminal (detect asks for
+/// --shell-job otherwise, as CRIU does).
+fn sleep_command() -> Command {
+    use std::process::Stdio;
+    let mut cmd = Command::new("sleep");
+    cmd.arg("60")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    tree::in_own_session(&mut cmd);
+    cmd
+}
+
 impl Sleeper {
     pub(super) fn start() -> Sleeper {
-        Sleeper(Command::new("sleep").arg("60").spawn().unwrap())
+        Sleeper(sleep_command().spawn().unwrap())
     }
     pub(super) fn pid(&self) -> i32 {
         self.0.id() as i32
@@ -724,8 +737,7 @@ fn locked_sleeper(dir: &std::path::Path) -> Sleeper {
     // SAFETY: flock on a descriptor we own.
     assert_eq!(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) }, 0);
     let fd = file.as_raw_fd();
-    let mut cmd = Command::new("sleep");
-    cmd.arg("60");
+    let mut cmd = sleep_command();
     // SAFETY: only dup2 (async-signal-safe) between fork and exec; the copy is not close-on-exec.
     unsafe {
         cmd.pre_exec(move || {

@@ -18,7 +18,9 @@
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
 
+mod ids;
 mod preflight;
+mod premap;
 pub(crate) mod stream;
 mod uffd;
 
@@ -133,6 +135,10 @@ pub struct Timings {
     /// copied (the copy is part of `restore`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<uffd::FillStats>,
+    /// Why the restore was staged instead of the transfer asked for (CRIU's premapping would not fit
+    /// here: `premap.rs`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staged_instead: Option<String>,
     /// The GPU step (restore + unlock, and a job restore's wait for the other members between them); 0
     /// without GPU state.
     pub gpu: f64,
@@ -219,14 +225,31 @@ impl Flow<'_> {
                 reason,
             })?
             .options;
-        let pids = manifest.pids();
-        // CRIU gives every thread back its ID too: those must be free as well as the PIDs.
-        let ids = with_thread_ids(self.store, &info, &pids)?;
-        check_pids_free(&info.id, &ids)?;
+        // CRIU gives every thread back its ID too: those must be free as well as the PIDs. A tree that
+        // is a PID namespace of its own is restored into a new one, where every ID is free.
+        let ids = ids::RecordedIds::of(self.store, &info, &manifest)?;
+        check_pids_free(&info.id, &ids.host)?;
+        let mut pids = ids.host_pids.clone();
         if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
             preflight::check_host_memory(&info.id, manifest.sizes.pages_bytes, &meminfo)?;
         }
+        let (images, staged_instead) =
+            premap::transfer_for(self.images, self.store, &info, &ids.images)?;
+        if let Some(why) = &staged_instead {
+            tracing::warn!("restoring checkpoint {} staged: {why}", info.id);
+        }
         let gpu_record = manifest.gpu_record()?;
+        if ids.own_namespace && gpu_record.as_ref().is_some_and(|r| !r.processes.is_empty()) {
+            // The GPU step finds its processes by the PIDs they had, which a new namespace changes.
+            return Err(Error::Options {
+                id: info.id.clone(),
+                reason:
+                    "its tree is a PID namespace of its own and holds GPU state: restoring GPU \
+                         state into a new PID namespace is not supported"
+                        .into(),
+            }
+            .into());
+        }
         self.gpu.prepare_restore(gpu_record.as_ref())?;
 
         if let Some(dir) = self.store.local_dir() {
@@ -239,13 +262,17 @@ impl Flow<'_> {
         }
         // The device files CRIU's devices plugin reopens: the same nodes must be here.
         preflight::check_devices(&info.id, &manifest.devices)?;
-        let plugin = (!manifest.devices.is_empty())
-            .then(|| PluginDir::for_restore(&manifest.devices))
+        // Mappings a forked child inherited from its CUDA parent are replaced by the plugin, too.
+        let replace = !crate::detect::context::inherited_mappings(&manifest.detect).is_empty();
+        let plugin = (!manifest.devices.is_empty() || replace)
+            .then(|| PluginDir::for_restore(&manifest.devices, replace))
             .transpose()?;
         let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let work = WorkDir::create(self.store.local_dir(), &info.id)?;
         // Should this process die from here on, the guardian kills what CRIU created of the copy.
-        self.watch.tell(&Event::Restore { pids: ids.clone() })?;
+        self.watch.tell(&Event::Restore {
+            pids: ids.host.clone(),
+        })?;
         fault::at("restore.before-criu");
         if interrupt.interrupted() {
             return Err(Error::Interrupted {
@@ -257,13 +284,13 @@ impl Flow<'_> {
             images_dir: work.path(),
             log_file: RESTORE_LOG,
             options: &criu_options,
-            stream: self.images == ImageTransfer::Stream,
+            stream: images == ImageTransfer::Stream,
             lazy_pages: false,
             post_restore: None,
             env: &criu_env,
         };
         let mut uffd_stats = None;
-        let (fetch, restore_ms, restored) = if self.images == ImageTransfer::Uffd {
+        let (fetch, restore_ms, restored) = if images == ImageTransfer::Uffd {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
             // post-restore notification.
             let t = Instant::now();
@@ -325,7 +352,7 @@ impl Flow<'_> {
                 };
                 // A PID taken between our check and CRIU's fork: say by whom.
                 if e.failure().map(|f| f.kind) == Some(FailureKind::PidInUse) {
-                    if let Err(conflict) = check_pids_free_now(&info.id, &ids) {
+                    if let Err(conflict) = check_pids_free_now(&info.id, &ids.host) {
                         tracing::debug!("CRIU: {e}");
                         return Err(conflict.into());
                     }
@@ -334,6 +361,10 @@ impl Flow<'_> {
             }
         };
 
+        if ids.own_namespace {
+            // Its PIDs in this namespace are new: the restored tree as it runs is the tree.
+            pids = tree::process_tree(pid).iter().map(|p| p.pid).collect();
+        }
         fault::at("restore.after-criu");
         let t = Instant::now();
         let gpu = match self.gpu.finish_restore(
@@ -361,6 +392,7 @@ impl Flow<'_> {
                 restore: restore_ms,
                 streamed: req.stream,
                 uffd: uffd_stats,
+                staged_instead,
                 gpu: gpu_ms,
                 total: ms(started),
             },
@@ -403,30 +435,6 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
         &src,
         &format!("{id}.restore-{stamp}.log"),
     )
-}
-
-/// The tree's PIDs followed by the IDs of its other threads, as CRIU recorded them in `pstree.img`. A
-/// checkpoint without that image (made by a stand-in CRIU) has only the PIDs.
-fn with_thread_ids(store: &Store, info: &CheckpointInfo, pids: &[i32]) -> crate::Result<Vec<i32>> {
-    let mut ids = pids.to_vec();
-    let mut image = Vec::new();
-    if store
-        .stream_file(info, "pstree.img", &mut image, &crate::store::NoProgress)?
-        .is_none()
-    {
-        return Ok(ids);
-    }
-    let tree = crate::dump::images::parse_pstree(&image).map_err(|reason| Error::BadManifest {
-        id: info.id.clone(),
-        reason: format!("pstree.img: {reason}"),
-    })?;
-    for tid in tree.iter().flat_map(|p| &p.threads) {
-        let tid = *tid as i32;
-        if !ids.contains(&tid) {
-            ids.push(tid);
-        }
-    }
-    Ok(ids)
 }
 
 /// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies
