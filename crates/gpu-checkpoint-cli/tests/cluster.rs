@@ -12,7 +12,7 @@ mod sim_support;
 use std::time::Duration;
 
 use cluster_support::*;
-use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdCoordinator, Event};
+use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdConfig, EtcdCoordinator, Event};
 use gpu_checkpoint::freeze::sim;
 use sim_support::{assert_healthy, criu_ready, status, wait_gone, SimProcess};
 
@@ -88,10 +88,10 @@ fn the_etcd_coordinator_keeps_the_promises_the_protocol_relies_on() {
         .unwrap();
     let nobody = format!("http://127.0.0.1:{}", port.wrapping_add(7));
     assert!(matches!(
-        EtcdCoordinator::connect(std::slice::from_ref(&nobody)),
+        EtcdCoordinator::connect(&EtcdConfig::insecure(std::slice::from_ref(&nobody))),
         Err(CoordError::Unreachable { .. })
     ));
-    let out = gc(&["job", "list", "--etcd", &nobody]);
+    let out = gc(&["job", "list", "--insecure-plaintext", "--etcd", &nobody]);
     assert_eq!(out.status.code(), Some(5), "{out:?}");
 }
 
@@ -170,6 +170,7 @@ impl Scene {
             &p.pid.to_string(),
             "--etcd",
             &self.etcd.url_list(),
+            "--insecure-plaintext",
         ]);
         assert!(out.status.success(), "{out:?}");
         if rank < self.ranks.len() {
@@ -196,7 +197,7 @@ impl Scene {
             .arg("job")
             .args(args)
             .args(ttl)
-            .args(["--etcd", &self.etcd.url_list()])
+            .args(["--etcd", &self.etcd.url_list(), "--insecure-plaintext"])
             .envs(env.iter().copied())
             .output()
             .unwrap()
@@ -560,6 +561,7 @@ fn an_etcd_member_stopped_during_the_prepare_phase_commits_or_aborts_cleanly() {
                 "10s",
                 "--etcd",
                 &urls,
+                "--insecure-plaintext",
             ])
             .output()
             .unwrap()
@@ -596,6 +598,7 @@ fn periodic_job_checkpoints_keep_the_newest_two_and_the_newest_restores() {
             "2",
         ])
         .args(["--lease-ttl", "10s", "--etcd", &s.etcd.url_list()])
+        .arg("--insecure-plaintext")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -137,6 +137,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
                 &r.pid.to_string(),
                 "--etcd",
                 &etcd.url_list(),
+                "--insecure-plaintext",
             ]);
             assert!(out.status.success(), "{out:?}");
         }
@@ -255,7 +256,15 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
 fn timed_job(etcd: &Etcd, args: &[&str]) -> (f64, serde_json::Value) {
     let t = Instant::now();
     let url = etcd.url_list();
-    let tail = ["--format", "json", "--lease-ttl", "30s", "--etcd", &url];
+    let tail = [
+        "--format",
+        "json",
+        "--lease-ttl",
+        "30s",
+        "--etcd",
+        &url,
+        "--insecure-plaintext",
+    ];
     let out = gc(&[&["job"], args, &tail].concat());
     let wall = t.elapsed().as_secs_f64() * 1000.0;
     assert!(out.status.success(), "{out:?}");

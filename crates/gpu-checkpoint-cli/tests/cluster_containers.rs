@@ -45,7 +45,8 @@ fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_contain
             "checkpoint" | "restore" => &["--lease-ttl", "10s"],
             _ => &[],
         };
-        gc(&[&["job"], args, ttl, &["--etcd", &etcd_url]].concat())
+        let etcd = ["--etcd", &etcd_url, "--insecure-plaintext"];
+        gc(&[&["job"], args, ttl, &etcd].concat())
     };
     let mut ids = Vec::new();
     for (rank, node) in ["a", "b"].iter().enumerate() {

@@ -339,7 +339,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     eprintln!(
         "gpu-checkpoint agent: node {} registered in etcd {}; store {}",
         args.node,
-        args.etcd.endpoints(),
+        coord.endpoints(),
         args.storage.display()
     );
     let result = run_agent(coord as Arc<dyn Coordinator>, &opts, &work, &stop);

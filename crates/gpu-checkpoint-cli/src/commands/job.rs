@@ -12,30 +12,8 @@ use serde_json::json;
 use std::sync::atomic::Ordering;
 
 use super::cuda::{parse_timeout, Timeout};
+pub use super::etcd_args::EtcdArgs;
 use super::Format;
-
-/// Where etcd is (every cluster command).
-#[derive(clap::Args, Debug, Clone)]
-pub struct EtcdArgs {
-    /// etcd's client URLs, comma-separated (http://10.0.0.1:2379,...).
-    #[arg(
-        long,
-        env = "GPU_CHECKPOINT_ETCD",
-        value_delimiter = ',',
-        required = true
-    )]
-    pub etcd: Vec<String>,
-}
-
-impl EtcdArgs {
-    pub fn connect(&self) -> anyhow::Result<Arc<EtcdCoordinator>> {
-        Ok(Arc::new(EtcdCoordinator::connect(&self.etcd)?))
-    }
-
-    pub fn endpoints(&self) -> String {
-        self.etcd.join(",")
-    }
-}
 
 #[derive(clap::Subcommand)]
 pub enum Command {

@@ -10,6 +10,8 @@ pub mod cuda;
 pub mod delete;
 pub mod detect;
 pub mod doctor;
+#[cfg(feature = "cluster")]
+pub mod etcd_args;
 pub mod gc;
 pub mod guardian;
 pub mod inspect;

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use gpu_checkpoint::flows::cluster::{Coordinator, EtcdCoordinator};
+use gpu_checkpoint::flows::cluster::{Coordinator, EtcdConfig, EtcdCoordinator};
 
 /// The etcd binary (the distribution's package, scripts/install-etcd.sh), when there is one. In CI its
 /// absence fails the test; locally the test is skipped with the reason printed.
@@ -111,7 +111,7 @@ impl Etcd {
                     panic!("etcd member {i} exited ({st}): {}", log.unwrap_or_default());
                 }
             }
-            if let Ok(c) = EtcdCoordinator::connect(&self.urls) {
+            if let Ok(c) = EtcdCoordinator::connect(&EtcdConfig::insecure(&self.urls)) {
                 // Ours is empty: a `/ready` already there is another test's etcd on a port that was
                 // free a moment before.
                 if let Ok(Some(_)) = c.get("/ready") {
@@ -137,7 +137,7 @@ impl Etcd {
     }
 
     pub fn client(&self) -> EtcdCoordinator {
-        EtcdCoordinator::connect(&self.urls).unwrap()
+        EtcdCoordinator::connect(&EtcdConfig::insecure(&self.urls)).unwrap()
     }
 
     /// Stops member `i` (SIGKILL), as a failed machine.
@@ -182,7 +182,8 @@ impl Agent {
     ) -> Agent {
         let log = dir.join(format!("agent-{node}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
-            .args(["agent", "--etcd", &etcd.url_list(), "--node", node])
+            .args(["agent", "--etcd", &etcd.url_list(), "--insecure-plaintext"])
+            .args(["--node", node])
             .arg("--storage")
             .arg(store)
             .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])

@@ -301,7 +301,7 @@ pub fn in_hub(lab: &Lab, args: &[&str]) -> Output {
 pub fn in_hub_on(lab: &Lab, urls: &str, args: &[&str]) -> Output {
     Lab::exec(&lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
         .args(args)
-        .args(["--etcd", urls])
+        .args(["--etcd", urls, "--insecure-plaintext"])
         .output()
         .unwrap()
 }
@@ -351,12 +351,19 @@ pub fn start_agent_on(lab: &Lab, members: usize, dir: &Path, a: &Agent) -> NsPro
         Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
     );
     let urls = lab.etcd_urls_from(node, members);
-    cmd.args(["agent", "--etcd", &urls, "--node", node])
-        .arg("--storage")
-        .arg(store)
-        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
-        .args(extra)
-        .envs(env.iter().copied());
+    cmd.args([
+        "agent",
+        "--etcd",
+        &urls,
+        "--insecure-plaintext",
+        "--node",
+        node,
+    ])
+    .arg("--storage")
+    .arg(store)
+    .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+    .args(extra)
+    .envs(env.iter().copied());
     let agent = NsProcess::spawn(cmd, dir.join(format!("agent-{node}.log")));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

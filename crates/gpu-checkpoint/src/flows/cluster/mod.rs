@@ -16,6 +16,7 @@ pub mod agent;
 pub mod coord;
 #[cfg(feature = "cluster")]
 mod etcd;
+pub mod etcd_config;
 mod follow;
 pub mod job;
 mod job_restore;
@@ -37,6 +38,7 @@ pub use agent::{run_agent, AgentOptions, MemberWork};
 pub use coord::{CoordError, Coordinator, Event, Kv, LeaseId, Revision, WatchStream};
 #[cfg(feature = "cluster")]
 pub use etcd::EtcdCoordinator;
+pub use etcd_config::{EtcdConfig, Password, Security};
 pub use job::{
     checkpoint_job, restore_job, JobCheckpointOptions, JobRestoreOutcome, RestoredMember, Timeouts,
 };
