@@ -157,21 +157,9 @@ impl Scene {
         args.extend_from_slice(extra);
         let p = SimProcess::start(&args);
         let node = if rank < 2 { "a" } else { "b" };
-        let out = gc(&[
-            "job",
-            "add",
-            "--job",
-            "train",
-            "--rank",
-            &rank.to_string(),
-            "--node",
-            node,
-            "--pid",
-            &p.pid.to_string(),
-            "--etcd",
-            &self.etcd.url_list(),
-            "--insecure-plaintext",
-        ]);
+        let (r, pid) = (rank.to_string(), p.pid.to_string());
+        let args = ["--job", "train", "--rank", &r, "--pid", &pid];
+        let out = job_add(self._dir.path(), node, &args);
         assert!(out.status.success(), "{out:?}");
         if rank < self.ranks.len() {
             self.ranks[rank] = p;
@@ -243,24 +231,11 @@ fn text(o: &std::process::Output) -> String {
 #[test]
 fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_nodes() {
     let Some(s) = Scene::start(&[]) else { return };
-    // The quiesce hook runs for every member, before its lock, with its rank and PID.
+    // The node's quiesce hook the job names runs for every member, before its lock, with its rank
+    // and PID (`record`, see `agent_local_args`).
     let hook = s.store.with_file_name("quiesced");
-    let quiesce = format!(
-        "echo $GPU_CHECKPOINT_JOB $GPU_CHECKPOINT_RANK $GPU_CHECKPOINT_PID >> {}",
-        hook.display()
-    );
-    let out = s.job(
-        &[
-            "checkpoint",
-            "--job",
-            "train",
-            "--format",
-            "json",
-            "--quiesce",
-            &quiesce,
-        ],
-        &[],
-    );
+    let ckpt = ["checkpoint", "--job", "train", "--format", "json"];
+    let out = s.job(&[&ckpt[..], &["--quiesce", "record"]].concat(), &[]);
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
     let mut quiesced: Vec<String> = read(&hook).lines().map(String::from).collect();
     quiesced.sort();
@@ -556,7 +531,7 @@ fn an_etcd_member_stopped_during_the_prepare_phase_commits_or_aborts_cleanly() {
             .args(["job", "checkpoint", "--job", "train", "--format", "json"])
             .args([
                 "--quiesce",
-                "sleep 1",
+                "sleep1",
                 "--lease-ttl",
                 "10s",
                 "--etcd",

@@ -124,21 +124,9 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             .map(|_| SimProcess::start(&["--mib", &mib]))
             .collect();
         for (i, r) in ranks.iter().enumerate() {
-            let out = gc(&[
-                "job",
-                "add",
-                "--job",
-                "bench",
-                "--rank",
-                &i.to_string(),
-                "--node",
-                &nodes[i],
-                "--pid",
-                &r.pid.to_string(),
-                "--etcd",
-                &etcd.url_list(),
-                "--insecure-plaintext",
-            ]);
+            let (rank, pid) = (i.to_string(), r.pid.to_string());
+            let args = ["--job", "bench", "--rank", &rank, "--pid", &pid];
+            let out = job_add(dir.path(), &nodes[i], &args);
             assert!(out.status.success(), "{out:?}");
         }
         let (mut total, mut etcd_ms, mut work, mut phases) =

@@ -77,6 +77,8 @@ classified!(
     crate::flows::container::Error,
     crate::flows::cluster::ClusterError,
     crate::flows::cluster::CoordError,
+    crate::flows::cluster::MemberError,
+    crate::flows::cluster::RegisterError,
 );
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ pub mod proc;
 pub mod store;
 pub mod testdata;
 pub mod util;
+pub mod validate;
 
 pub use error::{Error, Result};
 pub use exit::{Classify, ExitStatus};

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::cluster_support::netns::{
-    hub_urls, in_hub_on, netns_ready, start_agent_on, start_etcd_members, Agent, Lab, NsProcess,
+    hub_urls, in_hub_on, job_add_on, netns_ready, start_agent_on, start_etcd_members, Agent, Lab,
+    NsProcess,
 };
 use crate::cluster_support::{etcd_bin, read};
 use crate::container_support::*;
@@ -79,8 +80,8 @@ impl Faults {
             let bundle = Bundle::new(&s.dir.path().join(format!("bundle-{node}")), &gpu, &[]);
             s.runc.run(&id, &bundle);
             let r = rank.to_string();
-            let add = ["job", "add", "--job", "jf", "--rank", &r, "--node", node];
-            let out = s.in_hub(&[&add[..], &["--container", &id]].concat());
+            let add = ["--job", "jf", "--rank", &r, "--container", &id];
+            let out = job_add_on(&s.lab, s.dir.path(), node, &add);
             assert!(out.status.success(), "{}", text(&out));
             s.ids.push(id);
         }

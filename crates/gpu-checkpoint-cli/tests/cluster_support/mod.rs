@@ -184,6 +184,7 @@ impl Agent {
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
             .args(["agent", "--etcd", &etcd.url_list(), "--insecure-plaintext"])
             .args(["--node", node])
+            .args(agent_local_args(dir, node))
             .arg("--storage")
             .arg(store)
             .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
@@ -239,6 +240,52 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.stop(libc::SIGTERM);
     }
+}
+
+/// The local socket of `node`'s agent started in `dir`, where `job add` registers its members.
+pub fn agent_socket(dir: &Path, node: &str) -> PathBuf {
+    dir.join(format!("agent-{node}.sock"))
+}
+
+/// The agent's own folders in `dir` (its socket, its state: the members registered through it) and
+/// the tests' quiesce hooks, scripts in `dir`: `sleep1` and `sleep3` (a prepare phase that lasts), and
+/// `record` (appends `JOB RANK PID` to `dir/quiesced`).
+pub fn agent_local_args(dir: &Path, node: &str) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let state = dir.join(format!("agent-{node}.state"));
+    let mut args = vec![
+        "--socket".into(),
+        agent_socket(dir, node).display().to_string(),
+        "--state-dir".into(),
+        state.display().to_string(),
+    ];
+    let record = format!(
+        "echo $GPU_CHECKPOINT_JOB $GPU_CHECKPOINT_RANK $GPU_CHECKPOINT_PID >> {}",
+        dir.join("quiesced").display()
+    );
+    for (name, body) in [
+        ("sleep1", "sleep 1"),
+        ("sleep3", "sleep 3"),
+        ("record", &record),
+    ] {
+        let path = dir.join(format!("hook-{name}"));
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        args.push("--quiesce-hook".into());
+        args.push(format!("{name}={}", path.display()));
+    }
+    args
+}
+
+/// `gpu-checkpoint job add ARGS` on `node`, through its agent started in `dir`.
+pub fn job_add(dir: &Path, node: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+        .args(["job", "add", "--node", node])
+        .args(args)
+        .arg("--agent-socket")
+        .arg(agent_socket(dir, node))
+        .output()
+        .expect("run gpu-checkpoint job add")
 }
 
 pub fn read(p: &Path) -> String {

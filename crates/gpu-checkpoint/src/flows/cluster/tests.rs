@@ -42,36 +42,44 @@ impl StandIn {
     }
 }
 
+/// A stand-in's failure (exit class 1, as a plain failure of the flows).
+fn failure(message: impl Into<String>) -> MemberError {
+    MemberError::Reported {
+        message: message.into(),
+        exit: crate::exit::ExitStatus::Failure,
+    }
+}
+
 impl MemberWork for StandIn {
-    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String> {
+    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), MemberError> {
         let rank = task.member.rank;
         let fault = self.faults.get(&rank).copied().unwrap_or(Fault::None);
         if fault == Fault::Lock {
             self.note(rank, "lock failed");
-            return Err("lock timed out".into());
+            return Err(failure("lock timed out"));
         }
         self.note(rank, "locked");
         if let Err(e) = phases.locked() {
             self.note(rank, "unlocked");
-            return Err(e);
+            return Err(failure(e));
         }
         self.note(rank, "gpu checkpoint + dump");
         if fault == Fault::Dump
             || (fault == Fault::DumpOnce && !self.fired.swap(true, Ordering::SeqCst))
         {
             self.note(rank, "dump failed; thawed");
-            return Err("CRIU dump failed".into());
+            return Err(failure("CRIU dump failed"));
         }
         let id = format!("{}.member-{rank}", task.op);
         match phases.durable(&id) {
             Ok(()) => {}
             Err(NotCommitted::Aborted(e)) => {
                 self.note(rank, "deleted + resumed");
-                return Err(e);
+                return Err(failure(e));
             }
             Err(NotCommitted::InDoubt(e)) => {
                 self.note(rank, "kept + resumed");
-                return Err(e);
+                return Err(failure(e));
             }
         }
         self.note(
@@ -87,11 +95,11 @@ impl MemberWork for StandIn {
     fn gpus(&self, _id: &str) -> Vec<String> {
         vec!["GPU-sim".into()]
     }
-    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, String> {
+    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, MemberError> {
         let rank = task.member.rank;
         let fault = self.faults.get(&rank).copied().unwrap_or(Fault::None);
         if fault == Fault::Dump {
-            return Err("CRIU restore failed".into());
+            return Err(failure("CRIU restore failed"));
         }
         if let Some(map) = &task.device_map {
             self.note(rank, &format!("device map {map}"));
@@ -103,21 +111,21 @@ impl MemberWork for StandIn {
         // As the restore flow: a copy that is not unlocked is killed.
         if fault == Fault::GpuRestore {
             self.note(rank, "killed");
-            return Err("GPU restore failed".into());
+            return Err(failure("GPU restore failed"));
         }
         let pid = 1000 + rank as i32;
         if let Err(e) = before_unlock(pid) {
             self.note(rank, "killed");
-            return Err(e);
+            return Err(failure(e));
         }
         self.note(rank, UNLOCKED);
         Ok(pid)
     }
-    fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
+    fn keep_manifest(&self, m: &JobManifest) -> Result<(), MemberError> {
         self.note(u32::MAX, &format!("kept {}", m.id));
         Ok(())
     }
-    fn delete(&self, task: &Task) -> Result<(), String> {
+    fn delete(&self, task: &Task) -> Result<(), MemberError> {
         let id = task.checkpoint.as_deref().unwrap();
         self.note(task.member.rank, &format!("deleted {id}"));
         Ok(())
@@ -377,19 +385,8 @@ fn a_dead_coordinator_makes_every_locked_member_unlock() {
     c.add("train", 0, "a");
     // A coordinator that sends the tasks, sees the member locked, and dies before deciding.
     let lease = c.coord.grant(Duration::from_millis(300)).unwrap();
-    let task = Task {
-        after: None,
-        op: "train-1".into(),
-        job: "train".into(),
-        kind: rec::OpKind::Checkpoint,
-        member: job::members(c.coord.as_ref(), "train").unwrap()[0].clone(),
-        leave_running: false,
-        lock_timeout_ms: None,
-        quiesce: None,
-        checkpoint: None,
-        device_map: None,
-        job_checkpoint: None,
-    };
+    let member = job::members(c.coord.as_ref(), "train").unwrap()[0].clone();
+    let task = Task::checkpoint("train-1", "train", member);
     c.coord
         .put(&rec::op("train-1"), b"{}", Some(lease))
         .unwrap();

@@ -1,0 +1,104 @@
+//! Checks of values that come from outside (a command line, a record read from etcd, a store): what
+//! may become part of a path, a key, or another program's command line. A leaf module: every stage and
+//! flow may use it.
+
+/// A container id, by runc's rule (`^[\w+.-]+$`, not `.` or `..`), and not beginning with `-`: an id
+/// reaches the runtime's command line (`runc state ID`), where a leading `-` would read as an option.
+pub fn container_id(id: &str) -> Result<(), String> {
+    let ok = !id.is_empty()
+        && id.len() <= 1024
+        && !id.starts_with('-')
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'+' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "container id {:?}: use A-Z a-z 0-9 _ + . - (not beginning with -, not . or ..)",
+            printable(id)
+        ))
+    }
+}
+
+/// A store's checkpoint id (`STAMP-RANDOM`): 1-128 of `A-Z a-z 0-9 . _ -`, not beginning with `.` or
+/// `-`. Never a path: it names a file inside the store.
+pub fn checkpoint_id(id: &str) -> Result<(), String> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with(['.', '-'])
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("checkpoint id {:?} is not one", printable(id)))
+    }
+}
+
+/// A process to act on: a positive PID other than init's (1). 0 and negative numbers mean process
+/// groups to `kill(2)`.
+pub fn pid(pid: i32) -> Result<(), String> {
+    if pid > 1 {
+        Ok(())
+    } else {
+        Err(format!("PID {pid} is not a process this tool acts on"))
+    }
+}
+
+/// `text` safe to print: control characters (terminal escapes among them) escaped, at most 200
+/// characters. For values from records and archives in messages and logs.
+pub fn printable(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(200)
+        .flat_map(char::escape_debug)
+        .collect();
+    if text.chars().nth(200).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn container_ids_are_runcs_without_a_leading_dash() {
+        for good in ["web", "gc-1234-job-a", "a.b_c+d", "0"] {
+            assert!(container_id(good).is_ok(), "{good}");
+        }
+        for bad in ["", "-", "--help", "a/b", "..", ".", "a b", "x\n", "é"] {
+            assert!(container_id(bad).is_err(), "{bad:?}");
+        }
+        assert!(container_id("--help")
+            .unwrap_err()
+            .contains("not beginning with -"));
+    }
+
+    #[test]
+    fn checkpoint_ids_never_leave_the_store() {
+        assert!(checkpoint_id("20261128T080000-0a1b2c3d").is_ok());
+        for bad in ["", "../x", "a/b", ".hidden", "-x", "x\0y", &"a".repeat(129)] {
+            assert!(checkpoint_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn pids_that_mean_groups_or_init_are_refused() {
+        assert!(pid(42).is_ok());
+        for bad in [0, 1, -1, -42] {
+            assert!(pid(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn printed_values_carry_no_terminal_escapes() {
+        assert_eq!(printable("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        assert_eq!(printable(&"x".repeat(300)).chars().count(), 201);
+    }
+}
