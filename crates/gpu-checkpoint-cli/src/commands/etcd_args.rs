@@ -68,6 +68,16 @@ impl EtcdArgs {
     /// insecure etcd.
     pub fn connect(&self) -> anyhow::Result<Arc<EtcdCoordinator>> {
         let config = self.config()?;
+        // Read once: the processes this one starts (CRIU, runc, the guardian, quiesce hooks) have no
+        // use for etcd's credentials. Done before the client starts its threads.
+        for k in ["GPU_CHECKPOINT_ETCD_PASSWORD", "ETCDCTL_PASSWORD"] {
+            std::env::remove_var(k);
+        }
+        for k in ["GPU_CHECKPOINT_ETCD_USER", "ETCDCTL_USER"] {
+            if std::env::var(k).is_ok_and(|u| u.contains(':')) {
+                std::env::remove_var(k);
+            }
+        }
         let coord = EtcdCoordinator::connect(&config)?;
         if !coord.security().is_secure() {
             eprintln!(

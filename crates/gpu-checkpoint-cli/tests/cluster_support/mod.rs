@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 pub mod netns;
+pub mod pki;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -51,10 +52,34 @@ struct Member {
 pub struct Etcd {
     members: Vec<Option<Member>>,
     pub urls: Vec<String>,
+    /// The secure setup ([`Etcd::start_secure`]): its CA and certificates, and the user files.
+    pub pki: Option<pki::Pki>,
+    /// How the test itself talks to it (as root, where it is secure).
+    config: EtcdConfig,
 }
 
 impl Etcd {
+    /// Plaintext etcd, without authentication: the tests of the protocol (`--insecure-plaintext`).
     pub fn start(bin: &Path, dir: &Path, size: usize) -> Etcd {
+        Self::start_with(bin, dir, size, None)
+    }
+
+    /// One etcd member as docs/cluster.md sets it up: TLS with client certificates (`--client-cert-auth`)
+    /// and authentication, the users and roles of [`pki::USERS`].
+    pub fn start_secure(bin: &Path, dir: &Path) -> Etcd {
+        let pki = pki::Pki::make(&dir.join("pki"));
+        let etcd = Self::start_with(bin, dir, 1, Some(pki));
+        let pki = etcd.pki.as_ref().unwrap();
+        pki.enable_auth(&etcd.urls[0]);
+        etcd
+    }
+
+    fn start_with(bin: &Path, dir: &Path, size: usize, pki: Option<pki::Pki>) -> Etcd {
+        let scheme = if pki.is_some() { "https" } else { "http" };
+        let tls = pki
+            .as_ref()
+            .map(|p| p.etcd_server_args())
+            .unwrap_or_default();
         let clients: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let peers: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let initial: Vec<String> = peers
@@ -67,7 +92,7 @@ impl Etcd {
             let data = dir.join(format!("etcd-{i}"));
             gpu_checkpoint::util::create_private_dir_all(&data).unwrap();
             let log = std::fs::File::create(dir.join(format!("etcd-{i}.log"))).unwrap();
-            let client = format!("http://127.0.0.1:{}", clients[i]);
+            let client = format!("{scheme}://127.0.0.1:{}", clients[i]);
             let peer = format!("http://127.0.0.1:{}", peers[i]);
             let child = Command::new(bin)
                 .args(["--name", &format!("e{i}")])
@@ -82,6 +107,7 @@ impl Etcd {
                     "--initial-cluster-token",
                     &format!("t{}", std::process::id()),
                 ])
+                .args(&tls)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -89,12 +115,25 @@ impl Etcd {
                 .expect("start etcd");
             members.push(Some(Member { child }));
         }
+        let urls: Vec<String> = clients
+            .iter()
+            .map(|p| format!("{scheme}://127.0.0.1:{p}"))
+            .collect();
+        let config = match &pki {
+            None => EtcdConfig::insecure(&urls),
+            Some(p) => EtcdConfig {
+                endpoints: urls.clone(),
+                cacert: Some(p.path("ca.crt").into()),
+                cert: Some(p.path("root.crt").into()),
+                key: Some(p.path("root.key").into()),
+                ..EtcdConfig::default()
+            },
+        };
         let mut etcd = Etcd {
             members,
-            urls: clients
-                .iter()
-                .map(|p| format!("http://127.0.0.1:{p}"))
-                .collect(),
+            urls,
+            pki,
+            config,
         };
         etcd.wait_ready(dir);
         etcd
@@ -111,7 +150,7 @@ impl Etcd {
                     panic!("etcd member {i} exited ({st}): {}", log.unwrap_or_default());
                 }
             }
-            if let Ok(c) = EtcdCoordinator::connect(&EtcdConfig::insecure(&self.urls)) {
+            if let Ok(c) = EtcdCoordinator::connect(&self.config) {
                 // Ours is empty: a `/ready` already there is another test's etcd on a port that was
                 // free a moment before.
                 if let Ok(Some(_)) = c.get("/ready") {
@@ -136,8 +175,25 @@ impl Etcd {
         self.urls.join(",")
     }
 
+    /// The test's own client: root, where etcd is secure.
     pub fn client(&self) -> EtcdCoordinator {
-        EtcdCoordinator::connect(&EtcdConfig::insecure(&self.urls)).unwrap()
+        EtcdCoordinator::connect(&self.config).unwrap()
+    }
+
+    /// How agents and job commands reach it: plaintext, accepted explicitly; or, where it is secure,
+    /// as user `gpu-checkpoint` through a private config file (an agent unit's `EnvironmentFile`).
+    pub fn client_args(&self) -> Vec<String> {
+        match &self.pki {
+            None => vec![
+                "--etcd".into(),
+                self.url_list(),
+                "--insecure-plaintext".into(),
+            ],
+            Some(p) => {
+                let file = p.config_file(&self.url_list(), "gpu-checkpoint");
+                vec!["--etcd-config".into(), file.display().to_string()]
+            }
+        }
     }
 
     /// Stops member `i` (SIGKILL), as a failed machine.
@@ -182,7 +238,8 @@ impl Agent {
     ) -> Agent {
         let log = dir.join(format!("agent-{node}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
-            .args(["agent", "--etcd", &etcd.url_list(), "--insecure-plaintext"])
+            .arg("agent")
+            .args(etcd.client_args())
             .args(["--node", node])
             .args(agent_local_args(dir, node))
             .arg("--storage")

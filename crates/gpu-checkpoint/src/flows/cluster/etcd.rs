@@ -376,32 +376,30 @@ fn classify(e: &etcd_client::Error, endpoints: &str) -> CoordError {
 /// alert it sent.
 fn refused_at_connect(e: &etcd_client::Error, config: &EtcdConfig) -> CoordError {
     let endpoints = config.endpoints_text();
-    match classify(e, &endpoints) {
-        CoordError::Request(text) | CoordError::Unreachable { reason: text, .. }
-            if config.cacert.is_some()
-                && [
-                    "connection closed",
-                    "BrokenPipe",
-                    "Canceled",
-                    "stream closed",
-                ]
-                .iter()
-                .any(|w| text.contains(w)) =>
-        {
-            let hint = if config.cert.is_none() {
-                "etcd closed the connection after the TLS handshake: it requires a client \
-                 certificate (--cert, --key)"
-            } else {
-                "etcd closed the connection after the TLS handshake: it did not accept this \
-                 client's certificate (--cert; signed by a CA etcd trusts?)"
-            };
-            CoordError::Denied {
-                endpoints,
-                reason: format!("{hint} ({text})"),
-            }
-        }
-        other => other,
+    let text = chain(e);
+    let server_cert = text.contains("UnknownIssuer") || text.contains("invalid peer certificate");
+    let closed = [
+        "connection closed",
+        "BrokenPipe",
+        "Canceled",
+        "stream closed",
+        "BadCertificate",
+        "CertificateRequired",
+        "alert",
+    ];
+    if config.cacert.is_some() && !server_cert && closed.iter().any(|w| text.contains(w)) {
+        let hint = if config.cert.is_none() {
+            "etcd ended the TLS connection: it requires a client certificate (--cert, --key)"
+        } else {
+            "etcd ended the TLS connection: it did not accept this client's certificate (--cert: \
+             signed by a CA etcd trusts, its --trusted-ca-file?)"
+        };
+        return CoordError::Denied {
+            endpoints,
+            reason: format!("{hint} ({text})"),
+        };
     }
+    classify(e, &endpoints)
 }
 
 /// The gRPC status codes etcd answers with (their numbers are the gRPC protocol's).
@@ -453,8 +451,8 @@ fn tls_reason(e: &etcd_client::Error) -> String {
         || text.contains("BadCertificate")
         || text.contains("alert")
     {
-        "etcd did not accept this client's certificate (none given, or not signed by etcd's \
-         trusted CA: --cert, --key)"
+        "etcd did not accept this client's certificate (none given, or not signed by a CA etcd \
+         trusts: --cert, --key)"
     } else {
         "the TLS handshake failed"
     };
