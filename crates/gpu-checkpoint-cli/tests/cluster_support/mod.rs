@@ -56,6 +56,9 @@ pub struct Etcd {
     pub pki: Option<pki::Pki>,
     /// How the test itself talks to it (as root, where it is secure).
     config: EtcdConfig,
+    /// The first member's Prometheus metrics, plaintext on loopback (`--listen-metrics-urls`): how
+    /// many requests of each kind etcd answered ([`Etcd::requests`]).
+    metrics: String,
 }
 
 impl Etcd {
@@ -81,6 +84,9 @@ impl Etcd {
             .map(|p| p.etcd_server_args())
             .unwrap_or_default();
         let clients: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let metrics: Vec<String> = (0..size)
+            .map(|_| format!("http://127.0.0.1:{}", free_port()))
+            .collect();
         let peers: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let initial: Vec<String> = peers
             .iter()
@@ -108,6 +114,7 @@ impl Etcd {
                     &format!("t{}", std::process::id()),
                 ])
                 .args(&tls)
+                .args(["--listen-metrics-urls", &metrics[i]])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -134,6 +141,7 @@ impl Etcd {
             urls,
             pki,
             config,
+            metrics: metrics[0].clone(),
         };
         etcd.wait_ready(dir);
         etcd
@@ -173,6 +181,44 @@ impl Etcd {
 
     pub fn url_list(&self) -> String {
         self.urls.join(",")
+    }
+
+    /// The requests the first member answered so far, by kind: `unary Method` (each call) and
+    /// `stream Method` (each message received on a stream: a watch created, a lease kept alive), from
+    /// its gRPC metrics (`grpc_server_handled_total`, `grpc_server_msg_received_total`).
+    pub fn requests(&self) -> std::collections::BTreeMap<String, f64> {
+        use std::io::{Read, Write};
+        let addr = self.metrics.trim_start_matches("http://");
+        let mut conn = std::net::TcpStream::connect(addr).expect("etcd's metrics");
+        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        conn.read_to_string(&mut body).unwrap();
+        let mut out = std::collections::BTreeMap::new();
+        for line in body.lines() {
+            let (kind, rest) = if let Some(r) = line.strip_prefix("grpc_server_handled_total{") {
+                ("unary", r)
+            } else if let Some(r) = line.strip_prefix("grpc_server_msg_received_total{") {
+                ("stream", r)
+            } else {
+                continue;
+            };
+            let (labels, value) = rest.split_once("} ").unwrap_or_default();
+            let label = |k: &str| {
+                labels
+                    .split(',')
+                    .find_map(|l| l.strip_prefix(&format!("{k}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_string())
+                    .unwrap_or_default()
+            };
+            let unary = label("grpc_type") == "unary";
+            if (kind == "unary") != unary {
+                continue;
+            }
+            let n: f64 = value.trim().parse().unwrap_or(0.0);
+            *out.entry(format!("{kind} {}", label("grpc_method")))
+                .or_default() += n;
+        }
+        out
     }
 
     /// The test's own client: root, where etcd is secure.
