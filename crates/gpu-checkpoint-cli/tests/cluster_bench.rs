@@ -4,7 +4,8 @@
 //!
 //! `CLUSTER_BENCH_MIB` sets each rank's size (default 64 MiB), `CLUSTER_BENCH_AGENTS` the agent counts
 //! (default `1,2,4,8`), e.g. `CLUSTER_BENCH_MIB=512 CLUSTER_BENCH_AGENTS=8`; `CLUSTER_BENCH_RUNS` the
-//! rounds (default 3), `CLUSTER_BENCH_RESTORE=0` leaves the job restores out, `CLUSTER_BENCH_TLS=0` talks
+//! rounds (default 3), `CLUSTER_BENCH_MEMBER` extra arguments of every member's gpu-sim-workload,
+//! `CLUSTER_BENCH_RESTORE=0` leaves the job restores out, `CLUSTER_BENCH_TLS=0` talks
 //! to etcd in plaintext (default: TLS with client certificates and authentication, docs/cluster.md's
 //! secure setup). `scripts/bench-cluster.sh` runs it at fleet scale (64 agents, 1 MiB members).
 //!
@@ -75,7 +76,15 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     // The baseline: one rank, checkpointed alone.
-    let one = SimProcess::start(&["--mib", &mib]);
+    // Each member: a SIMULATED GPU process of `mib` MiB, with CLUSTER_BENCH_MEMBER's extra arguments
+    // (bench-cluster.sh: one worker with 20 ms kernels, so that 64 members leave the cores to the
+    // agents and etcd).
+    let extra = env_or("CLUSTER_BENCH_MEMBER", "");
+    let member: Vec<&str> = ["--mib", mib.as_str()]
+        .into_iter()
+        .chain(extra.split_whitespace())
+        .collect();
+    let one = SimProcess::start(&member);
     let mut plain_id = String::new();
     let plain: Vec<f64> = (0..runs)
         .map(|_| {
@@ -135,7 +144,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             .map(|node| Agent::spawn(&etcd, node, &store, dir.path(), &[], "30s", &[]))
             .collect();
         let ranks: Vec<SimProcess> = (0..n)
-            .map(|_| SimProcess::start(&["--mib", &mib]))
+            .map(|_| SimProcess::start(&member))
             .collect();
         for (i, r) in ranks.iter().enumerate() {
             let (rank, pid) = (i.to_string(), r.pid.to_string());
