@@ -143,9 +143,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             // a short one (the job then aborts, correctly, and there is nothing to measure).
             .map(|node| Agent::spawn(&etcd, node, &store, dir.path(), &[], "30s", &[]))
             .collect();
-        let ranks: Vec<SimProcess> = (0..n)
-            .map(|_| SimProcess::start(&member))
-            .collect();
+        let ranks: Vec<SimProcess> = (0..n).map(|_| SimProcess::start(&member)).collect();
         for (i, r) in ranks.iter().enumerate() {
             let (rank, pid) = (i.to_string(), r.pid.to_string());
             let args = ["--job", "bench", "--rank", &rank, "--pid", &pid];

@@ -52,11 +52,14 @@ pub fn pid(pid: i32) -> Result<(), String> {
 /// `text` safe to print: control characters (terminal escapes among them) escaped, at most 200
 /// characters. For values from records and archives in messages and logs.
 pub fn printable(text: &str) -> String {
-    let mut out: String = text
-        .chars()
-        .take(200)
-        .flat_map(char::escape_debug)
-        .collect();
+    let mut out = String::new();
+    for c in text.chars().take(200) {
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
     if text.chars().nth(200).is_some() {
         out.push('…');
     }
@@ -99,6 +102,7 @@ mod tests {
     #[test]
     fn printed_values_carry_no_terminal_escapes() {
         assert_eq!(printable("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        assert_eq!(printable("node n1's \"x\""), "node n1's \"x\"");
         assert_eq!(printable(&"x".repeat(300)).chars().count(), 201);
     }
 }

@@ -253,3 +253,74 @@ fn answer(
         exit: None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flows::cluster::{job, MemoryCoordinator, NodePolicy};
+
+    #[test]
+    fn a_registration_is_checked_by_the_agent_and_written_to_etcd_by_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let socket = RegistrationSocket::bind(&path).unwrap();
+        // A second agent on the same socket is refused; the first keeps it.
+        let e = RegistrationSocket::bind(&path).err().unwrap();
+        assert!(e.to_string().contains("another agent listens"), "{e}");
+        let coord = MemoryCoordinator::new();
+        let admission = Admission::in_memory(NodePolicy::default());
+        let stop = AtomicBool::new(false);
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let reg = |pid: i32, node: Option<&str>| Registration {
+            job: "train".into(),
+            rank: 1,
+            pid: Some(pid),
+            container: None,
+            ordered: false,
+            node: node.map(String::from),
+        };
+        let no_containers = |id: &str| Err(MemberError::Refused(format!("no container {id}")));
+        /// Stops the server when the test's part ends, passed or not.
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        std::thread::scope(|s| {
+            let _stop = StopOnDrop(&stop);
+            s.spawn(|| socket.serve("n1", &admission, &no_containers, &coord, &stop));
+            let node = register_member(&path, &reg(child.id() as i32, None)).unwrap();
+            assert_eq!(node, "n1");
+            let e = register_member(&path, &reg(1, None)).unwrap_err();
+            assert_eq!(e.exit_status(), ExitStatus::PermissionDenied, "{e}");
+            let e = register_member(&path, &reg(child.id() as i32, Some("n2"))).unwrap_err();
+            assert!(
+                e.to_string().contains("run `job add` on the member's node"),
+                "{e}"
+            );
+        });
+        let members = job::members(&coord, "train").unwrap();
+        assert_eq!(members.len(), 1);
+        assert_eq!(
+            (members[0].pid, members[0].node.as_str()),
+            (Some(child.id() as i32), "n1")
+        );
+        assert!(admission.get("train", 1).is_some());
+        let _ = child.kill();
+        let _ = child.wait();
+        // The socket goes with the agent; a stale one (its agent died) is replaced.
+        drop(socket);
+        assert!(!path.exists());
+        let stale = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        drop(stale);
+        RegistrationSocket::bind(&path).unwrap();
+        // Nobody answers: the command says so (exit 8).
+        let gone = dir.path().join("none.sock");
+        let e = register_member(&gone, &reg(2, None)).unwrap_err();
+        assert_eq!(e.exit_status(), ExitStatus::Conflict);
+    }
+}
