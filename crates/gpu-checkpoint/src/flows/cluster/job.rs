@@ -141,7 +141,12 @@ pub fn checkpoint(coord: &dyn Coordinator, id: &str) -> Result<JobManifest, Clus
     let kv = coord
         .get(&rec::checkpoint(id))?
         .ok_or_else(|| ClusterError::NotFound { id: id.into() })?;
-    Ok(decode(&kv.key, &kv.value)?)
+    let m: JobManifest = decode(&kv.key, &kv.value)?;
+    // What a restore or delete sends to agents comes from here: a record that names another job
+    // checkpoint, a node or a checkpoint id this tool would not write is refused, not passed on.
+    m.check(id)
+        .map_err(|why| ClusterError::Damaged { id: id.into(), why })?;
+    Ok(m)
 }
 
 /// The operations running now (their coordinators alive).

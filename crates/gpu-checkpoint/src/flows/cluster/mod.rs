@@ -82,6 +82,8 @@ pub enum ClusterError {
     NoPlacement { node: String, why: String },
     #[error("no job checkpoint {id} in etcd")]
     NotFound { id: String },
+    #[error("job checkpoint {id}'s manifest in etcd is not one this tool wrote: {why}")]
+    Damaged { id: String, why: String },
     #[error("{what}")]
     Busy { what: String },
     #[error("job operation {id} aborted: {reason}; nothing was committed, and every member undid its part:{}", members.iter().map(|m| format!("\n  - {m}")).collect::<String>())]
@@ -102,7 +104,9 @@ impl Classify for ClusterError {
             ClusterError::NoAgent { .. }
             | ClusterError::NoPlacement { .. }
             | ClusterError::Busy { .. } => ExitStatus::Conflict,
-            ClusterError::NotFound { .. } => ExitStatus::CheckpointInvalid,
+            ClusterError::NotFound { .. } | ClusterError::Damaged { .. } => {
+                ExitStatus::CheckpointInvalid
+            }
             // A member's own failure keeps its class (3 no such process, 4 not permitted, 6
             // storage...); an abort for the operation's own reasons is 1.
             ClusterError::Aborted { exit, .. } => exit.unwrap_or(ExitStatus::Failure),

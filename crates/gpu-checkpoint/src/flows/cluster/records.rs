@@ -480,6 +480,25 @@ pub struct JobManifest {
     pub timings_ms: JobTimings,
 }
 
+impl JobManifest {
+    /// Checks a manifest read from etcd at job checkpoint `id`'s key: it is that job checkpoint's, and
+    /// its job, nodes and member checkpoint ids are ones this tool writes.
+    pub fn check(&self, id: &str) -> Result<(), String> {
+        if self.id != id {
+            return Err(format!(
+                "it names job checkpoint {:?}",
+                crate::validate::printable(&self.id)
+            ));
+        }
+        check_name("job", &self.job)?;
+        for m in &self.members {
+            check_name("node", &m.node)?;
+            crate::validate::checkpoint_id(&m.checkpoint)?;
+        }
+        Ok(())
+    }
+}
+
 /// Milliseconds since the epoch, for the records.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()

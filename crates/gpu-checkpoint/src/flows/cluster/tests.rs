@@ -605,3 +605,35 @@ fn an_agent_whose_lease_expired_registers_again_and_takes_part_in_the_next_job()
     let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
     assert_eq!(m.members.len(), 1);
 }
+
+#[test]
+fn a_forged_job_manifest_is_refused_before_any_agent_is_asked() {
+    let c = Cluster::start(&["a", "b"], &[]);
+    c.add("train", 0, "a");
+    c.add("train", 1, "b");
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    let none = BTreeMap::new();
+    let forged: [fn(&mut JobManifest); 3] = [
+        |m| m.members[0].checkpoint = "../../etc".into(),
+        |m| m.members[1].node = "b/../../x".into(),
+        |m| m.id = "../../outside/PWN".into(),
+    ];
+    for forge in forged {
+        let mut bad = m.clone();
+        forge(&mut bad);
+        let key = rec::checkpoint(&m.id);
+        c.coord
+            .put(&key, &rec::encode_manifest(&bad), None)
+            .unwrap();
+        let e = restore_job(c.arc(), &m.id, &none, &none, &opts("train").timeouts).unwrap_err();
+        assert!(matches!(e, ClusterError::Damaged { .. }), "{e}");
+        assert_eq!(
+            crate::exit::Classify::exit_status(&e),
+            crate::exit::ExitStatus::CheckpointInvalid
+        );
+        let e = delete_job_checkpoint(c.arc(), &m.id, &opts("train").timeouts).unwrap_err();
+        assert!(matches!(e, ClusterError::Damaged { .. }), "{e}");
+        let (tasks, _) = c.coord.range(&format!("{}tasks/", rec::ROOT)).unwrap();
+        assert!(tasks.is_empty(), "{tasks:?}");
+    }
+}
