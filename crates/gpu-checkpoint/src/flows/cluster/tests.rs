@@ -185,13 +185,7 @@ impl Cluster {
         job::add_member(
             self.coord.as_ref(),
             job,
-            &MemberRecord {
-                rank,
-                node: node.into(),
-                pid: Some(100 + rank as i32),
-                container: None,
-                ordered: false,
-            },
+            &MemberRecord::process(rank, node, 100 + rank as i32),
         )
         .unwrap();
     }
@@ -636,4 +630,53 @@ fn a_forged_job_manifest_is_refused_before_any_agent_is_asked() {
         let (tasks, _) = c.coord.range(&format!("{}tasks/", rec::ROOT)).unwrap();
         assert!(tasks.is_empty(), "{tasks:?}");
     }
+}
+
+#[test]
+fn bad_task_records_are_skipped_or_refused_and_the_agent_serves_on() {
+    let c = Cluster::start(&["a"], &[]);
+    c.add("train", 0, "a");
+    let lease = c.coord.grant(Duration::from_secs(30)).unwrap();
+    let tasks = format!("{}tasks/a/", rec::ROOT);
+    // Not JSON; another schema; a task whose key says another rank; one naming PID 1 and a shell command.
+    let mut evil = Task::checkpoint("evil-1", "train", MemberRecord::process(0, "a", 1));
+    evil.quiesce = Some("id > /tmp/x".into());
+    let records: [(String, Vec<u8>); 4] = [
+        (
+            format!("{tasks}junk/00000000"),
+            b"\x1b[2J not json".to_vec(),
+        ),
+        (
+            format!("{tasks}other/00000000"),
+            br#"{"schema":"x","schema_version":1}"#.to_vec(),
+        ),
+        (format!("{tasks}evil-1/00000007"), rec::encode_task(&evil)),
+        (format!("{tasks}evil-1/00000000"), rec::encode_task(&evil)),
+    ];
+    for (key, value) in &records {
+        c.coord.put(key, value, Some(lease)).unwrap();
+    }
+    // The task found where its rank's would be is answered: failed, exit 2, nothing run.
+    let state = rec::state("evil-1", 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let failed = loop {
+        if let Some(kv) = c.coord.get(&state).unwrap() {
+            break rec::decode::<rec::StateRecord>(&kv.key, &kv.value).unwrap();
+        }
+        assert!(std::time::Instant::now() < deadline, "no answer");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        matches!(&failed.state, MemberState::Failed { exit: Some(2), error } if error.contains("refused the task")),
+        "{failed:?}"
+    );
+    assert!(
+        c.log().is_empty(),
+        "the stand-in did something: {:?}",
+        c.log()
+    );
+    c.coord.revoke(lease).unwrap();
+    // The agent serves on: a real job checkpoint commits.
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    assert_eq!(m.members.len(), 1);
 }
