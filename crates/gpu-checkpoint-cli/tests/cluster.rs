@@ -12,7 +12,7 @@ mod sim_support;
 use std::time::Duration;
 
 use cluster_support::*;
-use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdCoordinator, Event};
+use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdConfig, EtcdCoordinator, Event};
 use gpu_checkpoint::freeze::sim;
 use sim_support::{assert_healthy, criu_ready, status, wait_gone, SimProcess};
 
@@ -88,10 +88,10 @@ fn the_etcd_coordinator_keeps_the_promises_the_protocol_relies_on() {
         .unwrap();
     let nobody = format!("http://127.0.0.1:{}", port.wrapping_add(7));
     assert!(matches!(
-        EtcdCoordinator::connect(std::slice::from_ref(&nobody)),
+        EtcdCoordinator::connect(&EtcdConfig::insecure(std::slice::from_ref(&nobody))),
         Err(CoordError::Unreachable { .. })
     ));
-    let out = gc(&["job", "list", "--etcd", &nobody]);
+    let out = gc(&["job", "list", "--insecure-plaintext", "--etcd", &nobody]);
     assert_eq!(out.status.code(), Some(5), "{out:?}");
 }
 
@@ -157,20 +157,9 @@ impl Scene {
         args.extend_from_slice(extra);
         let p = SimProcess::start(&args);
         let node = if rank < 2 { "a" } else { "b" };
-        let out = gc(&[
-            "job",
-            "add",
-            "--job",
-            "train",
-            "--rank",
-            &rank.to_string(),
-            "--node",
-            node,
-            "--pid",
-            &p.pid.to_string(),
-            "--etcd",
-            &self.etcd.url_list(),
-        ]);
+        let (r, pid) = (rank.to_string(), p.pid.to_string());
+        let args = ["--job", "train", "--rank", &r, "--pid", &pid];
+        let out = job_add(self._dir.path(), node, &args);
         assert!(out.status.success(), "{out:?}");
         if rank < self.ranks.len() {
             self.ranks[rank] = p;
@@ -196,7 +185,7 @@ impl Scene {
             .arg("job")
             .args(args)
             .args(ttl)
-            .args(["--etcd", &self.etcd.url_list()])
+            .args(["--etcd", &self.etcd.url_list(), "--insecure-plaintext"])
             .envs(env.iter().copied())
             .output()
             .unwrap()
@@ -242,24 +231,11 @@ fn text(o: &std::process::Output) -> String {
 #[test]
 fn a_job_on_two_agents_is_checkpointed_with_one_cut_and_restored_on_swapped_nodes() {
     let Some(s) = Scene::start(&[]) else { return };
-    // The quiesce hook runs for every member, before its lock, with its rank and PID.
+    // The node's quiesce hook the job names runs for every member, before its lock, with its rank
+    // and PID (`record`, see `agent_local_args`).
     let hook = s.store.with_file_name("quiesced");
-    let quiesce = format!(
-        "echo $GPU_CHECKPOINT_JOB $GPU_CHECKPOINT_RANK $GPU_CHECKPOINT_PID >> {}",
-        hook.display()
-    );
-    let out = s.job(
-        &[
-            "checkpoint",
-            "--job",
-            "train",
-            "--format",
-            "json",
-            "--quiesce",
-            &quiesce,
-        ],
-        &[],
-    );
+    let ckpt = ["checkpoint", "--job", "train", "--format", "json"];
+    let out = s.job(&[&ckpt[..], &["--quiesce", "record"]].concat(), &[]);
     assert!(out.status.success(), "{}\n{}", text(&out), s.logs());
     let mut quiesced: Vec<String> = read(&hook).lines().map(String::from).collect();
     quiesced.sort();
@@ -555,11 +531,12 @@ fn an_etcd_member_stopped_during_the_prepare_phase_commits_or_aborts_cleanly() {
             .args(["job", "checkpoint", "--job", "train", "--format", "json"])
             .args([
                 "--quiesce",
-                "sleep 1",
+                "sleep1",
                 "--lease-ttl",
                 "10s",
                 "--etcd",
                 &urls,
+                "--insecure-plaintext",
             ])
             .output()
             .unwrap()
@@ -596,6 +573,7 @@ fn periodic_job_checkpoints_keep_the_newest_two_and_the_newest_restores() {
             "2",
         ])
         .args(["--lease-ttl", "10s", "--etcd", &s.etcd.url_list()])
+        .arg("--insecure-plaintext")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

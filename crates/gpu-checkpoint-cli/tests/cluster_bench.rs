@@ -3,7 +3,15 @@
 //!   cargo test -p gpu-checkpoint-cli --test cluster_bench -- --ignored --nocapture
 //!
 //! `CLUSTER_BENCH_MIB` sets each rank's size (default 64 MiB), `CLUSTER_BENCH_AGENTS` the agent counts
-//! (default `1,2,4,8`), e.g. `CLUSTER_BENCH_MIB=512 CLUSTER_BENCH_AGENTS=8`.
+//! (default `1,2,4,8`), e.g. `CLUSTER_BENCH_MIB=512 CLUSTER_BENCH_AGENTS=8`; `CLUSTER_BENCH_RUNS` the
+//! rounds (default 3), `CLUSTER_BENCH_MEMBER` extra arguments of every member's gpu-sim-workload,
+//! `CLUSTER_BENCH_RESTORE=0` leaves the job restores out, `CLUSTER_BENCH_TLS=0` talks
+//! to etcd in plaintext (default: TLS with client certificates and authentication, docs/cluster.md's
+//! secure setup). `scripts/bench-cluster.sh` runs it at fleet scale (64 agents, 1 MiB members).
+//!
+//! It also counts the requests etcd answered per job checkpoint (from etcd's gRPC metrics: each unary
+//! call, and each message on a stream, by method), for the whole fleet: the coordinator's, the
+//! agents', and the agents' lease refreshes meanwhile.
 //!
 //! A job checkpoint (`--leave-running`, so that it can be repeated) of 1, 2, 4 and 8 agents on this
 //! machine, one SIMULATED GPU rank each, against a plain `gpu-checkpoint checkpoint --leave-running` of one
@@ -40,8 +48,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-const RUNS: usize = 3;
-
 /// `name`'s value, or `default` when it is not set.
 fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
@@ -54,6 +60,11 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     if !criu_ready() {
         return;
     }
+    let runs: usize = env_or("CLUSTER_BENCH_RUNS", "3")
+        .parse()
+        .expect("CLUSTER_BENCH_RUNS");
+    let with_restore = env_or("CLUSTER_BENCH_RESTORE", "1") != "0";
+    let tls = env_or("CLUSTER_BENCH_TLS", "1") != "0";
     let mib = env_or("CLUSTER_BENCH_MIB", "64");
     let mib: u64 = mib.parse().expect("CLUSTER_BENCH_MIB: a number of MiB");
     let mib = mib.to_string();
@@ -65,9 +76,17 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     // The baseline: one rank, checkpointed alone.
-    let one = SimProcess::start(&["--mib", &mib]);
+    // Each member: a SIMULATED GPU process of `mib` MiB, with CLUSTER_BENCH_MEMBER's extra arguments
+    // (bench-cluster.sh: one worker with 20 ms kernels, so that 64 members leave the cores to the
+    // agents and etcd).
+    let extra = env_or("CLUSTER_BENCH_MEMBER", "");
+    let member: Vec<&str> = ["--mib", mib.as_str()]
+        .into_iter()
+        .chain(extra.split_whitespace())
+        .collect();
+    let one = SimProcess::start(&member);
     let mut plain_id = String::new();
-    let plain: Vec<f64> = (0..RUNS)
+    let plain: Vec<f64> = (0..runs)
         .map(|_| {
             let t = Instant::now();
             let out = gc(&[
@@ -90,9 +109,9 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         })
         .collect();
     let plain = median(plain);
-    println!("plain checkpoint of one {mib} MiB rank: {plain:.0} ms (median of {RUNS}, process start included)");
+    println!("plain checkpoint of one {mib} MiB rank: {plain:.0} ms (median of {runs}, process start included)");
     let plain_restore = median(
-        (0..RUNS)
+        (0..runs)
             .map(|_| {
                 kill(&[one.pid]);
                 let t = Instant::now();
@@ -104,7 +123,7 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             .collect(),
     );
     drop(one);
-    println!("plain restore of one {mib} MiB rank: {plain_restore:.0} ms (median of {RUNS})");
+    println!("plain restore of one {mib} MiB rank: {plain_restore:.0} ms (median of {runs})");
     let (mut restores, mut breakdowns) = (Vec::new(), Vec::new());
     println!("agents | job total ms | slowest member's work | etcd ms (share) | protocol (share) | job - plain ms");
     for n in sizes {
@@ -112,7 +131,11 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         // find its `/ready` and be taken for another test's etcd.
         let round = dir.path().join(format!("etcd-{n}-agents"));
         gpu_checkpoint::util::create_private_dir_all(&round).unwrap();
-        let etcd = Etcd::start(&bin, &round, 1);
+        let etcd = if tls {
+            Etcd::start_secure(&bin, &round)
+        } else {
+            Etcd::start(&bin, &round, 1)
+        };
         let nodes: Vec<String> = (0..n).map(|i| format!("n{i}")).collect();
         let _agents: Vec<Agent> = nodes
             .iter()
@@ -120,24 +143,11 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
             // a short one (the job then aborts, correctly, and there is nothing to measure).
             .map(|node| Agent::spawn(&etcd, node, &store, dir.path(), &[], "30s", &[]))
             .collect();
-        let ranks: Vec<SimProcess> = (0..n)
-            .map(|_| SimProcess::start(&["--mib", &mib]))
-            .collect();
+        let ranks: Vec<SimProcess> = (0..n).map(|_| SimProcess::start(&member)).collect();
         for (i, r) in ranks.iter().enumerate() {
-            let out = gc(&[
-                "job",
-                "add",
-                "--job",
-                "bench",
-                "--rank",
-                &i.to_string(),
-                "--node",
-                &nodes[i],
-                "--pid",
-                &r.pid.to_string(),
-                "--etcd",
-                &etcd.url_list(),
-            ]);
+            let (rank, pid) = (i.to_string(), r.pid.to_string());
+            let args = ["--job", "bench", "--rank", &rank, "--pid", &pid];
+            let out = job_add(dir.path(), &nodes[i], &args);
             assert!(out.status.success(), "{out:?}");
         }
         let (mut total, mut etcd_ms, mut work, mut phases) =
@@ -145,8 +155,18 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         // start, member etcd, watch wake-ups, barrier skew, task pick-up, go and commit delivery
         let mut parts: [Vec<f64>; 7] = Default::default();
         let mut id = String::new();
-        for _ in 0..RUNS {
+        let mut asked: Vec<std::collections::BTreeMap<String, f64>> = Vec::new();
+        for _ in 0..runs {
+            let before = etcd.requests();
             let (wall, m) = timed_job(&etcd, &["checkpoint", "--job", "bench", "--leave-running"]);
+            let after = etcd.requests();
+            asked.push(
+                after
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0)))
+                    .filter(|(_, v)| *v > 0.0)
+                    .collect(),
+            );
             m["id"].as_str().unwrap().clone_into(&mut id);
             let tm = &m["timings_ms"];
             total.push(wall);
@@ -171,16 +191,19 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
         }
         // The last job checkpoint, restored RUNS times (every rank killed before each; CRIU restores
         // each under its PID, so `ranks` kill the restored copies at the end too).
+        print_requests(n, &asked);
         let pids: Vec<i32> = ranks.iter().map(|r| r.pid).collect();
         let (mut r_total, mut r_phase, mut r_etcd) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..RUNS {
+        for _ in 0..if with_restore { runs } else { 0 } {
             kill(&pids);
             let (wall, m) = timed_job(&etcd, &["restore", &id]);
             r_total.push(wall);
             r_phase.push(m["timings_ms"]["checkpoint"].as_f64().unwrap());
             r_etcd.push(m["timings_ms"]["etcd"].as_f64().unwrap());
         }
-        restores.push((n, median(r_total), median(r_phase), median(r_etcd)));
+        if with_restore {
+            restores.push((n, median(r_total), median(r_phase), median(r_etcd)));
+        }
         let (t, e, w) = (median(total), median(etcd_ms), median(work));
         let [start, member_etcd, wake, skew, pickup, go, commit] = parts.map(median);
         breakdowns.push((
@@ -251,12 +274,34 @@ fn job_checkpoint_against_a_plain_checkpoint_for_1_2_4_8_agents() {
     }
 }
 
+/// The etcd requests of each job checkpoint of `n` agents (medians over the rounds), by kind, and per
+/// member.
+fn print_requests(n: usize, rounds: &[std::collections::BTreeMap<String, f64>]) {
+    let kinds: std::collections::BTreeSet<&String> = rounds.iter().flat_map(|r| r.keys()).collect();
+    let med = |k: &str| {
+        median(
+            rounds
+                .iter()
+                .map(|r| r.get(k).copied().unwrap_or(0.0))
+                .collect(),
+        )
+    };
+    let total = median(rounds.iter().map(|r| r.values().sum()).collect());
+    let parts: Vec<String> = kinds.iter().map(|k| format!("{k} {:.0}", med(k))).collect();
+    println!(
+        "{n:>6} agents: etcd requests per job checkpoint {total:.0} ({:.1} per member): {}",
+        total / n as f64,
+        parts.join(", ")
+    );
+}
+
 /// `gpu-checkpoint job ARGS` (JSON, 30 s leases: see the agents'): its wall time in ms and its output.
 fn timed_job(etcd: &Etcd, args: &[&str]) -> (f64, serde_json::Value) {
     let t = Instant::now();
-    let url = etcd.url_list();
-    let tail = ["--format", "json", "--lease-ttl", "30s", "--etcd", &url];
-    let out = gc(&[&["job"], args, &tail].concat());
+    let tail = ["--format", "json", "--lease-ttl", "30s"];
+    let etcd_args = etcd.client_args();
+    let etcd_args: Vec<&str> = etcd_args.iter().map(String::as_str).collect();
+    let out = gc(&[&["job"], args, &tail, &etcd_args].concat());
     let wall = t.elapsed().as_secs_f64() * 1000.0;
     assert!(out.status.success(), "{out:?}");
     (wall, serde_json::from_slice(&out.stdout).unwrap())

@@ -16,9 +16,9 @@ mod container_support;
 use std::path::Path;
 
 use cluster_support::netns::{
-    cut_during_prepare, in_hub, netns_ready, start_agent, start_etcd, Lab,
+    cut_during_prepare, in_hub, job_add_on, netns_ready, start_agent, start_etcd, Lab,
 };
-use cluster_support::{etcd_bin, gc, read, Agent, Etcd};
+use cluster_support::{etcd_bin, gc, job_add, read, Agent, Etcd};
 use container_scene::{gpu_pid, Faults, CHECKPOINT};
 use container_support::*;
 
@@ -45,7 +45,8 @@ fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_contain
             "checkpoint" | "restore" => &["--lease-ttl", "10s"],
             _ => &[],
         };
-        gc(&[&["job"], args, ttl, &["--etcd", &etcd_url]].concat())
+        let etcd = ["--etcd", &etcd_url, "--insecure-plaintext"];
+        gc(&[&["job"], args, ttl, &etcd].concat())
     };
     let mut ids = Vec::new();
     for (rank, node) in ["a", "b"].iter().enumerate() {
@@ -54,17 +55,8 @@ fn a_job_of_gpu_containers_on_two_agents_is_checkpointed_and_restored_by_contain
         let bundle = Bundle::new(&dir.path().join(format!("bundle-{node}")), &gpu, &[]);
         runc.run(&id, &bundle);
         let r = rank.to_string();
-        let out = job(&[
-            "add",
-            "--job",
-            "jc",
-            "--rank",
-            &r,
-            "--node",
-            node,
-            "--container",
-            &id,
-        ]);
+        let add = ["--job", "jc", "--rank", &r, "--container", &id];
+        let out = job_add(dir.path(), node, &add);
         assert!(out.status.success(), "{}", text(&out));
         ids.push(id);
     }
@@ -167,8 +159,8 @@ fn an_ordered_job_of_gpu_containers_in_network_namespaces_undoes_a_failed_dump_t
         std::fs::write(&config, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
         runc.run(&id, &bundle);
         let r = rank.to_string();
-        let add = ["job", "add", "--job", "jo", "--rank", &r, "--node", node];
-        let out = in_hub(&lab, &[&add[..], &["--container", &id]].concat());
+        let add = ["--job", "jo", "--rank", &r, "--container", &id];
+        let out = job_add_on(&lab, dir.path(), node, &add);
         assert!(out.status.success(), "{}", text(&out));
         ids.push(id);
     }
@@ -341,7 +333,7 @@ fn a_node_cut_off_during_its_containers_dump_aborts_the_job_and_resolves_its_kep
     let job = std::thread::spawn(move || {
         Lab::exec(&hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
             .args(CHECKPOINT)
-            .args(["--etcd", "http://127.0.0.1:2379"])
+            .args(["--etcd", "http://127.0.0.1:2379", "--insecure-plaintext"])
             .output()
             .unwrap()
     });

@@ -57,7 +57,7 @@ fn an_etcd_member_stopped_during_the_prepare_of_a_job_of_containers_commits_or_a
     let steps_before: Vec<u64> = s.ids.iter().map(|id| steps(gpu_pid(&s.runc, id))).collect();
     // The prepare phase lasts at least a second (the quiesce hook); the first of etcd's three members,
     // which every client is given first, is stopped in the middle of it.
-    let mut job = s.hub_command(&[&CHECKPOINT[..], &["--quiesce", "sleep 1"]].concat(), &[]);
+    let mut job = s.hub_command(&[&CHECKPOINT[..], &["--quiesce", "sleep1"]].concat(), &[]);
     let job = std::thread::spawn(move || job.output().unwrap());
     std::thread::sleep(Duration::from_millis(500));
     s.kill_etcd_member(0);

@@ -41,7 +41,7 @@ fn job_checkpoint(s: &Scene, args: &[&str], faults: &str) -> JoinHandle<Output> 
     let mut cmd = Lab::exec(&s.lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")));
     cmd.args(["job", "checkpoint", "--job", "train", "--lease-ttl", "10s"])
         .args(args)
-        .args(["--etcd", "http://127.0.0.1:2379"])
+        .args(["--etcd", "http://127.0.0.1:2379", "--insecure-plaintext"])
         .env("GPU_CHECKPOINT_FAULT", faults);
     std::thread::spawn(move || cmd.output().unwrap())
 }

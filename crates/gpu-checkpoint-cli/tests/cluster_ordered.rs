@@ -11,7 +11,7 @@ mod cluster_support;
 mod scene;
 mod sim_support;
 
-use cluster_support::netns::in_hub;
+use cluster_support::netns::{in_hub, job_add_on};
 use scene::Scene;
 use sim_support::{assert_healthy, text, wait_gone};
 
@@ -105,10 +105,8 @@ fn an_ordered_job_checkpoint_locks_restores_and_unlocks_its_members_in_rank_orde
     // One member registered again as sharing CUDA IPC memory (`job add --ordered`) makes the job's
     // checkpoints ordered without asking (`job list` says so); the one asked without is ordered too.
     let (pid, node) = (s.pids()[2].to_string(), scene::node_of(2));
-    let add = [
-        "job", "add", "--job", "train", "--rank", "2", "--node", node, "--pid", &pid,
-    ];
-    let out = in_hub(&s.lab, &[&add[..], &["--ordered"]].concat());
+    let add = ["--job", "train", "--rank", "2", "--pid", &pid, "--ordered"];
+    let out = job_add_on(&s.lab, s.dir.path(), node, &add);
     assert!(out.status.success(), "{}", text(&out));
     let out = in_hub(&s.lab, &["job", "list"]);
     let list = String::from_utf8_lossy(&out.stdout).to_string();

@@ -81,6 +81,8 @@ classified!(
     crate::flows::engine::Error,
     crate::flows::cluster::ClusterError,
     crate::flows::cluster::CoordError,
+    crate::flows::cluster::MemberError,
+    crate::flows::cluster::RegisterError,
 );
 
 #[cfg(test)]

@@ -34,6 +34,28 @@ pub enum ExitStatus {
     Interrupted = 10,
 }
 
+impl ExitStatus {
+    /// Every status, in code order.
+    pub const ALL: [ExitStatus; 10] = [
+        ExitStatus::Failure,
+        ExitStatus::Usage,
+        ExitStatus::NoSuchProcess,
+        ExitStatus::PermissionDenied,
+        ExitStatus::ToolMissing,
+        ExitStatus::Storage,
+        ExitStatus::CheckpointInvalid,
+        ExitStatus::Conflict,
+        ExitStatus::Unsupported,
+        ExitStatus::Interrupted,
+    ];
+
+    /// The status of exit code `code`, as a record that carried it across a process boundary has it
+    /// (a job member's failure, from its agent).
+    pub fn from_code(code: i32) -> Option<ExitStatus> {
+        Self::ALL.into_iter().find(|s| *s as i32 == code)
+    }
+}
+
 /// An error that knows which documented exit status it means. Implemented by every error type of the
 /// library; [`crate::error::exit_status_of`] lists them all (a test checks that none is missing).
 pub trait Classify: std::error::Error {
@@ -58,6 +80,15 @@ pub fn io_exit_status(e: &std::io::Error) -> ExitStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_status_reads_back_from_its_code() {
+        for s in ExitStatus::ALL {
+            assert_eq!(ExitStatus::from_code(s as i32), Some(s));
+        }
+        assert_eq!(ExitStatus::from_code(0), None);
+        assert_eq!(ExitStatus::from_code(11), None);
+    }
 
     #[test]
     fn io_errors_map_to_documented_exit_statuses() {

@@ -30,6 +30,7 @@ pub mod path_search;
 pub mod proc;
 pub mod store;
 pub mod util;
+pub mod validate;
 
 // The tests' pseudo-random data, as `crate::testdata` (a crate of its own, so that no build of the tool
 // links it).

@@ -5,41 +5,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_checkpoint::flows::cluster::{
-    self, job, Coordinator, EtcdCoordinator, JobCheckpointOptions, MemberRecord, PeriodicOptions,
+    self, job, Coordinator, EtcdCoordinator, JobCheckpointOptions, PeriodicOptions, Registration,
     Round, Timeouts,
 };
 use serde_json::json;
 use std::sync::atomic::Ordering;
 
 use super::cuda::{parse_timeout, Timeout};
+pub use super::etcd_args::EtcdArgs;
 use super::Format;
-
-/// Where etcd is (every cluster command).
-#[derive(clap::Args, Debug, Clone)]
-pub struct EtcdArgs {
-    /// etcd's client URLs, comma-separated (http://10.0.0.1:2379,...).
-    #[arg(
-        long,
-        env = "GPU_CHECKPOINT_ETCD",
-        value_delimiter = ',',
-        required = true
-    )]
-    pub etcd: Vec<String>,
-}
-
-impl EtcdArgs {
-    pub fn connect(&self) -> anyhow::Result<Arc<EtcdCoordinator>> {
-        Ok(Arc::new(EtcdCoordinator::connect(&self.etcd)?))
-    }
-
-    pub fn endpoints(&self) -> String {
-        self.etcd.join(",")
-    }
-}
 
 #[derive(clap::Subcommand)]
 pub enum Command {
-    /// Register a member of a job: a process tree on a node, with its rank.
+    /// Register a member of a job: a process tree (or container) on this node, with its rank, through
+    /// this node's agent (run it on the member's node).
     Add(AddArgs),
     /// Checkpoint every member of a job with a consistent cut; prints the job checkpoint's id.
     Checkpoint(CheckpointArgs),
@@ -59,8 +38,9 @@ pub struct AddArgs {
     pub job: String,
     #[arg(long)]
     pub rank: u32,
+    /// The node (checked against the agent's: this command registers members of its own node only).
     #[arg(long)]
-    pub node: String,
+    pub node: Option<String>,
     /// The member's process tree (its root) on its node.
     #[arg(long, required_unless_present = "container", conflicts_with = "container", value_parser = clap::value_parser!(i32).range(1..))]
     pub pid: Option<i32>,
@@ -73,8 +53,9 @@ pub struct AddArgs {
     /// restores in that order.
     #[arg(long)]
     pub ordered: bool,
-    #[command(flatten)]
-    pub etcd: EtcdArgs,
+    /// The node's agent's socket (`agent --socket`).
+    #[arg(long, value_name = "PATH", env = "GPU_CHECKPOINT_AGENT_SOCKET", default_value = gpu_checkpoint::flows::cluster::register::DEFAULT_SOCKET)]
+    pub agent_socket: std::path::PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -90,9 +71,10 @@ pub struct CheckpointArgs {
     /// member's timeout aborts the job.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
     pub lock_timeout: Timeout,
-    /// A command each agent runs (sh -c) before locking its member, with GPU_CHECKPOINT_PID,
-    /// GPU_CHECKPOINT_RANK and GPU_CHECKPOINT_JOB set: how the application reaches a collective boundary.
-    #[arg(long, value_name = "COMMAND")]
+    /// The quiesce hook each agent runs before locking its member (one of those its node's agent was
+    /// started with, `agent --quiesce-hook NAME=PROGRAM`): how the application reaches a collective
+    /// boundary. A name: nothing executable goes through etcd.
+    #[arg(long, value_name = "NAME")]
     pub quiesce: Option<String>,
     /// Lock the members one after the other in rank order, and restore and unlock this checkpoint in
     /// the same order later: jobs whose processes share CUDA IPC memory (driver r610 and later).
@@ -178,21 +160,20 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
 }
 
 fn add(a: AddArgs) -> anyhow::Result<()> {
-    let coord = a.etcd.connect()?;
-    let m = MemberRecord {
+    let reg = Registration {
+        job: a.job,
         rank: a.rank,
-        node: a.node,
         pid: a.pid,
         container: a.container,
         ordered: a.ordered,
+        node: a.node,
     };
-    job::add_member(coord.as_ref(), &a.job, &m)?;
+    let node = cluster::register_member(&a.agent_socket, &reg)?;
     eprintln!(
-        "job {}: rank {} on node {} registered{}",
-        a.job,
-        m.rank,
-        m.node,
-        if m.ordered {
+        "job {}: rank {} on node {node} registered{}",
+        reg.job,
+        reg.rank,
+        if reg.ordered {
             " (ordered: the job's checkpoints go in rank order)"
         } else {
             ""
@@ -202,6 +183,9 @@ fn add(a: AddArgs) -> anyhow::Result<()> {
 }
 
 fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
+    if let Some(hook) = &a.quiesce {
+        cluster::records::check_name("quiesce hook", hook).map_err(super::usage)?;
+    }
     let coord = a.etcd.connect()?;
     let opts = JobCheckpointOptions {
         job: a.job,

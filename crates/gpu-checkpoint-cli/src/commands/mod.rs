@@ -11,6 +11,8 @@ pub mod delete;
 pub mod detect;
 pub mod doctor;
 pub mod engine;
+#[cfg(feature = "cluster")]
+pub mod etcd_args;
 pub mod gc;
 pub mod guardian;
 pub mod inspect;

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::cluster_support::netns::{
-    hub_urls, in_hub_on, netns_ready, start_agent_on, start_etcd_members, Agent, Lab, NsProcess,
+    hub_urls, in_hub_on, job_add_on, netns_ready, start_agent_on, start_etcd_members, Agent, Lab,
+    NsProcess,
 };
 use crate::cluster_support::{etcd_bin, read};
 use crate::container_support::*;
@@ -79,8 +80,8 @@ impl Faults {
             let bundle = Bundle::new(&s.dir.path().join(format!("bundle-{node}")), &gpu, &[]);
             s.runc.run(&id, &bundle);
             let r = rank.to_string();
-            let add = ["job", "add", "--job", "jf", "--rank", &r, "--node", node];
-            let out = s.in_hub(&[&add[..], &["--container", &id]].concat());
+            let add = ["--job", "jf", "--rank", &r, "--container", &id];
+            let out = job_add_on(&s.lab, s.dir.path(), node, &add);
             assert!(out.status.success(), "{}", text(&out));
             s.ids.push(id);
         }
@@ -116,7 +117,7 @@ impl Faults {
             Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
         );
         cmd.args(args)
-            .args(["--etcd", &hub_urls(self.etcd.len())])
+            .args(["--etcd", &hub_urls(self.etcd.len()), "--insecure-plaintext"])
             .envs(env.iter().copied());
         cmd
     }
@@ -253,7 +254,7 @@ impl Faults {
     /// etcd's keys under `prefix` and their values, read from the hub: a thread of this test joins the
     /// hub's network namespace (`setns` moves the calling thread only) and asks etcd there.
     pub fn etcd_range(&self, prefix: &str) -> Vec<(String, String)> {
-        use gpu_checkpoint::flows::cluster::{Coordinator, EtcdCoordinator};
+        use gpu_checkpoint::flows::cluster::{Coordinator, EtcdConfig, EtcdCoordinator};
         use std::os::fd::AsRawFd;
         let ns = std::fs::File::open(format!("/run/netns/{}", self.lab.hub)).unwrap();
         let urls: Vec<String> = hub_urls(self.etcd.len())
@@ -265,7 +266,7 @@ impl Faults {
             // SAFETY: setns on a namespace file this thread holds open; it changes this thread alone.
             let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
             assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-            let c = EtcdCoordinator::connect(&urls).unwrap();
+            let c = EtcdCoordinator::connect(&EtcdConfig::insecure(&urls)).unwrap();
             let (kvs, _) = c.range(&prefix).unwrap();
             kvs.into_iter()
                 .map(|kv| (kv.key, String::from_utf8_lossy(&kv.value).into_owned()))

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 pub mod netns;
+pub mod pki;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -10,7 +11,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use gpu_checkpoint::flows::cluster::{Coordinator, EtcdCoordinator};
+use gpu_checkpoint::flows::cluster::{Coordinator, EtcdConfig, EtcdCoordinator};
 
 /// The etcd binary (the distribution's package, scripts/install-etcd.sh), when there is one. In CI its
 /// absence fails the test; locally the test is skipped with the reason printed.
@@ -51,11 +52,41 @@ struct Member {
 pub struct Etcd {
     members: Vec<Option<Member>>,
     pub urls: Vec<String>,
+    /// The secure setup ([`Etcd::start_secure`]): its CA and certificates, and the user files.
+    pub pki: Option<pki::Pki>,
+    /// How the test itself talks to it (as root, where it is secure).
+    config: EtcdConfig,
+    /// The first member's Prometheus metrics, plaintext on loopback (`--listen-metrics-urls`): how
+    /// many requests of each kind etcd answered ([`Etcd::requests`]).
+    metrics: String,
 }
 
 impl Etcd {
+    /// Plaintext etcd, without authentication: the tests of the protocol (`--insecure-plaintext`).
     pub fn start(bin: &Path, dir: &Path, size: usize) -> Etcd {
+        Self::start_with(bin, dir, size, None)
+    }
+
+    /// One etcd member as docs/cluster.md sets it up: TLS with client certificates (`--client-cert-auth`)
+    /// and authentication, the users and roles of [`pki::USERS`].
+    pub fn start_secure(bin: &Path, dir: &Path) -> Etcd {
+        let pki = pki::Pki::make(&dir.join("pki"));
+        let etcd = Self::start_with(bin, dir, 1, Some(pki));
+        let pki = etcd.pki.as_ref().unwrap();
+        pki.enable_auth(&etcd.urls[0]);
+        etcd
+    }
+
+    fn start_with(bin: &Path, dir: &Path, size: usize, pki: Option<pki::Pki>) -> Etcd {
+        let scheme = if pki.is_some() { "https" } else { "http" };
+        let tls = pki
+            .as_ref()
+            .map(|p| p.etcd_server_args())
+            .unwrap_or_default();
         let clients: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let metrics: Vec<String> = (0..size)
+            .map(|_| format!("http://127.0.0.1:{}", free_port()))
+            .collect();
         let peers: Vec<u16> = (0..size).map(|_| free_port()).collect();
         let initial: Vec<String> = peers
             .iter()
@@ -67,7 +98,7 @@ impl Etcd {
             let data = dir.join(format!("etcd-{i}"));
             gpu_checkpoint::util::create_private_dir_all(&data).unwrap();
             let log = std::fs::File::create(dir.join(format!("etcd-{i}.log"))).unwrap();
-            let client = format!("http://127.0.0.1:{}", clients[i]);
+            let client = format!("{scheme}://127.0.0.1:{}", clients[i]);
             let peer = format!("http://127.0.0.1:{}", peers[i]);
             let child = Command::new(bin)
                 .args(["--name", &format!("e{i}")])
@@ -82,6 +113,8 @@ impl Etcd {
                     "--initial-cluster-token",
                     &format!("t{}", std::process::id()),
                 ])
+                .args(&tls)
+                .args(["--listen-metrics-urls", &metrics[i]])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -89,12 +122,26 @@ impl Etcd {
                 .expect("start etcd");
             members.push(Some(Member { child }));
         }
+        let urls: Vec<String> = clients
+            .iter()
+            .map(|p| format!("{scheme}://127.0.0.1:{p}"))
+            .collect();
+        let config = match &pki {
+            None => EtcdConfig::insecure(&urls),
+            Some(p) => EtcdConfig {
+                endpoints: urls.clone(),
+                cacert: Some(p.path("ca.crt").into()),
+                cert: Some(p.path("root.crt").into()),
+                key: Some(p.path("root.key").into()),
+                ..EtcdConfig::default()
+            },
+        };
         let mut etcd = Etcd {
             members,
-            urls: clients
-                .iter()
-                .map(|p| format!("http://127.0.0.1:{p}"))
-                .collect(),
+            urls,
+            pki,
+            config,
+            metrics: metrics[0].clone(),
         };
         etcd.wait_ready(dir);
         etcd
@@ -111,7 +158,7 @@ impl Etcd {
                     panic!("etcd member {i} exited ({st}): {}", log.unwrap_or_default());
                 }
             }
-            if let Ok(c) = EtcdCoordinator::connect(&self.urls) {
+            if let Ok(c) = EtcdCoordinator::connect(&self.config) {
                 // Ours is empty: a `/ready` already there is another test's etcd on a port that was
                 // free a moment before.
                 if let Ok(Some(_)) = c.get("/ready") {
@@ -136,8 +183,63 @@ impl Etcd {
         self.urls.join(",")
     }
 
+    /// The requests the first member answered so far, by kind: `unary Method` (each call) and
+    /// `stream Method` (each message received on a stream: a watch created, a lease kept alive), from
+    /// its gRPC metrics (`grpc_server_handled_total`, `grpc_server_msg_received_total`).
+    pub fn requests(&self) -> std::collections::BTreeMap<String, f64> {
+        use std::io::{Read, Write};
+        let addr = self.metrics.trim_start_matches("http://");
+        let mut conn = std::net::TcpStream::connect(addr).expect("etcd's metrics");
+        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        conn.read_to_string(&mut body).unwrap();
+        let mut out = std::collections::BTreeMap::new();
+        for line in body.lines() {
+            let (kind, rest) = if let Some(r) = line.strip_prefix("grpc_server_handled_total{") {
+                ("unary", r)
+            } else if let Some(r) = line.strip_prefix("grpc_server_msg_received_total{") {
+                ("stream", r)
+            } else {
+                continue;
+            };
+            let (labels, value) = rest.split_once("} ").unwrap_or_default();
+            let label = |k: &str| {
+                labels
+                    .split(',')
+                    .find_map(|l| l.strip_prefix(&format!("{k}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_string())
+                    .unwrap_or_default()
+            };
+            let unary = label("grpc_type") == "unary";
+            if (kind == "unary") != unary {
+                continue;
+            }
+            let n: f64 = value.trim().parse().unwrap_or(0.0);
+            *out.entry(format!("{kind} {}", label("grpc_method")))
+                .or_default() += n;
+        }
+        out
+    }
+
+    /// The test's own client: root, where etcd is secure.
     pub fn client(&self) -> EtcdCoordinator {
-        EtcdCoordinator::connect(&self.urls).unwrap()
+        EtcdCoordinator::connect(&self.config).unwrap()
+    }
+
+    /// How agents and job commands reach it: plaintext, accepted explicitly; or, where it is secure,
+    /// as user `gpu-checkpoint` through a private config file (an agent unit's `EnvironmentFile`).
+    pub fn client_args(&self) -> Vec<String> {
+        match &self.pki {
+            None => vec![
+                "--etcd".into(),
+                self.url_list(),
+                "--insecure-plaintext".into(),
+            ],
+            Some(p) => {
+                let file = p.config_file(&self.url_list(), "gpu-checkpoint");
+                vec!["--etcd-config".into(), file.display().to_string()]
+            }
+        }
     }
 
     /// Stops member `i` (SIGKILL), as a failed machine.
@@ -182,7 +284,10 @@ impl Agent {
     ) -> Agent {
         let log = dir.join(format!("agent-{node}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
-            .args(["agent", "--etcd", &etcd.url_list(), "--node", node])
+            .arg("agent")
+            .args(etcd.client_args())
+            .args(["--node", node])
+            .args(agent_local_args(dir, node))
             .arg("--storage")
             .arg(store)
             .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
@@ -238,6 +343,52 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.stop(libc::SIGTERM);
     }
+}
+
+/// The local socket of `node`'s agent started in `dir`, where `job add` registers its members.
+pub fn agent_socket(dir: &Path, node: &str) -> PathBuf {
+    dir.join(format!("agent-{node}.sock"))
+}
+
+/// The agent's own folders in `dir` (its socket, its state: the members registered through it) and
+/// the tests' quiesce hooks, scripts in `dir`: `sleep1` and `sleep3` (a prepare phase that lasts), and
+/// `record` (appends `JOB RANK PID` to `dir/quiesced`).
+pub fn agent_local_args(dir: &Path, node: &str) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let state = dir.join(format!("agent-{node}.state"));
+    let mut args = vec![
+        "--socket".into(),
+        agent_socket(dir, node).display().to_string(),
+        "--state-dir".into(),
+        state.display().to_string(),
+    ];
+    let record = format!(
+        "echo $GPU_CHECKPOINT_JOB $GPU_CHECKPOINT_RANK $GPU_CHECKPOINT_PID >> {}",
+        dir.join("quiesced").display()
+    );
+    for (name, body) in [
+        ("sleep1", "sleep 1"),
+        ("sleep3", "sleep 3"),
+        ("record", &record),
+    ] {
+        let path = dir.join(format!("hook-{name}"));
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        args.push("--quiesce-hook".into());
+        args.push(format!("{name}={}", path.display()));
+    }
+    args
+}
+
+/// `gpu-checkpoint job add ARGS` on `node`, through its agent started in `dir`.
+pub fn job_add(dir: &Path, node: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu-checkpoint"))
+        .args(["job", "add", "--node", node])
+        .args(args)
+        .arg("--agent-socket")
+        .arg(agent_socket(dir, node))
+        .output()
+        .expect("run gpu-checkpoint job add")
 }
 
 pub fn read(p: &Path) -> String {

@@ -301,9 +301,24 @@ pub fn in_hub(lab: &Lab, args: &[&str]) -> Output {
 pub fn in_hub_on(lab: &Lab, urls: &str, args: &[&str]) -> Output {
     Lab::exec(&lab.hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
         .args(args)
-        .args(["--etcd", urls])
+        .args(["--etcd", urls, "--insecure-plaintext"])
         .output()
         .unwrap()
+}
+
+/// `gpu-checkpoint job add ARGS` run in `node`'s namespace (on the member's node), through its agent
+/// started with its folders in `dir`.
+pub fn job_add_on(lab: &Lab, dir: &Path, node: &str, args: &[&str]) -> Output {
+    Lab::exec(
+        lab.ns(node),
+        Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
+    )
+    .args(["job", "add", "--node", node])
+    .args(args)
+    .arg("--agent-socket")
+    .arg(super::agent_socket(dir, node))
+    .output()
+    .unwrap()
 }
 
 /// `gpu-checkpoint agent` for `node` in its namespace, reaching etcd through its veth, with `extra`
@@ -351,12 +366,20 @@ pub fn start_agent_on(lab: &Lab, members: usize, dir: &Path, a: &Agent) -> NsPro
         Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")),
     );
     let urls = lab.etcd_urls_from(node, members);
-    cmd.args(["agent", "--etcd", &urls, "--node", node])
-        .arg("--storage")
-        .arg(store)
-        .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
-        .args(extra)
-        .envs(env.iter().copied());
+    cmd.args([
+        "agent",
+        "--etcd",
+        &urls,
+        "--insecure-plaintext",
+        "--node",
+        node,
+    ])
+    .args(super::agent_local_args(dir, node))
+    .arg("--storage")
+    .arg(store)
+    .args(["--gpu-backend", "sim", "--lease-ttl", ttl, "-v"])
+    .args(extra)
+    .envs(env.iter().copied());
     let agent = NsProcess::spawn(cmd, dir.join(format!("agent-{node}.log")));
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -379,7 +402,7 @@ pub fn start_agent_on(lab: &Lab, members: usize, dir: &Path, a: &Agent) -> NsPro
     }
 }
 
-/// `gpu-checkpoint ARGS --quiesce "sleep 3"` in the hub (a job checkpoint), `node` cut off a second
+/// `gpu-checkpoint ARGS --quiesce sleep3` in the hub (a job checkpoint), `node` cut off a second
 /// in: during the prepare phase, which the quiesce hook makes last at least 3 s.
 pub fn cut_during_prepare(lab: &Lab, node: &str, args: &[&str]) -> Output {
     let hub = lab.hub.clone();
@@ -387,7 +410,8 @@ pub fn cut_during_prepare(lab: &Lab, node: &str, args: &[&str]) -> Output {
     let job = std::thread::spawn(move || {
         Lab::exec(&hub, Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint")))
             .args(args)
-            .args(["--quiesce", "sleep 3", "--etcd", "http://127.0.0.1:2379"])
+            .args(["--quiesce", "sleep3", "--etcd", "http://127.0.0.1:2379"])
+            .arg("--insecure-plaintext")
             .output()
             .unwrap()
     });

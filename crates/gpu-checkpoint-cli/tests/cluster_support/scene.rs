@@ -6,7 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use crate::cluster_support::netns::{in_hub, netns_ready, start_agent, start_etcd, Lab, NsProcess};
+use crate::cluster_support::netns::{
+    in_hub, job_add_on, netns_ready, start_agent, start_etcd, Lab, NsProcess,
+};
 use crate::cluster_support::{etcd_bin, read};
 use crate::sim_support::{self, criu_ready, text, SimProcess};
 
@@ -75,8 +77,8 @@ impl Scene {
                 children: Vec::new(),
             });
             let (r, p) = (rank.to_string(), pid.to_string());
-            let add = ["job", "add", "--job", "train", "--rank", &r, "--node", node];
-            let out = in_hub(&lab, &[&add[..], &["--pid", &p]].concat());
+            let add = ["--job", "train", "--rank", &r, "--pid", &p];
+            let out = job_add_on(&lab, dir.path(), node, &add);
             assert!(out.status.success(), "{}", text(&out));
         }
         Some(Scene {

@@ -2,9 +2,11 @@
 //! the tasks coordinators give its node (a member's checkpoint or restore), each in a thread of its own
 //! so that the members of one node lock together.
 //!
-//! What a member does on its node is the [`MemberWork`] the caller gives (the binary: the checkpoint and
-//! restore flows with CRIU, the GPU hook and the store); this module only speaks the protocol: it writes
-//! the member's state, and waits at the barriers for the coordinator's decision (`AgentPhases`).
+//! What a member does on its node is the [`MemberWork`] the caller gives ([`super::LocalWork`]: the
+//! node's checks, its quiesce hook, the checkpoint and restore flows with CRIU, the GPU hook and the
+//! store); this module only speaks the protocol: it checks each task record it reads (a bad one is
+//! logged and skipped, or reported failed), writes the member's state, and waits at the barriers for the
+//! coordinator's decision (`AgentPhases`). Everything read from etcd is untrusted input.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,28 +16,33 @@ use std::time::{Duration, Instant};
 use super::coord::{Compare, CoordError, Coordinator, Revision, TxnOp};
 use super::follow::OpView;
 use super::lease::LeaseGuard;
+use super::member_error::MemberError;
 use super::records::{self as rec, decode, encode, MemberState, OpKind, StateRecord, Task};
 use super::{AgentRecord, ClusterError, JobManifest};
+use crate::exit::Classify;
 use crate::flows::{NotCommitted, Phases};
 use crate::freeze::BeforeUnlock;
+use crate::validate::printable;
 
-/// What a member's part of an operation does on this node.
+/// What a member's part of an operation does on this node. Each call decides first whether the node
+/// allows it (a member registered here, a checkpoint made for the job): the task comes from etcd.
 pub trait MemberWork: Sync {
-    /// Checkpoints the member's tree, waiting at `phases`' barriers; returns once the job committed and
-    /// the tree is stopped (or left running). On error everything is undone.
-    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String>;
+    /// Checkpoints the member's tree (after the job's quiesce hook), waiting at `phases`' barriers;
+    /// returns once the job committed and the tree is stopped (or left running). On error everything is
+    /// undone.
+    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), MemberError>;
     /// The GPUs (UUIDs) the member checkpoint `id` holds state of, for the job manifest.
     fn gpus(&self, id: &str) -> Vec<String>;
     /// Restores the member checkpoint `task.checkpoint`, GPU state included, waiting at `before_unlock`
     /// (given the root PID) once the GPU state is back and before it is unlocked; returns the root PID
     /// once unlocked. When `before_unlock` says no (the job's restore aborted), or anything fails, the
     /// restored copy is killed, never unlocked, and the checkpoint kept.
-    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, String>;
+    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, MemberError>;
     /// Keeps the committed job manifest in this node's store.
-    fn keep_manifest(&self, manifest: &JobManifest) -> Result<(), String>;
+    fn keep_manifest(&self, manifest: &JobManifest) -> Result<(), MemberError>;
     /// Deletes member checkpoint `task.checkpoint` and this node's copy of job checkpoint
     /// `task.job_checkpoint`'s manifest (retention, `job delete`); one already gone is no error.
-    fn delete(&self, task: &Task) -> Result<(), String>;
+    fn delete(&self, task: &Task) -> Result<(), MemberError>;
 }
 
 /// The agent's options.
@@ -187,10 +194,34 @@ fn serve(
                 let task: Task = match decode(&key, &value) {
                     Ok(t) => t,
                     Err(e) => {
-                        tracing::error!("{e}");
+                        tracing::error!("skipped: {}", printable(&e.to_string()));
                         continue;
                     }
                 };
+                if let Err(why) = task.check(&key, &opts.node) {
+                    tracing::error!("task {} skipped: {}", printable(&key), printable(&why));
+                    // A task of a real operation is answered, so that its coordinator aborts at once
+                    // rather than at its timeout; its key named this node and was checked.
+                    if rec::check_name("operation", &task.op).is_ok()
+                        && key == rec::task(&opts.node, &task.op, task.member.rank)
+                    {
+                        let failed = MemberState::Failed {
+                            error: format!("node {}'s agent refused the task: {why}", opts.node),
+                            exit: Some(crate::exit::ExitStatus::Usage as i32),
+                        };
+                        let r = StateRecord {
+                            rank: task.member.rank,
+                            node: opts.node.clone(),
+                            state: failed,
+                            at_unix_ms: rec::now_ms(),
+                        };
+                        let state = rec::state(&task.op, task.member.rank);
+                        if let Err(e) = c.put(&state, &encode(&r), Some(lease.id())) {
+                            tracing::warn!("writing {state}: {e}");
+                        }
+                    }
+                    continue;
+                }
                 let member = Member {
                     coord: c,
                     view: std::sync::Mutex::new(OpView::at_start(c, &task.op, created)),
@@ -429,10 +460,7 @@ impl Member<'_> {
                 let started = Instant::now();
                 match work.delete(&self.task) {
                     Ok(()) => self.say(self.done(started)),
-                    Err(error) => {
-                        tracing::error!("rank {}: {error}", self.task.member.rank);
-                        self.say(MemberState::Failed { error });
-                    }
+                    Err(e) => self.failed(&e),
                 }
             }
         }
@@ -451,20 +479,12 @@ impl Member<'_> {
             self.say(MemberState::Aborted);
             return;
         }
-        if let Some(cmd) = &self.task.quiesce {
-            if let Err(e) = quiesce(cmd, &self.task) {
-                self.say(MemberState::Failed { error: e });
-                return;
-            }
-        }
         let phases = AgentPhases { member: self, work };
         let started = Instant::now();
         match work.checkpoint(&self.task, &phases) {
             Ok(()) => {
                 let kept = match self.etcd(|| self.coord.get(&rec::checkpoint(&self.task.op))) {
-                    Ok(Some(kv)) => decode::<JobManifest>(&kv.key, &kv.value)
-                        .map_err(|e| e.to_string())
-                        .and_then(|m| work.keep_manifest(&m)),
+                    Ok(Some(kv)) => self.keep_manifest(work, &kv.key, &kv.value),
                     Ok(None) => Err("the job manifest is not in etcd".into()),
                     Err(e) => Err(e.to_string()),
                 };
@@ -473,17 +493,37 @@ impl Member<'_> {
                 }
                 self.say(self.done(started));
             }
-            Err(error) if self.in_doubt.load(Ordering::SeqCst) => {
-                tracing::error!("rank {}: {error}", self.task.member.rank);
-                self.say(MemberState::Failed { error });
+            Err(e) if self.in_doubt.load(Ordering::SeqCst) => {
+                self.failed(&e);
                 self.resolve_in_doubt(work);
             }
             Err(_) if self.aborted.load(Ordering::SeqCst) => self.say(MemberState::Aborted),
-            Err(error) => {
-                tracing::error!("rank {}: {error}", self.task.member.rank);
-                self.say(MemberState::Failed { error });
-            }
+            Err(e) => self.failed(&e),
         }
+    }
+
+    /// Reports this member failed, with its error's exit class.
+    fn failed(&self, e: &MemberError) {
+        tracing::error!("rank {}: {e}", self.task.member.rank);
+        self.say(MemberState::Failed {
+            error: e.to_string(),
+            exit: Some(e.exit_status() as i32),
+        });
+    }
+
+    /// Keeps job manifest `bytes` (read at `key`) in this node's store, if it is the manifest of this
+    /// member's operation: the record's own id is never trusted to name a file.
+    fn keep_manifest(&self, work: &dyn MemberWork, key: &str, bytes: &[u8]) -> Result<(), String> {
+        let m = decode::<JobManifest>(key, bytes).map_err(|e| printable(&e.to_string()))?;
+        if m.id != self.task.op {
+            return Err(format!(
+                "the manifest at {} names job checkpoint {:?}, not {}",
+                printable(key),
+                printable(&m.id),
+                self.task.op
+            ));
+        }
+        work.keep_manifest(&m).map_err(|e| e.to_string())
     }
 
     /// In doubt (durable, then etcd out of reach): once etcd answers again, learns the job's outcome
@@ -510,9 +550,7 @@ impl Member<'_> {
             });
             match read {
                 Ok((_, Some(kv))) => {
-                    let kept = decode::<JobManifest>(&kv.key, &kv.value)
-                        .map_err(|e| e.to_string())
-                        .and_then(|m| work.keep_manifest(&m));
+                    let kept = self.keep_manifest(work, &kv.key, &kv.value);
                     tracing::info!("job checkpoint {op} is committed: member checkpoint {id} kept");
                     if let Err(e) = kept {
                         tracing::warn!("keeping job checkpoint {op}'s manifest: {e}");
@@ -581,10 +619,7 @@ impl Member<'_> {
                 tracing::warn!("job restore aborted ({why}): the restored copy was killed");
                 self.say(MemberState::Aborted);
             }
-            Err(error) => {
-                tracing::error!("rank {}: {error}", self.task.member.rank);
-                self.say(MemberState::Failed { error });
-            }
+            Err(e) => self.failed(&e),
         }
     }
 }
@@ -625,22 +660,5 @@ impl Phases for AgentPhases<'_, '_> {
                 Err(NotCommitted::InDoubt(why))
             }
         }
-    }
-}
-
-/// Runs the job's quiesce command (`sh -c`), with the member's PID and rank in its environment.
-fn quiesce(cmd: &str, task: &Task) -> Result<(), String> {
-    let mut c = std::process::Command::new("sh");
-    c.arg("-c")
-        .arg(cmd)
-        .env("GPU_CHECKPOINT_JOB", &task.job)
-        .env("GPU_CHECKPOINT_RANK", task.member.rank.to_string());
-    if let Some(pid) = task.member.pid {
-        c.env("GPU_CHECKPOINT_PID", pid.to_string());
-    }
-    match c.status() {
-        Ok(s) if s.success() => Ok(()),
-        Ok(s) => Err(format!("the quiesce command {cmd:?} failed ({s})")),
-        Err(e) => Err(format!("cannot run the quiesce command {cmd:?}: {e}")),
     }
 }

@@ -75,6 +75,20 @@ pub enum TxnOp {
 pub enum CoordError {
     #[error("cannot reach etcd at {endpoints}: {reason}")]
     Unreachable { endpoints: String, reason: String },
+    /// etcd or its TLS refused us, or we refused it: an unknown server certificate (wrong CA), no or a
+    /// rejected client certificate, a wrong user or password, a user without access to the keys.
+    #[error("etcd at {endpoints} refused: {reason}")]
+    Denied { endpoints: String, reason: String },
+    /// The connection settings do not fit together (or a TLS file cannot be read).
+    #[error("etcd settings: {0}")]
+    Config(String),
+    /// Plaintext or unauthenticated etcd, not accepted by the operator.
+    #[error(
+        "refusing to use etcd at {endpoints} without {missing}: whoever can write to that etcd could \
+         drive the agents, which run as root. Set up TLS and credentials (docs/cluster.md, \
+         \"Secure setup\"), or pass --insecure-plaintext to accept this for a demo or test"
+    )]
+    Insecure { endpoints: String, missing: String },
     #[error("etcd: {0}")]
     Request(String),
     #[error("etcd lease {0:x} expired or was revoked")]
@@ -88,6 +102,8 @@ impl crate::exit::Classify for CoordError {
         match self {
             // etcd is a component the command needs, like CRIU.
             CoordError::Unreachable { .. } => crate::exit::ExitStatus::ToolMissing,
+            CoordError::Denied { .. } => crate::exit::ExitStatus::PermissionDenied,
+            CoordError::Config(_) | CoordError::Insecure { .. } => crate::exit::ExitStatus::Usage,
             CoordError::Request(_) | CoordError::LeaseLost(_) => crate::exit::ExitStatus::Failure,
         }
     }

@@ -20,6 +20,7 @@ use super::timings::{Clock, EtcdTime};
 use super::view::View;
 use super::ClusterError;
 use super::{AgentRecord, JobManifest, JobMember, JobTimings, MemberRecord, Task};
+use crate::exit::ExitStatus;
 
 pub use super::job_restore::{
     parse_device_maps, parse_node_map, restore_job, JobRestoreOutcome, RestoredMember,
@@ -140,7 +141,12 @@ pub fn checkpoint(coord: &dyn Coordinator, id: &str) -> Result<JobManifest, Clus
     let kv = coord
         .get(&rec::checkpoint(id))?
         .ok_or_else(|| ClusterError::NotFound { id: id.into() })?;
-    Ok(decode(&kv.key, &kv.value)?)
+    let m: JobManifest = decode(&kv.key, &kv.value)?;
+    // What a restore or delete sends to agents comes from here: a record that names another job
+    // checkpoint, a node or a checkpoint id this tool would not write is refused, not passed on.
+    m.check(id)
+        .map_err(|why| ClusterError::Damaged { id: id.into(), why })?;
+    Ok(m)
 }
 
 /// The operations running now (their coordinators alive).
@@ -156,7 +162,31 @@ pub fn running(coord: &dyn Coordinator) -> Result<Vec<rec::OpRecord>, ClusterErr
 pub(super) enum Verdict {
     Done,
     Pending,
-    Fail(String),
+    Fail(Cause),
+}
+
+/// Why an operation aborts, and the exit class of the member failure that made it (absent: the
+/// operation's own failure, such as a timeout or a lost agent).
+#[derive(Debug)]
+pub(super) struct Cause {
+    pub(super) why: String,
+    pub(super) exit: Option<ExitStatus>,
+}
+
+impl From<String> for Cause {
+    fn from(why: String) -> Cause {
+        Cause { why, exit: None }
+    }
+}
+
+impl Cause {
+    /// A member's `failed` state: its error and its exit code, as its agent wrote them.
+    pub(super) fn failed(error: &str, exit: Option<i32>) -> Cause {
+        Cause {
+            why: error.to_string(),
+            exit: exit.and_then(ExitStatus::from_code),
+        }
+    }
 }
 
 /// One operation of the coordinator's: its id, its members (on the nodes that run them), its lease.
@@ -222,7 +252,7 @@ impl<'a> Op<'a> {
         phase: &str,
         limit: Duration,
         judge: impl Fn(Option<&MemberState>, bool) -> Verdict,
-    ) -> Result<BTreeMap<u32, MemberState>, String> {
+    ) -> Result<BTreeMap<u32, MemberState>, Cause> {
         let deadline = Instant::now() + limit;
         // One view for the operation's life: later phases go on watching from where the last stopped.
         let mut slot = self.view.borrow_mut();
@@ -233,7 +263,9 @@ impl<'a> Op<'a> {
         let view = slot.as_mut().expect("read above");
         loop {
             if self.lease.lost() {
-                return Err("the coordinator's etcd lease expired".into());
+                return Err(Cause::from(
+                    "the coordinator's etcd lease expired".to_string(),
+                ));
             }
             let by_rank = view.by_rank();
             let mut pending = Vec::new();
@@ -241,8 +273,11 @@ impl<'a> Op<'a> {
                 match judge(by_rank.get(&m.rank), view.alive(&m.node)) {
                     Verdict::Done => {}
                     Verdict::Pending => pending.push(m.rank),
-                    Verdict::Fail(why) => {
-                        return Err(format!("rank {} on node {}: {why}", m.rank, m.node))
+                    Verdict::Fail(c) => {
+                        return Err(Cause {
+                            why: format!("rank {} on node {}: {}", m.rank, m.node, c.why),
+                            exit: c.exit,
+                        })
                     }
                 }
             }
@@ -252,14 +287,14 @@ impl<'a> Op<'a> {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(format!(
+                return Err(Cause::from(format!(
                     "timed out after {limit:?} waiting for ranks {pending:?} to {phase}"
-                ));
+                )));
             }
             let wait = (deadline - now).min(Duration::from_secs(1));
             // Not counted as etcd time: waiting here is waiting for the members. One watch of the root
             // sees both the members' states and the agents' registrations.
-            view.next(wait).map_err(|e| e.to_string())?;
+            view.next(wait).map_err(|e| Cause::from(e.to_string()))?;
         }
     }
 
@@ -269,7 +304,7 @@ impl<'a> Op<'a> {
         &self,
         phase: &str,
         limit: Duration,
-    ) -> Result<BTreeMap<u32, MemberState>, String> {
+    ) -> Result<BTreeMap<u32, MemberState>, Cause> {
         self.wait_all(phase, limit, |s, alive| match s {
             Some(MemberState::Done { .. } | MemberState::Failed { .. }) => Verdict::Done,
             _ if !alive => Verdict::Done,
@@ -297,7 +332,8 @@ impl<'a> Op<'a> {
 
     /// Tells every member to undo its part, waits (up to `limit`) until each did or is gone, and
     /// returns the error naming the reason and each member's outcome.
-    pub(super) fn abort(&self, reason: String, limit: Duration) -> ClusterError {
+    pub(super) fn abort(&self, cause: impl Into<Cause>, limit: Duration) -> ClusterError {
+        let Cause { why: reason, exit } = cause.into();
         tracing::warn!("job operation {} aborts: {reason}", self.id);
         if let Err(e) = self.decide("abort") {
             // The agents see the operation vanish with the lease instead.
@@ -316,19 +352,20 @@ impl<'a> Op<'a> {
                 .iter()
                 .map(|m| {
                     let s = match states.get(&m.rank) {
-                        Some(MemberState::Failed { error }) => format!("failed: {error}"),
+                        Some(MemberState::Failed { error, .. }) => format!("failed: {error}"),
                         Some(MemberState::Aborted) => "undone".into(),
                         _ => "agent gone (its guardian undoes)".into(),
                     };
                     format!("rank {} on {}: {s}", m.rank, m.node)
                 })
                 .collect(),
-            Err(e) => vec![format!("not every member confirmed its undo: {e}")],
+            Err(e) => vec![format!("not every member confirmed its undo: {}", e.why)],
         };
         ClusterError::Aborted {
             id: self.id.clone(),
             reason,
             members: undone,
+            exit,
         }
     }
 }
@@ -400,17 +437,11 @@ pub fn checkpoint_job(
     let tasks = members
         .iter()
         .map(|m| Task {
-            op: id.clone(),
-            job: job.clone(),
-            kind: OpKind::Checkpoint,
-            member: m.clone(),
             leave_running: opts.leave_running,
             lock_timeout_ms: opts.lock_timeout.map(|d| d.as_millis() as u64),
             quiesce: opts.quiesce.clone(),
-            checkpoint: None,
-            device_map: None,
-            job_checkpoint: None,
             after: before(&members, m.rank, ordered),
+            ..Task::checkpoint(&id, job, m.clone())
         })
         .collect();
     let record = rec::OpRecord {
@@ -430,9 +461,11 @@ pub fn checkpoint_job(
     clock.phase();
     let gone = |alive: bool| (!alive).then(|| "its agent is gone (lease expired)".to_string());
     op.wait_all("lock", t.prepare, |s, alive| match (s, gone(alive)) {
-        (Some(MemberState::Failed { error }), _) => Verdict::Fail(error.clone()),
-        (Some(MemberState::Aborted), _) => Verdict::Fail("aborted".into()),
-        (_, Some(why)) => Verdict::Fail(why),
+        (Some(MemberState::Failed { error, exit }), _) => {
+            Verdict::Fail(Cause::failed(error, *exit))
+        }
+        (Some(MemberState::Aborted), _) => Verdict::Fail(Cause::from("aborted".to_string())),
+        (_, Some(why)) => Verdict::Fail(Cause::from(why)),
         (Some(MemberState::Locked), _) => Verdict::Done,
         _ => Verdict::Pending,
     })
@@ -448,9 +481,13 @@ pub fn checkpoint_job(
     let states = op
         .wait_all("store their checkpoint", t.work, |s, alive| {
             match (s, gone(alive)) {
-                (Some(MemberState::Failed { error }), _) => Verdict::Fail(error.clone()),
-                (Some(MemberState::Aborted), _) => Verdict::Fail("aborted".into()),
-                (_, Some(why)) => Verdict::Fail(why),
+                (Some(MemberState::Failed { error, exit }), _) => {
+                    Verdict::Fail(Cause::failed(error, *exit))
+                }
+                (Some(MemberState::Aborted), _) => {
+                    Verdict::Fail(Cause::from("aborted".to_string()))
+                }
+                (_, Some(why)) => Verdict::Fail(Cause::from(why)),
                 (Some(MemberState::Durable { .. }), _) => Verdict::Done,
                 _ => Verdict::Pending,
             }
@@ -524,7 +561,7 @@ pub fn checkpoint_job(
         Ok(true) => clock.commit_unix_ms = rec::now_ms(),
         Ok(false) => {
             return Err(op.abort(
-                "the coordinator's lease expired before the commit".into(),
+                "the coordinator's lease expired before the commit".to_string(),
                 t.release,
             ))
         }
@@ -538,7 +575,7 @@ pub fn checkpoint_job(
     clock.phase();
     match op.wait_finished("finish", t.release) {
         Ok(states) => clock.members_done(&states),
-        Err(e) => tracing::warn!("job checkpoint {id} is committed, but: {e}"),
+        Err(e) => tracing::warn!("job checkpoint {id} is committed, but: {}", e.why),
     }
     clock.timings.release = clock.lap();
     manifest.timings_ms = op.timings(clock);

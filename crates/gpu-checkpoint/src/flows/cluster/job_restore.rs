@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::coord::Coordinator;
-use super::job::{agents, before, checkpoint, preflight_with, Op, Timeouts, Verdict};
+use super::job::{agents, before, checkpoint, preflight_with, Cause, Op, Timeouts, Verdict};
 use super::placement::{self, Chosen};
 use super::records::{self as rec, MemberState, OpKind};
 use super::timings::Clock;
@@ -141,7 +141,7 @@ pub fn restore_job(
             quiesce: None,
             checkpoint: Some(m.checkpoint.clone()),
             device_map: device_maps.get(&target.node).cloned(),
-            job_checkpoint: None,
+            job_checkpoint: Some(id.to_string()),
             after: before(&members, target.rank, manifest.ordered),
         })
         .collect();
@@ -158,9 +158,11 @@ pub fn restore_job(
     clock.phase();
     let states = op
         .wait_all("restore", timeouts.work, |s, alive| match s {
-            Some(MemberState::Failed { error }) => Verdict::Fail(error.clone()),
-            Some(MemberState::Aborted) => Verdict::Fail("aborted".into()),
-            _ if !alive => Verdict::Fail("its agent is gone (lease expired)".into()),
+            Some(MemberState::Failed { error, exit }) => Verdict::Fail(Cause::failed(error, *exit)),
+            Some(MemberState::Aborted) => Verdict::Fail(Cause::from("aborted".to_string())),
+            _ if !alive => {
+                Verdict::Fail(Cause::from("its agent is gone (lease expired)".to_string()))
+            }
             Some(MemberState::Restored { .. }) => Verdict::Done,
             _ => Verdict::Pending,
         })
@@ -174,7 +176,7 @@ pub fn restore_job(
     clock.phase();
     match op.wait_finished("finish", timeouts.release) {
         Ok(states) => clock.members_done(&states),
-        Err(e) => tracing::warn!("job {} is restored, but: {e}", manifest.job),
+        Err(e) => tracing::warn!("job {} is restored, but: {}", manifest.job, e.why),
     }
     clock.timings.release = clock.lap();
     let timings = op.timings(clock);

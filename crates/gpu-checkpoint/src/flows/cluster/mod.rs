@@ -12,18 +12,25 @@
 //! Every member's local work is the single-node flows' (through [`agent::MemberWork`]), so a job's
 //! abort is undone by the same guards as a failed checkpoint.
 
+pub mod admit;
 pub mod agent;
 pub mod coord;
 #[cfg(feature = "cluster")]
 mod etcd;
+pub mod etcd_config;
 mod follow;
+pub mod hooks;
 pub mod job;
 mod job_restore;
 mod lease;
+#[cfg(feature = "cluster")]
+pub mod local;
+mod member_error;
 #[cfg(test)]
 mod memory;
 pub mod placement;
 pub mod records;
+pub mod register;
 #[cfg(test)]
 mod request_tests;
 pub mod retention;
@@ -34,20 +41,27 @@ mod view;
 
 use crate::exit::{Classify, ExitStatus};
 
+pub use admit::{Admission, NodePolicy, Registration};
 pub use agent::{run_agent, AgentOptions, MemberWork};
 pub use coord::{CoordError, Coordinator, Event, Kv, LeaseId, Revision, WatchStream};
 #[cfg(feature = "cluster")]
 pub use etcd::EtcdCoordinator;
+pub use etcd_config::{EtcdConfig, Password, Security};
+pub use hooks::QuiesceHooks;
 pub use job::{
     checkpoint_job, restore_job, JobCheckpointOptions, JobRestoreOutcome, RestoredMember, Timeouts,
 };
 pub use lease::LeaseGuard;
+#[cfg(feature = "cluster")]
+pub use local::{LocalWork, LocalWorkOptions};
+pub use member_error::MemberError;
 #[cfg(test)]
 pub use memory::MemoryCoordinator;
 pub use placement::{Chosen, Placement};
 pub use records::{
     AgentRecord, Cut, JobManifest, JobMember, JobTimings, MemberRecord, MemberState, Task,
 };
+pub use register::{register_member, RegisterError, RegistrationSocket};
 pub use retention::{
     apply_retention, delete_job_checkpoint, run_periodic, Deleted, PeriodicOptions, Round,
 };
@@ -70,6 +84,8 @@ pub enum ClusterError {
     NoPlacement { node: String, why: String },
     #[error("no job checkpoint {id} in etcd")]
     NotFound { id: String },
+    #[error("job checkpoint {id}'s manifest in etcd is not one this tool wrote: {why}")]
+    Damaged { id: String, why: String },
     #[error("{what}")]
     Busy { what: String },
     #[error("job operation {id} aborted: {reason}; nothing was committed, and every member undid its part:{}", members.iter().map(|m| format!("\n  - {m}")).collect::<String>())]
@@ -77,6 +93,8 @@ pub enum ClusterError {
         id: String,
         reason: String,
         members: Vec<String>,
+        /// The exit class of the member failure that made the abort, if one did.
+        exit: Option<ExitStatus>,
     },
 }
 
@@ -88,8 +106,12 @@ impl Classify for ClusterError {
             ClusterError::NoAgent { .. }
             | ClusterError::NoPlacement { .. }
             | ClusterError::Busy { .. } => ExitStatus::Conflict,
-            ClusterError::NotFound { .. } => ExitStatus::CheckpointInvalid,
-            ClusterError::Aborted { .. } => ExitStatus::Failure,
+            ClusterError::NotFound { .. } | ClusterError::Damaged { .. } => {
+                ExitStatus::CheckpointInvalid
+            }
+            // A member's own failure keeps its class (3 no such process, 4 not permitted, 6
+            // storage...); an abort for the operation's own reasons is 1.
+            ClusterError::Aborted { exit, .. } => exit.unwrap_or(ExitStatus::Failure),
         }
     }
 }

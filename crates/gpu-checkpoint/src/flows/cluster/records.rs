@@ -101,7 +101,8 @@ pub fn check_name(what: &str, name: &str) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "{what} {name:?}: use 1-128 of A-Z a-z 0-9 - _ . : @"
+            "{what} {:?}: use 1-128 of A-Z a-z 0-9 - _ . : @",
+            crate::validate::printable(name)
         ))
     }
 }
@@ -156,7 +157,13 @@ pub fn encode_task(t: &Task) -> Vec<u8> {
 
 /// A record from etcd's bytes; refuses another schema or a newer version.
 pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T, CoordError> {
-    let bad = |why: String| CoordError::Request(format!("record {key}: {why}"));
+    let bad = |why: String| {
+        let key = crate::validate::printable(key);
+        CoordError::Request(format!(
+            "record {key}: {}",
+            crate::validate::printable(&why)
+        ))
+    };
     let env: Envelope<serde_json::Value> =
         serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
     if env.schema != SCHEMA {
@@ -239,15 +246,17 @@ pub struct Task {
     pub leave_running: bool,
     /// Checkpoint: how long locking a CUDA process may wait for its GPU work (None: no limit).
     pub lock_timeout_ms: Option<u64>,
-    /// Checkpoint: a command run before the lock (the application reaches a collective boundary).
+    /// Checkpoint: the name of a quiesce hook of the node's agent (`agent --quiesce-hook NAME=PROGRAM`),
+    /// run before the lock (the application reaches a collective boundary). A name only: what it runs
+    /// is the node's to say. (gpu-checkpoint before 0.2 read a shell command here.)
     pub quiesce: Option<String>,
     /// Restore: the member checkpoint to restore; delete: the one to delete.
     pub checkpoint: Option<String>,
     /// Restore: the device map for this member's node (`OLD=NEW,...`, as `restore --device-map`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_map: Option<String>,
-    /// Delete: the job checkpoint the member checkpoint belonged to (its manifest copy in the store goes
-    /// too).
+    /// Restore and delete: the job checkpoint the member checkpoint belongs to (a delete removes the
+    /// store's copy of its manifest too). The agent acts only on a checkpoint made for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_checkpoint: Option<String>,
     /// An ordered operation (CUDA IPC between members): the rank this member waits for, the next
@@ -255,6 +264,87 @@ pub struct Task {
     /// it is unlocked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after: Option<u32>,
+}
+
+impl MemberRecord {
+    /// Rank `rank`, the process tree of `pid` on `node`.
+    pub fn process(rank: u32, node: &str, pid: i32) -> MemberRecord {
+        MemberRecord {
+            rank,
+            node: node.into(),
+            pid: Some(pid),
+            container: None,
+            ordered: false,
+        }
+    }
+}
+
+impl Task {
+    /// Operation `op`'s checkpoint of `member` of `job`, with no option set (stopped after it, no lock
+    /// timeout, no quiesce hook, unordered).
+    pub fn checkpoint(op: &str, job: &str, member: MemberRecord) -> Task {
+        Task {
+            op: op.into(),
+            job: job.into(),
+            kind: OpKind::Checkpoint,
+            member,
+            leave_running: false,
+            lock_timeout_ms: None,
+            quiesce: None,
+            checkpoint: None,
+            device_map: None,
+            job_checkpoint: None,
+            after: None,
+        }
+    }
+
+    /// Checks a task read from etcd at `key` by the agent of `node`: where it was found matches what it
+    /// says (this node, its operation, its rank), and every name, id and PID in it is one this tool
+    /// would have written. The agent carries out no other (etcd is untrusted input).
+    pub fn check(&self, key: &str, node: &str) -> Result<(), String> {
+        check_name("operation", &self.op)?;
+        check_name("job", &self.job)?;
+        check_name("node", &self.member.node)?;
+        if self.member.node != node {
+            return Err(format!("it is for node {:?}, not {node}", self.member.node));
+        }
+        if key != task(node, &self.op, self.member.rank) {
+            return Err(format!(
+                "found at {key:?}, where a task of operation {} rank {} is not",
+                self.op, self.member.rank
+            ));
+        }
+        if let Some(pid) = self.member.pid {
+            crate::validate::pid(pid)?;
+        }
+        if let Some(c) = &self.member.container {
+            crate::validate::container_id(c)?;
+        }
+        if let Some(id) = &self.checkpoint {
+            crate::validate::checkpoint_id(id)?;
+        }
+        if let Some(id) = &self.job_checkpoint {
+            check_name("job checkpoint", id)?;
+        }
+        if let Some(hook) = &self.quiesce {
+            check_name("quiesce hook", hook)?;
+        }
+        let one_member = self.member.pid.is_some() != self.member.container.is_some();
+        match self.kind {
+            OpKind::Checkpoint if !one_member => {
+                Err("a checkpoint task names a PID or a container, one of the two".into())
+            }
+            OpKind::Restore | OpKind::Delete
+                if self.checkpoint.is_none() || self.job_checkpoint.is_none() =>
+            {
+                Err(
+                    "a restore or delete task names its member checkpoint and job checkpoint"
+                        .into(),
+                )
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Where a member is in an operation.
@@ -289,8 +379,12 @@ pub enum MemberState {
     },
     /// The member undid its part after an abort (unlocked and running, or its restored copy killed).
     Aborted,
-    /// The member failed; it undid its part.
-    Failed { error: String },
+    /// The member failed; it undid its part. `exit`: its error's exit code (absent from older agents).
+    Failed {
+        error: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exit: Option<i32>,
+    },
 }
 
 /// A member's state, as its agent writes it.
@@ -386,6 +480,25 @@ pub struct JobManifest {
     pub timings_ms: JobTimings,
 }
 
+impl JobManifest {
+    /// Checks a manifest read from etcd at job checkpoint `id`'s key: it is that job checkpoint's, and
+    /// its job, nodes and member checkpoint ids are ones this tool writes.
+    pub fn check(&self, id: &str) -> Result<(), String> {
+        if self.id != id {
+            return Err(format!(
+                "it names job checkpoint {:?}",
+                crate::validate::printable(&self.id)
+            ));
+        }
+        check_name("job", &self.job)?;
+        for m in &self.members {
+            check_name("node", &m.node)?;
+            crate::validate::checkpoint_id(&m.checkpoint)?;
+        }
+        Ok(())
+    }
+}
+
 /// Milliseconds since the epoch, for the records.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -427,7 +540,10 @@ mod tests {
         let s = StateRecord {
             rank: 1,
             node: "a".into(),
-            state: MemberState::Failed { error: "x".into() },
+            state: MemberState::Failed {
+                error: "x".into(),
+                exit: Some(3),
+            },
             at_unix_ms: 5,
         };
         assert_eq!(decode::<StateRecord>("k", &encode(&s)).unwrap(), s);
@@ -461,6 +577,62 @@ mod tests {
         t.after = Some(0);
         assert_eq!(version(&encode_task(&t)), 2);
         assert_eq!(decode::<Task>("k", &encode_task(&t)).unwrap(), t);
+    }
+
+    #[test]
+    fn a_task_read_from_etcd_is_checked_before_anything_is_done_with_it() {
+        let good = Task {
+            quiesce: Some("drain".into()),
+            ..Task::checkpoint(
+                "train-1700000000000",
+                "train",
+                MemberRecord::process(2, "n1", 4242),
+            )
+        };
+        let key = task("n1", &good.op, 2);
+        good.check(&key, "n1").unwrap();
+        let bad = |f: fn(&mut Task), why: &str| {
+            let mut t = good.clone();
+            f(&mut t);
+            let e = t
+                .check(&task("n1", &t.op, t.member.rank), "n1")
+                .unwrap_err();
+            assert!(e.contains(why), "{e} (wanted {why:?})");
+        };
+        bad(|t| t.op = "../../outside/PWN".into(), "operation");
+        bad(|t| t.job = "a/b".into(), "job");
+        bad(|t| t.member.node = "n2".into(), "not n1");
+        bad(|t| t.member.pid = Some(1), "PID 1");
+        bad(|t| t.member.pid = Some(-1), "PID -1");
+        bad(
+            |t| t.quiesce = Some("touch /tmp/pwned".into()),
+            "quiesce hook",
+        );
+        bad(
+            |t| {
+                t.member.pid = None;
+                t.member.container = Some("--help".into());
+            },
+            "container id",
+        );
+        bad(|t| t.member.container = Some("c1".into()), "one of the two");
+        bad(
+            |t| {
+                t.kind = OpKind::Restore;
+                t.checkpoint = Some("../../etc".into());
+                t.job_checkpoint = Some("train-1".into());
+            },
+            "checkpoint id",
+        );
+        bad(|t| t.kind = OpKind::Delete, "names its member checkpoint");
+        // Found under another node's or another operation's key: not this task.
+        assert!(good.check(&task("n2", &good.op, 2), "n2").is_err());
+        assert!(good.check(&task("n1", "other-1", 2), "n1").is_err());
+        assert!(good.check(&task("n1", &good.op, 3), "n1").is_err());
+        // Messages escape what they quote.
+        let mut t = good.clone();
+        t.job = "\u{1b}[2J".into();
+        assert!(!t.check(&key, "n1").unwrap_err().contains('\u{1b}'));
     }
 
     #[test]

@@ -124,14 +124,14 @@ fn purge(
                 for m in &members {
                     match states.get(&m.rank) {
                         Some(MemberState::Done { .. }) => {}
-                        Some(MemberState::Failed { error }) => {
+                        Some(MemberState::Failed { error, .. }) => {
                             left.push(format!("rank {} on {}: {error}", m.rank, m.node))
                         }
                         _ => left.push(format!("rank {} on {}: its agent is gone", m.rank, m.node)),
                     }
                 }
             }
-            Err(e) => left.push(format!("not every member confirmed its delete: {e}")),
+            Err(e) => left.push(format!("not every member confirmed its delete: {}", e.why)),
         }
     }
     if left.is_empty() {

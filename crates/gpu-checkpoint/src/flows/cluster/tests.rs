@@ -42,36 +42,44 @@ impl StandIn {
     }
 }
 
+/// A stand-in's failure (exit class 1, as a plain failure of the flows).
+fn failure(message: impl Into<String>) -> MemberError {
+    MemberError::Reported {
+        message: message.into(),
+        exit: crate::exit::ExitStatus::Failure,
+    }
+}
+
 impl MemberWork for StandIn {
-    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), String> {
+    fn checkpoint(&self, task: &Task, phases: &dyn Phases) -> Result<(), MemberError> {
         let rank = task.member.rank;
         let fault = self.faults.get(&rank).copied().unwrap_or(Fault::None);
         if fault == Fault::Lock {
             self.note(rank, "lock failed");
-            return Err("lock timed out".into());
+            return Err(failure("lock timed out"));
         }
         self.note(rank, "locked");
         if let Err(e) = phases.locked() {
             self.note(rank, "unlocked");
-            return Err(e);
+            return Err(failure(e));
         }
         self.note(rank, "gpu checkpoint + dump");
         if fault == Fault::Dump
             || (fault == Fault::DumpOnce && !self.fired.swap(true, Ordering::SeqCst))
         {
             self.note(rank, "dump failed; thawed");
-            return Err("CRIU dump failed".into());
+            return Err(failure("CRIU dump failed"));
         }
         let id = format!("{}.member-{rank}", task.op);
         match phases.durable(&id) {
             Ok(()) => {}
             Err(NotCommitted::Aborted(e)) => {
                 self.note(rank, "deleted + resumed");
-                return Err(e);
+                return Err(failure(e));
             }
             Err(NotCommitted::InDoubt(e)) => {
                 self.note(rank, "kept + resumed");
-                return Err(e);
+                return Err(failure(e));
             }
         }
         self.note(
@@ -87,11 +95,11 @@ impl MemberWork for StandIn {
     fn gpus(&self, _id: &str) -> Vec<String> {
         vec!["GPU-sim".into()]
     }
-    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, String> {
+    fn restore(&self, task: &Task, before_unlock: &BeforeUnlock<'_>) -> Result<i32, MemberError> {
         let rank = task.member.rank;
         let fault = self.faults.get(&rank).copied().unwrap_or(Fault::None);
         if fault == Fault::Dump {
-            return Err("CRIU restore failed".into());
+            return Err(failure("CRIU restore failed"));
         }
         if let Some(map) = &task.device_map {
             self.note(rank, &format!("device map {map}"));
@@ -103,21 +111,21 @@ impl MemberWork for StandIn {
         // As the restore flow: a copy that is not unlocked is killed.
         if fault == Fault::GpuRestore {
             self.note(rank, "killed");
-            return Err("GPU restore failed".into());
+            return Err(failure("GPU restore failed"));
         }
         let pid = 1000 + rank as i32;
         if let Err(e) = before_unlock(pid) {
             self.note(rank, "killed");
-            return Err(e);
+            return Err(failure(e));
         }
         self.note(rank, UNLOCKED);
         Ok(pid)
     }
-    fn keep_manifest(&self, m: &JobManifest) -> Result<(), String> {
+    fn keep_manifest(&self, m: &JobManifest) -> Result<(), MemberError> {
         self.note(u32::MAX, &format!("kept {}", m.id));
         Ok(())
     }
-    fn delete(&self, task: &Task) -> Result<(), String> {
+    fn delete(&self, task: &Task) -> Result<(), MemberError> {
         let id = task.checkpoint.as_deref().unwrap();
         self.note(task.member.rank, &format!("deleted {id}"));
         Ok(())
@@ -177,13 +185,7 @@ impl Cluster {
         job::add_member(
             self.coord.as_ref(),
             job,
-            &MemberRecord {
-                rank,
-                node: node.into(),
-                pid: Some(100 + rank as i32),
-                container: None,
-                ordered: false,
-            },
+            &MemberRecord::process(rank, node, 100 + rank as i32),
         )
         .unwrap();
     }
@@ -377,19 +379,8 @@ fn a_dead_coordinator_makes_every_locked_member_unlock() {
     c.add("train", 0, "a");
     // A coordinator that sends the tasks, sees the member locked, and dies before deciding.
     let lease = c.coord.grant(Duration::from_millis(300)).unwrap();
-    let task = Task {
-        after: None,
-        op: "train-1".into(),
-        job: "train".into(),
-        kind: rec::OpKind::Checkpoint,
-        member: job::members(c.coord.as_ref(), "train").unwrap()[0].clone(),
-        leave_running: false,
-        lock_timeout_ms: None,
-        quiesce: None,
-        checkpoint: None,
-        device_map: None,
-        job_checkpoint: None,
-    };
+    let member = job::members(c.coord.as_ref(), "train").unwrap()[0].clone();
+    let task = Task::checkpoint("train-1", "train", member);
     c.coord
         .put(&rec::op("train-1"), b"{}", Some(lease))
         .unwrap();
@@ -605,6 +596,87 @@ fn an_agent_whose_lease_expired_registers_again_and_takes_part_in_the_next_job()
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_ne!(c.coord.leases(), old);
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    assert_eq!(m.members.len(), 1);
+}
+
+#[test]
+fn a_forged_job_manifest_is_refused_before_any_agent_is_asked() {
+    let c = Cluster::start(&["a", "b"], &[]);
+    c.add("train", 0, "a");
+    c.add("train", 1, "b");
+    let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
+    let none = BTreeMap::new();
+    let forged: [fn(&mut JobManifest); 3] = [
+        |m| m.members[0].checkpoint = "../../etc".into(),
+        |m| m.members[1].node = "b/../../x".into(),
+        |m| m.id = "../../outside/PWN".into(),
+    ];
+    for forge in forged {
+        let mut bad = m.clone();
+        forge(&mut bad);
+        let key = rec::checkpoint(&m.id);
+        c.coord
+            .put(&key, &rec::encode_manifest(&bad), None)
+            .unwrap();
+        let e = restore_job(c.arc(), &m.id, &none, &none, &opts("train").timeouts).unwrap_err();
+        assert!(matches!(e, ClusterError::Damaged { .. }), "{e}");
+        assert_eq!(
+            crate::exit::Classify::exit_status(&e),
+            crate::exit::ExitStatus::CheckpointInvalid
+        );
+        let e = delete_job_checkpoint(c.arc(), &m.id, &opts("train").timeouts).unwrap_err();
+        assert!(matches!(e, ClusterError::Damaged { .. }), "{e}");
+        let (tasks, _) = c.coord.range(&format!("{}tasks/", rec::ROOT)).unwrap();
+        assert!(tasks.is_empty(), "{tasks:?}");
+    }
+}
+
+#[test]
+fn bad_task_records_are_skipped_or_refused_and_the_agent_serves_on() {
+    let c = Cluster::start(&["a"], &[]);
+    c.add("train", 0, "a");
+    let lease = c.coord.grant(Duration::from_secs(30)).unwrap();
+    let tasks = format!("{}tasks/a/", rec::ROOT);
+    // Not JSON; another schema; a task whose key says another rank; one naming PID 1 and a shell command.
+    let mut evil = Task::checkpoint("evil-1", "train", MemberRecord::process(0, "a", 1));
+    evil.quiesce = Some("id > /tmp/x".into());
+    let records: [(String, Vec<u8>); 4] = [
+        (
+            format!("{tasks}junk/00000000"),
+            b"\x1b[2J not json".to_vec(),
+        ),
+        (
+            format!("{tasks}other/00000000"),
+            br#"{"schema":"x","schema_version":1}"#.to_vec(),
+        ),
+        (format!("{tasks}evil-1/00000007"), rec::encode_task(&evil)),
+        (format!("{tasks}evil-1/00000000"), rec::encode_task(&evil)),
+    ];
+    for (key, value) in &records {
+        c.coord.put(key, value, Some(lease)).unwrap();
+    }
+    // The task found where its rank's would be is answered: failed, exit 2, nothing run.
+    let state = rec::state("evil-1", 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let failed = loop {
+        if let Some(kv) = c.coord.get(&state).unwrap() {
+            break rec::decode::<rec::StateRecord>(&kv.key, &kv.value).unwrap();
+        }
+        assert!(std::time::Instant::now() < deadline, "no answer");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(
+        matches!(&failed.state, MemberState::Failed { exit: Some(2), error } if error.contains("refused the task")),
+        "{failed:?}"
+    );
+    assert!(
+        c.log().is_empty(),
+        "the stand-in did something: {:?}",
+        c.log()
+    );
+    c.coord.revoke(lease).unwrap();
+    // The agent serves on: a real job checkpoint commits.
     let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
     assert_eq!(m.members.len(), 1);
 }

@@ -6,8 +6,10 @@ use crate::exit::{Classify, ExitStatus};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("bad container id {id:?}: {reason}")]
-    BadId { id: String, reason: String },
+    /// A container id that would not be safe on a runtime's command line or in a path (the reason quotes
+    /// it escaped).
+    #[error("bad {reason}")]
+    BadId { reason: String },
     #[error("{runtime} not found ({what}); scripts/install-containers.sh installs it")]
     RuntimeMissing { runtime: String, what: String },
     #[error("no container {id} in {runtime} (root {root})")]

@@ -1,44 +1,15 @@
 //! Container ids, checked before any reaches a runtime's command line or a path.
 //!
 //! An id comes from the command line, a checkpoint's manifest, an archive or a coordination record: it is
-//! untrusted input. runc accepts ids of letters, digits, `_`, `+`, `-` and `.`, other than `.` and `..`
-//! (libcontainer's `validateID`); on top of that one must not start with `-` (the runtimes' command lines
-//! would take it for an option: `runc state --help`) and must fit in a file name (the runtime's state folder
-//! is named after it).
+//! untrusted input, checked by [`crate::validate::container_id`] (runc's rule, no leading `-`, a file
+//! name's length), the same rule the cluster flow applies to ids read from etcd.
 
 use super::Error;
 
-/// The longest id: a file name.
-const MAX_LEN: usize = 255;
-
-/// Checks container id `id` (see the module's text): `Err` is a usage error (exit status 2) whose message
-/// shows the id escaped (`{:?}`), never its raw bytes.
+/// Checks container id `id` ([`crate::validate::container_id`]'s rule): `Err` is a usage error (exit
+/// status 2) whose message shows the id escaped, never its raw bytes.
 pub fn check_container_id(id: &str) -> Result<(), Error> {
-    let bad = |reason: &str| {
-        Err(Error::BadId {
-            id: id.chars().take(MAX_LEN + 1).collect(),
-            reason: reason.into(),
-        })
-    };
-    if id.is_empty() {
-        return bad("it is empty");
-    }
-    if id.len() > MAX_LEN {
-        return bad("it is longer than 255 bytes");
-    }
-    if id.starts_with('-') {
-        return bad("it starts with '-' (a runtime would read it as an option)");
-    }
-    if id == "." || id == ".." {
-        return bad("it names a folder, not a container");
-    }
-    if !id
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'+' | b'-' | b'.'))
-    {
-        return bad("use letters, digits, '_', '+', '-' and '.' only (as runc does)");
-    }
-    Ok(())
+    crate::validate::container_id(id).map_err(|reason| Error::BadId { reason })
 }
 
 #[cfg(test)]

@@ -149,7 +149,7 @@ impl RuncCall {
         match self.positional.as_slice() {
             [id] => id
                 .to_str()
-                .filter(|s| crate::flows::container::check_container_id(s).is_ok()),
+                .filter(|s| crate::validate::container_id(s).is_ok()),
             _ => None,
         }
     }
