@@ -126,25 +126,17 @@ fn main() {
     }
 }
 
-/// Prints an error as one clear line plus its causes, and picks the exit code from the first library
-/// error in the chain, whichever stage's it is (or from a [`commands::Exit`], e.g. a usage error).
-/// Control characters in the messages (from an archive, a server, a runtime's output) are printed escaped,
-/// never raw to the terminal.
-fn report(err: &anyhow::Error) -> ExitStatus {
+/// Prints an error as one clear line plus its causes; its exit code is the one it was given where it
+/// entered the binary ([`commands::Failure`]). Control characters in the messages (from an archive, a
+/// server, a runtime's output) are printed escaped, never raw to the terminal.
+fn report(failure: &commands::Failure) -> ExitStatus {
     use gpu_checkpoint::fmt::escape_controls;
+    let err = &failure.error;
     eprintln!("error: {}", escape_controls(&err.to_string()));
     for cause in err.chain().skip(1) {
         eprintln!("  caused by: {}", escape_controls(&cause.to_string()));
     }
-    for cause in err.chain() {
-        if let Some(status) = gpu_checkpoint::error::exit_status_of(cause) {
-            return status;
-        }
-        if let Some(e) = cause.downcast_ref::<commands::Exit>() {
-            return e.0;
-        }
-    }
-    ExitStatus::Failure
+    failure.status
 }
 
 #[cfg(test)]

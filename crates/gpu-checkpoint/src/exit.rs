@@ -3,8 +3,8 @@
 //!
 //! A leaf module: it imports nothing of the crate, so that every stage and flow can depend on it without
 //! depending on each other. Each error type decides its own exit status where it is defined (the only place
-//! that knows what its variants mean); the binary finds that status in an error chain with
-//! [`crate::error::exit_status_of`] and never converts errors by hand.
+//! that knows what its variants mean); the binary takes that status where a library error enters it (one
+//! conversion from any `Classify` type) and never converts errors by hand.
 
 /// Exit codes of the `gpu-checkpoint` binary. Scripts depend on them: never renumber.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +57,8 @@ impl ExitStatus {
 }
 
 /// An error that knows which documented exit status it means. Implemented by every error type of the
-/// library; [`crate::error::exit_status_of`] lists them all (a test checks that none is missing).
+/// library: the binary accepts a library error only through this trait, so the compiler checks that
+/// none lacks it.
 pub trait Classify: std::error::Error {
     /// The exit code the binary should use for this error.
     fn exit_status(&self) -> ExitStatus;

@@ -13,12 +13,12 @@
 //! The [`flows`] string the stages together: [`checkpoint`] (stages 1-4, a process tree), [`restore`] (the
 //! way back: fetch + verify, CRIU restore, GPU restore + unlock), [`flows::container`] (a runc or runsc
 //! container) and [`flows::cluster`] (a job of trees on many nodes, through etcd). The library returns typed
-//! errors ([`Error`]); the `gpu-checkpoint` binary parses arguments, prints and shows progress.
+//! errors (each stage's own, and the flows' [`Error`] that wraps them); the `gpu-checkpoint` binary
+//! parses arguments, prints and shows progress.
 
 pub mod beneath;
 pub mod detect;
 pub mod dump;
-pub mod error;
 pub mod exit;
 pub mod fault;
 pub mod fdpass;
@@ -37,6 +37,6 @@ pub mod validate;
 #[cfg(test)]
 use gpu_checkpoint_testdata as testdata;
 
-pub use error::{Error, Result};
 pub use exit::{Classify, ExitStatus};
 pub use flows::{checkpoint, restore};
+pub use flows::{Error, Result};

@@ -159,17 +159,17 @@ fn expand_use(tree: &str) -> Vec<String> {
         .iter()
         .map(|s| s.trim())
         .filter(|s| !s.is_empty())
-        .flat_map(|item| {
-            expand_use(item)
-                .into_iter()
-                .map(|e| format!("{prefix}{e}"))
-        })
+        .flat_map(|item| expand_use(item).into_iter().map(|e| format!("{prefix}{e}")))
         .collect()
 }
 
 /// The file a path names from module `cur`: the longest prefix of it that is a module of the crate.
 fn resolve(files: &BTreeSet<Module>, cur: &Module, path: &str) -> Option<Module> {
-    let mut segs: Vec<&str> = path.split("::").map(str::trim).filter(|s| !s.is_empty()).collect();
+    let mut segs: Vec<&str> = path
+        .split("::")
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
     if segs.is_empty() {
         return None;
     }
@@ -214,7 +214,8 @@ fn paths_in(code: &str) -> Vec<String> {
     let chars: Vec<char> = code.chars().collect();
     let mut i = 0;
     while i < chars.len() {
-        let starts = (i == 0 || !(is_word(chars[i - 1]) || chars[i - 1] == ':')) && is_word(chars[i]);
+        let starts =
+            (i == 0 || !(is_word(chars[i - 1]) || chars[i - 1] == ':')) && is_word(chars[i]);
         if !starts {
             i += 1;
             continue;
@@ -224,7 +225,10 @@ fn paths_in(code: &str) -> Vec<String> {
             while j < chars.len() && is_word(chars[j]) {
                 j += 1;
             }
-            if j + 2 < chars.len() && chars[j] == ':' && chars[j + 1] == ':' && is_word(chars[j + 2])
+            if j + 2 < chars.len()
+                && chars[j] == ':'
+                && chars[j + 1] == ':'
+                && is_word(chars[j + 2])
             {
                 j += 2;
             } else {
@@ -371,7 +375,10 @@ fn no_circle_of_files_importing_each_other() {
         found.is_empty(),
         "{} circle(s) of files naming each other:\n{}",
         found.len(),
-        found.iter().map(|c| format!("  {}\n", c.join(" <-> "))).collect::<String>()
+        found
+            .iter()
+            .map(|c| format!("  {}\n", c.join(" <-> ")))
+            .collect::<String>()
     );
 }
 
@@ -401,7 +408,11 @@ fn no_import_runs_back_up_a_layer() {
             }
         }
     }
-    assert!(bad.is_empty(), "imports that run up a layer (or between leaves):\n{}", bad.concat());
+    assert!(
+        bad.is_empty(),
+        "imports that run up a layer (or between leaves):\n{}",
+        bad.concat()
+    );
 }
 
 #[test]
@@ -418,7 +429,11 @@ fn no_flow_reaches_into_another_flows_inner_modules() {
             }
         }
     }
-    assert!(bad.is_empty(), "flows naming another flow's inner modules:\n{}", bad.concat());
+    assert!(
+        bad.is_empty(),
+        "flows naming another flow's inner modules:\n{}",
+        bad.concat()
+    );
 }
 
 #[test]
@@ -430,7 +445,11 @@ fn no_library_file_over_700_lines_before_its_tests() {
         .filter(|(m, s)| !is_test_module(m) && s.lines_before_tests > MAX_LINES)
         .map(|(_, s)| format!("  {} ({} lines)\n", s.path.display(), s.lines_before_tests))
         .collect();
-    assert!(long.is_empty(), "library files over {MAX_LINES} lines:\n{}", long.concat());
+    assert!(
+        long.is_empty(),
+        "library files over {MAX_LINES} lines:\n{}",
+        long.concat()
+    );
 }
 
 #[test]

@@ -79,7 +79,7 @@ pub struct Args {
     pub allow_cgroup: Vec<String>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let coord = args.etcd.connect()?;
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
@@ -103,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         backend: args.gpu.gpu_backend,
         runtime: args.runtime,
         runtime_root: args.runtime_root.clone(),
-        exe: std::env::current_exe()?,
+        exe: std::env::current_exe().map_err(super::Failure::other)?,
         admission: Arc::clone(&admission),
         hooks,
     });

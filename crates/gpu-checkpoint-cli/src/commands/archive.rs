@@ -65,7 +65,7 @@ pub struct ImportArgs {
     pub store: StoreArgs,
 }
 
-pub fn export(args: ExportArgs) -> anyhow::Result<()> {
+pub fn export(args: ExportArgs) -> super::Result<()> {
     let ArchiveFormat::OciCheckpoint = args.format;
     let store = StoreArgs {
         storage: args.storage,
@@ -111,22 +111,19 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn import(args: ImportArgs) -> anyhow::Result<()> {
+pub fn import(args: ImportArgs) -> super::Result<()> {
     let store = args.store.open_or_create(StoreOptions::default())?;
     let bar = Bar::new(args.store.format == Format::Text);
     let out = archive::import_oci(&store, &args.archive, args.name.as_deref(), &bar)?;
     let stats = &out.info.stats;
     match args.store.format {
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "id": out.info.id,
-                "name": out.info.name,
-                "container": out.container,
-                "runtime": out.runtime,
-                "stats": stats,
-            }))?
-        ),
+        Format::Json => super::print_json(&json!({
+            "id": out.info.id,
+            "name": out.info.name,
+            "container": out.container,
+            "runtime": out.runtime,
+            "stats": stats,
+        }))?,
         Format::Text => println!(
             "imported {} as {} (container {}, {}): {} in {} files, {} new",
             args.archive.display(),

@@ -124,7 +124,7 @@ impl Compression {
     }
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let pid = match (args.pid, args.container.clone()) {
         (Some(pid), None) => pid,
         (None, Some(id)) => return super::container::checkpoint(args, &id),
@@ -191,7 +191,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "devices": out.manifest.devices,
                 "stats": out.info.stats,
             });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            super::print_json(&v)?;
         }
         Format::Text => {
             let t = &out.timings;
@@ -300,7 +300,7 @@ fn parse_strategy(s: &str) -> Result<StrategyChoice, String> {
 pub(super) fn backend_for(
     strategy: StrategyChoice,
     chosen: GpuBackend,
-) -> anyhow::Result<GpuBackend> {
+) -> super::Result<GpuBackend> {
     let wanted = match strategy {
         StrategyChoice::CudaDriver => GpuBackend::CudaDriver,
         StrategyChoice::CudaCli => GpuBackend::CudaCli,

@@ -43,7 +43,7 @@ pub struct RuntimeArgs {
 
 impl RuntimeArgs {
     /// The runtime's command line, told our CRIU (runc only).
-    fn open(&self, criu: Option<PathBuf>) -> anyhow::Result<OciCli> {
+    fn open(&self, criu: Option<PathBuf>) -> super::Result<OciCli> {
         Ok(OciCli::find(
             self.runtime,
             criu,
@@ -54,7 +54,7 @@ impl RuntimeArgs {
 }
 
 /// Our CRIU, for runc's `--criu` and the manifest (runsc checkpoints by itself).
-fn our_criu(kind: RuntimeKind, given: Option<&std::path::Path>) -> anyhow::Result<Option<CriuRpc>> {
+fn our_criu(kind: RuntimeKind, given: Option<&std::path::Path>) -> super::Result<Option<CriuRpc>> {
     if kind != RuntimeKind::Runc {
         return Ok(None);
     }
@@ -87,10 +87,7 @@ enum OurCriu {
 }
 
 impl OurCriu {
-    fn start(
-        kind: RuntimeKind,
-        given: Option<&std::path::Path>,
-    ) -> anyhow::Result<Option<OurCriu>> {
+    fn start(kind: RuntimeKind, given: Option<&std::path::Path>) -> super::Result<Option<OurCriu>> {
         if kind != RuntimeKind::Runc {
             return Ok(None);
         }
@@ -118,7 +115,7 @@ impl OurCriu {
 }
 
 /// `checkpoint --container ID`.
-pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()> {
+pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> {
     let criu = OurCriu::start(args.runtime.runtime, args.criu.as_deref())?;
     let runtime = args.runtime.open(criu.as_ref().map(OurCriu::path))?;
     let store = args
@@ -178,7 +175,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> anyhow::Result<()>
                 "sizes": out.manifest.sizes,
                 "stats": out.info.stats,
             });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            super::print_json(&v)?;
         }
         Format::Text => {
             let t = &out.timings;
@@ -220,7 +217,7 @@ fn say_if_simulated(tool: Option<&std::path::Path>) {
 }
 
 /// `restore CHECKPOINT --container ID`.
-pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
+pub fn restore(args: super::restore::Args, id: &str) -> super::Result<()> {
     let Some(checkpoint) = args.checkpoint.clone() else {
         return Err(super::usage(
             "--container needs a CHECKPOINT (id or name), not --metadata",
@@ -289,7 +286,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> anyhow::Result<()> {
                 "streamed": out.streamed(),
                 "materialized_because": out.materialized_because,
             });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            super::print_json(&v)?;
         }
         Format::Text => {
             println!("{}", out.pid);
@@ -313,7 +310,7 @@ pub fn detect(
     rt: &RuntimeArgs,
     id: &str,
     simulator: bool,
-) -> anyhow::Result<(serde_json::Value, gpu_checkpoint::detect::Report)> {
+) -> super::Result<(serde_json::Value, gpu_checkpoint::detect::Report)> {
     let runtime = rt.open(None)?;
     let found = container::discover(
         &runtime,

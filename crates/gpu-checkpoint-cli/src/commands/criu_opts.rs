@@ -74,7 +74,7 @@ where
 impl CriuArgs {
     /// The library's options; a configuration file that is not there is a usage error here rather than
     /// CRIU's after the tree was frozen.
-    pub fn options(&self) -> anyhow::Result<CriuOptions> {
+    pub fn options(&self) -> super::Result<CriuOptions> {
         let config_file = match &self.criu_config {
             Some(f) if !f.is_file() => {
                 return Err(usage(format!(
@@ -82,7 +82,7 @@ impl CriuArgs {
                     f.display()
                 )))
             }
-            Some(f) => Some(std::path::absolute(f)?),
+            Some(f) => Some(std::path::absolute(f).map_err(super::Failure::other)?),
             None => None,
         };
         Ok(CriuOptions {

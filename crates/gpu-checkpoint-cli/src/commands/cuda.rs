@@ -6,7 +6,6 @@
 //! unlike the utility, a toggle that fails half-way puts the process back where it was.
 
 use super::Format;
-use anyhow::Context;
 use clap::builder::TypedValueParser;
 use gpu_checkpoint::freeze::{
     self, DeviceMap, DeviceRef, GpuBackend, GpuDriver, GpuPair, Op, ProcessState,
@@ -149,7 +148,7 @@ struct Session {
 }
 
 impl Session {
-    fn open(c: &Common, action: &'static str) -> anyhow::Result<Self> {
+    fn open(c: &Common, action: &'static str) -> super::Result<Self> {
         if c.pid <= 0 {
             return Err(super::usage(format!(
                 "--pid {} is not a process id (a CUDA checkpoint acts on one process)",
@@ -217,7 +216,7 @@ impl Session {
         r
     }
 
-    fn pairs(&mut self, map: Option<&str>) -> anyhow::Result<Vec<GpuPair>> {
+    fn pairs(&mut self, map: Option<&str>) -> super::Result<Vec<GpuPair>> {
         let Some(map) = map else {
             return Ok(Vec::new());
         };
@@ -228,16 +227,17 @@ impl Session {
             .iter()
             .any(|(a, b)| matches!(a, DeviceRef::Index(_)) || matches!(b, DeviceRef::Index(_)));
         let gpus = if needs_list {
-            self.driver()
-                .gpus()
-                .context("listing this node's GPUs to resolve --device-map indices")?
+            self.driver().gpus().map_err(|e| {
+                super::Failure::from(e)
+                    .context("listing this node's GPUs to resolve --device-map indices")
+            })?
         } else {
             Vec::new()
         };
         Ok(map.resolve(&gpus, &gpus)?)
     }
 
-    fn finish(mut self, format: Format, result: freeze::Result<()>) -> anyhow::Result<()> {
+    fn finish(mut self, format: Format, result: freeze::Result<()>) -> super::Result<()> {
         self.report.setup = self.driver.setup_timings();
         self.report.ok = result.is_ok();
         if result.is_ok() && self.report.state.is_none() && self.report.action != "restore-tid" {
@@ -246,7 +246,7 @@ impl Session {
         }
         self.report.error = result.as_ref().err().map(|e| e.to_string());
         match format {
-            Format::Json => println!("{}", serde_json::to_string_pretty(&self.report)?),
+            Format::Json => super::print_json(&self.report)?,
             Format::Text => {
                 if self.report.action == "state" {
                     if let Some(s) = self.report.state {
@@ -267,7 +267,7 @@ fn timeout(ms: Option<u64>) -> Option<Duration> {
     ms.filter(|&m| m > 0).map(Duration::from_millis)
 }
 
-pub fn run(cmd: Command) -> anyhow::Result<()> {
+pub fn run(cmd: Command) -> super::Result<()> {
     match cmd {
         Command::State(c) => {
             let mut s = Session::open(&c, "state")?;

@@ -13,7 +13,7 @@ pub struct Args {
     pub store: StoreArgs,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let store = args.store.open()?;
     let id = match store.get(&args.checkpoint) {
         Ok(info) => {

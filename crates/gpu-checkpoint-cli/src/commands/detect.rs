@@ -49,7 +49,7 @@ pub struct Args {
     pub simulator: bool,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let opts = DetectOptions {
         proc_root: args.proc_root.clone(),
         tree: args.tree,
@@ -61,12 +61,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(id) = &args.container {
         let (about, report) = super::container::detect(&args.runtime, id, args.simulator)?;
         match args.format {
-            Format::Json => println!(
-                "{}",
-                serde_json::to_string_pretty(
-                    &serde_json::json!({"container": about, "report": report})
-                )?
-            ),
+            Format::Json => {
+                super::print_json(&serde_json::json!({"container": about, "report": report}))?
+            }
             Format::Text => {
                 println!(
                     "container {id} ({}, {}): {} process(es)",
@@ -87,7 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!("{note}");
     }
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Json => super::print_json(&report)?,
         Format::Text => {
             print!("{}", render_text(&report, args.verbose));
             // What would checkpoint this tree's GPU state here: only for the live /proc (a captured tree

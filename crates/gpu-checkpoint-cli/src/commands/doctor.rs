@@ -21,7 +21,7 @@ pub struct Args {
     pub format: Format,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let host = HostInfo::current();
     // SAFETY: geteuid has no preconditions and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
@@ -86,7 +86,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "ok": problem.is_none(),
     });
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Json => super::print_json(&report)?,
         Format::Text => print_text(&report),
     }
     match problem {

@@ -30,7 +30,7 @@ pub struct WrapperArgs {
 /// `runtime-wrapper --config FILE -- RUNC_ARGS...`: exits with runc's exit code, or ours when we
 /// refuse or fail: the reason on one line, first (containerd's shim keeps only the first line of a failed
 /// checkpoint's output), and in runc's `--log`, where the engines read a failed restore's reason.
-pub fn wrapper(a: WrapperArgs) -> anyhow::Result<()> {
+pub fn wrapper(a: WrapperArgs) -> super::Result<()> {
     let config = NodeConfig::read(&a.config)?;
     let call = RuncCall::parse(&a.args);
     let line = match engine::plan(&call, &config) {
@@ -49,16 +49,12 @@ pub fn wrapper(a: WrapperArgs) -> anyhow::Result<()> {
                 Ok(Some(code)) => std::process::exit(code),
                 Ok(None) => call.with_criu(config.criu.as_deref()),
                 Err(e) => {
-                    let chain: Vec<String> = e.chain().map(ToString::to_string).collect();
+                    let chain: Vec<String> = e.error.chain().map(ToString::to_string).collect();
                     let msg = format!("gpu-checkpoint: {}", chain.join(": ").replace('\n', " "));
                     eprintln!("{msg}");
                     simulated();
                     engine::log_error(&call, &msg);
-                    let status = e
-                        .chain()
-                        .find_map(gpu_checkpoint::error::exit_status_of)
-                        .unwrap_or(gpu_checkpoint::ExitStatus::Failure);
-                    std::process::exit(status as i32);
+                    std::process::exit(e.status as i32);
                 }
             }
         }
@@ -67,11 +63,14 @@ pub fn wrapper(a: WrapperArgs) -> anyhow::Result<()> {
         .args(&line)
         .envs(engine::runc_env(&config))
         .exec();
-    Err(anyhow::anyhow!("running {}: {e}", config.runtime.display()))
+    Err(super::Failure::other(anyhow::anyhow!(
+        "running {}: {e}",
+        config.runtime.display()
+    )))
 }
 
 /// Our checkpoint or restore around runc's; `None`: hand the command line to runc as it is.
-fn ours(call: &RuncCall, config: &NodeConfig) -> anyhow::Result<Option<i32>> {
+fn ours(call: &RuncCall, config: &NodeConfig) -> super::Result<Option<i32>> {
     let runtime = OciCli::at(
         RuntimeKind::Runc,
         config.runtime.clone(),
@@ -96,12 +95,15 @@ fn ours(call: &RuncCall, config: &NodeConfig) -> anyhow::Result<Option<i32>> {
             std::fs::OpenOptions::new()
                 .append(true)
                 .create(true)
-                .open(path)?,
+                .open(path)
+                .map_err(super::Failure::other)?,
         ),
         None => std::process::Stdio::null(),
     };
-    let guardian =
-        gpu_checkpoint::flows::guardian::Guardian::spawn_logging(&std::env::current_exe()?, log)?;
+    let guardian = gpu_checkpoint::flows::guardian::Guardian::spawn_logging(
+        &std::env::current_exe().map_err(super::Failure::other)?,
+        log,
+    )?;
     let mut flow = Engine {
         config,
         call,
@@ -148,7 +150,7 @@ pub struct SetupArgs {
 }
 
 /// `node-setup --engine E [--undo]`.
-pub fn setup(a: SetupArgs) -> anyhow::Result<()> {
+pub fn setup(a: SetupArgs) -> super::Result<()> {
     let prefix = a.host_root.clone().unwrap_or(a.prefix);
     let done = if a.undo {
         node::undo(a.engine, &prefix)?
@@ -166,7 +168,7 @@ pub fn setup(a: SetupArgs) -> anyhow::Result<()> {
             engine: a.engine,
             prefix,
             host_root: a.host_root,
-            binary: std::env::current_exe()?,
+            binary: std::env::current_exe().map_err(super::Failure::other)?,
             runc,
             criu,
             gpu_backend: a.gpu_backend,

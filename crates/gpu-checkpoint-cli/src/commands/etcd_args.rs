@@ -8,7 +8,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context;
 use gpu_checkpoint::flows::cluster::{EtcdConfig, EtcdCoordinator, Password};
 
 use super::Exit;
@@ -52,7 +51,7 @@ pub struct EtcdArgs {
 
 impl EtcdArgs {
     /// The settings, from the flags, the environment and the config file.
-    pub fn config(&self) -> anyhow::Result<EtcdConfig> {
+    pub fn config(&self) -> super::Result<EtcdConfig> {
         let file = match self
             .etcd_config
             .clone()
@@ -66,7 +65,7 @@ impl EtcdArgs {
 
     /// Connects to etcd as [`EtcdArgs::config`] says; says so loudly when the operator accepted an
     /// insecure etcd.
-    pub fn connect(&self) -> anyhow::Result<Arc<EtcdCoordinator>> {
+    pub fn connect(&self) -> super::Result<Arc<EtcdCoordinator>> {
         let config = self.config()?;
         // Read once: the processes this one starts (CRIU, runc, the guardian, quiesce hooks) have no
         // use for etcd's credentials. Done before the client starts its threads.
@@ -124,7 +123,7 @@ fn resolve(
     args: &EtcdArgs,
     env: &dyn Fn(&str) -> Option<String>,
     file: &[(String, String)],
-) -> anyhow::Result<EtcdConfig> {
+) -> super::Result<EtcdConfig> {
     let get = |name: &str| setting(name, env, file);
     let path =
         |flag: &Option<PathBuf>, name: &str| flag.clone().or_else(|| get(name).map(PathBuf::from));
@@ -164,11 +163,14 @@ fn resolve(
 /// The `KEY=VALUE` lines of an etcd config file (blank lines and `#` comments skipped, one pair of
 /// quotes around a value taken off, as systemd does). The file must be root's or this user's and not
 /// writable by others (it names the CA to trust), and not readable by others if it holds a password.
-fn read_config_file(path: &Path) -> anyhow::Result<Vec<(String, String)>> {
+fn read_config_file(path: &Path) -> super::Result<Vec<(String, String)>> {
     use std::os::unix::fs::MetadataExt;
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the etcd config file {}", path.display()))
-        .map_err(|e| Exit(ExitStatus::Usage, format!("{e:#}")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Exit(
+            ExitStatus::Usage,
+            format!("reading the etcd config file {}: {e}", path.display()),
+        )
+    })?;
     let mut pairs = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -190,13 +192,13 @@ fn read_config_file(path: &Path) -> anyhow::Result<Vec<(String, String)>> {
             .unwrap_or(v);
         pairs.push((k.trim().to_string(), unquoted.to_string()));
     }
-    let meta = std::fs::metadata(path)?;
+    let meta = std::fs::metadata(path).map_err(super::Failure::other)?;
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     let secret = pairs
         .iter()
         .any(|(k, _)| k.ends_with("_PASSWORD") || k.ends_with("_USER"));
-    let refuse = |why: String| -> anyhow::Result<Vec<(String, String)>> {
+    let refuse = |why: String| -> super::Result<Vec<(String, String)>> {
         Err(Exit(
             ExitStatus::PermissionDenied,
             format!("etcd config file {}: {why}", path.display()),

@@ -1,7 +1,5 @@
 //! `gpu-checkpoint gc`
 
-use anyhow::Context;
-
 use super::list::StoreArgs;
 use super::Format;
 use crate::progress::{bytes, millis};
@@ -12,24 +10,24 @@ pub struct Args {
     pub store: StoreArgs,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let store = args.store.open()?;
     let r = store.gc()?;
     // Work folders of killed restores (images, logs) live in the store's folder too.
     let stale_work = match store.local_dir() {
-        Some(dir) => gpu_checkpoint::restore::remove_stale_work_dirs(dir).with_context(|| {
-            format!(
+        Some(dir) => gpu_checkpoint::restore::remove_stale_work_dirs(dir).map_err(|e| {
+            super::Failure::other(e).context(format!(
                 "removing interrupted restores' work folders in {}",
                 dir.display()
-            )
+            ))
         })?,
         None => 0,
     };
     match args.store.format {
         Format::Json => {
-            let mut v = serde_json::to_value(&r)?;
+            let mut v = serde_json::to_value(&r).map_err(super::Failure::other)?;
             v["stale_restore_work_removed"] = stale_work.into();
-            println!("{}", serde_json::to_string_pretty(&v)?)
+            super::print_json(&v)?
         }
         Format::Text => {
             println!(

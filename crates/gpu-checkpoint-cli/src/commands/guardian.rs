@@ -11,7 +11,7 @@ pub struct Args {
     tool_pid: i32,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     // A guardian started by hand has no socket at descriptor 3 (or someone else's): refuse.
     let fd = guardian::GUARDIAN_FD;
     // SAFETY: an all-zero sockaddr is a valid value to be filled in.

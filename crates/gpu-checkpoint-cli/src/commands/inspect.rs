@@ -12,15 +12,15 @@ pub struct Args {
     pub store: StoreArgs,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let store = args.store.open()?;
     let info = store.get(&args.checkpoint)?;
     let manifest = store.manifest_location(&info.id);
     match args.store.format {
         Format::Json => {
-            let mut v = serde_json::to_value(&info)?;
+            let mut v = serde_json::to_value(&info).map_err(super::Failure::other)?;
             v["manifest"] = serde_json::Value::String(manifest.clone());
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            super::print_json(&v)?;
         }
         Format::Text => {
             let s = &info.stats;
@@ -59,7 +59,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             if !info.metadata.is_null() {
                 println!(
                     "metadata     {}",
-                    serde_json::to_string_pretty(&info.metadata)?.replace('\n', "\n             ")
+                    serde_json::to_string_pretty(&info.metadata)
+                        .map_err(super::Failure::other)?
+                        .replace('\n', "\n             ")
                 );
             }
             println!("files");

@@ -148,7 +148,7 @@ pub struct StatusArgs {
     pub format: Format,
 }
 
-pub fn run(cmd: Command) -> anyhow::Result<()> {
+pub fn run(cmd: Command) -> super::Result<()> {
     match cmd {
         Command::Add(a) => add(a),
         Command::Checkpoint(a) => checkpoint(a),
@@ -159,7 +159,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
     }
 }
 
-fn add(a: AddArgs) -> anyhow::Result<()> {
+fn add(a: AddArgs) -> super::Result<()> {
     let reg = Registration {
         job: a.job,
         rank: a.rank,
@@ -182,7 +182,7 @@ fn add(a: AddArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
+fn checkpoint(a: CheckpointArgs) -> super::Result<()> {
     if let Some(hook) = &a.quiesce {
         cluster::records::check_name("quiesce hook", hook).map_err(super::usage)?;
     }
@@ -204,7 +204,7 @@ fn checkpoint(a: CheckpointArgs) -> anyhow::Result<()> {
     }
     let m = cluster::checkpoint_job(coord as Arc<dyn Coordinator>, &opts)?;
     match a.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&m)?),
+        Format::Json => super::print_json(&m)?,
         Format::Text => {
             println!("{}", m.id);
             let t = &m.timings_ms;
@@ -225,7 +225,7 @@ fn periodic(
     every: Duration,
     keep: Option<u32>,
     format: Format,
-) -> anyhow::Result<()> {
+) -> super::Result<()> {
     let _signals = gpu_checkpoint::interrupt::InterruptGuard::new();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let popts = PeriodicOptions {
@@ -281,7 +281,7 @@ fn periodic(
     Ok(())
 }
 
-fn delete(a: DeleteArgs) -> anyhow::Result<()> {
+fn delete(a: DeleteArgs) -> super::Result<()> {
     let coord = a.etcd.connect()?;
     let timeouts = Timeouts {
         lease_ttl: a.lease_ttl,
@@ -308,7 +308,7 @@ fn delete(a: DeleteArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn restore(a: RestoreArgs) -> anyhow::Result<()> {
+fn restore(a: RestoreArgs) -> super::Result<()> {
     let coord = a.etcd.connect()?;
     let map = job::parse_node_map(a.node_map.as_deref().unwrap_or(""))?;
     let device_maps = job::parse_device_maps(&a.device_map)?;
@@ -335,7 +335,7 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
         );
     }
     match a.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Json => super::print_json(&out)?,
         Format::Text => {
             for m in &out.members {
                 println!("{} {} {}", m.rank, m.node, m.pid);
@@ -353,19 +353,16 @@ fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn list(a: ListArgs) -> anyhow::Result<()> {
+fn list(a: ListArgs) -> super::Result<()> {
     let coord = a.etcd.connect()?;
     let c = coord.as_ref();
     let jobs = job::jobs(c)?;
     let agents = job::agents(c)?;
     let checkpoints = job::checkpoints(c, a.job.as_deref())?;
     match a.format {
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "jobs": jobs, "agents": agents, "checkpoints": checkpoints,
-            }))?
-        ),
+        Format::Json => super::print_json(&json!({
+            "jobs": jobs, "agents": agents, "checkpoints": checkpoints,
+        }))?,
         Format::Text => {
             for a in &agents {
                 println!(
@@ -402,7 +399,7 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn status(a: StatusArgs) -> anyhow::Result<()> {
+fn status(a: StatusArgs) -> super::Result<()> {
     let coord = a.etcd.connect()?;
     let c = coord.as_ref();
     let value = match job::checkpoint(c, &a.target) {
@@ -422,6 +419,6 @@ fn status(a: StatusArgs) -> anyhow::Result<()> {
     };
     // The text form is the same document: a person reads JSON as well as a table here.
     let _ = a.format;
-    println!("{}", serde_json::to_string_pretty(&value)?);
+    super::print_json(&value)?;
     Ok(())
 }

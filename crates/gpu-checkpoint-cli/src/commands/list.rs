@@ -60,13 +60,13 @@ pub fn user_id(s: &str) -> Result<u32, String> {
 impl StoreArgs {
     /// Opens an existing store for the read-side commands (list, inspect, delete, verify, gc): a missing
     /// folder is "no such checkpoint" rather than a new empty store.
-    pub fn open(&self) -> anyhow::Result<Store> {
+    pub fn open(&self) -> super::Result<Store> {
         self.open_cached(None)
     }
 
     /// [`StoreArgs::open`] with a local read-through cache folder for an object store's chunks (restore's
     /// `--cache-dir`).
-    pub fn open_cached(&self, cache: Option<&std::path::Path>) -> anyhow::Result<Store> {
+    pub fn open_cached(&self, cache: Option<&std::path::Path>) -> super::Result<Store> {
         self.endpoint_to_env();
         let opts = StoreOptions {
             trusted_owner: self.trust_store_owner,
@@ -74,12 +74,12 @@ impl StoreArgs {
         };
         Store::open_existing_cached(&self.storage, opts, cache).map_err(|e| match e {
             gpu_checkpoint::store::Error::Invalid(m) => super::usage(m),
-            e => anyhow::Error::new(e).context(format!("cannot open store {}", self.storage)),
+            e => super::Failure::from(e).context(format!("cannot open store {}", self.storage)),
         })
     }
 
     /// Opens the store, creating it where there is none (checkpoint).
-    pub fn open_or_create(&self, opts: StoreOptions) -> anyhow::Result<Store> {
+    pub fn open_or_create(&self, opts: StoreOptions) -> super::Result<Store> {
         self.endpoint_to_env();
         let opts = StoreOptions {
             trusted_owner: self.trust_store_owner,
@@ -98,7 +98,7 @@ impl StoreArgs {
     }
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let store = args.store.open()?;
     let entries = store.list_entries()?;
     match args.store.format {
@@ -112,8 +112,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         damaged: reason,
                     }),
                 })
-                .collect::<Result<_, _>>()?;
-            println!("{}", serde_json::to_string_pretty(&values)?);
+                .collect::<Result<_, _>>()
+                .map_err(super::Failure::other)?;
+            super::print_json(&values)?;
         }
         Format::Text => {
             if entries.is_empty() {

@@ -22,7 +22,7 @@ pub mod list;
 pub mod restore;
 pub mod verify;
 
-use gpu_checkpoint::ExitStatus;
+use gpu_checkpoint::{Classify, ExitStatus};
 
 /// Output format shared by the subcommands that print reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -32,8 +32,8 @@ pub enum Format {
     Json,
 }
 
-/// An error that carries its own exit status, for failures detected in the binary itself
-/// (for example a bad argument combination that clap cannot express).
+/// An error detected in the binary itself, with its exit status (for example a bad argument combination
+/// that clap cannot express).
 #[derive(Debug)]
 pub struct Exit(pub ExitStatus, pub String);
 
@@ -45,15 +45,75 @@ impl std::fmt::Display for Exit {
 
 impl std::error::Error for Exit {}
 
+impl Classify for Exit {
+    fn exit_status(&self) -> ExitStatus {
+        self.0
+    }
+}
+
+/// A failed command as the binary reports it: the error with its causes, and its exit status, taken at
+/// the one place an error enters the binary: the `From` of any [`Classify`] type (every library error
+/// and [`Exit`]), so that no error reaches the report without its class and no list of types is kept.
+#[derive(Debug)]
+pub struct Failure {
+    pub status: ExitStatus,
+    pub error: anyhow::Error,
+}
+
+impl<E: Classify + Send + Sync + 'static> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure {
+            status: e.exit_status(),
+            error: anyhow::Error::new(e),
+        }
+    }
+}
+
+impl Failure {
+    /// A failure of the binary's own (printing, a file of its own) that no documented class names (exit 1).
+    pub fn other(e: impl Into<anyhow::Error>) -> Self {
+        Failure {
+            status: ExitStatus::Failure,
+            error: e.into(),
+        }
+    }
+
+    /// Says where it happened, keeping the class.
+    pub fn context(self, what: impl std::fmt::Display + Send + Sync + 'static) -> Self {
+        Failure {
+            status: self.status,
+            error: self.error.context(what),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.error, f)
+    }
+}
+
+/// What a command returns.
+pub type Result<T = ()> = std::result::Result<T, Failure>;
+
 /// Shorthand for a usage error (exit 2).
-pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+pub fn usage(msg: impl Into<String>) -> Failure {
     Exit(ExitStatus::Usage, msg.into()).into()
+}
+
+/// Prints `v` as pretty JSON on stdout (a command's `--format json`).
+pub fn print_json(v: &impl serde::Serialize) -> Result {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).map_err(Failure::other)?
+    );
+    Ok(())
 }
 
 /// Starts the guardian (`gpu_checkpoint::flows::guardian`) that finishes or undoes a checkpoint's or
 /// restore's work should this process be killed: this very binary, run as `gpu-checkpoint guardian`.
-pub fn start_guardian() -> anyhow::Result<gpu_checkpoint::flows::guardian::Guardian> {
-    let exe = std::env::current_exe()?;
+pub fn start_guardian() -> Result<gpu_checkpoint::flows::guardian::Guardian> {
+    let exe = std::env::current_exe().map_err(Failure::other)?;
     Ok(gpu_checkpoint::flows::guardian::Guardian::spawn(&exe)?)
 }
 

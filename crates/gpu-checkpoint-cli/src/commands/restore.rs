@@ -73,7 +73,7 @@ fn say_what_the_checkpoint_decides(
     flow: &Flow<'_>,
     target: &Target,
     given: &gpu_checkpoint::dump::CriuOptions,
-) -> anyhow::Result<()> {
+) -> super::Result<()> {
     let (info, manifest) = flow.find(target)?;
     if let Ok(r) = manifest.options.criu.restore_options(given) {
         if !r.decided.is_empty() {
@@ -91,7 +91,7 @@ fn say_what_the_checkpoint_decides(
     Ok(())
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     if let Some(id) = args.container.clone() {
         return super::container::restore(args, &id);
     }
@@ -143,7 +143,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "log": out.log,
                 "gpu": out.gpu,
             });
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            super::print_json(&v)?;
         }
         Format::Text => {
             // stdout carries the PID alone, for `pid=$(gpu-checkpoint restore ...)`.

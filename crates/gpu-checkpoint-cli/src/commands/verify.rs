@@ -12,12 +12,12 @@ pub struct Args {
     pub store: StoreArgs,
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> super::Result<()> {
     let store = args.store.open()?;
     let bar = Bar::new(args.store.format == Format::Text);
     let report = store.verify(args.checkpoint.as_deref(), &bar)?;
     match args.store.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Json => super::print_json(&report)?,
         Format::Text => {
             for p in &report.problems {
                 println!("DAMAGED {p}");

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod cluster;
 pub mod container;
 pub mod engine;
+mod error;
 pub mod guardian;
 mod logs;
 pub mod manifest;
@@ -27,6 +28,7 @@ use std::time::Instant;
 use crate::dump::{AfterDump, Criu};
 use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
+pub use error::{Error, Result};
 pub use guardian::{Event, Watch};
 pub use phases::{Alone, NotCommitted, Phases};
 

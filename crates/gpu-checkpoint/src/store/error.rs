@@ -202,7 +202,7 @@ pub enum Error {
 }
 
 impl Classify for Error {
-    /// The binary's exit status for this error (see `crate::error::ExitStatus`).
+    /// The binary's exit status for this error (see [`crate::exit::ExitStatus`]).
     fn exit_status(&self) -> ExitStatus {
         match self {
             Error::Io { source, .. } => io_status(source),
