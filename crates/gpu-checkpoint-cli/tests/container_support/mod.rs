@@ -265,7 +265,7 @@ impl Runc {
     /// The host PIDs of container `id`'s processes, init first.
     pub fn pids(&self, id: &str) -> Vec<i32> {
         let (_, init) = self.state(id).expect("container exists");
-        gpu_checkpoint::flows::container::members::members(init)
+        gpu_checkpoint::flows::runtime::members(init)
             .iter()
             .map(|m| m.pid)
             .collect()
@@ -462,7 +462,7 @@ pub fn node_setup(engine: &str, prefix: &Path) -> String {
 pub fn wait_gpu_processes(what: &str, init: &mut dyn FnMut() -> i32, n: usize) -> Vec<i32> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        let pids: Vec<i32> = gpu_checkpoint::flows::container::members::members(init())
+        let pids: Vec<i32> = gpu_checkpoint::flows::runtime::members(init())
             .iter()
             .map(|m| m.pid)
             .filter(|&p| gpu_checkpoint::freeze::sim::status(p).is_ok())

@@ -236,7 +236,7 @@ impl Node {
     /// The host PIDs of the container's processes, init first.
     pub fn pids(&mut self, id: &str) -> Vec<i32> {
         let init = self.init_pid(id);
-        gpu_checkpoint::flows::container::members::members(init)
+        gpu_checkpoint::flows::runtime::members(init)
             .iter()
             .map(|m| m.pid)
             .collect()

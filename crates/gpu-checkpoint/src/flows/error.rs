@@ -29,7 +29,7 @@ pub enum Error {
     #[error(transparent)]
     Guardian(#[from] crate::flows::guardian::Error),
     #[error(transparent)]
-    Container(#[from] crate::flows::container::Error),
+    Container(#[from] crate::flows::runtime::Error),
     #[error(transparent)]
     Engine(#[from] crate::flows::engine::Error),
 }

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::container::{RestoreUndo, SandboxUndo};
+use super::runtime::{RestoreUndo, RuntimeUndo, SandboxUndo};
 use crate::exit::{Classify, ExitStatus};
 use crate::freeze::{GpuBackend, GpuDriver, ProcessState};
 use crate::proc::{self as tree, Held};
@@ -304,8 +304,9 @@ struct Watched {
 }
 
 /// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
-/// `tool` the PID of the tool it watches. Returns the exit code.
-pub fn serve(sock: OwnedFd, tool: i32) -> i32 {
+/// `tool` the PID of the tool it watches, `runtime` what undoes a container runtime's half-done work.
+/// Returns the exit code.
+pub fn serve(sock: OwnedFd, tool: i32, runtime: &dyn RuntimeUndo) -> i32 {
     become_unkillable();
     let tool_fd = match tree::pidfd_open(tool) {
         Ok(fd) => fd,
@@ -365,7 +366,7 @@ pub fn serve(sock: OwnedFd, tool: i32) -> i32 {
             }
         }
         // The socket closed without Done, or the tool exited: the tool is dead.
-        watched.tool_died(tool);
+        watched.tool_died(tool, runtime);
         return 0;
     }
 }
@@ -403,11 +404,14 @@ impl Watched {
         }
     }
 
-    fn tool_died(&self, tool: i32) {
+    fn tool_died(&self, tool: i32, runtime: &dyn RuntimeUndo) {
         let say =
             |what: &str| eprintln!("gpu-checkpoint guardian: the tool (pid {tool}) died; {what}");
         if let Some(undo) = &self.container_restore {
-            say(&format!("undid the container restore: {}", undo.undo()));
+            say(&format!(
+                "undid the container restore: {}",
+                runtime.container_restore(undo)
+            ));
             return;
         }
         if let Some(pids) = &self.restore {
@@ -442,7 +446,7 @@ impl Watched {
         let sandbox = self
             .sandbox
             .as_ref()
-            .map(|s| format!("; {}", s.undo(self.stopping.as_deref())));
+            .map(|s| format!("; {}", runtime.sandbox(s, self.stopping.as_deref())));
         if sandbox.is_none() {
             // CRIU may still hold the tree (a dump in progress when the tool died fails or finishes by
             // itself): a continue sent meanwhile would be lost. (A sandbox is dumped by its runtime,

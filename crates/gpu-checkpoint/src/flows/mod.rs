@@ -20,6 +20,7 @@ mod logs;
 pub mod manifest;
 mod phases;
 pub mod restore;
+pub mod runtime;
 pub(crate) mod thaw;
 pub(crate) mod workdir;
 

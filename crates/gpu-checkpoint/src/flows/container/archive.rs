@@ -159,25 +159,14 @@ fn copy_entry(
     }
 }
 
-/// An I/O failure on `path`, as the container flow's work-folder error.
-pub(super) fn io(path: &Path) -> impl Fn(std::io::Error) -> crate::Error + '_ {
-    move |source| {
-        Error::WorkDir {
-            path: path.to_path_buf(),
-            source,
-        }
-        .into()
-    }
-}
-
 /// Every regular file under `root`, as sorted relative paths with `/`.
 fn files_under(root: &Path) -> Result<Vec<String>, crate::Error> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).map_err(io(&dir))? {
-            let e = e.map_err(io(&dir))?;
-            let kind = e.file_type().map_err(io(&dir))?;
+        for e in std::fs::read_dir(&dir).map_err(Error::io_at(&dir))? {
+            let e = e.map_err(Error::io_at(&dir))?;
+            let kind = e.file_type().map_err(Error::io_at(&dir))?;
             if kind.is_dir() {
                 stack.push(e.path());
             } else if kind.is_file() {
@@ -318,7 +307,7 @@ pub fn export_oci(
                     .mode(0o600)
                     .custom_flags(libc::O_NOFOLLOW)
                     .open(&path)
-                    .map_err(io(&path))?;
+                    .map_err(Error::io_at(&path))?;
                 super::rootfs_diff::write_diff_tar(&rootfs, &changes, BufWriter::new(&f))?;
                 diff_tar = Some(path);
             }
@@ -355,7 +344,7 @@ pub fn export_oci(
     let tmp = tempfile::Builder::new()
         .prefix(".gpu-checkpoint-export.")
         .tempfile_in(&parent)
-        .map_err(io(&parent))?;
+        .map_err(Error::io_at(&parent))?;
     let mtime = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -382,8 +371,8 @@ pub fn export_oci(
         files.push((ROOTFS_DIFF.into(), path));
     }
     for (name, path) in files {
-        let f = File::open(&path).map_err(io(&path))?;
-        let size = f.metadata().map_err(io(&path))?.len();
+        let f = File::open(&path).map_err(Error::io_at(&path))?;
+        let size = f.metadata().map_err(Error::io_at(&path))?.len();
         append(&mut tar, &name, size, BufReader::new(f), mtime).map_err(write)?;
         entries.push(name);
     }
@@ -401,7 +390,7 @@ pub fn export_oci(
             ),
         )
     })?;
-    crate::util::fsync_dir(&parent).map_err(io(&parent))?;
+    crate::util::fsync_dir(&parent).map_err(Error::io_at(&parent))?;
     Ok(ExportOutcome {
         checkpoint: info.id,
         path: dest.to_path_buf(),
@@ -489,7 +478,7 @@ pub fn import_oci(
         }
         let dest = staging.join(stored_name(&rel));
         if let Some(d) = dest.parent() {
-            crate::util::create_private_dir_all(d).map_err(io(d))?;
+            crate::util::create_private_dir_all(d).map_err(Error::io_at(d))?;
         }
         let mut out = crate::util::create_new_private_file(&dest).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
@@ -534,7 +523,7 @@ pub fn import_oci(
         ));
     }
 
-    let sizes = Sizes::of_dir(&staging).map_err(io(&staging))?;
+    let sizes = Sizes::of_dir(&staging).map_err(Error::io_at(&staging))?;
     let manifest = CheckpointManifest {
         schema: manifest::SCHEMA.into(),
         schema_version: manifest::SCHEMA_VERSION,

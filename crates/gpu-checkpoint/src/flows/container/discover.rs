@@ -8,7 +8,7 @@ use crate::detect::{self, DetectOptions, Report, StrategyName};
 #[derive(Debug, Clone)]
 pub struct Discovered {
     pub state: ContainerState,
-    pub processes: Vec<members::Member>,
+    pub processes: Vec<crate::flows::runtime::Member>,
     pub report: Report,
 }
 
@@ -34,7 +34,7 @@ pub fn discover(
 /// [`discover`] of a container whose state the caller has (running, or paused by its engine).
 pub fn discover_in(state: ContainerState, opts: &DetectOptions) -> crate::Result<Discovered> {
     let id = state.id.as_str();
-    let processes = members::members(state.pid);
+    let processes = members(state.pid);
     if processes.is_empty() {
         return Err(Error::Processes {
             id: id.into(),

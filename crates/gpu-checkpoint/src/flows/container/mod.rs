@@ -28,34 +28,28 @@
 //! half-way, the guardian, told before the runtime's restore, does the same (`guards::RestoreUndo`).
 
 pub mod archive;
-pub mod direct;
+mod direct;
 mod discover;
-mod error;
-#[cfg(test)]
-mod fake;
 mod follow;
 mod guards;
-mod id;
-pub mod members;
-mod oci;
 mod restore;
 pub mod rootfs_diff;
-mod runtime;
 mod sandbox;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-pub use direct::DirectDump;
 pub use discover::{blocked, discover, discover_in, Discovered};
-pub use error::Error;
-#[cfg(test)]
-pub use fake::FakeRuntime;
 pub use follow::{Follow, FollowReader};
-pub use id::check_container_id;
-pub use oci::{unmount_under, OciCli, RuntimeKind};
 pub use restore::{ContainerRestoreOptions, ContainerRestoreOutcome, RestoreTimings};
-pub use runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
+// The runtime seam the flow drives (`flows/runtime`), under the names its users know.
+#[cfg(test)]
+pub use crate::flows::runtime::FakeRuntime;
+pub use crate::flows::runtime::{
+    check_container_id, members, unmount_under, CheckpointRequest, ContainerRuntime,
+    ContainerState, DirectDump, Error, OciCli, RestoreRequest, RestoreUndo, RuntimeKind,
+    SandboxUndo,
+};
 
 use super::checkpoint::{aborted_at_lock, after_durable, freeze_phased};
 use super::guardian::Event;
@@ -70,7 +64,6 @@ use crate::fault;
 use crate::freeze::{FreezeContext, GpuHook};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
-pub use guards::{RestoreUndo, SandboxUndo};
 use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
@@ -601,6 +594,20 @@ impl ContainerFlow<'_> {
             });
         }
         Ok(())
+    }
+}
+
+/// The container flow's undo of the records it tells the guardian: what the guardian process is
+/// handed when it starts ([`crate::flows::guardian::serve`]).
+pub struct GuardianUndo;
+
+impl crate::flows::runtime::RuntimeUndo for GuardianUndo {
+    fn sandbox(&self, undo: &SandboxUndo, images: Option<&std::path::Path>) -> String {
+        guards::undo_sandbox(undo, images)
+    }
+
+    fn container_restore(&self, undo: &RestoreUndo) -> String {
+        restore::undo_restore(undo)
     }
 }
 

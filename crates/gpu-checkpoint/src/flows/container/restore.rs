@@ -4,10 +4,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::members::{self, pid_map};
+use crate::flows::runtime::{members, pid_map, ContainerRuntime};
 // Applying an imported archive's root file system changes: only the restore uses it.
 pub(super) mod rootfs;
-pub(super) use rootfs::undo_left as undo_rootfs_left;
 // The images streamed from the store into the runtime's CRIU.
 mod streamed;
 use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};
@@ -75,7 +74,7 @@ impl Drop for Discard<'_> {
         if !self.armed {
             return;
         }
-        super::guards::kill_leftovers(&self.work);
+        kill_leftovers(&self.work);
         if self.runtime.state(&self.id).is_err() {
             return;
         }
@@ -230,7 +229,7 @@ impl ContainerFlow<'_> {
             None => {
                 // The GPU processes come back under new host PIDs: find each through its PID inside
                 // the container.
-                let now = members::members(state.pid);
+                let now = members(state.pid);
                 let map = pid_map(&record.processes, &now);
                 let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
                 let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
@@ -271,5 +270,134 @@ impl ContainerFlow<'_> {
             gpu,
             materialized_because,
         })
+    }
+}
+
+/// How long the guardian waits for the runtime's restore the dead tool left (with runc: runc, our
+/// `criu swrk` stand-in and CRIU, which fail once the store's image socket is gone, or finish) before
+/// killing what is left of it.
+const RESTORE_LET_GO: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Undoes the half-done restore (see the type); says what it did.
+pub(super) fn undo_restore(undo: &RestoreUndo) -> String {
+    let mut said = Vec::new();
+    let left = crate::proc::wait_until(RESTORE_LET_GO, || restoring(undo));
+    let killed = kill_trees(&left) + kill_leftovers(&undo.work);
+    if killed > 0 {
+        said.push(format!(
+            "killed what was left of the runtime's restore ({killed} processes)"
+        ));
+    }
+    // Before anything is deleted: what the runtime left mounted (also where it knows no container).
+    super::unmount_under(&undo.runtime.state_dir(&undo.id));
+    match undo.runtime.state(&undo.id) {
+        Ok(_) => match undo.runtime.delete(&undo.id, true) {
+            Ok(()) => said.push(format!("deleted the half-restored container {}", undo.id)),
+            Err(e) => said.push(format!(
+                "could not delete the half-restored container {}: {e}",
+                undo.id
+            )),
+        },
+        Err(Error::NoSuchContainer { .. }) => {}
+        Err(e) => said.push(format!("cannot ask for container {}: {e}", undo.id)),
+    }
+    // An imported archive's root file system changes, journaled in the work folder (nothing runs on
+    // the rootfs any more).
+    said.extend(rootfs::undo_left(&undo.work));
+    super::unmount_under(&undo.work);
+    match std::fs::remove_dir_all(&undo.work) {
+        Ok(()) => said.push(format!("removed {}", undo.work.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => said.push(format!("could not remove {}: {e}", undo.work.display())),
+    }
+    said.push("the checkpoint is intact".into());
+    said.join("; ")
+}
+
+/// What still works on the restore: the runtime's commands on the id (any of its global flags: runc
+/// is given our stand-in as its `--criu`), and whatever runs in the work folder (CRIU, run there by
+/// the stand-in, which outlives a killed runc).
+fn restoring(undo: &RestoreUndo) -> Vec<i32> {
+    let program = &undo.runtime.argv()[..1];
+    let mut pids = super::guards::runtime_commands(program, &undo.id);
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    pids.extend(
+        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read_link(format!("/proc/{pid}/cwd"))
+                    .is_ok_and(|cwd| cwd.starts_with(&undo.work))
+            }),
+    );
+    pids.retain(|&p| crate::proc::is_alive(p));
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+/// Kills the trees rooted at `roots`; returns how many processes they held.
+fn kill_trees(roots: &[i32]) -> usize {
+    let tree: Vec<i32> = roots
+        .iter()
+        .flat_map(|&p| crate::proc::process_tree(p))
+        .map(|p| p.pid)
+        .collect();
+    crate::proc::kill_tree(&tree, std::time::Duration::from_secs(10));
+    tree.len()
+}
+
+/// Kills what a failed or abandoned restore left running beside its runtime: CRIU (run in the work folder
+/// by runc's `criu swrk` stand-in, which goes on if the stand-in is killed) with the tasks it is
+/// restoring, and a tree CRIU finished restoring that the runtime never took (its init's PID in the
+/// work folder's pidfile; killing a PID namespace's init kills the namespace). Only processes that
+/// started after this one (the tool, or the guardian started before the restore): a PID reused since
+/// is left alone. Returns how many processes were killed.
+pub(super) fn kill_leftovers(work: &std::path::Path) -> usize {
+    let me = crate::proc::stat(std::process::id() as i32).map_or(u64::MAX, |s| s.start_ticks);
+    let ours =
+        |pid: i32| crate::proc::stat(pid).is_some_and(|s| !s.is_dying() && s.start_ticks >= me);
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut roots: Vec<i32> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(work))
+        })
+        .collect();
+    let pidfile = work.join(crate::dump::swrk_proxy::PIDFILE);
+    if let Some(pid) = std::fs::read_to_string(pidfile)
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+    {
+        roots.push(pid);
+    }
+    roots.retain(|&p| p != std::process::id() as i32 && ours(p));
+    let killed = kill_trees(&roots);
+    if killed > 0 {
+        tracing::warn!("killed {killed} process(es) left by the failed restore");
+    }
+    killed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_runs_in_the_work_folder_is_killed_and_an_older_pidfile_process_is_not() {
+        let work = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .current_dir(work.path())
+            .spawn()
+            .unwrap();
+        // PID 1 started before this process: a pidfile naming it (a PID reused since) is not acted on.
+        std::fs::write(work.path().join(crate::dump::swrk_proxy::PIDFILE), "1\n").unwrap();
+        assert_eq!(kill_leftovers(work.path()), 1);
+        let st = child.wait().unwrap();
+        assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(9));
+        assert_eq!(kill_leftovers(work.path()), 0);
     }
 }

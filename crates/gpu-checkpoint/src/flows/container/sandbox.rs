@@ -130,36 +130,3 @@ pub(super) fn restore(
     }
     Ok(())
 }
-
-/// The PIDs in `runsc ps --format json`'s answer: an array of process objects (`pid`) or of numbers
-/// (runc's form).
-pub(super) fn parse_ps(json: &str) -> Option<Vec<i32>> {
-    let v: serde_json::Value = serde_json::from_str(json).ok()?;
-    v.as_array()?
-        .iter()
-        .map(|p| {
-            let n = p.as_i64().or_else(|| {
-                p.as_object()?
-                    .iter()
-                    .find(|(k, _)| k.eq_ignore_ascii_case("pid"))?
-                    .1
-                    .as_i64()
-            })?;
-            i32::try_from(n).ok()
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_ps;
-
-    #[test]
-    fn ps_answers_are_parsed() {
-        let runsc =
-            r#"[{"UID":0,"PID":1,"PPID":0,"C":0,"Cmd":"sh"},{"UID":0,"PID":7,"PPID":1,"Cmd":"w"}]"#;
-        assert_eq!(parse_ps(runsc), Some(vec![1, 7]));
-        assert_eq!(parse_ps("[1, 2]"), Some(vec![1, 2]));
-        assert_eq!(parse_ps("{}"), None);
-    }
-}

@@ -225,7 +225,10 @@ fn direct_settings() -> DirectDump {
             manage_cgroups: Some(crate::dump::CgroupMode::Soft),
             ..CriuOptions::default()
         },
-        files: vec![(direct::DESCRIPTORS.into(), b"[\"/dev/null\"]".to_vec())],
+        files: vec![(
+            crate::flows::runtime::DESCRIPTORS.into(),
+            b"[\"/dev/null\"]".to_vec(),
+        )],
     }
 }
 
@@ -275,13 +278,21 @@ fn a_direct_dump_streams_criu_images_into_the_store_with_the_runtimes_files_and_
     let info = store.get(&out.info.id).unwrap();
     let names: Vec<&str> = info.files.iter().map(|f| f.path.as_str()).collect();
     assert!(names.contains(&"pages-1.img"), "{names:?}");
-    assert!(names.contains(&direct::DESCRIPTORS), "{names:?}");
+    assert!(
+        names.contains(&crate::flows::runtime::DESCRIPTORS),
+        "{names:?}"
+    );
     let work = tempfile::tempdir().unwrap();
     store
         .materialize(&out.info.id, &work.path().join("m"), &NoProgress)
         .unwrap();
     assert_eq!(
-        std::fs::read(work.path().join("m").join(direct::DESCRIPTORS)).unwrap(),
+        std::fs::read(
+            work.path()
+                .join("m")
+                .join(crate::flows::runtime::DESCRIPTORS)
+        )
+        .unwrap(),
         b"[\"/dev/null\"]"
     );
 }

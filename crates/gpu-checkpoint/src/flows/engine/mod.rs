@@ -207,7 +207,7 @@ pub struct Engine<'a> {
     pub config: &'a NodeConfig,
     pub call: &'a RuncCall,
     /// The real runc with the call's root and flags, for `state`, `pause`, `resume`, `delete`.
-    pub runtime: &'a dyn crate::flows::container::ContainerRuntime,
+    pub runtime: &'a dyn crate::flows::runtime::ContainerRuntime,
     /// Runs the real runc with a command line (its output goes where the engine reads ours); its exit
     /// code.
     pub real: &'a dyn Fn(&[OsString]) -> Result<i32, Error>,

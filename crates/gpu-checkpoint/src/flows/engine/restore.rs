@@ -18,8 +18,7 @@
 
 use super::record::{self, ArchiveRecord};
 use super::{Engine, Error};
-use crate::flows::container::members::{self, pid_map};
-use crate::flows::container::{ContainerRuntime, RestoreUndo};
+use crate::flows::runtime::{members, pid_map, ContainerRuntime, RestoreUndo};
 use crate::flows::Event;
 use crate::freeze::{match_gpus, GpuHook, GpuInfo, RestoredTree};
 
@@ -162,7 +161,7 @@ impl Engine<'_> {
     ) -> crate::Result<()> {
         let id = self.call.id().unwrap_or_default();
         let state = self.runtime.state(id)?;
-        let now = members::members(state.pid);
+        let now = members(state.pid);
         let map = pid_map(&rec.processes, &now);
         let moved = gpu_record.with_pids(|p| map.get(&p).copied());
         let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();

@@ -9,8 +9,8 @@ use std::path::Path;
 use super::record::{ArchiveRecord, RECORD_SCHEMA, RECORD_VERSION};
 use super::*;
 use crate::detect::StrategyName;
-use crate::flows::container::FakeRuntime;
 use crate::flows::guardian::NoWatch;
+use crate::flows::runtime::FakeRuntime;
 use crate::freeze::step::{RecordedProcess, StepTimings};
 use crate::freeze::GpuRecord;
 

@@ -16,11 +16,10 @@ use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::{symlink, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-use super::super::archive::io;
 use super::Error;
 
 mod journal;
-pub(in crate::flows::container) use journal::undo_left;
+pub(super) use journal::undo_left;
 
 /// Where an imported archive's files lie among the materialized images (`archive.rs` keeps them under
 /// `oci/`).
@@ -97,7 +96,7 @@ struct Entry {
 
 /// Reads and checks every entry of the diff (nothing is changed yet).
 fn read_diff(tar_path: &Path, rootfs: &Path) -> crate::Result<Vec<Entry>> {
-    let f = File::open(tar_path).map_err(io(tar_path))?;
+    let f = File::open(tar_path).map_err(Error::io_at(tar_path))?;
     let mut tar = tar::Archive::new(f);
     let bad = |e: std::io::Error| refused(rootfs, format!("rootfs-diff.tar is not readable: {e}"));
     let mut out = Vec::new();
@@ -281,14 +280,14 @@ impl Applied {
         }
         let at = self.rootfs.join(rel);
         if fs::symlink_metadata(&at).is_err() {
-            self.journal.created(rel).map_err(io(&at))?;
+            self.journal.created(rel).map_err(Error::io_at(&at))?;
             self.created.push(rel.to_path_buf());
             return Ok(());
         }
         let backup = self.backup.as_ref().expect("present until dropped");
         let copy = backup.path().join(self.saved.len().to_string());
-        copy_tree(&at, &copy).map_err(io(&at))?;
-        self.journal.saved(rel, &copy).map_err(io(&at))?;
+        copy_tree(&at, &copy).map_err(Error::io_at(&at))?;
+        self.journal.saved(rel, &copy).map_err(Error::io_at(&at))?;
         self.saved.push((rel.to_path_buf(), copy));
         Ok(())
     }
@@ -303,10 +302,10 @@ impl Applied {
             }
         }
         self.save(&e.path)?;
-        remove_tree(&at).map_err(io(&at))?;
+        remove_tree(&at).map_err(Error::io_at(&at))?;
         let mode = match &e.change {
             Change::Dir { mode } => {
-                fs::create_dir(&at).map_err(io(&at))?;
+                fs::create_dir(&at).map_err(Error::io_at(&at))?;
                 Some(*mode)
             }
             Change::File {
@@ -321,24 +320,27 @@ impl Applied {
                     .custom_flags(libc::O_NOFOLLOW)
                     .mode(0o600)
                     .open(&at)
-                    .map_err(io(&at))?;
-                tar.seek(SeekFrom::Start(*data_at)).map_err(io(&at))?;
-                let copied =
-                    std::io::copy(&mut (&mut *tar).take(*size), &mut out).map_err(io(&at))?;
+                    .map_err(Error::io_at(&at))?;
+                tar.seek(SeekFrom::Start(*data_at))
+                    .map_err(Error::io_at(&at))?;
+                let copied = std::io::copy(&mut (&mut *tar).take(*size), &mut out)
+                    .map_err(Error::io_at(&at))?;
                 if copied != *size {
                     return Err(refused(&self.rootfs, "rootfs-diff.tar is truncated"));
                 }
                 Some(*mode)
             }
             Change::Link { target } => {
-                symlink(target, &at).map_err(io(&at))?;
+                symlink(target, &at).map_err(Error::io_at(&at))?;
                 None
             }
         };
         // The owner first: chown clears the set-id bits the mode may have.
-        std::os::unix::fs::lchown(&at, Some(e.owner.0), Some(e.owner.1)).map_err(io(&at))?;
+        std::os::unix::fs::lchown(&at, Some(e.owner.0), Some(e.owner.1))
+            .map_err(Error::io_at(&at))?;
         if let Some(mode) = mode {
-            fs::set_permissions(&at, fs::Permissions::from_mode(mode)).map_err(io(&at))?;
+            fs::set_permissions(&at, fs::Permissions::from_mode(mode))
+                .map_err(Error::io_at(&at))?;
         }
         Ok(())
     }
@@ -350,7 +352,7 @@ impl Applied {
             return Ok(());
         }
         self.save(rel)?;
-        remove_tree(&at).map_err(io(&at))
+        Ok(remove_tree(&at).map_err(Error::io_at(&at))?)
     }
 }
 
@@ -429,8 +431,9 @@ pub(super) fn apply(images: &Path, bundle: &Path, work: &Path) -> crate::Result<
     let backup = tempfile::Builder::new()
         .prefix(journal::BACKUP_PREFIX)
         .tempdir_in(work)
-        .map_err(io(work))?;
-    let journal = journal::Journal::create(backup.path(), &rootfs).map_err(io(backup.path()))?;
+        .map_err(Error::io_at(work))?;
+    let journal =
+        journal::Journal::create(backup.path(), &rootfs).map_err(Error::io_at(backup.path()))?;
     let mut applied = Applied {
         rootfs,
         saved: Vec::new(),
@@ -440,12 +443,12 @@ pub(super) fn apply(images: &Path, bundle: &Path, work: &Path) -> crate::Result<
         armed: true,
     };
     if !entries.is_empty() {
-        let mut tar = File::open(&diff).map_err(io(&diff))?;
+        let mut tar = File::open(&diff).map_err(Error::io_at(&diff))?;
         for e in &entries {
             applied.write(e, &mut tar)?;
             // A failure here (injected: `container.rootfs-apply=eio`) leaves nothing half-applied.
             if let Some(err) = crate::fault::io_error("container.rootfs-apply") {
-                return Err(io(&applied.rootfs)(err));
+                return Err(Error::io_at(&applied.rootfs)(err).into());
             }
         }
     }

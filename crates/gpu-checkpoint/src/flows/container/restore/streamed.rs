@@ -104,7 +104,7 @@ pub(super) fn restore(
         if restored.is_err() {
             // CRIU can outlive a failed runtime restore (runc's `criu swrk` stand-in killed: seen here
             // left stopped), holding the image pipe the store would write into for ever.
-            super::super::guards::kill_leftovers(req.images);
+            super::kill_leftovers(req.images);
         }
         restored
     });

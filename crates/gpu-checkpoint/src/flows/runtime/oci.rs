@@ -7,8 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use super::runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 use super::Error;
+use super::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 
 /// Which runtime a command line belongs to: their flags differ a little.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -47,7 +47,7 @@ impl std::str::FromStr for RuntimeKind {
 }
 
 /// An OCI runtime's command line. Serializable: the guardian is told it to act on a sandbox with the
-/// same runtime, root and flags as the tool (`guards::SandboxUndo`).
+/// same runtime, root and flags as the tool ([`super::SandboxUndo`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct OciCli {
     kind: RuntimeKind,
@@ -115,7 +115,7 @@ impl OciCli {
     }
 
     /// The runtime's state folder for container `id`.
-    pub(super) fn state_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn state_dir(&self, id: &str) -> PathBuf {
         self.root
             .clone()
             .unwrap_or_else(|| PathBuf::from(self.kind.default_root()))
@@ -161,7 +161,7 @@ impl OciCli {
     }
 
     /// Every command's first arguments (program, `--criu`, global flags), as its processes show them.
-    pub(super) fn argv(&self) -> Vec<String> {
+    pub(crate) fn argv(&self) -> Vec<String> {
         let c = self.command();
         let mut argv = vec![c.get_program().to_string_lossy().into_owned()];
         argv.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
@@ -221,7 +221,7 @@ impl ContainerRuntime for OciCli {
     fn guest_pids(&self, id: &str) -> Result<Vec<i32>, Error> {
         super::check_container_id(id)?;
         let out = self.run(&["ps", "--format", "json", id])?;
-        super::sandbox::parse_ps(&out).ok_or_else(|| Error::Protocol {
+        parse_ps(&out).ok_or_else(|| Error::Protocol {
             runtime: self.kind.name().into(),
             reason: format!("`ps --format json {id}` printed `{}`", out.trim()),
         })
@@ -484,6 +484,25 @@ fn unescape_mount_path(p: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The PIDs in `runsc ps --format json`'s answer: an array of process objects (`pid`) or of numbers
+/// (runc's form).
+pub(super) fn parse_ps(json: &str) -> Option<Vec<i32>> {
+    let v: serde_json::Value = serde_json::from_str(json).ok()?;
+    v.as_array()?
+        .iter()
+        .map(|p| {
+            let n = p.as_i64().or_else(|| {
+                p.as_object()?
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case("pid"))?
+                    .1
+                    .as_i64()
+            })?;
+            i32::try_from(n).ok()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -544,6 +563,15 @@ mod tests {
             ..newer
         };
         assert!(!runc.checkpoints_gpu_itself());
+    }
+
+    #[test]
+    fn ps_answers_are_parsed() {
+        let runsc =
+            r#"[{"UID":0,"PID":1,"PPID":0,"C":0,"Cmd":"sh"},{"UID":0,"PID":7,"PPID":1,"Cmd":"w"}]"#;
+        assert_eq!(parse_ps(runsc), Some(vec![1, 7]));
+        assert_eq!(parse_ps("[1, 2]"), Some(vec![1, 2]));
+        assert_eq!(parse_ps("{}"), None);
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub fn members(init: i32) -> Vec<Member> {
 }
 
 /// [`members`] over another /proc (tests).
-pub fn members_in(proc_root: &std::path::Path, init: i32) -> Vec<Member> {
+fn members_in(proc_root: &std::path::Path, init: i32) -> Vec<Member> {
     let key = |pid: i32| -> Option<(String, (u64, u64))> {
         let dir = proc_root.join(pid.to_string());
         let cgroup = std::fs::read_to_string(dir.join("cgroup")).ok()?;

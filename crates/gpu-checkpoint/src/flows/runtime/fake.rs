@@ -5,8 +5,8 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use super::runtime::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 use super::Error;
+use super::{CheckpointRequest, ContainerRuntime, ContainerState, RestoreRequest};
 
 /// See the module documentation.
 #[derive(Debug, Default)]

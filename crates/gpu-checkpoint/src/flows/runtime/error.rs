@@ -1,6 +1,6 @@
 //! The container flow's errors, each with its exit code.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::exit::{Classify, ExitStatus};
 
@@ -66,6 +66,16 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl Error {
+    /// An I/O failure on `path` (a work folder, an images folder, a root file system), for `map_err`.
+    pub fn io_at(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+        move |source| Error::WorkDir {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
 }
 
 impl Classify for Error {

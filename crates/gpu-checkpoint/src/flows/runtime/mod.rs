@@ -1,15 +1,33 @@
-//! The container runtime, the container flow's boundary with the outside world: one trait, with the real
-//! OCI runtimes' command lines ([`super::OciCli`]: runc, runsc) and a test fake (`FakeRuntime`,
-//! unit tests only).
+//! The container runtime, the boundary of the container flow and the engines' wrapper with the outside
+//! world: one trait ([`ContainerRuntime`]), with the real OCI runtimes' command lines ([`OciCli`]: runc,
+//! runsc) and a test fake (`FakeRuntime`, unit tests only); what the runtime knows that the flows use
+//! (runc's settings for a direct CRIU dump: `direct.rs`; a container's processes seen from the host:
+//! `processes.rs`); and the records of a runtime's half-done work the guardian is told (`undo.rs`).
 //!
-//! The flow only needs what every OCI runtime's command line offers: `state`, `pause`/`resume`,
+//! The flows only need what every OCI runtime's command line offers: `state`, `pause`/`resume`,
 //! `checkpoint`/`restore` into and from a folder of images, `kill`, `delete`, `list`.
+
+mod direct;
+mod error;
+#[cfg(test)]
+mod fake;
+mod id;
+mod oci;
+mod processes;
+mod undo;
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::Error;
+pub use direct::{runc_settings, DirectDump, DESCRIPTORS};
+pub use error::Error;
+#[cfg(test)]
+pub use fake::FakeRuntime;
+pub use id::check_container_id;
+pub use oci::{unmount_under, OciCli, RuntimeKind};
+pub use processes::{members, pid_map, Member};
+pub use undo::{RestoreUndo, RuntimeUndo, SandboxUndo};
 
 /// A container as the runtime's `state` reports it (the OCI runtime spec's state, the fields we use).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,13 +104,13 @@ pub trait ContainerRuntime {
         false
     }
     /// CRIU's settings for dumping the container directly, as the runtime itself would
-    /// ([`super::direct`]): the images then stream into the store and the runtime's restore still
+    /// (`direct.rs`): the images then stream into the store and the runtime's restore still
     /// restores them. `None` where the runtime has no such path (runsc checkpoints by itself).
-    fn direct_dump(&self, _id: &str, _init: i32) -> Result<Option<super::DirectDump>, Error> {
+    fn direct_dump(&self, _id: &str, _init: i32) -> Result<Option<DirectDump>, Error> {
         Ok(None)
     }
     /// The one image file the runtime's `checkpoint` writes from start to end (runsc: `checkpoint.img`),
-    /// stored while the runtime still writes it ([`super::Follow`]); `None`: its images are stored
+    /// stored while the runtime still writes it (the container flow's `Follow`); `None`: its images are stored
     /// once it has finished.
     fn followed_image(&self) -> Option<&'static str> {
         None
@@ -103,8 +121,8 @@ pub trait ContainerRuntime {
         None
     }
     /// The runtime's command line, for the guardian to act on a sandbox as the tool would should the
-    /// tool die (`guards::SandboxUndo`); `None` for a runtime that is no command line (the fake).
-    fn cli(&self) -> Option<super::OciCli> {
+    /// tool die ([`SandboxUndo`]); `None` for a runtime that is no command line (the fake).
+    fn cli(&self) -> Option<OciCli> {
         None
     }
     /// Whether [`ContainerRuntime::restore`] can have CRIU read its images streamed from the store's
