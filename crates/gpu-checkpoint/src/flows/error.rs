@@ -27,6 +27,8 @@ pub enum Error {
     #[error(transparent)]
     Restore(#[from] crate::flows::restore::Error),
     #[error(transparent)]
+    Pipeline(#[from] crate::flows::pipeline::Error),
+    #[error(transparent)]
     Guardian(#[from] crate::flows::guardian::Error),
     #[error(transparent)]
     Container(#[from] crate::flows::runtime::Error),
@@ -43,6 +45,7 @@ impl Classify for Error {
             Error::Store(e) => e.exit_status(),
             Error::Checkpoint(e) => e.exit_status(),
             Error::Restore(e) => e.exit_status(),
+            Error::Pipeline(e) => e.exit_status(),
             Error::Guardian(e) => e.exit_status(),
             Error::Container(e) => e.exit_status(),
             Error::Engine(e) => e.exit_status(),

@@ -19,9 +19,9 @@ pub mod guardian;
 mod logs;
 pub mod manifest;
 mod phases;
+pub mod pipeline;
 pub mod restore;
 pub mod runtime;
-pub(crate) mod thaw;
 pub(crate) mod workdir;
 
 use std::time::Instant;
@@ -102,6 +102,18 @@ impl ImageTransfer {
             ImageTransfer::Staged
         } else {
             ImageTransfer::Stream
+        }
+    }
+}
+
+impl Flow<'_> {
+    /// The pipeline with this flow's GPU step, store, progress display and guardian.
+    fn pipeline(&mut self) -> pipeline::Pipeline<'_> {
+        pipeline::Pipeline {
+            gpu: &mut *self.gpu,
+            store: self.store,
+            progress: self.progress,
+            watch: self.watch,
         }
     }
 }

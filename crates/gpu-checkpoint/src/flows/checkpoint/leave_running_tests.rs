@@ -10,6 +10,7 @@ use super::tests::{names, RecordingGpu, Scene, Sleeper};
 use super::*;
 use crate::dump::FakeCriuCall;
 use crate::flows::ImageTransfer;
+use crate::flows::NotCommitted;
 
 fn leave_running(pid: i32) -> CheckpointOptions {
     let mut opts = CheckpointOptions::new(pid);

@@ -1,18 +1,18 @@
-//! The checkpoint flow: detect -> plan -> GPU freeze -> CRIU dump -> store, nothing lost on failure.
+//! The checkpoint of a process tree: the pipeline's target for `checkpoint --pid` (`flows/pipeline`
+//! owns the order: detect -> GPU freeze -> dump -> store -> commit, nothing lost on failure).
 //!
-//! Order, and why:
+//! What this target adds, and why:
 //! 1. Everything that can refuse does so before the process is touched: the PID exists, the store is
-//!    writable, no other checkpoint of this PID runs (per-PID lock), detect does not say `unsupported`.
-//! 2. GPU freeze (the [`crate::freeze::GpuHook`]), then CRIU dumps the tree into the store (streamed) or
-//!    its staging folder (`--staged`). CRIU never kills the tree: it leaves it stopped (SIGSTOP), or
-//!    running for a staged `--leave-running` dump ([`crate::flows::ImageTransfer::after_dump`]), so a
-//!    failure of anything until the checkpoint is durable is undone by continuing the tree and putting
-//!    its GPU state back. Guards do that when dropped (`undo.rs`), so that no way out of the flow can
-//!    forget it. With `--leave-running` the flow continues the tree a streamed dump left stopped as soon
-//!    as the store has read every image, then puts its GPU state back, before the commit.
-//! 3. The store commits the checkpoint: every chunk durable, then the manifest (the checkpoint exists
-//!    only from that moment on).
-//! 4. Only then, without `--leave-running`, the tree is killed (migration).
+//!    writable, no other checkpoint of this PID or tree runs (per-PID locks, held until the end), detect
+//!    does not say `unsupported`, CRIU would not fail on what the tree holds (`refusals.rs`), device
+//!    files are reopened by CRIU's devices plugin where needed (`devices.rs`).
+//! 2. CRIU dumps the tree into the store (streamed) or its staging folder (`--staged`). CRIU never kills
+//!    the tree: it leaves it stopped (SIGSTOP), or running for a staged `--leave-running` dump
+//!    ([`crate::flows::ImageTransfer::after_dump`]), so a failure of anything until the checkpoint is
+//!    durable is undone by continuing the tree (`undo.rs`, before the pipeline puts its GPU state
+//!    back). With `--leave-running` the tree a streamed dump left stopped is continued as soon as the
+//!    store has read every image.
+//! 3. Only once the checkpoint is durable, without `--leave-running`, the tree is killed (migration).
 //!
 //! The tree stays stopped (not running) between the dump and the kill so that it does nothing the
 //! checkpoint would not contain: files written, messages sent after the dump would otherwise be done a
@@ -21,34 +21,24 @@
 mod devices;
 mod lock;
 mod refusals;
-pub(in crate::flows) mod stream;
 mod undo;
 
-pub(in crate::flows) use stream::{dump_tree, tell_network};
-
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use super::manifest::{
-    self, CheckpointManifest, CriuInfo, HostInfo, OptionsRecord, PhaseTimings, Sizes,
-};
-use super::{ms, Alone, Flow, NotCommitted, Phases};
+use super::manifest::{CheckpointManifest, CriuInfo};
+use super::pipeline::{self, CheckpointCommon, CheckpointTarget, DumpContext, Dumped, Prepared};
+use super::{ms, Alone, Flow, ImageTransfer, Phases};
 use crate::detect::{self, DetectOptions, Report, StrategyChoice, StrategyName};
-use crate::dump::devices::PluginDir;
-use crate::dump::{AfterDump, CriuOptions, DumpRequest};
+use crate::dump::devices::{PluginDir, ReopenedDevice};
+use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
-use crate::fault;
-use crate::flows::guardian::Event;
-use crate::freeze::{FreezeContext, GpuHook, GpuRecord};
-use crate::interrupt::InterruptGuard;
 use crate::proc as tree;
-use crate::store::{CheckpointInfo, Store, Streamed};
-use undo::{ContinueGuard, GpuThawGuard};
+use crate::store::{CheckpointInfo, Store};
+use undo::ContinueGuard;
 
 pub use lock::{lock_pid, lock_tree, PidLock};
-
-/// Name of CRIU's dump log inside the checkpoint (stored with its images).
-pub const DUMP_LOG: &str = "dump.log";
+pub use pipeline::DUMP_LOG;
 
 /// How long a killed tree may take to die before we report it.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -95,20 +85,8 @@ pub enum Error {
         process: i32,
         path: String,
     },
-    #[error("the job checkpoint aborted: {reason}; this member's checkpoint was undone, the tree runs as before and nothing was kept")]
-    Aborted { reason: String },
-    #[error("the job checkpoint's outcome is unknown ({reason}): the tree runs as before, and this member's checkpoint {id} is kept, as a committed job checkpoint may name it (`job list` tells; `gpu-checkpoint delete {id}` if none does)")]
-    InDoubt { id: String, reason: String },
-    #[error("interrupted by {signal}: the checkpoint was undone, the tree runs as before and nothing was stored")]
-    Interrupted { signal: String },
     #[error("checkpoint {id} is stored, but the process tree could not be stopped: PIDs {pids:?} still run")]
     NotStopped { id: String, pids: Vec<i32> },
-    #[error("measuring the images in {}: {source}", path.display())]
-    Images {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 impl Classify for Error {
@@ -123,10 +101,7 @@ impl Classify for Error {
             | Error::Stopped { .. }
             | Error::StrategyRefused { .. }
             | Error::DeviceMapped { .. } => ExitStatus::Unsupported,
-            Error::Interrupted { .. } => ExitStatus::Interrupted,
-            Error::Aborted { .. } | Error::InDoubt { .. } => ExitStatus::Failure,
             Error::NotStopped { .. } => ExitStatus::Failure,
-            Error::Images { .. } => ExitStatus::Failure,
         }
     }
 }
@@ -168,14 +143,6 @@ impl CheckpointOptions {
             reopen_devices: Vec::new(),
         }
     }
-
-    /// The options the manifest keeps.
-    fn record(&self) -> OptionsRecord {
-        OptionsRecord {
-            leave_running: self.leave_running,
-            criu: self.criu.clone(),
-        }
-    }
 }
 
 /// Timings of one checkpoint, in milliseconds.
@@ -202,18 +169,6 @@ pub struct Timings {
     pub total: f64,
 }
 
-impl Timings {
-    /// The timings the manifest keeps (the write phase is the store's own `stats.ingest_ms`).
-    fn phases(&self) -> PhaseTimings {
-        PhaseTimings {
-            detect: self.detect,
-            freeze: self.freeze,
-            dump: self.dump,
-            streamed: self.streamed,
-        }
-    }
-}
-
 /// A finished checkpoint.
 #[derive(Debug, Clone)]
 pub struct CheckpointOutcome {
@@ -238,23 +193,79 @@ impl Flow<'_> {
         opts: &CheckpointOptions,
         phases: &dyn Phases,
     ) -> crate::Result<CheckpointOutcome> {
-        let started = Instant::now();
-        let started_unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let pid = opts.pid;
-        // Every signal that would end this process is deferred until the flow has finished or undone
-        // what it did; what cannot be deferred (SIGKILL) is the guardian's (`self.watch`).
-        let interrupt = InterruptGuard::new();
-        // 1. Refuse before touching the tree.
+        let mut target = ProcessTree::new(self.criu, self.images, opts);
+        let common = CheckpointCommon {
+            name: opts.name.clone(),
+            leave_running: opts.leave_running,
+        };
+        let out = self.pipeline().checkpoint(&mut target, &common, phases)?;
+        let t = out.timings;
+        Ok(CheckpointOutcome {
+            info: out.info,
+            manifest: out.manifest,
+            timings: Timings {
+                detect: t.detect,
+                freeze: t.freeze,
+                dump: t.dump,
+                write: t.write,
+                streamed: self.images.dump_streams(),
+                paused: t.paused,
+                continued: t.continued,
+                stop: t.stop,
+                total: t.total,
+            },
+            stopped: out.stopped,
+        })
+    }
+}
+
+/// A process tree, dumped by CRIU: the pipeline's target for [`Flow::checkpoint`].
+struct ProcessTree<'a> {
+    criu: &'a dyn Criu,
+    images: ImageTransfer,
+    opts: &'a CheckpointOptions,
+    /// The root's and the tree's locks, held until the checkpoint ends.
+    locks: Vec<PidLock>,
+    pids: Vec<i32>,
+    /// Processes stopped before the checkpoint (`--allow-stopped`): they stay stopped.
+    stopped_before: Vec<i32>,
+    /// The tree as detect saw it: what the manifest lists should the root be gone after the dump.
+    detected: Vec<tree::TreeProcess>,
+    criu_info: Option<CriuInfo>,
+    /// CRIU's devices plugin, in a private folder, when the tree holds device files it cannot dump.
+    plugin: Option<PluginDir>,
+    /// Filled in by the dump: the tree as CRIU dumped it, and the devices its plugin recorded.
+    dumped: Vec<tree::TreeProcess>,
+    reopened: Vec<ReopenedDevice>,
+}
+
+impl<'a> ProcessTree<'a> {
+    fn new(criu: &'a dyn Criu, images: ImageTransfer, opts: &'a CheckpointOptions) -> Self {
+        ProcessTree {
+            criu,
+            images,
+            opts,
+            locks: Vec::new(),
+            pids: Vec::new(),
+            stopped_before: Vec::new(),
+            detected: Vec::new(),
+            criu_info: None,
+            plugin: None,
+            dumped: Vec::new(),
+            reopened: Vec::new(),
+        }
+    }
+}
+
+impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
+    fn prepare(&mut self, store: &Store) -> crate::Result<Prepared> {
+        let (pid, opts) = (self.opts.pid, self.opts);
         if !tree::is_alive(pid) {
             return Err(Error::NoSuchProcess { pid }.into());
         }
         self.criu.check_permitted()?;
-        self.store.check_writable()?;
-        let _lock = lock_pid(pid)?;
-
+        store.check_writable()?;
+        self.locks.push(lock_pid(pid)?);
         let refuse = |reason: String| Error::StrategyRefused {
             pid,
             strategy: opts.strategy,
@@ -263,16 +274,15 @@ impl Flow<'_> {
         if opts.strategy == StrategyChoice::BarSliding {
             return Err(refuse(detect::choice::BAR_SLIDING.into()).into());
         }
-        let t = Instant::now();
         let report = detect_tree(pid, &opts.detect)?;
         detect::choice::check(opts.strategy, &report).map_err(refuse)?;
         refusals::check_options(pid, &report, &opts.criu)?;
         refusals::check_limits(pid, &report)?;
         let reopen = devices::plan(pid, &report, &opts.reopen_devices, Path::new("/proc"))?;
-        let tree_pids: Vec<i32> = report.processes.iter().map(|p| p.pid).collect();
-        let _tree_locks = lock_tree(&tree_pids, pid)?;
+        self.pids = report.processes.iter().map(|p| p.pid).collect();
+        self.locks.extend(lock_tree(&self.pids, pid)?);
         // Processes stopped before we came stay stopped whatever happens (`--allow-stopped`).
-        let stopped_before = stopped_processes(&tree_pids);
+        let stopped_before = stopped_processes(&self.pids);
         if let (false, Some(&(stopped, state))) = (opts.allow_stopped, stopped_before.first()) {
             return Err(Error::Stopped {
                 pid,
@@ -281,71 +291,50 @@ impl Flow<'_> {
             }
             .into());
         }
-        let stopped_before: Vec<i32> = stopped_before.iter().map(|(p, _)| *p).collect();
-        let mut timings = Timings {
-            detect: ms(t),
-            streamed: self.images.dump_streams(),
-            ..Timings::default()
-        };
-        let criu = CriuInfo {
+        self.stopped_before = stopped_before.iter().map(|(p, _)| *p).collect();
+        self.criu_info = Some(CriuInfo {
             version: self.criu.version()?,
             path: self.criu.describe(),
-        };
-        // CRIU's devices plugin, in a private folder, when the tree holds device files it cannot dump.
-        let plugin = reopen
+        });
+        self.plugin = reopen
             .as_ref()
             .map(|p| PluginDir::for_dump(&p.allow, !p.replaced.is_empty()))
             .transpose()?;
-        let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
-        let ingest = self.store.begin(opts.name.as_deref())?;
-        // The guardian learns what it would have to put back before anything is touched; if it cannot be
-        // told, nothing is.
-        self.watch.tell(&Event::Checkpoint {
-            pids: tree_pids.clone(),
-            leave_running: opts.leave_running,
-            stopped: stopped_before.clone(),
-        })?;
-        if report.strategy.name != StrategyName::None {
-            if let Some(backend) = self.gpu.backend() {
-                self.watch.tell(&Event::Gpu { backend })?;
-            }
-        }
-        fault::at("checkpoint.before-freeze");
-        check_interrupt(&interrupt)?;
-
-        // 2. Freeze and dump. From here on every way out before the commit puts the tree back the way it
-        // was: the guards undo when dropped (see `undo.rs` for their order) and `ingest` removes the
-        // staging folder.
-        let t = Instant::now();
-        let ctx = FreezeContext {
+        self.detected = report
+            .processes
+            .iter()
+            .map(|p| tree::TreeProcess {
+                pid: p.pid,
+                ppid: p.ppid,
+                comm: p.comm.clone(),
+                cmdline: String::new(),
+                threads: 0,
+            })
+            .collect();
+        Ok(Prepared {
             root_pid: pid,
-            pids: &tree_pids,
-            report: &report,
-            leave_running: opts.leave_running,
-            after_lock: None,
-        };
-        let (mut gpu_record, passed) = freeze_phased(&mut *self.gpu, ctx, phases)?;
-        let mut gpu = GpuThawGuard::new(&mut *self.gpu);
-        if !passed {
-            phases.locked().map_err(aborted_at_lock)?;
-        }
-        timings.freeze = ms(t);
-        fault::at("checkpoint.after-freeze");
-        check_interrupt(&interrupt)?;
+            pids: self.pids.clone(),
+            stopped: self.stopped_before.clone(),
+            report,
+            gpu_on_host: true,
+        })
+    }
 
-        // A streamed dump leaves the tree stopped even with --leave-running: the flow continues it once
-        // the store has read every image, which are still the tree's own pages while in the pipes.
-        let after = self.images.after_dump(opts.leave_running);
-        let t = Instant::now();
+    fn dump(&mut self, ctx: &DumpContext<'_>) -> crate::Result<Dumped<'a>> {
+        let (pid, opts) = (self.opts.pid, self.opts);
+        // A streamed dump leaves the tree stopped even with --leave-running: it is continued once the
+        // store has read every image, which are still the tree's own pages while in the pipes.
+        let after = self.images.after_dump(ctx.leave_running);
         let tcp_hold = opts.criu.tcp_established && after == AfterDump::Stop;
         let locks_before = if tcp_hold {
             crate::dump::LocksBefore::of(pid)
         } else {
             Default::default()
         };
+        let criu_env = self.plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let req = DumpRequest {
             pid,
-            images_dir: ingest.staging_dir(),
+            images_dir: ctx.ingest.staging_dir(),
             log_file: DUMP_LOG,
             after,
             options: &opts.criu,
@@ -354,24 +343,30 @@ impl Flow<'_> {
             container: None,
         };
         // Takes the tree over from CRIU once it has finished: the guard that continues what CRIU left
-        // stopped (and releases its locked network) whichever way the flow leaves.
-        let watch = self.watch;
+        // stopped (and releases its locked network) whichever way the checkpoint leaves.
+        let detected = &self.detected;
+        let stopped_before = &self.stopped_before;
         let take_over = || {
-            let process_tree = dumped_tree(pid, &report);
-            let dumped_pids: Vec<i32> = process_tree.iter().map(|p| p.pid).collect();
+            let mut dumped = tree::process_tree(pid);
+            if dumped.is_empty() {
+                // The root died right after CRIU let it go (leave_running): the images still hold the
+                // tree.
+                dumped = detected.clone();
+            }
+            let dumped_pids: Vec<i32> = dumped.iter().map(|p| p.pid).collect();
             let mut stopped_tree =
-                ContinueGuard::new(&dumped_pids, &stopped_before, after == AfterDump::Stop);
+                ContinueGuard::new(&dumped_pids, stopped_before, after == AfterDump::Stop);
             if tcp_hold {
                 let hold = crate::dump::NetworkHold::after_dump(
                     &dumped_pids,
-                    &ingest.staging_dir().join(DUMP_LOG),
+                    &ctx.ingest.staging_dir().join(DUMP_LOG),
                     opts.criu.effective_network_lock(),
                     &locks_before,
                 );
-                tell_network(watch, &hold);
+                pipeline::tell_network(ctx.watch, &hold);
                 stopped_tree.release_network(hold);
             }
-            (process_tree, stopped_tree)
+            (dumped, stopped_tree)
         };
         // A leave-running tree is continued as soon as the store has copied every image out of CRIU's
         // pipes, while the store's workers still hash, compress and write them: the tree's pause is then
@@ -379,188 +374,98 @@ impl Flow<'_> {
         // tree running, as after any failure.
         let mut early = None;
         let mut continue_early = || {
-            let (process_tree, mut stopped_tree) = take_over();
-            timings.continued = stopped_tree.armed();
+            let (dumped, mut stopped_tree) = take_over();
+            let continued = stopped_tree.armed();
             stopped_tree.continue_now();
-            timings.paused = ms(t);
-            early = Some((process_tree, stopped_tree));
+            early = Some((dumped, stopped_tree, (ms(ctx.started), continued)));
         };
-        let on_read: Option<&mut dyn FnMut()> = if opts.leave_running {
+        let on_read: Option<&mut dyn FnMut()> = if ctx.leave_running {
             Some(&mut continue_early)
         } else {
             None
         };
-        let stored = dump_tree(
+        let stored = pipeline::dump_tree(
             self.criu,
-            self.store,
-            self.progress,
+            ctx.store,
+            ctx.progress,
             &req,
-            &ingest,
-            &tree_pids,
+            ctx.ingest,
+            &self.pids,
             on_read,
         )?;
-        timings.dump = ms(t);
-        let continued_early = early.is_some();
-        let (process_tree, mut stopped_tree) = early.unwrap_or_else(take_over);
-        // CRIU finished, but the store may not have taken every image.
+        let (dumped, stopped_tree, paused) = match early {
+            Some((d, s, p)) => (d, s, Some(p)),
+            None => {
+                let (d, s) = take_over();
+                (d, s, None)
+            }
+        };
+        let held = Box::new(TreeHeld {
+            tree: stopped_tree,
+            started: ctx.started,
+            paused,
+        });
+        // CRIU finished, but the store may not have taken every image: on error `held`, dropped,
+        // continues the tree.
         let streamed = stored.transpose()?;
-        let reopened = match &plugin {
+        self.reopened = match &self.plugin {
             Some(p) => p.records()?,
             None => Vec::new(),
         };
-        fault::at("checkpoint.after-dump");
-        check_interrupt(&interrupt)?;
-        if opts.leave_running {
-            // The store has read every image: the tree runs on (since `continue_early`, when streamed),
-            // before its GPU state is put back (the GPU restore runs in its processes, which a stopped one
-            // cannot do) and before the commit. From here on an undo only puts the GPU state back.
-            if !continued_early {
-                timings.continued = stopped_tree.armed();
-                stopped_tree.continue_now();
-                timings.paused = ms(t);
-            }
-            // GPU work resumes while the checkpoint is committed. The GPU restore + unlock timings
-            // belong with the lock + checkpoint ones.
-            let thaw = gpu.thaw()?;
-            if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
-                record.thaw = Some(thaw);
-            }
-        }
-
-        // 3. Commit.
-        let sizes = image_sizes(ingest.staging_dir(), streamed.as_ref())?;
-        let manifest = CheckpointManifest {
-            schema: manifest::SCHEMA.into(),
-            schema_version: manifest::SCHEMA_VERSION,
-            id: ingest.id().to_string(),
-            name: opts.name.clone(),
-            started_unix_ms,
-            host: HostInfo::current(),
-            criu,
-            tool_version: env!("CARGO_PKG_VERSION").to_string(),
-            root_pid: pid,
-            process_tree,
-            strategy: report.strategy.name,
-            detect: report,
-            gpu_step: gpu.name().to_string(),
-            gpu: encode(&gpu_record)?,
-            options: opts.record(),
-            timings_ms: timings.phases(),
-            sizes,
-            devices: reopened,
-            container: None,
-        };
-        let metadata = encode(&manifest)?;
-
-        let t = Instant::now();
-        // The last moment a signal can still undo the checkpoint.
-        check_interrupt(&interrupt)?;
-        // On error the store removes the staging folder and keeps nothing: no partial checkpoint.
-        let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
-        timings.write = ms(t);
-        // A job checkpoint: hold everything as it is until the job commits (the guardian still undoes
-        // should this process die meanwhile); an abort deletes this member's checkpoint, and the guards
-        // put the tree back as for any failure before a commit.
-        after_durable(phases, self.store, &info.id)?;
-        // Durable: from here on a signal is deferred until the tree is stopped, as promised, and a dead
-        // tool's guardian stops it.
-        if let Err(e) = self.watch.tell(&Event::Durable) {
-            tracing::warn!("{e}");
-        }
-        fault::at("checkpoint.after-commit");
-
-        // 4. The checkpoint is durable: nothing is to be undone any more; stop the tree (migration).
-        let held = stopped_tree.disarm();
-        let t = Instant::now();
-        let stopped = !opts.leave_running;
-        if stopped {
-            gpu.committed();
-            let left = held.kill(KILL_TIMEOUT);
-            if !left.is_empty() {
-                return Err(Error::NotStopped {
-                    id: info.id.clone(),
-                    pids: left,
-                }
-                .into());
-            }
-        }
-        timings.stop = ms(t);
-        timings.total = ms(started);
-        Ok(CheckpointOutcome {
-            info,
-            manifest,
-            timings,
-            stopped,
+        self.dumped = dumped;
+        Ok(Dumped {
+            streamed,
+            held,
+            hold_ms: 0.0,
         })
     }
+
+    fn describe(&mut self, manifest: &mut CheckpointManifest) -> crate::Result<()> {
+        manifest.criu = self.criu_info.take().expect("prepared");
+        manifest.process_tree = std::mem::take(&mut self.dumped);
+        manifest.options.criu = self.opts.criu.clone();
+        manifest.devices = std::mem::take(&mut self.reopened);
+        Ok(())
+    }
+
+    fn undone(&self) -> &'static str {
+        "the checkpoint was undone, the tree runs as before and nothing was stored"
+    }
 }
 
-/// The GPU freeze of a checkpoint driven as one member of a job: `phases.locked()` is the barrier between
-/// the lock and the GPU checkpoint. The hook calls it there; a hook that does not (a test hook) has not
-/// passed it (`false`): the caller calls it right after, once its thaw guard is armed, still before the
-/// CPU side is touched.
-pub(crate) fn freeze_phased(
-    gpu: &mut dyn GpuHook,
-    ctx: FreezeContext<'_>,
-    phases: &dyn Phases,
-) -> crate::Result<(Option<GpuRecord>, bool)> {
-    let passed = std::sync::atomic::AtomicBool::new(false);
-    let after_lock = || {
-        passed.store(true, std::sync::atomic::Ordering::SeqCst);
-        phases.locked()
-    };
-    let record = gpu
-        .freeze(&FreezeContext {
-            after_lock: Some(&after_lock),
-            ..ctx
-        })
-        .map_err(aborted)?;
-    Ok((record, passed.load(std::sync::atomic::Ordering::SeqCst)))
+/// The tree CRIU dumped, held until the checkpoint is durable: continued when dropped before (`undo.rs`).
+struct TreeHeld {
+    tree: ContinueGuard,
+    started: Instant,
+    /// How long it was held stopped, and whether it was continued by us: once let go.
+    paused: Option<(f64, bool)>,
 }
 
-/// A job member's checkpoint `id` is durable: waits for the job's outcome. An abort deletes `id`; in
-/// doubt it is kept, as the job may have committed with it. Either is an error, on which the caller's
-/// guards put the tree back as for any failure before a commit.
-pub(crate) fn after_durable(phases: &dyn Phases, store: &Store, id: &str) -> crate::Result<()> {
-    match phases.durable(id) {
-        Ok(()) => Ok(()),
-        Err(NotCommitted::Aborted(reason)) => {
-            if let Err(e) = store.delete(id) {
-                tracing::error!(
-                    "the job aborted, and deleting its member checkpoint {id} failed: {e}"
-                );
+impl pipeline::Held for TreeHeld {
+    fn release(&mut self) -> crate::Result<()> {
+        if self.paused.is_none() {
+            let continued = self.tree.armed();
+            self.tree.continue_now();
+            self.paused = Some((ms(self.started), continued));
+        }
+        Ok(())
+    }
+
+    fn paused(&self) -> Option<(f64, bool)> {
+        self.paused
+    }
+
+    fn stop(self: Box<Self>, checkpoint: &str) -> crate::Result<()> {
+        let left = self.tree.disarm().kill(KILL_TIMEOUT);
+        if !left.is_empty() {
+            return Err(Error::NotStopped {
+                id: checkpoint.to_string(),
+                pids: left,
             }
-            Err(Error::Aborted { reason }.into())
+            .into());
         }
-        Err(NotCommitted::InDoubt(reason)) => Err(Error::InDoubt {
-            id: id.to_string(),
-            reason,
-        }
-        .into()),
+        Ok(())
     }
-}
-
-/// A no at the lock barrier, as the flow's own error.
-pub(crate) fn aborted_at_lock(reason: String) -> crate::Error {
-    Error::Aborted { reason }.into()
-}
-
-/// The freeze stage's abort at the lock barrier, as the flow's own error (the barrier's reason).
-fn aborted(e: crate::freeze::Error) -> crate::Error {
-    match e {
-        crate::freeze::Error::Aborted(reason) => Error::Aborted { reason }.into(),
-        e => e.into(),
-    }
-}
-
-/// A signal came since `interrupt` was made: undo (the caller's guards do, as it returns the error).
-fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
-    if !interrupt.interrupted() {
-        return Ok(());
-    }
-    Err(Error::Interrupted {
-        signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
-    })
 }
 
 /// The processes of `pids` that are stopped (state T: SIGSTOP, job control, or what an interrupted
@@ -599,48 +504,6 @@ fn detect_tree(pid: i32, opts: &DetectOptions) -> crate::Result<Report> {
         return Err(Error::Unsupported { pid, blockers }.into());
     }
     Ok(report)
-}
-
-/// The tree as CRIU dumped it: stopped (default), so the list is exact; with --leave-running the tree
-/// goes on and this is the best knowledge we have.
-fn dumped_tree(pid: i32, report: &Report) -> Vec<tree::TreeProcess> {
-    let process_tree = tree::process_tree(pid);
-    if !process_tree.is_empty() {
-        return process_tree;
-    }
-    // The root died right after CRIU let it go (leave_running): the images still hold the tree.
-    report
-        .processes
-        .iter()
-        .map(|p| tree::TreeProcess {
-            pid: p.pid,
-            ppid: p.ppid,
-            comm: p.comm.clone(),
-            cmdline: String::new(),
-            threads: 0,
-        })
-        .collect()
-}
-
-/// The sizes of CRIU's images: the files in the staging folder, plus those that came as streams.
-pub(in crate::flows) fn image_sizes(
-    staging: &Path,
-    streamed: Option<&Streamed>,
-) -> Result<Sizes, Error> {
-    let mut sizes = Sizes::of_dir(staging).map_err(|source| Error::Images {
-        path: staging.to_path_buf(),
-        source,
-    })?;
-    if let Some(st) = streamed {
-        sizes.add_streamed(st.files());
-    }
-    Ok(sizes)
-}
-
-/// The manifest (or a part of it) as the JSON the store keeps.
-fn encode(value: &impl serde::Serialize) -> crate::Result<serde_json::Value> {
-    serde_json::to_value(value)
-        .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")).into())
 }
 
 #[cfg(test)]

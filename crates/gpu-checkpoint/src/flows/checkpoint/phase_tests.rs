@@ -5,6 +5,7 @@ use std::sync::Mutex;
 
 use super::tests::{names, RecordingGpu, Scene, Sleeper};
 use super::*;
+use crate::flows::NotCommitted;
 
 /// Says yes or no at each barrier, and records what it saw there.
 pub(super) struct Barriers {
@@ -59,7 +60,7 @@ fn an_abort_while_locked_thaws_before_any_dump_and_stores_nothing() {
         .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
         .unwrap_err();
     assert!(
-        matches!(&err, crate::Error::Checkpoint(Error::Aborted { reason }) if reason == "rank 3 timed out"),
+        matches!(&err, crate::Error::Pipeline(pipeline::Error::Aborted { reason }) if reason == "rank 3 timed out"),
         "{err}"
     );
     assert_eq!(*b.seen.lock().unwrap(), ["locked"]);
@@ -110,7 +111,10 @@ fn in_doubt_once_durable_keeps_the_member_checkpoint_and_resumes_the_held_tree()
         .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
         .unwrap_err();
     assert!(
-        matches!(&err, crate::Error::Checkpoint(Error::InDoubt { .. })),
+        matches!(
+            &err,
+            crate::Error::Pipeline(pipeline::Error::InDoubt { .. })
+        ),
         "{err}"
     );
     // The tree runs on as after an abort, but the checkpoint a committed job may name stays.

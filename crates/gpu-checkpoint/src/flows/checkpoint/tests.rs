@@ -9,9 +9,12 @@ use serde_json::json;
 
 use super::*;
 use crate::dump::{FakeCriu, FakeCriuCall};
+use crate::flows::guardian::Event;
+use crate::flows::pipeline::GpuThawGuard;
 use crate::flows::{logs_dir, save_log, ImageTransfer};
 use crate::freeze::step::{RecordedProcess, RECORD_SCHEMA};
-use crate::freeze::{GpuBackend, GpuHook, GpuRecord, RestoreRecord, RestoredTree, ThawRecord};
+use crate::freeze::ThawRecord;
+use crate::freeze::{FreezeContext, GpuBackend, GpuHook, GpuRecord, RestoreRecord, RestoredTree};
 use crate::restore::Target;
 use crate::store::{NoProgress, StoreOptions};
 

@@ -2,16 +2,14 @@
 //! the checkpoint is durable (an error returned with `?`, a panic), the tree is put back the way it was,
 //! without an undo call at every exit.
 //!
-//! The flow creates them in the order it takes the steps they undo, so they drop in the reverse order:
-//! the tree CRIU left stopped is continued ([`ContinueGuard`]) before its GPU state is put back
-//! ([`GpuThawGuard`]), because the GPU restore runs in the processes themselves (the driver's restore
-//! thread, the simulator's own answer), which a stopped process cannot do. The staging folder goes last,
-//! with the store's [`crate::store::Ingest`], which removes it when dropped uncommitted.
+//! The pipeline creates them in the order it takes the steps they undo, so they drop in the reverse
+//! order: the tree CRIU left stopped is continued ([`ContinueGuard`]) before its GPU state is put back
+//! (the pipeline's [`crate::flows::pipeline::GpuThawGuard`]), because the GPU restore runs in the
+//! processes themselves (the driver's restore thread, the simulator's own answer), which a stopped process
+//! cannot do. The staging folder goes last, with the store's [`crate::store::Ingest`], which removes it
+//! when dropped uncommitted.
 
 use crate::proc as tree;
-
-/// Shared with the container flow: `flows/thaw.rs`.
-pub(super) use crate::flows::thaw::GpuThawGuard;
 
 /// Continues (SIGCONT) the tree CRIU left stopped when dropped, unless [`ContinueGuard::disarm`]ed
 /// because the checkpoint is durable. The tree is held through pidfds: a continue or a kill never reaches

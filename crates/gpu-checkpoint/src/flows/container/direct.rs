@@ -29,12 +29,8 @@ pub(super) fn dump_direct(
 ) -> crate::Result<Option<crate::store::Streamed>> {
     for (name, bytes) in &d.files {
         let path = ingest.staging_dir().join(name);
-        let failed = |source| Error::WorkDir {
-            path: path.clone(),
-            source,
-        };
-        let mut f = crate::util::create_new_private_file(&path).map_err(failed)?;
-        std::io::Write::write_all(&mut f, bytes).map_err(failed)?;
+        let mut f = crate::util::create_new_private_file(&path).map_err(Error::io_at(&path))?;
+        std::io::Write::write_all(&mut f, bytes).map_err(Error::io_at(&path))?;
     }
     let options = CriuOptions {
         tcp_established: opts.tcp_established,
@@ -44,7 +40,7 @@ pub(super) fn dump_direct(
     let req = DumpRequest {
         pid: found.state.pid,
         images_dir: ingest.staging_dir(),
-        log_file: crate::flows::checkpoint::DUMP_LOG,
+        log_file: crate::flows::pipeline::DUMP_LOG,
         // The container is paused: it stays so until the checkpoint is durable (or resumed).
         // `KeepRunning` streams safely here, unlike a process checkpoint's (`ImageTransfer::after_dump`):
         // CRIU puts the container's freezer back as it found it, frozen, so nothing writes the pages
@@ -61,7 +57,7 @@ pub(super) fn dump_direct(
         container: Some(&d.settings),
     };
     let stored =
-        crate::flows::checkpoint::dump_tree(criu, store, progress, &req, ingest, &pids, None)?;
+        crate::flows::pipeline::dump_tree(criu, store, progress, &req, ingest, &pids, None)?;
     stored.transpose()
 }
 

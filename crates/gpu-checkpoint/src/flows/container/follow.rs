@@ -150,10 +150,7 @@ pub(super) fn checkpoint_following(
             s.spawn(|| streams.work(progress));
         }
         let reader = s.spawn(|| -> crate::Result<()> {
-            let opened = follow.open(&path).map_err(|source| Error::WorkDir {
-                path: path.clone(),
-                source,
-            })?;
+            let opened = follow.open(&path).map_err(Error::io_at(&path))?;
             match opened {
                 Some(r) => Ok(streams.add_bulk(name, r)?),
                 None => Ok(()),
@@ -171,7 +168,7 @@ pub(super) fn checkpoint_following(
     let stored = streams.finish();
     Followed {
         dumped,
-        stored: crate::flows::checkpoint::stream::store_error_first(stored, added),
+        stored: crate::flows::pipeline::store_error_first(stored, added),
     }
 }
 

@@ -28,6 +28,7 @@
 //! half-way, the guardian, told before the runtime's restore, does the same (`guards::RestoreUndo`).
 
 pub mod archive;
+mod checkpoint;
 mod direct;
 mod discover;
 mod follow;
@@ -37,7 +38,7 @@ pub mod rootfs_diff;
 mod sandbox;
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 pub use discover::{blocked, discover, discover_in, Discovered};
 pub use follow::{Follow, FollowReader};
@@ -51,20 +52,14 @@ pub use crate::flows::runtime::{
     SandboxUndo,
 };
 
-use super::checkpoint::{aborted_at_lock, after_durable, freeze_phased};
-use super::guardian::Event;
-use super::manifest::{self, CheckpointManifest, ContainerRecord, CriuInfo, HostInfo};
-use super::manifest::{OptionsRecord, PhaseTimings};
-use super::ms;
-use super::thaw::GpuThawGuard;
+use super::manifest::CheckpointManifest;
+use super::pipeline::{CheckpointCommon, Pipeline};
 use super::{Alone, Phases};
-use crate::detect::{self, DetectOptions, Report, StrategyName};
+use crate::detect::DetectOptions;
 use crate::dump::Criu;
 use crate::fault;
-use crate::freeze::{FreezeContext, GpuHook};
-use crate::interrupt::InterruptGuard;
+use crate::freeze::GpuHook;
 use crate::store::{CheckpointInfo, Progress, Store};
-use guards::{ResumeGuard, Revive};
 
 /// The outside world of the container flow, chosen by the caller.
 pub struct ContainerFlow<'a> {
@@ -153,23 +148,11 @@ pub struct ContainerCheckpointOutcome {
 }
 
 /// How long a killed container's init may take to go.
-const KILL_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A signal came since `interrupt` was made: the caller's guards undo as it returns the error.
-fn check_interrupt(interrupt: &InterruptGuard) -> Result<(), Error> {
-    if !interrupt.interrupted() {
-        return Ok(());
-    }
-    Err(Error::Interrupted {
-        signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
-        undone: "the checkpoint was undone, the container runs as before and nothing was stored"
-            .into(),
-    })
-}
+pub(super) const KILL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// An injected runtime failure (`GPU_CHECKPOINT_FAULT=container.runtime-checkpoint=eio`), as the
 /// runtime's own would come.
-fn injected(point: &str, runtime: &dyn ContainerRuntime) -> Result<(), Error> {
+pub(super) fn injected(point: &str, runtime: &dyn ContainerRuntime) -> Result<(), Error> {
     match fault::io_error(point) {
         None => Ok(()),
         Some(e) => Err(Error::Runtime {
@@ -198,402 +181,38 @@ impl ContainerFlow<'_> {
         opts: &ContainerCheckpointOptions,
         phases: &dyn Phases,
     ) -> crate::Result<ContainerCheckpointOutcome> {
-        let started = Instant::now();
-        let started_unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let interrupt = InterruptGuard::new();
-        let id = opts.id.as_str();
-        // 1-2. Refuse before touching anything.
-        let t = Instant::now();
-        let found = discover(self.runtime, id, &opts.detect)?;
-        self.store.check_writable()?;
-        // Our CRIU's version, for the manifest; a CRIU whose check ran beside the discovery
-        // (`dump::PendingCriu`) is waited for here, and a failed check stops us before anything is touched.
-        let criu = match self.direct {
-            Some(c) => Some(CriuInfo {
-                version: c.version()?,
-                path: c.describe(),
-            }),
-            None => None,
-        };
-        if let Some(reason) = blocked(&found.report) {
-            return Err(Error::Unsupported {
-                id: id.into(),
-                reason,
-            }
-            .into());
-        }
-        let from_host = self.runtime.gpu_from_host();
-        // A runtime that freezes the sandbox's GPU state itself is handed the tool instead: nothing of
-        // ours runs inside, no guest PID is recorded, and its restore puts the state back.
-        let by_runtime =
-            !from_host && opts.sandbox_gpu_tool.is_some() && self.runtime.checkpoints_gpu_itself();
-        let in_sandbox = match &opts.sandbox_gpu_tool {
-            Some(tool) if by_runtime => Some((tool, Vec::new())),
-            Some(tool) if !from_host => Some((tool, sandbox::gpu_pids(self.runtime, id, tool)?)),
-            _ => None,
-        };
-        if in_sandbox.is_none() && !from_host && found.report.strategy.name != StrategyName::None {
-            return Err(Error::Unsupported {
-                id: id.into(),
-                reason: format!(
-                    "it holds GPU state (strategy {}), and under {} the application's CUDA state lives inside the sandbox, out of reach of a freeze from the host: name a cuda-checkpoint-compatible tool inside it (docs/containers.md)",
-                    found.report.strategy.name,
-                    self.runtime.name()
-                ),
-            }
-            .into());
-        }
-        // CRIU driven directly where the runtime says how (runc); asked before anything is touched.
-        let direct = match (self.direct, opts.via_runtime) {
-            (Some(criu), false) => self
-                .runtime
-                .direct_dump(id, found.state.pid)?
-                .map(|d| (criu, d)),
-            _ => None,
-        };
-        let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
-        if direct.is_none() && opts.tcp_established && !opts.leave_running {
-            direct::warn_outside_peers(&pids, self.runtime.name());
-        }
-        let process_tree: Vec<crate::proc::TreeProcess> = pids
-            .iter()
-            .filter_map(|&p| {
-                let s = crate::proc::stat(p)?;
-                Some(crate::proc::TreeProcess {
-                    pid: p,
-                    ppid: s.ppid,
-                    comm: s.comm.clone(),
-                    cmdline: String::new(),
-                    threads: s.threads,
-                })
-            })
-            .collect();
-        let mut timings = CheckpointTimings {
-            detect: ms(t),
-            ..CheckpointTimings::default()
-        };
-        let ingest = self.store.begin(opts.name.as_deref())?;
-        // The guardian learns what it would have to put back before anything is touched.
-        self.watch.tell(&Event::Checkpoint {
-            pids: pids.clone(),
-            leave_running: opts.leave_running,
-            stopped: Vec::new(),
-        })?;
-        // The tool inside a sandbox and the guest PIDs it freezes: for the guardian and the manifest.
-        let sandbox_gpu = match &in_sandbox {
-            Some((tool, guest)) => (Some(tool.to_path_buf()), guest.clone()),
-            None => (None, Vec::new()),
-        };
-        if let Some(runtime) = self
-            .runtime
-            .cli()
-            .filter(|_| !self.runtime.can_hold_paused())
-        {
-            self.watch.tell(&Event::Sandbox(SandboxUndo {
-                runtime,
-                id: id.to_string(),
-                bundle: found.state.bundle.clone(),
-                tcp_established: opts.tcp_established,
-                gpu_tool: sandbox_gpu.0.clone(),
-                gpu_pids: sandbox_gpu.1.clone(),
-            }))?;
-        }
-        if found.report.strategy.name != StrategyName::None && in_sandbox.is_none() {
-            if let Some(backend) = self.gpu.backend() {
-                self.watch.tell(&Event::Gpu { backend })?;
-            }
-        }
-        fault::at("checkpoint.before-freeze");
-        check_interrupt(&interrupt)?;
-
-        // 3. GPU freeze; the guard puts it back on any way out before the commit. Inside a sandbox,
-        // by the tool there (its guard is dropped after the one that brings the sandbox back).
-        let t = Instant::now();
-        let sandboxed = match &in_sandbox {
-            Some((tool, guest)) if !by_runtime => Some(sandbox::SandboxFrozen::freeze(
-                self.runtime,
-                id,
-                tool,
-                guest,
-            )?),
-            _ => None,
-        };
-        let host_report;
-        let report = if in_sandbox.is_some() {
-            // The host side has nothing of its own to freeze.
-            host_report = Report {
-                strategy: detect::StrategyDecision {
-                    name: StrategyName::None,
-                    blockers: Vec::new(),
-                },
-                ..found.report.clone()
-            };
-            &host_report
-        } else {
-            &found.report
-        };
-        let ctx = FreezeContext {
-            root_pid: found.state.pid,
-            pids: &pids,
-            report,
-            leave_running: opts.leave_running,
-            after_lock: None,
-        };
-        let (mut gpu_record, passed) = freeze_phased(&mut *self.gpu, ctx, phases)?;
-        let mut gpu = GpuThawGuard::new(&mut *self.gpu);
-        if !passed {
-            phases.locked().map_err(aborted_at_lock)?;
-        }
-        timings.freeze = ms(t);
-        fault::at("checkpoint.after-freeze");
-        check_interrupt(&interrupt)?;
-
-        // 4. The runtime's checkpoint, with the container held paused where the runtime can.
-        let hold = self.runtime.can_hold_paused();
-        let t = Instant::now();
-        let mut paused = if hold {
-            self.watch.tell(&Event::Paused {
-                resume: self.runtime.resume_command(id),
-            })?;
-            self.runtime.pause(id)?;
-            Some(ResumeGuard {
-                runtime: self.runtime,
-                id: id.to_string(),
-                armed: true,
-                stopped: None,
-                network: None,
-            })
-        } else {
-            None
-        };
-        timings.pause = ms(t);
-        let t = Instant::now();
-        // A runtime that cannot hold the container paused stops it at its checkpoint, and the undo
-        // restores it from the images: those must outlive a failed commit, which removes the staging
-        // folder. They go to a work folder of ours, linked into the staging folder afterwards.
-        let own_images = (!hold)
-            .then(|| WorkDir::create(self.store, ingest.id()))
-            .transpose()?;
-        let images = own_images
-            .as_ref()
-            .map_or(ingest.staging_dir(), WorkDir::path);
-        if let Some(w) = &own_images {
-            self.watch.tell(&Event::Stopping {
-                images: w.path().to_path_buf(),
-            })?;
-        }
-        injected("container.runtime-checkpoint", self.runtime)?;
-        let streamed = match &direct {
-            Some((criu, d)) => {
-                let locks_before = if direct::leaves_stopped(opts) {
-                    crate::dump::LocksBefore::of(found.state.pid)
-                } else {
-                    Default::default()
-                };
-                let stored = direct::dump_direct(
-                    *criu,
-                    d,
-                    &found,
-                    (self.store, self.progress, &ingest),
-                    opts,
-                )?;
-                if let Some(p) = paused.as_mut().filter(|_| direct::leaves_stopped(opts)) {
-                    p.stopped = Some(crate::proc::Held::open(&pids));
-                    let log = ingest.staging_dir().join(super::checkpoint::DUMP_LOG);
-                    let lock = d.options.effective_network_lock();
-                    let hold =
-                        crate::dump::NetworkHold::after_dump(&pids, &log, lock, &locks_before);
-                    super::checkpoint::tell_network(self.watch, &hold);
-                    p.network = Some(hold);
-                }
-                stored.map(Ok)
-            }
-            None => {
-                let req = CheckpointRequest {
-                    id,
-                    images,
-                    leave_running: hold,
-                    tcp_established: opts.tcp_established,
-                    gpu_tool: in_sandbox
-                        .as_ref()
-                        .filter(|_| by_runtime)
-                        .map(|(tool, _)| tool.as_path()),
-                };
-                match self
-                    .runtime
-                    .followed_image()
-                    .filter(|_| own_images.is_some())
-                {
-                    Some(name) => {
-                        let expected = super::checkpoint::stream::resident_bytes(&pids);
-                        let at = (&ingest, self.progress, expected);
-                        let f = follow::checkpoint_following(self.runtime, &req, name, at);
-                        f.dumped?;
-                        // A store failure is returned once the undo below is armed.
-                        Some(f.stored)
-                    }
-                    None => {
-                        self.runtime.checkpoint(&req)?;
-                        None
-                    }
-                }
-            }
-        };
-        let revive = own_images.as_ref().map(|w| Revive {
-            runtime: self.runtime,
-            id: id.to_string(),
-            images: w.path().to_path_buf(),
-            bundle: found.state.bundle.clone(),
-            tcp_established: opts.tcp_established,
-            armed: true,
-        });
-        let streamed = streamed.transpose()?;
-        if let Some(w) = &own_images {
-            link_files(w.path(), ingest.staging_dir(), streamed.as_ref())?;
-        }
-        timings.runtime_checkpoint = ms(t);
-        fault::at("checkpoint.after-dump");
-        check_interrupt(&interrupt)?;
-        let paused = match paused {
-            Some(p) if opts.leave_running => {
-                // It runs on: GPU work and the container resume while the images are stored.
-                p.resume_now()?;
-                None
-            }
-            other => other,
-        };
-        let revive = match revive {
-            Some(r) if opts.leave_running => {
-                r.now()?;
-                None
-            }
-            other => other,
-        };
-        let sandboxed = match sandboxed {
-            Some(s) if opts.leave_running => {
-                s.thaw()?;
-                None
-            }
-            other => other,
-        };
-        if opts.leave_running {
-            let thaw = gpu.thaw()?;
-            if let (Some(record), Some(thaw)) = (gpu_record.as_mut(), thaw) {
-                record.thaw = Some(thaw);
-            }
-        }
-
-        // 5. Commit.
-        let sizes = super::checkpoint::image_sizes(ingest.staging_dir(), streamed.as_ref())?;
-        let manifest = CheckpointManifest {
-            schema: manifest::SCHEMA.into(),
-            schema_version: manifest::SCHEMA_VERSION,
-            id: ingest.id().to_string(),
+        let mut target = checkpoint::Container::new(self.runtime, self.direct, opts);
+        let common = CheckpointCommon {
             name: opts.name.clone(),
-            started_unix_ms,
-            host: HostInfo::current(),
-            criu: criu.unwrap_or_else(|| CriuInfo {
-                version: crate::dump::CriuVersion {
-                    major: 0,
-                    minor: 0,
-                    sublevel: 0,
-                },
-                path: format!("{}'s own", self.runtime.name()),
-            }),
-            tool_version: env!("CARGO_PKG_VERSION").to_string(),
-            root_pid: found.state.pid,
-            process_tree,
-            strategy: found.report.strategy.name,
-            detect: found.report.clone(),
-            gpu_step: gpu.name().to_string(),
-            gpu: serde_json::to_value(&gpu_record)
-                .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?,
-            options: OptionsRecord {
-                leave_running: opts.leave_running,
-                criu: crate::dump::CriuOptions::default(),
-            },
-            timings_ms: PhaseTimings {
-                detect: timings.detect,
-                freeze: timings.freeze,
-                dump: timings.runtime_checkpoint,
-                streamed: streamed.is_some(),
-            },
-            sizes,
-            devices: Vec::new(),
-            container: Some(ContainerRecord {
-                runtime: self.runtime.name().to_string(),
-                global_args: self.runtime.global_args(),
-                id: id.to_string(),
-                bundle: found.state.bundle.clone(),
-                processes: found.processes.clone(),
-                tcp_established: opts.tcp_established,
-                sandbox_gpu_tool: sandbox_gpu.0,
-                sandbox_gpu_pids: sandbox_gpu.1,
-                sandbox_gpu_by_runtime: by_runtime,
-            }),
+            leave_running: opts.leave_running,
         };
-        let metadata = serde_json::to_value(&manifest)
-            .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?;
-        let t = Instant::now();
-        check_interrupt(&interrupt)?;
-        let info = ingest.commit_streamed(streamed.unwrap_or_default(), metadata, self.progress)?;
-        timings.write = ms(t);
-        // A job member holds everything (paused, GPU checkpointed) until the job commits.
-        after_durable(phases, self.store, &info.id)?;
-        if let Err(e) = self.watch.tell(&Event::Durable) {
-            tracing::warn!("{e}");
-        }
-        fault::at("checkpoint.after-commit");
-
-        // Durable: nothing is undone any more.
-        let t = Instant::now();
-        let stopped = !opts.leave_running;
-        if stopped {
-            gpu.committed();
-            if let Some(p) = paused {
-                p.disarm();
-            }
-            if let Some(mut r) = revive {
-                r.armed = false;
-            }
-            if let Some(mut s) = sandboxed {
-                s.armed = false;
-            }
-            self.stop(id, found.state.pid)?;
-        }
-        timings.stop = ms(t);
-        timings.total = ms(started);
+        let out = self.pipeline().checkpoint(&mut target, &common, phases)?;
+        let t = out.timings;
         Ok(ContainerCheckpointOutcome {
-            info,
-            manifest,
-            timings,
-            stopped,
-            direct: direct.is_some(),
+            info: out.info,
+            manifest: out.manifest,
+            timings: CheckpointTimings {
+                detect: t.detect,
+                freeze: t.freeze,
+                pause: t.hold,
+                runtime_checkpoint: t.dump,
+                write: t.write,
+                stop: t.stop,
+                total: t.total,
+            },
+            stopped: out.stopped,
+            direct: target.direct.is_some(),
         })
     }
 
-    /// Kills and deletes the checkpointed container (as `runc checkpoint` does), waiting for its init.
-    fn stop(&self, id: &str, init: i32) -> Result<(), Error> {
-        // A paused container gets SIGKILL only once thawed by the kernel; runc's `delete --force`
-        // kills, thaws and removes it in one go.
-        self.runtime.delete(id, true)?;
-        let left = crate::proc::wait_until(KILL_TIMEOUT, || {
-            crate::proc::stat(init)
-                .filter(|s| !s.is_dying())
-                .map(|_| init)
-                .into_iter()
-                .collect()
-        });
-        if !left.is_empty() {
-            return Err(Error::Processes {
-                id: id.into(),
-                reason: format!("checkpoint stored, but its init (pid {init}) still runs"),
-            });
+    /// The pipeline with this flow's GPU step, store, progress display and guardian.
+    fn pipeline(&mut self) -> Pipeline<'_> {
+        Pipeline {
+            gpu: &mut *self.gpu,
+            store: self.store,
+            progress: self.progress,
+            watch: self.watch,
         }
-        Ok(())
     }
 }
 
@@ -613,15 +232,12 @@ impl crate::flows::runtime::RuntimeUndo for GuardianUndo {
 
 /// Hard-links (copies, across file systems) every file of `from` into `to`, which CRIU-style image
 /// folders keep flat.
-fn link_files(
+pub(super) fn link_files(
     from: &std::path::Path,
     to: &std::path::Path,
     streamed: Option<&crate::store::Streamed>,
 ) -> Result<(), Error> {
-    let failed = |source| Error::WorkDir {
-        path: from.to_path_buf(),
-        source,
-    };
+    let failed = Error::io_at(from);
     for e in std::fs::read_dir(from).map_err(failed)? {
         let e = e.map_err(failed)?;
         let name = e.file_name();
@@ -643,7 +259,7 @@ fn link_files(
 pub(crate) struct WorkDir(crate::flows::workdir::WorkDir);
 
 impl WorkDir {
-    fn create(store: &Store, id: &str) -> Result<WorkDir, Error> {
+    pub(super) fn create(store: &Store, id: &str) -> Result<WorkDir, Error> {
         let place = crate::flows::workdir::Place {
             store: store.local_dir(),
             folder: "container-work",
@@ -654,7 +270,7 @@ impl WorkDir {
             .map_err(|(path, source)| Error::WorkDir { path, source })
     }
 
-    fn path(&self) -> &std::path::Path {
+    pub(super) fn path(&self) -> &std::path::Path {
         self.0.path()
     }
 }

@@ -53,7 +53,7 @@ pub(super) struct SandboxFrozen<'r> {
     /// Guest PIDs locked (and those of them checkpointed).
     locked: Vec<i32>,
     checkpointed: Vec<i32>,
-    pub(super) armed: bool,
+    armed: bool,
 }
 
 impl<'r> SandboxFrozen<'r> {
@@ -86,12 +86,6 @@ impl<'r> SandboxFrozen<'r> {
         Ok(frozen)
     }
 
-    /// Restores and unlocks now (the sandbox runs on: `--leave-running`).
-    pub(super) fn thaw(mut self) -> crate::Result<()> {
-        self.armed = false;
-        self.put_back()
-    }
-
     fn put_back(&self) -> crate::Result<()> {
         let cli = tool(self.runtime, &self.id, &self.path)?;
         for &p in &self.checkpointed {
@@ -100,6 +94,22 @@ impl<'r> SandboxFrozen<'r> {
         for &p in &self.locked {
             cli.unlock(p)?;
         }
+        Ok(())
+    }
+}
+
+impl crate::flows::pipeline::Held for SandboxFrozen<'_> {
+    /// Restores and unlocks now (the sandbox runs on: `--leave-running`).
+    fn release(&mut self) -> crate::Result<()> {
+        if !std::mem::take(&mut self.armed) {
+            return Ok(());
+        }
+        self.put_back()
+    }
+
+    /// The checkpoint is durable: the GPU state stays in it.
+    fn stop(mut self: Box<Self>, _checkpoint: &str) -> crate::Result<()> {
+        self.armed = false;
         Ok(())
     }
 }

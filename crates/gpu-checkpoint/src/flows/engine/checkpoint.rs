@@ -23,8 +23,8 @@ use super::{Engine, Error};
 use crate::detect::{DetectOptions, StrategyName};
 use crate::flows::container;
 use crate::flows::guardian::EnginePaused;
+use crate::flows::pipeline::GpuThawGuard;
 use crate::flows::runtime::ContainerRuntime;
-use crate::flows::thaw::GpuThawGuard;
 use crate::flows::Event;
 use crate::freeze::{has_cuda_context, FreezeContext, GpuHook, ThawRecord};
 

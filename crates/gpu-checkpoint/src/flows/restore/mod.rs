@@ -21,7 +21,6 @@
 mod ids;
 mod preflight;
 mod premap;
-pub(crate) mod stream;
 mod uffd;
 
 pub use uffd::{available as uffd_available, FillStats};
@@ -324,8 +323,13 @@ impl Flow<'_> {
         } else if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
             let t = Instant::now();
-            let (restored, served) =
-                stream::restore_streamed(self.criu, &req, self.store, &info, self.progress);
+            let (restored, served) = super::pipeline::restore_streamed(
+                self.criu,
+                &req,
+                self.store,
+                &info,
+                self.progress,
+            );
             let took = ms(t);
             if let (Err(_), Err(store_err)) = (&restored, served) {
                 // A damaged chunk (or a store that cannot be read) is why CRIU failed: say that.

@@ -70,7 +70,7 @@ pub enum Error {
 
 impl Error {
     /// An I/O failure on `path` (a work folder, an images folder, a root file system), for `map_err`.
-    pub fn io_at(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    pub fn io_at(path: &Path) -> impl Fn(std::io::Error) -> Error + Copy + '_ {
         move |source| Error::WorkDir {
             path: path.to_path_buf(),
             source,

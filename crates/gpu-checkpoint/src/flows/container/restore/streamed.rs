@@ -96,7 +96,7 @@ pub(super) fn restore(
     let listener = Listener::bind(req.images, Mode::Serve).map_err(work_error)?;
     let exists = |name: &str| name != DESCRIPTORS && info.files.iter().any(|f| f.path == name);
     let send = |name: String, pipe| {
-        crate::flows::restore::stream::send_image(store, info, &name, &pipe, progress)
+        crate::flows::pipeline::send_image(store, info, &name, &pipe, progress)
     };
     progress.start("restore (streamed)", info.stats.logical_bytes);
     let (restored, served) = serve_while(&listener, &exists, &send, || {

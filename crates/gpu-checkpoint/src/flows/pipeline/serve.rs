@@ -10,7 +10,7 @@ use crate::store::{CheckpointInfo, Progress, Store};
 
 /// Runs `criu.restore(req)` (with `req.stream` set) while serving the checkpoint's images. Returns CRIU's
 /// result and the server's (the first store error, if any; a pipe CRIU closed early is CRIU's business).
-pub(super) fn restore_streamed(
+pub fn restore_streamed(
     criu: &dyn Criu,
     req: &RestoreRequest<'_>,
     store: &Store,
@@ -38,7 +38,7 @@ pub(super) fn restore_streamed(
 
 /// Writes image `name` into CRIU's `pipe`, every chunk verified first. A pipe CRIU closed early is not
 /// an error here (it failed, or needed only part of the image): its own result says which.
-pub(crate) fn send_image(
+pub fn send_image(
     store: &Store,
     info: &CheckpointInfo,
     name: &str,

@@ -14,13 +14,15 @@
 //! held stopped for about as long as CRIU takes to write its pages, not as long as the store takes to
 //! store them.
 
-use super::DUMP_LOG;
 use crate::dump::streamer::{serve_while, Listener, Mode};
 use crate::dump::{Criu, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::flows::guardian::Event;
 use crate::flows::save_log;
 use crate::store::{Ingest, Progress, Store, Streamed};
+
+/// Name of CRIU's dump log inside the checkpoint (stored with its images).
+pub const DUMP_LOG: &str = "dump.log";
 
 /// The outcome of a streamed dump: CRIU's, and the store's.
 struct StreamedDump {
@@ -87,7 +89,7 @@ fn dump_streamed(
 
 /// A streaming session's result with its feeder's: the store's first error explains a broken pipe or a
 /// failed read better than the feeder's view of it.
-pub(in crate::flows) fn store_error_first(
+pub fn store_error_first(
     stored: crate::store::Result<Streamed>,
     fed: crate::Result<()>,
 ) -> crate::Result<Streamed> {
@@ -99,7 +101,7 @@ pub(in crate::flows) fn store_error_first(
 }
 
 /// The resident memory of the tree, in bytes: about what CRIU's page images will hold.
-pub(in crate::flows) fn resident_bytes(pids: &[i32]) -> u64 {
+pub fn resident_bytes(pids: &[i32]) -> u64 {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
     pids.iter()
@@ -111,10 +113,7 @@ pub(in crate::flows) fn resident_bytes(pids: &[i32]) -> u64 {
 
 /// Tells the guardian what CRIU's dump left of the network, which it releases should the tool die before
 /// the commit; a guardian that cannot be told leaves it to the flow's own undo.
-pub(in crate::flows) fn tell_network(
-    watch: &dyn crate::flows::Watch,
-    hold: &crate::dump::NetworkHold,
-) {
+pub fn tell_network(watch: &dyn crate::flows::Watch, hold: &crate::dump::NetworkHold) {
     if let Err(e) = watch.tell(&Event::Network(hold.clone())) {
         tracing::warn!("the guardian was not told of the locked network: {e}");
     }
@@ -132,7 +131,7 @@ pub(in crate::flows) fn tell_network(
 /// A failed dump is returned as the error, with CRIU's log copied out of the staging folder first (it
 /// goes with the ingest); CRIU resumed the tree (or never stopped it). When the store gave up first (disk
 /// full), CRIU only saw a broken pipe: the store's error says why.
-pub(in crate::flows) fn dump_tree(
+pub fn dump_tree(
     criu: &dyn Criu,
     store: &Store,
     progress: &dyn Progress,
