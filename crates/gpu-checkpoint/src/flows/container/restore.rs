@@ -1,19 +1,20 @@
 //! The container restore: materialize the runtime's images, `restore --detach` under the id asked for,
 //! then GPU restore + unlock of its GPU processes under their new host PIDs. See `mod.rs` for why.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::flows::runtime::{members, pid_map, ContainerRuntime};
 // Applying an imported archive's root file system changes: only the restore uses it.
 pub(super) mod rootfs;
 // The images streamed from the store into the runtime's CRIU.
 mod streamed;
 use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};
 use crate::fault;
-use crate::flows::{ms, CheckpointManifest, ContainerRecord, Event};
-use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
-use crate::interrupt::InterruptGuard;
+use crate::flows::pipeline::Discard as PipelineDiscard;
+use crate::flows::pipeline::{RestoreContext, RestoreTarget, Restored};
+use crate::flows::runtime::{members, pid_map, ContainerRuntime};
+use crate::flows::{ms, CheckpointManifest, ContainerRecord, Event, Watch};
+use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord, RestoredTree};
 
 /// Which checkpoint to restore, and as what.
 #[derive(Debug, Clone)]
@@ -106,22 +107,26 @@ pub(super) fn load(store: &crate::store::Store, checkpoint: &str) -> crate::Resu
     Ok((info, manifest, record))
 }
 
-impl ContainerFlow<'_> {
-    /// A container checkpoint's manifest and container record; refuses a process checkpoint, and one
-    /// taken with another runtime.
-    pub fn find_container(&self, checkpoint: &str) -> crate::Result<Loaded> {
-        let (info, manifest, record) = load(self.store, checkpoint)?;
-        if record.runtime != self.runtime.name() {
-            return Err(Error::WrongRuntime {
-                id: info.id,
-                taken: record.runtime,
-                given: self.runtime.name().into(),
-            }
-            .into());
+/// A container checkpoint's manifest and container record; refuses a process checkpoint, and one taken
+/// with another runtime than `runtime`.
+fn find_container(
+    store: &crate::store::Store,
+    runtime: &dyn ContainerRuntime,
+    checkpoint: &str,
+) -> crate::Result<Loaded> {
+    let (info, manifest, record) = load(store, checkpoint)?;
+    if record.runtime != runtime.name() {
+        return Err(Error::WrongRuntime {
+            id: info.id,
+            taken: record.runtime,
+            given: runtime.name().into(),
         }
-        Ok((info, manifest, record))
+        .into());
     }
+    Ok((info, manifest, record))
+}
 
+impl ContainerFlow<'_> {
     /// Restores a container checkpoint; see the module documentation.
     pub fn restore(
         &mut self,
@@ -138,11 +143,63 @@ impl ContainerFlow<'_> {
         opts: &ContainerRestoreOptions,
         before_unlock: Option<&BeforeUnlock<'_>>,
     ) -> crate::Result<ContainerRestoreOutcome> {
-        let started = Instant::now();
-        let interrupt = InterruptGuard::new();
-        let id = opts.id.as_str();
+        let mut target = Restore::new(self.runtime, opts);
+        let out = self.pipeline().restore(&mut target, before_unlock)?;
+        let t = out.timings;
+        Ok(ContainerRestoreOutcome {
+            checkpoint: out.id,
+            id: opts.id.clone(),
+            pid: out.pid,
+            timings: RestoreTimings {
+                fetch: t.fetch,
+                runtime_restore: t.restore,
+                gpu: t.gpu,
+                total: t.total,
+            },
+            gpu: out.gpu,
+            materialized_because: target.materialized_because,
+        })
+    }
+}
+
+/// A container its runtime restores from the checkpoint's images: the pipeline's restore target for
+/// [`ContainerFlow::restore`].
+struct Restore<'a> {
+    runtime: &'a dyn ContainerRuntime,
+    opts: &'a ContainerRestoreOptions,
+    /// The checkpoint's container record, and the bundle it is restored into.
+    record: Option<ContainerRecord>,
+    bundle: PathBuf,
+    work: Option<WorkDir>,
+    /// Why the images were materialized for the runtime's CRIU, not streamed (`None`: streamed).
+    materialized_because: Option<String>,
+}
+
+impl<'a> Restore<'a> {
+    fn new(runtime: &'a dyn ContainerRuntime, opts: &'a ContainerRestoreOptions) -> Self {
+        Restore {
+            runtime,
+            opts,
+            record: None,
+            bundle: PathBuf::new(),
+            work: None,
+            materialized_because: None,
+        }
+    }
+
+    fn record(&self) -> &ContainerRecord {
+        self.record.as_ref().expect("found")
+    }
+}
+
+impl<'a> RestoreTarget<'a> for Restore<'a> {
+    fn find(
+        &mut self,
+        store: &crate::store::Store,
+    ) -> crate::Result<(crate::store::CheckpointInfo, CheckpointManifest)> {
+        let id = self.opts.id.as_str();
         super::check_container_id(id)?;
-        let (info, manifest, record) = self.find_container(&opts.checkpoint)?;
+        let (info, manifest, record) = find_container(store, self.runtime, &self.opts.checkpoint)?;
         match self.runtime.state(id) {
             Err(Error::NoSuchContainer { .. }) => {}
             Err(e) => return Err(e.into()),
@@ -155,81 +212,108 @@ impl ContainerFlow<'_> {
             }
         }
         // An imported checkpoint does not know where its container's files are.
-        let bundle = opts.bundle.clone().unwrap_or_else(|| record.bundle.clone());
-        if bundle.as_os_str().is_empty() {
+        self.bundle = self
+            .opts
+            .bundle
+            .clone()
+            .unwrap_or_else(|| record.bundle.clone());
+        if self.bundle.as_os_str().is_empty() {
             return Err(Error::NoBundle { id: info.id }.into());
         }
-        let gpu_record = manifest.gpu_record()?;
-        self.gpu.prepare_restore(gpu_record.as_ref())?;
-        let work = WorkDir::create(self.store, &info.id)?;
+        self.record = Some(record);
+        Ok((info, manifest))
+    }
+
+    fn prepare(
+        &mut self,
+        store: &crate::store::Store,
+        info: &crate::store::CheckpointInfo,
+        _manifest: &CheckpointManifest,
+    ) -> crate::Result<PathBuf> {
+        let work = WorkDir::create(store, &info.id)?;
+        let path = work.path().to_path_buf();
+        self.work = Some(work);
+        self.materialized_because = streamed::why_not(self.runtime, info, &self.bundle);
+        Ok(path)
+    }
+
+    fn tell(&mut self, watch: &dyn Watch, work: &Path) -> crate::Result<()> {
         // Should this process die before the restore has succeeded, the guardian deletes what the
-        // runtime restored and removes the work folder (`guards::RestoreUndo`).
+        // runtime restored and removes the work folder (`undo_restore`).
         if let Some(runtime) = self.runtime.cli() {
-            self.watch.tell(&Event::ContainerRestore(RestoreUndo {
+            watch.tell(&Event::ContainerRestore(RestoreUndo {
                 runtime,
-                id: id.to_string(),
-                work: work.path().to_path_buf(),
+                id: self.opts.id.clone(),
+                work: work.to_path_buf(),
             }))?;
         }
-        let materialized_because = streamed::why_not(self.runtime, &info, &bundle);
-        let t = Instant::now();
-        if let Some(why) = &materialized_because {
-            tracing::info!("restoring from materialized images: {why}");
-            self.store
-                .materialize(&info.id, work.path(), self.progress)?;
-        }
-        let fetch = ms(t);
-        fault::at("restore.before-criu");
-        if interrupt.interrupted() {
-            return Err(Error::Interrupted {
-                signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
-                undone: "nothing was restored; the checkpoint is intact".into(),
-            }
-            .into());
-        }
+        Ok(())
+    }
 
+    fn fetch(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<f64> {
         let t = Instant::now();
+        if let Some(why) = &self.materialized_because {
+            tracing::info!("restoring from materialized images: {why}");
+            ctx.store
+                .materialize(&ctx.info.id, ctx.work, ctx.progress)?;
+        }
+        Ok(ms(t))
+    }
+
+    fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>> {
+        let (runtime, id, work) = (self.runtime, self.opts.id.as_str(), ctx.work);
         // An imported archive's root file system changes, applied before the runtime restores; put back
         // (this guard is dropped after `discard`'s) if the restore fails.
-        let rootfs_changes = rootfs::apply(work.path(), &bundle, work.path())?;
+        let rootfs = rootfs::apply(work, &self.bundle, work)?;
         fault::at("container.rootfs-applied");
-        let mut discard = Discard {
-            runtime: self.runtime,
+        let discard = Discard {
+            runtime,
             id: id.to_string(),
-            work: work.path().to_path_buf(),
+            work: work.to_path_buf(),
             armed: true,
         };
-        injected("container.runtime-restore", self.runtime)?;
+        injected("container.runtime-restore", runtime)?;
         let req = super::RestoreRequest {
             id,
-            images: work.path(),
-            bundle: &bundle,
-            tcp_established: record.tcp_established,
-            streamed: materialized_because.is_none(),
+            images: work,
+            bundle: &self.bundle,
+            tcp_established: self.record().tcp_established,
+            streamed: self.materialized_because.is_none(),
         };
         if req.streamed {
-            streamed::restore(self.runtime, &req, self.store, &info, self.progress)?;
+            streamed::restore(runtime, &req, ctx.store, ctx.info, ctx.progress)?;
         } else {
-            self.runtime.restore(&req)?;
+            runtime.restore(&req)?;
         }
-        let runtime_restore = ms(t);
-        let state = self.runtime.state(id)?;
-        fault::at("restore.after-criu");
+        let state = runtime.state(id)?;
+        Ok(Restored {
+            root_pid: state.pid,
+            fetch_ms: 0.0,
+            discard: Box::new(Discarded { discard, rootfs }),
+        })
+    }
 
-        let t = Instant::now();
-        let gpu = match &record.sandbox_gpu_tool {
+    fn restore_gpu(
+        &mut self,
+        gpu: &mut dyn GpuHook,
+        gpu_record: Option<GpuRecord>,
+        root_pid: i32,
+        before_unlock: Option<&BeforeUnlock<'_>>,
+    ) -> crate::Result<Option<RestoreRecord>> {
+        let (runtime, id, record) = (self.runtime, self.opts.id.as_str(), self.record());
+        match &record.sandbox_gpu_tool {
             // Frozen by the runtime itself: its restore put the state back.
-            Some(_) if record.sandbox_gpu_by_runtime => None,
+            Some(_) if record.sandbox_gpu_by_runtime => Ok(None),
             // Frozen inside the sandbox: put back there, on the same guest PIDs (a failure leaves
             // no sandbox: `discard`).
             Some(tool) => {
-                super::sandbox::restore(self.runtime, id, tool, &record.sandbox_gpu_pids)?;
-                None
+                super::sandbox::restore(runtime, id, tool, &record.sandbox_gpu_pids)?;
+                Ok(None)
             }
             None => {
                 // The GPU processes come back under new host PIDs: find each through its PID inside
                 // the container.
-                let now = members(state.pid);
+                let now = members(root_pid);
                 let map = pid_map(&record.processes, &now);
                 let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
                 let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
@@ -239,37 +323,38 @@ impl ContainerFlow<'_> {
                     fault::at("container.gpu-restored");
                     before_unlock.map_or(Ok(()), |b| b(root))
                 };
-                self.gpu.finish_restore(
+                Ok(gpu.finish_restore(
                     gpu_record.as_ref(),
                     &RestoredTree {
-                        root_pid: state.pid,
+                        root_pid,
                         pids: &pids,
                         before_unlock: Some(&barrier),
                     },
-                )?
+                )?)
             }
-        };
-        let gpu_ms = ms(t);
-        discard.armed = false;
-        if let Err(e) = self.watch.tell(&Event::Restored) {
+        }
+    }
+
+    fn finished(&mut self, watch: &dyn Watch) {
+        if let Err(e) = watch.tell(&Event::Restored) {
             tracing::warn!("telling the guardian the container restore succeeded: {e}");
         }
-        if let Some(applied) = rootfs_changes {
+    }
+}
+
+/// The restored container and the root file system changes applied for it: the container deleted,
+/// then the changes put back, when dropped unless kept.
+struct Discarded<'r> {
+    discard: Discard<'r>,
+    rootfs: Option<rootfs::Applied>,
+}
+
+impl PipelineDiscard for Discarded<'_> {
+    fn keep(mut self: Box<Self>) {
+        self.discard.armed = false;
+        if let Some(applied) = self.rootfs.take() {
             applied.keep();
         }
-        Ok(ContainerRestoreOutcome {
-            checkpoint: info.id,
-            id: id.to_string(),
-            pid: state.pid,
-            timings: RestoreTimings {
-                fetch,
-                runtime_restore,
-                gpu: gpu_ms,
-                total: ms(started),
-            },
-            gpu,
-            materialized_because,
-        })
     }
 }
 

@@ -27,6 +27,7 @@
 
 mod checkpoint;
 mod dump;
+mod restore;
 mod serve;
 mod steps;
 mod thaw;
@@ -43,6 +44,9 @@ use super::Watch;
 
 pub use checkpoint::{CheckpointCommon, Checkpointed, Timings};
 pub use dump::{dump_tree, resident_bytes, store_error_first, tell_network, DUMP_LOG};
+pub use restore::{
+    Discard, RestoreContext, RestoreTarget, RestoreTimings, Restored, RestoredCheckpoint,
+};
 pub use serve::{restore_streamed, send_image};
 pub use steps::{aborted_at_lock, after_durable, check_interrupt, freeze_phased};
 pub use thaw::GpuThawGuard;

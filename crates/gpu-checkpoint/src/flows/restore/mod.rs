@@ -1,19 +1,23 @@
-//! The restore flow: fetch + verify, CRIU restore, GPU restore (optionally onto other GPUs) + unlock.
+//! The restore of a process tree: the pipeline's restore target for CRIU's images (`flows/pipeline`
+//! owns the order: find, refuse, GPU check, work folder, restore, GPU restore + unlock).
 //!
-//! Order, and why:
-//! 1. Find the checkpoint (id, name, or the path of its manifest) and read its manifest.
+//! What this target adds, and why:
+//! 1. Find the checkpoint (id, name, or the path of its manifest) and read its manifest; a container's
+//!    is refused (only its runtime can put it back together).
 //! 2. Refuse early when a PID of the tree is taken: CRIU restores every process under its original PID.
 //!    A zombie holding one is waited for a little (its parent may be about to reap it; init does so
-//!    lazily on some systems), anything else is a conflict naming the PID and its holder.
-//! 3. The GPU step checks this node can take the GPU state ([`crate::freeze::GpuHook::prepare_restore`]).
+//!    lazily on some systems), anything else is a conflict naming the PID and its holder. Refuse, too,
+//!    when the node lacks the memory, or CRIU's premapping would not fit (then staged instead).
+//! 3. (The pipeline: the GPU step checks this node can take the GPU state.)
 //! 4. The images go to CRIU one of three ways ([`ImageTransfer`]), every chunk verified first: by default
 //!    the images without the processes' private memory are materialized into a private folder and the
 //!    memory is copied into the processes through userfaultfd while CRIU holds them stopped (`uffd/`);
-//!    or every image is streamed to CRIU through pipes (`stream.rs`); or every image is materialized.
+//!    or every image is streamed to CRIU through pipes (`pipeline/serve.rs`); or every image is
+//!    materialized.
 //! 5. CRIU restores the tree detached (re-parented to init); the GPU step restores its GPU state, waits
 //!    at the job restore's barrier if any ([`Flow::restore_phased`]), then unlocks it; if that fails
 //!    (or the barrier says no) the restored tree is killed.
-//! 6. CRIU's restore log is kept in the store's `logs/` folder; the temporary folder is removed.
+//! 6. CRIU's restore log is kept in the store's `logs/` folder; the work folder is removed.
 //!
 //! Nothing here changes the checkpoint: a failed restore can be tried again, and a checkpoint can be
 //! restored again once the first copy has exited.
@@ -28,14 +32,13 @@ pub use uffd::{available as uffd_available, FillStats};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer};
+use super::pipeline::{Discard, RestoreContext, RestoreTarget, Restored};
+use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer, Watch};
 use crate::dump::devices::PluginDir;
-use crate::dump::{CriuOptions, FailureKind, RestoreRequest};
+use crate::dump::{Criu, CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
-use crate::fault;
 use crate::flows::guardian::Event;
-use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
-use crate::interrupt::InterruptGuard;
+use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord, RestoredTree};
 use crate::proc as tree;
 use crate::store::{CheckpointInfo, Store};
 
@@ -67,8 +70,6 @@ pub enum Error {
         need: u64,
         available: u64,
     },
-    #[error("interrupted by {signal} before anything was restored; the checkpoint is intact")]
-    Interrupted { signal: String },
     #[error("restore of checkpoint {id}: {reason}")]
     Options { id: String, reason: String },
     #[error("cannot restore checkpoint {id}: its process held {path} open (reopened on restore), and {reason} here; the checkpoint is intact")]
@@ -93,7 +94,6 @@ impl Classify for Error {
             }
             Error::BadManifest { .. } => ExitStatus::CheckpointInvalid,
             Error::Uffd(_) => ExitStatus::Failure,
-            Error::Interrupted { .. } => ExitStatus::Interrupted,
             Error::Options { .. } => ExitStatus::Usage,
             Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }
@@ -160,17 +160,7 @@ pub struct RestoreOutcome {
 impl Flow<'_> {
     /// Finds the checkpoint `target` names.
     pub fn find(&self, target: &Target) -> crate::Result<(CheckpointInfo, CheckpointManifest)> {
-        let info = match target {
-            Target::Checkpoint(id) => self.store.get(id)?,
-            Target::Manifest(path) => self.store.get_by_manifest_path(path)?,
-        };
-        let manifest = CheckpointManifest::from_metadata(&info.metadata).map_err(|reason| {
-            Error::BadManifest {
-                id: info.id.clone(),
-                reason,
-            }
-        })?;
-        Ok((info, manifest))
+        find(self.store, target)
     }
 
     /// Restores a checkpoint; see the module documentation for the order.
@@ -198,12 +188,94 @@ impl Flow<'_> {
         given: &CriuOptions,
         before_unlock: Option<&BeforeUnlock<'_>>,
     ) -> crate::Result<RestoreOutcome> {
-        let started = Instant::now();
-        // From the moment CRIU starts creating processes, a signal is deferred until the copy is whole
-        // (or killed): a half-restored copy must not be left behind.
-        let interrupt = InterruptGuard::new();
+        let mut tree = CriuRestore::new(self.criu, self.images, target, given);
+        let out = self.pipeline().restore(&mut tree, before_unlock)?;
+        let t = out.timings;
+        Ok(RestoreOutcome {
+            id: out.id,
+            pid: out.pid,
+            log: tree.log,
+            timings: Timings {
+                fetch: t.fetch,
+                restore: t.restore,
+                streamed: tree.images == ImageTransfer::Stream,
+                uffd: tree.uffd_stats,
+                staged_instead: tree.staged_instead,
+                gpu: t.gpu,
+                total: t.total,
+            },
+            gpu: out.gpu,
+        })
+    }
+}
+
+/// The checkpoint `target` names in `store`, and its manifest.
+fn find(store: &Store, target: &Target) -> crate::Result<(CheckpointInfo, CheckpointManifest)> {
+    let info = match target {
+        Target::Checkpoint(id) => store.get(id)?,
+        Target::Manifest(path) => store.get_by_manifest_path(path)?,
+    };
+    let manifest =
+        CheckpointManifest::from_metadata(&info.metadata).map_err(|reason| Error::BadManifest {
+            id: info.id.clone(),
+            reason,
+        })?;
+    Ok((info, manifest))
+}
+
+/// A process tree CRIU restores from the checkpoint's images: the pipeline's target for
+/// [`Flow::restore`].
+struct CriuRestore<'a> {
+    criu: &'a dyn Criu,
+    /// How the images go to CRIU: as asked, then as this checkpoint allows.
+    images: ImageTransfer,
+    target: &'a Target,
+    given: &'a CriuOptions,
+    /// What [`RestoreTarget::check`] decided.
+    criu_options: CriuOptions,
+    ids: Option<ids::RecordedIds>,
+    staged_instead: Option<String>,
+    plugin: Option<PluginDir>,
+    work: Option<WorkDir>,
+    /// What the restore left: CRIU's log kept, and what userfaultfd copied.
+    log: Option<PathBuf>,
+    uffd_stats: Option<FillStats>,
+    /// The restored tree's PIDs: the recorded ones, or (a new PID namespace) those it runs with.
+    pids: Vec<i32>,
+}
+
+impl<'a> CriuRestore<'a> {
+    fn new(
+        criu: &'a dyn Criu,
+        images: ImageTransfer,
+        target: &'a Target,
+        given: &'a CriuOptions,
+    ) -> Self {
+        CriuRestore {
+            criu,
+            images,
+            target,
+            given,
+            criu_options: CriuOptions::default(),
+            ids: None,
+            staged_instead: None,
+            plugin: None,
+            work: None,
+            log: None,
+            uffd_stats: None,
+            pids: Vec::new(),
+        }
+    }
+
+    fn ids(&self) -> &ids::RecordedIds {
+        self.ids.as_ref().expect("checked")
+    }
+}
+
+impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
+    fn find(&mut self, store: &Store) -> crate::Result<(CheckpointInfo, CheckpointManifest)> {
         self.criu.check_permitted()?;
-        let (info, manifest) = self.find(target)?;
+        let (info, manifest) = find(store, self.target)?;
         if let Some(c) = &manifest.container {
             // Its images are the runtime's: only the runtime can put the container back together.
             return Err(Error::Options {
@@ -215,10 +287,20 @@ impl Flow<'_> {
             }
             .into());
         }
-        let criu_options = manifest
+        Ok((info, manifest))
+    }
+
+    fn check(
+        &mut self,
+        store: &Store,
+        info: &CheckpointInfo,
+        manifest: &CheckpointManifest,
+        gpu_record: Option<&GpuRecord>,
+    ) -> crate::Result<()> {
+        self.criu_options = manifest
             .options
             .criu
-            .restore_options(given)
+            .restore_options(self.given)
             .map_err(|reason| Error::Options {
                 id: info.id.clone(),
                 reason,
@@ -226,19 +308,18 @@ impl Flow<'_> {
             .options;
         // CRIU gives every thread back its ID too: those must be free as well as the PIDs. A tree that
         // is a PID namespace of its own is restored into a new one, where every ID is free.
-        let ids = ids::RecordedIds::of(self.store, &info, &manifest)?;
+        let ids = ids::RecordedIds::of(store, info, manifest)?;
         check_pids_free(&info.id, &ids.host)?;
-        let mut pids = ids.host_pids.clone();
+        self.pids = ids.host_pids.clone();
         if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
             preflight::check_host_memory(&info.id, manifest.sizes.pages_bytes, &meminfo)?;
         }
-        let (images, staged_instead) =
-            premap::transfer_for(self.images, self.store, &info, &ids.images)?;
+        let (images, staged_instead) = premap::transfer_for(self.images, store, info, &ids.images)?;
         if let Some(why) = &staged_instead {
             tracing::warn!("restoring checkpoint {} staged: {why}", info.id);
         }
-        let gpu_record = manifest.gpu_record()?;
-        if ids.own_namespace && gpu_record.as_ref().is_some_and(|r| !r.processes.is_empty()) {
+        (self.images, self.staged_instead) = (images, staged_instead);
+        if ids.own_namespace && gpu_record.is_some_and(|r| !r.processes.is_empty()) {
             // The GPU step finds its processes by the PIDs they had, which a new namespace changes.
             return Err(Error::Options {
                 id: info.id.clone(),
@@ -249,9 +330,17 @@ impl Flow<'_> {
             }
             .into());
         }
-        self.gpu.prepare_restore(gpu_record.as_ref())?;
+        self.ids = Some(ids);
+        Ok(())
+    }
 
-        if let Some(dir) = self.store.local_dir() {
+    fn prepare(
+        &mut self,
+        store: &Store,
+        info: &CheckpointInfo,
+        manifest: &CheckpointManifest,
+    ) -> crate::Result<PathBuf> {
+        if let Some(dir) = store.local_dir() {
             // What killed restores left: a restore needs free space on the store's disk.
             match remove_stale_work_dirs(dir) {
                 Ok(0) => {}
@@ -263,100 +352,89 @@ impl Flow<'_> {
         preflight::check_devices(&info.id, &manifest.devices)?;
         // Mappings a forked child inherited from its CUDA parent are replaced by the plugin, too.
         let replace = !crate::detect::context::inherited_mappings(&manifest.detect).is_empty();
-        let plugin = (!manifest.devices.is_empty() || replace)
+        self.plugin = (!manifest.devices.is_empty() || replace)
             .then(|| PluginDir::for_restore(&manifest.devices, replace))
             .transpose()?;
-        let criu_env = plugin.as_ref().map(PluginDir::env).unwrap_or_default();
-        let work = WorkDir::create(self.store.local_dir(), &info.id)?;
+        let work = WorkDir::create(store.local_dir(), &info.id)?;
+        let path = work.path().to_path_buf();
+        self.work = Some(work);
+        Ok(path)
+    }
+
+    fn tell(&mut self, watch: &dyn Watch, _work: &Path) -> crate::Result<()> {
         // Should this process die from here on, the guardian kills what CRIU created of the copy.
-        self.watch.tell(&Event::Restore {
-            pids: ids.host.clone(),
+        watch.tell(&Event::Restore {
+            pids: self.ids().host.clone(),
         })?;
-        fault::at("restore.before-criu");
-        if interrupt.interrupted() {
-            return Err(Error::Interrupted {
-                signal: crate::interrupt::last_signal().unwrap_or_else(|| "a signal".into()),
-            }
-            .into());
-        }
+        Ok(())
+    }
+
+    fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>> {
+        let (store, info, progress, work) = (ctx.store, ctx.info, ctx.progress, ctx.work);
+        let criu_env = self.plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let req = RestoreRequest {
-            images_dir: work.path(),
+            images_dir: work,
             log_file: RESTORE_LOG,
-            options: &criu_options,
-            stream: images == ImageTransfer::Stream,
+            options: &self.criu_options,
+            stream: self.images == ImageTransfer::Stream,
             lazy_pages: false,
             post_restore: None,
             env: &criu_env,
         };
-        let mut uffd_stats = None;
-        let (fetch, restore_ms, restored) = if images == ImageTransfer::Uffd {
+        let (fetch, restored) = if self.images == ImageTransfer::Uffd {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
             // post-restore notification.
             let t = Instant::now();
-            let plan = uffd::Plan::of(self.store, &info)?;
-            self.store.materialize_selected(
-                &info,
-                work.path(),
+            let plan = uffd::Plan::of(store, info)?;
+            store.materialize_selected(
+                info,
+                work,
                 &|path, off, len| plan.keep(path, off, len),
-                self.progress,
+                progress,
             )?;
             let fetch = ms(t);
-            let t = Instant::now();
-            let (restored, filled) =
-                uffd::restore(self.criu, &req, self.store, &info, &plan, self.progress);
-            let took = ms(t);
+            let (restored, filled) = uffd::restore(self.criu, &req, store, info, &plan, progress);
             match (&restored, filled) {
                 (Err(_), Err(store_err)) => {
                     // A damaged chunk, or a copy the kernel refused, is why CRIU failed: say that.
-                    keep_log(self.store, &info.id, work.path());
+                    keep_log(store, &info.id, work);
                     return Err(store_err.into());
                 }
                 (Ok(pid), Err(store_err)) => {
                     // Restored, but its memory did not come: it must not run on.
-                    keep_log(self.store, &info.id, work.path());
-                    kill_restored(*pid, &pids);
+                    keep_log(store, &info.id, work);
+                    kill_restored(*pid, &self.pids);
                     return Err(store_err.into());
                 }
-                (_, Ok(stats)) => uffd_stats = Some(stats),
+                (_, Ok(stats)) => self.uffd_stats = Some(stats),
             }
-            (fetch, took, restored)
+            (fetch, restored)
         } else if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
-            let t = Instant::now();
-            let (restored, served) = super::pipeline::restore_streamed(
-                self.criu,
-                &req,
-                self.store,
-                &info,
-                self.progress,
-            );
-            let took = ms(t);
+            let (restored, served) =
+                super::pipeline::restore_streamed(self.criu, &req, store, info, progress);
             if let (Err(_), Err(store_err)) = (&restored, served) {
                 // A damaged chunk (or a store that cannot be read) is why CRIU failed: say that.
-                keep_log(self.store, &info.id, work.path());
+                keep_log(store, &info.id, work);
                 return Err(store_err);
             }
-            (0.0, took, restored)
+            (0.0, restored)
         } else {
             let t = Instant::now();
-            self.store
-                .materialize(&info.id, work.path(), self.progress)?;
-            let fetch = ms(t);
-            let t = Instant::now();
-            let restored = self.criu.restore(&req);
-            (fetch, ms(t), restored)
+            store.materialize(&info.id, work, progress)?;
+            (ms(t), self.criu.restore(&req))
         };
-        let log = keep_log(self.store, &info.id, work.path());
+        self.log = keep_log(store, &info.id, work);
         let pid = match restored {
             Ok(pid) => pid,
             Err(e) => {
-                let e = match &log {
+                let e = match &self.log {
                     Some(l) => e.with_log_path(l.clone()),
                     None => e,
                 };
                 // A PID taken between our check and CRIU's fork: say by whom.
                 if e.failure().map(|f| f.kind) == Some(FailureKind::PidInUse) {
-                    if let Err(conflict) = check_pids_free_now(&info.id, &ids.host) {
+                    if let Err(conflict) = check_pids_free_now(&info.id, &self.ids().host) {
                         tracing::debug!("CRIU: {e}");
                         return Err(conflict.into());
                     }
@@ -364,44 +442,55 @@ impl Flow<'_> {
                 return Err(e.into());
             }
         };
-
-        if ids.own_namespace {
+        if self.ids().own_namespace {
             // Its PIDs in this namespace are new: the restored tree as it runs is the tree.
-            pids = tree::process_tree(pid).iter().map(|p| p.pid).collect();
+            self.pids = tree::process_tree(pid).iter().map(|p| p.pid).collect();
         }
-        fault::at("restore.after-criu");
-        let t = Instant::now();
-        let gpu = match self.gpu.finish_restore(
-            gpu_record.as_ref(),
-            &RestoredTree {
-                root_pid: pid,
-                pids: &pids,
-                before_unlock,
-            },
-        ) {
-            Ok(v) => v,
-            Err(e) => {
-                // A copy whose GPU state did not come back (or whose job restore aborted) must not run on.
-                kill_restored(pid, &pids);
-                return Err(e.into());
-            }
-        };
-        let gpu_ms = ms(t);
-        Ok(RestoreOutcome {
-            id: info.id,
-            pid,
-            log,
-            timings: Timings {
-                fetch,
-                restore: restore_ms,
-                streamed: req.stream,
-                uffd: uffd_stats,
-                staged_instead,
-                gpu: gpu_ms,
-                total: ms(started),
-            },
-            gpu,
+        Ok(Restored {
+            root_pid: pid,
+            fetch_ms: fetch,
+            discard: Box::new(KillRestored {
+                root: pid,
+                pids: self.pids.clone(),
+                armed: true,
+            }),
         })
+    }
+
+    fn restore_gpu(
+        &mut self,
+        gpu: &mut dyn GpuHook,
+        record: Option<GpuRecord>,
+        root_pid: i32,
+        before_unlock: Option<&BeforeUnlock<'_>>,
+    ) -> crate::Result<Option<RestoreRecord>> {
+        let tree = RestoredTree {
+            root_pid,
+            pids: &self.pids,
+            before_unlock,
+        };
+        Ok(gpu.finish_restore(record.as_ref(), &tree)?)
+    }
+}
+
+/// A restored tree, killed when dropped unless kept: its memory or GPU state did not come back.
+struct KillRestored {
+    root: i32,
+    pids: Vec<i32>,
+    armed: bool,
+}
+
+impl Discard for KillRestored {
+    fn keep(mut self: Box<Self>) {
+        self.armed = false;
+    }
+}
+
+impl Drop for KillRestored {
+    fn drop(&mut self) {
+        if self.armed {
+            kill_restored(self.root, &self.pids);
+        }
     }
 }
 

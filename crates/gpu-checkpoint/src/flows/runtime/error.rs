@@ -52,8 +52,6 @@ pub enum Error {
     Processes { id: String, reason: String },
     #[error("refusing to checkpoint container {id} (nothing was touched): {reason}")]
     Unsupported { id: String, reason: String },
-    #[error("interrupted by {signal}: {undone}")]
-    Interrupted { signal: String, undone: String },
     #[error("checkpoint archive {}: {reason}", path.display())]
     Archive { path: PathBuf, reason: String },
     #[error("no bundle recorded for checkpoint {id} (imported from an archive): restore it with --bundle DIR")]
@@ -94,7 +92,6 @@ impl Classify for Error {
             | Error::Spawn { .. }
             | Error::Protocol { .. }
             | Error::Processes { .. } => ExitStatus::Failure,
-            Error::Interrupted { .. } => ExitStatus::Interrupted,
             Error::Unsupported { .. } => ExitStatus::Unsupported,
             Error::WorkDir { source, .. } => crate::exit::io_exit_status(source),
         }

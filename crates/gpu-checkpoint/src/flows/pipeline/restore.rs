@@ -1,0 +1,185 @@
+//! The restore sequence, whatever the target: a process tree CRIU restores (`flows/restore`), a container
+//! its runtime restores (`flows/container/restore.rs`).
+//!
+//! In order, and why:
+//! 1. the target finds the checkpoint and refuses what it cannot restore ([`RestoreTarget::find`],
+//!    [`RestoreTarget::check`]: a PID in use, too little memory, another runtime's checkpoint);
+//! 2. the GPU step checks this node can take the GPU state ([`crate::freeze::GpuHook::prepare_restore`]);
+//! 3. the target readies its work folder ([`RestoreTarget::prepare`]) and tells the guardian what it
+//!    would undo should this process die ([`RestoreTarget::tell`]);
+//! 4. a signal until here stops the restore before anything is created ([`super::check_interrupt`]);
+//! 5. the target restores the tree from the images ([`RestoreTarget::restore`]: CRIU, or the runtime),
+//!    every chunk verified first; what it restored is discarded should a later step fail
+//!    ([`Discard`]);
+//! 6. the GPU state goes back into the restored processes, waiting at a job restore's barrier between
+//!    the restore and the unlock ([`RestoreTarget::restore_gpu`]);
+//! 7. the restored tree is kept.
+//!
+//! Nothing here changes the checkpoint: a failed restore can be tried again.
+
+use std::path::Path;
+use std::time::Instant;
+
+use super::{check_interrupt, Pipeline};
+use crate::fault;
+use crate::flows::manifest::CheckpointManifest;
+use crate::flows::{ms, Watch};
+use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord};
+use crate::interrupt::InterruptGuard;
+use crate::store::{CheckpointInfo, Progress, Store};
+
+/// What the target's own steps of a restore work with.
+pub struct RestoreContext<'c> {
+    pub store: &'c Store,
+    pub progress: &'c dyn Progress,
+    pub info: &'c CheckpointInfo,
+    pub manifest: &'c CheckpointManifest,
+    /// The restore's private work folder ([`RestoreTarget::prepare`]'s).
+    pub work: &'c Path,
+}
+
+/// A tree the target restored: its root, and what discards it unless the restore finishes.
+pub struct Restored<'a> {
+    /// The restored root's PID (a container's init).
+    pub root_pid: i32,
+    /// How long of the restore went to fetching images before the restore proper, in milliseconds.
+    pub fetch_ms: f64,
+    pub discard: Box<dyn Discard + 'a>,
+}
+
+/// A restored tree that must not run on unless its restore finishes (its GPU state back): killed (a
+/// container deleted) when dropped, kept by [`Discard::keep`].
+pub trait Discard {
+    fn keep(self: Box<Self>);
+}
+
+/// What is restored: a process tree (CRIU), a container (its runtime), each as a job member too
+/// (through the barrier given to [`Pipeline::restore`]).
+pub trait RestoreTarget<'a> {
+    /// Finds the checkpoint and its manifest; refuses one this target does not restore.
+    fn find(&mut self, store: &Store) -> crate::Result<(CheckpointInfo, CheckpointManifest)>;
+
+    /// Refuses, before the GPU step's own check, what would make the restore fail here.
+    fn check(
+        &mut self,
+        _store: &Store,
+        _info: &CheckpointInfo,
+        _manifest: &CheckpointManifest,
+        _gpu: Option<&GpuRecord>,
+    ) -> crate::Result<()> {
+        Ok(())
+    }
+
+    /// Readies the restore once the GPU step agreed: returns its private work folder, which the target
+    /// keeps (and removes) until it is dropped, after the pipeline's guards.
+    fn prepare(
+        &mut self,
+        store: &Store,
+        info: &CheckpointInfo,
+        manifest: &CheckpointManifest,
+    ) -> crate::Result<std::path::PathBuf>;
+
+    /// Tells the guardian what it would undo should this process die from here on.
+    fn tell(&mut self, watch: &dyn Watch, work: &Path) -> crate::Result<()>;
+
+    /// Fetches what must be in the work folder before the last check for a signal (a container's
+    /// materialized images); returns how long it took, in milliseconds.
+    fn fetch(&mut self, _ctx: &RestoreContext<'_>) -> crate::Result<f64> {
+        Ok(0.0)
+    }
+
+    /// Restores the tree from the images.
+    fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>>;
+
+    /// Puts the GPU state back into the restored tree (rooted at `root_pid`), waiting at
+    /// `before_unlock` between its restore and its unlock.
+    fn restore_gpu(
+        &mut self,
+        gpu: &mut dyn GpuHook,
+        record: Option<GpuRecord>,
+        root_pid: i32,
+        before_unlock: Option<&BeforeUnlock<'_>>,
+    ) -> crate::Result<Option<RestoreRecord>>;
+
+    /// The restore finished: what the target says of it (to the guardian).
+    fn finished(&mut self, _watch: &dyn Watch) {}
+}
+
+/// The pipeline's timings of one restore, in milliseconds.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreTimings {
+    /// Reading and verifying the images out of the store into the work folder before the restore.
+    pub fetch: f64,
+    /// The restore proper (CRIU's, the runtime's); when streamed, with the images read meanwhile.
+    pub restore: f64,
+    /// The GPU step (restore + unlock, and a job restore's wait between them); 0 without GPU state.
+    pub gpu: f64,
+    pub total: f64,
+}
+
+/// A finished restore.
+#[derive(Debug, Clone)]
+pub struct RestoredCheckpoint {
+    /// The checkpoint's id.
+    pub id: String,
+    /// The restored root's PID.
+    pub pid: i32,
+    pub timings: RestoreTimings,
+    /// The GPU step's restore (`None` without GPU state).
+    pub gpu: Option<RestoreRecord>,
+}
+
+impl Pipeline<'_> {
+    /// Restores a checkpoint into `target`; see the module documentation for the order.
+    pub fn restore<'a>(
+        &mut self,
+        target: &mut dyn RestoreTarget<'a>,
+        before_unlock: Option<&BeforeUnlock<'_>>,
+    ) -> crate::Result<RestoredCheckpoint> {
+        let started = Instant::now();
+        // From the moment the tree starts being created, a signal is deferred until the copy is whole
+        // (or discarded): a half-restored copy must not be left behind.
+        let interrupt = InterruptGuard::new();
+        let (info, manifest) = target.find(self.store)?;
+        let gpu_record = manifest.gpu_record()?;
+        target.check(self.store, &info, &manifest, gpu_record.as_ref())?;
+        self.gpu.prepare_restore(gpu_record.as_ref())?;
+        let work = target.prepare(self.store, &info, &manifest)?;
+        target.tell(self.watch, &work)?;
+        let ctx = RestoreContext {
+            store: self.store,
+            progress: self.progress,
+            info: &info,
+            manifest: &manifest,
+            work: &work,
+        };
+        let mut timings = RestoreTimings {
+            fetch: target.fetch(&ctx)?,
+            ..RestoreTimings::default()
+        };
+        fault::at("restore.before-criu");
+        check_interrupt(&interrupt, "nothing was restored; the checkpoint is intact")?;
+
+        let t = Instant::now();
+        let restored = target.restore(&ctx)?;
+        timings.fetch += restored.fetch_ms;
+        timings.restore = ms(t) - restored.fetch_ms;
+        fault::at("restore.after-criu");
+
+        let t = Instant::now();
+        // A copy whose GPU state did not come back (or whose job restore aborted) must not run on:
+        // `restored.discard`, dropped, discards it.
+        let gpu =
+            target.restore_gpu(&mut *self.gpu, gpu_record, restored.root_pid, before_unlock)?;
+        timings.gpu = ms(t);
+        restored.discard.keep();
+        target.finished(self.watch);
+        timings.total = ms(started);
+        Ok(RestoredCheckpoint {
+            id: info.id,
+            pid: restored.root_pid,
+            timings,
+            gpu,
+        })
+    }
+}
