@@ -698,7 +698,7 @@ fn real_layouts_driver_uvm_mapping_and_mig_capabilities() {
 /// only /dev/nvidia0 windows, which a checkpoint replaces.
 #[test]
 fn a_cuda_context_is_told_from_none_by_the_maps() {
-    use gpu_checkpoint::detect::context::{has_cuda_context, inherited_mappings};
+    use gpu_checkpoint::detect::context::has_cuda_context;
     for (dir, pid) in [
         ("real/malloc-462", 462),
         ("real/host-466", 466),
@@ -707,7 +707,7 @@ fn a_cuda_context_is_told_from_none_by_the_maps() {
     ] {
         let r = detect_pid(pid, &opts(dir, false, false)).unwrap();
         assert!(has_cuda_context(r.findings_of(pid)), "{dir}");
-        assert!(inherited_mappings(&r).is_empty(), "{dir}");
+        assert!(r.inherited_mappings().is_empty(), "{dir}");
     }
     let smi = detect_pid(475, &opts("real/smi-475", false, false)).unwrap();
     assert!(!has_cuda_context(smi.findings_of(475)));
@@ -731,7 +731,7 @@ fn a_cuda_context_is_told_from_none_by_the_maps() {
     assert_eq!((strategy(470), strategy(530)), ("cuda-driver", "none"));
     assert!(has_cuda_context(tree.findings_of(470)));
     assert!(!has_cuda_context(tree.findings_of(530)));
-    let inherited = inherited_mappings(&tree);
+    let inherited = tree.inherited_mappings();
     assert_eq!(inherited.len(), 1, "{inherited:?}");
     assert_eq!(inherited[0].pid, 530);
     assert_eq!(inherited[0].path, "/dev/nvidia0");

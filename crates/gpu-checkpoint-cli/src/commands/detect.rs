@@ -193,7 +193,7 @@ pub fn render_text(r: &Report, verbose: bool) -> String {
         );
     }
     // What a checkpoint does about a forked child's windows onto its parent's CUDA context.
-    for m in gpu_checkpoint::detect::context::inherited_mappings(r) {
+    for m in r.inherited_mappings() {
         let _ = writeln!(
             s,
             "  replaces (pid {}): {} mapping(s) of {} inherited across fork without a CUDA context ({}): \

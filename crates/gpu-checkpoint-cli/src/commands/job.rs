@@ -310,8 +310,8 @@ fn delete(a: DeleteArgs) -> super::Result<()> {
 
 fn restore(a: RestoreArgs) -> super::Result<()> {
     let coord = a.etcd.connect()?;
-    let map = job::parse_node_map(a.node_map.as_deref().unwrap_or(""))?;
-    let device_maps = job::parse_device_maps(&a.device_map)?;
+    let map = cluster::parse_node_map(a.node_map.as_deref().unwrap_or(""))?;
+    let device_maps = cluster::parse_device_maps(&a.device_map)?;
     let timeouts = Timeouts {
         lease_ttl: a.lease_ttl,
         ..Timeouts::default()

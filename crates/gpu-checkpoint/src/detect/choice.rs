@@ -3,18 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::report::Report;
+use super::report::{Considered, Report};
 use super::strategy::{StrategyName, MIN_DRIVER_API, MIN_DRIVER_CLI};
-
-/// One strategy detect weighed.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct Considered {
-    /// `none`, `cuda-driver`, `cuda-cli`, `amdgpu`, `bar-sliding`.
-    pub strategy: String,
-    pub chosen: bool,
-    /// Why it was, or was not, chosen.
-    pub why: String,
-}
 
 /// What `checkpoint --strategy` asks for. Users script against these names.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]

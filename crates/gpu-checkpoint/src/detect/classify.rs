@@ -8,26 +8,14 @@
 use std::collections::BTreeMap;
 
 use super::finding::{Evidence, Finding, FindingKind};
-use super::needs::{self, ExternalPeer};
-use super::parse::{socket_inode, MapEntry, TcpSocket};
+use super::needs::{self, ClassifyContext};
+use super::parse::{socket_inode, MapEntry};
 use super::paths::{
     classify_path, library_kind, Hold, PathClass, CUDA_UVMFD_SOCKET_PREFIX, DEFAULT_MPS_PIPE_DIR,
     SIM_SOCKET_PREFIX,
 };
 use super::process::ProcessSnapshot;
 use crate::fmt::human_bytes;
-
-/// What classification needs besides the process itself.
-pub struct ClassifyContext<'a> {
-    /// Recognise the GPU simulator's devices (tests and demos only).
-    pub simulator: bool,
-    /// Path of a UNIX socket inode (from `net/unix`), when it has one.
-    pub socket_path: &'a dyn Fn(u64) -> Option<String>,
-    /// The TCP socket of an inode (from the process's `net/tcp` and `net/tcp6`).
-    pub tcp_socket: &'a dyn Fn(u64) -> Option<TcpSocket>,
-    /// The peer of a UNIX socket inode when it lies outside the processes in scope (live /proc only).
-    pub external_peer: &'a dyn Fn(u64) -> Option<ExternalPeer>,
-}
 
 /// Accumulates the mappings or fds of one (kind, path).
 #[derive(Default)]

@@ -8,10 +8,7 @@
 //! page; `pynvml`: none), and a child forked without exec keeps only the parent's `/dev/nvidiaN`
 //! mappings (the driver marks the rest do-not-fork).
 
-use serde::Serialize;
-
 use super::finding::{Finding, FindingKind};
-use super::report::Report;
 
 /// More `/dev/nvidiactl` mappings than this make a CUDA context (a context makes about 27; an NVML
 /// client at most one).
@@ -55,42 +52,6 @@ pub fn contextless_mappings<'a>(
             Some("/dev/nvidiactl") => out.control.push(f),
             Some(p) if is_replaceable_node(p) => out.inherited.push(f),
             _ => {}
-        }
-    }
-    out
-}
-
-/// Mappings of an NVIDIA node that a process without a CUDA context inherited from its parent (a child
-/// forked without exec): a checkpoint replaces them by zeroed shared memory at the same addresses.
-#[derive(Serialize, Clone, Debug, PartialEq, Eq)]
-pub struct InheritedMapping {
-    pub pid: i32,
-    /// The node (`/dev/nvidia0`).
-    pub path: String,
-    /// `0xSTART-0xEND` of each mapping.
-    pub ranges: Vec<String>,
-}
-
-/// The inherited NVIDIA mappings of every real (not simulated) process of `report` without a CUDA
-/// context. The checkpoint and its restore both derive them from the report the manifest keeps.
-pub fn inherited_mappings(report: &Report) -> Vec<InheritedMapping> {
-    let mut out = Vec::new();
-    for p in report.processes.iter().filter(|p| !p.simulated) {
-        if has_cuda_context(report.findings_of(p.pid)) {
-            continue;
-        }
-        for f in contextless_mappings(report.findings_of(p.pid)).inherited {
-            out.push(InheritedMapping {
-                pid: p.pid,
-                path: f.evidence.path.clone().unwrap_or_default(),
-                ranges: f
-                    .evidence
-                    .address
-                    .iter()
-                    .chain(&f.evidence.ranges)
-                    .cloned()
-                    .collect(),
-            });
         }
     }
     out

@@ -38,10 +38,10 @@ pub mod unix_diag;
 
 use std::path::PathBuf;
 
-pub use choice::{Considered, StrategyChoice};
+pub use choice::StrategyChoice;
 pub use error::Error;
 pub use finding::{Evidence, Finding, FindingKind, Limit, NeededOption};
-pub use report::{ProcessReport, Report, SCHEMA_VERSION};
+pub use report::{Considered, InheritedMapping, ProcessReport, Report, SCHEMA_VERSION};
 pub use strategy::{Blocker, BlockerKind, StrategyDecision, StrategyName};
 
 use nvml::GpuInventory;

@@ -6,9 +6,8 @@
 //! One row of `CHECKS` per kind of resource; each reads what [`super::process`] gathered and what the
 //! caller knows about the process's sockets ([`ClassifyContext`]).
 
-use super::classify::ClassifyContext;
 use super::finding::{Evidence, FindingKind, NeededOption};
-use super::parse::{socket_inode, tcp_address, TCP_CONNECTED_STATES};
+use super::parse::{socket_inode, tcp_address, TcpSocket, TCP_CONNECTED_STATES};
 use super::process::ProcessSnapshot;
 use crate::fmt::human_bytes;
 
@@ -24,6 +23,18 @@ pub struct ExternalPeer {
     pub peer: u64,
     /// The name the peer is bound to, if any.
     pub peer_name: Option<String>,
+}
+
+/// What classification needs besides the process itself.
+pub struct ClassifyContext<'a> {
+    /// Recognise the GPU simulator's devices (tests and demos only).
+    pub simulator: bool,
+    /// Path of a UNIX socket inode (from `net/unix`), when it has one.
+    pub socket_path: &'a dyn Fn(u64) -> Option<String>,
+    /// The TCP socket of an inode (from the process's `net/tcp` and `net/tcp6`).
+    pub tcp_socket: &'a dyn Fn(u64) -> Option<TcpSocket>,
+    /// The peer of a UNIX socket inode when it lies outside the processes in scope (live /proc only).
+    pub external_peer: &'a dyn Fn(u64) -> Option<ExternalPeer>,
 }
 
 type Check = fn(&ProcessSnapshot, &ClassifyContext<'_>) -> Vec<Evidence>;

@@ -3,11 +3,22 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::context::{contextless_mappings, has_cuda_context};
 use super::finding::Finding;
 use super::strategy::{StrategyDecision, StrategyName};
 
 /// Version of the report's JSON shape.
 pub const SCHEMA_VERSION: u32 = 1;
+
+/// One strategy detect weighed.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Considered {
+    /// `none`, `cuda-driver`, `cuda-cli`, `amdgpu`, `bar-sliding`.
+    pub strategy: String,
+    pub chosen: bool,
+    /// Why it was, or was not, chosen.
+    pub why: String,
+}
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Report {
@@ -23,7 +34,7 @@ pub struct Report {
     pub strategy: StrategyDecision,
     /// Every strategy weighed, and why it was or was not chosen (absent in reports before it existed).
     #[serde(default)]
-    pub strategies: Vec<super::choice::Considered>,
+    pub strategies: Vec<Considered>,
     /// Processes of the tree share CUDA IPC memory (allowed from driver 610 on, for a whole tree): the
     /// GPU step must lock them one after another and restore and unlock them in the same order. Absent
     /// when false.
@@ -72,5 +83,43 @@ impl Report {
     /// True when any process in scope uses the GPU simulator.
     pub fn simulated(&self) -> bool {
         self.processes.iter().any(|p| p.simulated)
+    }
+}
+
+/// Mappings of an NVIDIA node that a process without a CUDA context inherited from its parent (a child
+/// forked without exec): a checkpoint replaces them by zeroed shared memory at the same addresses.
+#[derive(Serialize, Clone, Debug, PartialEq, Eq)]
+pub struct InheritedMapping {
+    pub pid: i32,
+    /// The node (`/dev/nvidia0`).
+    pub path: String,
+    /// `0xSTART-0xEND` of each mapping.
+    pub ranges: Vec<String>,
+}
+
+impl Report {
+    /// The inherited NVIDIA mappings of every real (not simulated) process without a CUDA context. The
+    /// checkpoint and its restore both derive them from the report the manifest keeps.
+    pub fn inherited_mappings(&self) -> Vec<InheritedMapping> {
+        let mut out = Vec::new();
+        for p in self.processes.iter().filter(|p| !p.simulated) {
+            if has_cuda_context(self.findings_of(p.pid)) {
+                continue;
+            }
+            for f in contextless_mappings(self.findings_of(p.pid)).inherited {
+                out.push(InheritedMapping {
+                    pid: p.pid,
+                    path: f.evidence.path.clone().unwrap_or_default(),
+                    ranges: f
+                        .evidence
+                        .address
+                        .iter()
+                        .chain(&f.evidence.ranges)
+                        .cloned()
+                        .collect(),
+                });
+            }
+        }
+        out
     }
 }

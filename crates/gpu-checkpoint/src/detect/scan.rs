@@ -6,9 +6,10 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::classify::{classify, ClassifyContext};
+use super::classify::classify;
 use super::connections::{ExternalPeers, TcpTables};
 use super::limits::{self, Caller};
+use super::needs::ClassifyContext;
 use super::nvml::GpuInventory;
 use super::parse::{self, socket_inode};
 use super::paths::{classify_path, SIM_SHM_PREFIX, SIM_SOCKET_PREFIX};

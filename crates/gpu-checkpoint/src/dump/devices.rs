@@ -18,7 +18,7 @@
 //! mapping of the node (no contents) and, on restore, asks the plugin for a descriptor to map in its place
 //! (`UPDATE_VMA_MAP`); the plugin hands it `/dev/zero`, so the restored child has zeroed shared memory
 //! where it had windows onto a context that was never its own
-//! ([`crate::detect::context::inherited_mappings`]).
+//! ([`crate::detect::Report::inherited_mappings`]).
 //!
 //! The tool hands CRIU a private plugin folder ([`PluginDir`]: 0700, unguessable name) holding a link to the
 //! plugin and nothing else, through `CRIU_LIBS_DIR`, and tells the plugin where its record file is

@@ -4,8 +4,8 @@
 //! of CPU-only trees work on machines without any GPU driver, whatever `--gpu-backend` says.
 
 use super::group::{GroupOptions, Skipped};
-use super::hook::{FreezeContext, GpuHook, RestoreRecord, RestoredTree, ThawRecord};
-use super::step::{GpuRecord, GpuStep, RECORD_SCHEMA};
+use super::hook::{FreezeContext, GpuHook, RestoreRecord, RestoredTree};
+use super::step::{GpuRecord, GpuStep, ThawRecord, RECORD_SCHEMA};
 use super::types::{DeviceMap, GpuPair};
 use super::{Error, GpuBackend};
 use crate::detect::{Report, StrategyName};

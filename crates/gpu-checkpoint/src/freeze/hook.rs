@@ -38,14 +38,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::group::ProcessRecord;
-use super::step::GpuRecord;
+use super::step::{GpuRecord, ThawRecord};
 use super::types::GpuPair;
 use super::Error;
 use crate::detect::{Report, StrategyName};
-
-/// What [`GpuHook::thaw`] did: the GPU restore + unlock of each process `freeze` handled, with timings.
-/// After a `--leave-running` checkpoint the GPU record keeps it as `thaw`.
-pub type ThawRecord = Vec<ProcessRecord>;
 
 /// What [`GpuHook::finish_restore`] did, for the report (`restore --format json` prints it as `gpu`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

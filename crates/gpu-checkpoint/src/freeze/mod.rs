@@ -30,10 +30,10 @@ pub use group::{
     freeze_all, plan, restore_all, Frozen, GroupOptions, Plan, ProcessRecord, Skipped, StepRecord,
 };
 pub use hook::{
-    AfterLock, BeforeUnlock, FreezeContext, GpuHook, NoGpu, RestoreRecord, RestoredTree, ThawRecord,
+    AfterLock, BeforeUnlock, FreezeContext, GpuHook, NoGpu, RestoreRecord, RestoredTree,
 };
 pub use lifecycle::{Checkpointed, GpuProcess, Locked, Running};
-pub use step::{match_gpus, GpuMemory, GpuRecord, GpuStep};
+pub use step::{match_gpus, GpuMemory, GpuRecord, GpuStep, ThawRecord};
 pub use types::{CuError, DeviceMap, DeviceRef, GpuInfo, GpuPair, GpuUuid, Op, ProcessState};
 
 use crate::exit::{Classify, ExitStatus};

@@ -2,12 +2,15 @@
 //! manifest, and the restore-time check that this node can take the checkpoint's GPU state.
 
 use super::group::{self, Frozen, GroupOptions, Plan, ProcessRecord, Skipped};
-use super::hook::ThawRecord;
 use super::types::{DeviceMap, GpuInfo, GpuPair, GpuUuid, Op};
 use super::{Error, GpuBackend, GpuDriver, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// What [`super::GpuHook::thaw`] did: the GPU restore + unlock of each process `freeze` handled, with timings.
+/// After a `--leave-running` checkpoint the GPU record keeps it as `thaw`.
+pub type ThawRecord = Vec<ProcessRecord>;
 
 /// Version of [`GpuRecord`]'s layout; bump on incompatible changes.
 pub const RECORD_SCHEMA: u32 = 1;

@@ -10,7 +10,8 @@
 use std::path::{Path, PathBuf};
 
 use super::Error;
-use crate::detect::context::{contextless_mappings, inherited_mappings, InheritedMapping};
+use crate::detect::context::contextless_mappings;
+use crate::detect::InheritedMapping;
 use crate::detect::{FindingKind, Report};
 use crate::dump::devices::is_nvidia_node;
 use crate::freeze::has_cuda_context;
@@ -33,7 +34,7 @@ pub(super) fn plan(
     proc_root: &Path,
 ) -> Result<Option<Plan>, Error> {
     let mut needed = !given.is_empty();
-    let replaced = inherited_mappings(report);
+    let replaced = report.inherited_mappings();
     for p in report.processes.iter().filter(|p| !p.simulated) {
         if has_cuda_context(report, p.pid) {
             // Its device files are the GPU step's (the CUDA driver's checkpoint) business.

@@ -22,10 +22,6 @@ use super::ClusterError;
 use super::{AgentRecord, JobManifest, JobMember, JobTimings, MemberRecord, Task};
 use crate::exit::ExitStatus;
 
-pub use super::job_restore::{
-    parse_device_maps, parse_node_map, restore_job, JobRestoreOutcome, RestoredMember,
-};
-
 /// The coordinator's timings and timeouts.
 #[derive(Debug, Clone)]
 pub struct Timeouts {

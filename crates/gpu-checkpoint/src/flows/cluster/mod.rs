@@ -48,8 +48,9 @@ pub use coord::{CoordError, Coordinator, Event, Kv, LeaseId, Revision, WatchStre
 pub use etcd::EtcdCoordinator;
 pub use etcd_config::{EtcdConfig, Password, Security};
 pub use hooks::QuiesceHooks;
-pub use job::{
-    checkpoint_job, restore_job, JobCheckpointOptions, JobRestoreOutcome, RestoredMember, Timeouts,
+pub use job::{checkpoint_job, JobCheckpointOptions, Timeouts};
+pub use job_restore::{
+    parse_device_maps, parse_node_map, restore_job, JobRestoreOutcome, RestoredMember,
 };
 pub use lease::LeaseGuard;
 #[cfg(feature = "cluster")]

@@ -276,8 +276,8 @@ fn every_member_locks_before_any_checkpoints_and_the_commit_records_them_all() {
         .is_empty());
 
     // And it restores, on other nodes.
-    let map = job::parse_node_map("a=b,b=a").unwrap();
-    let devices = job::parse_device_maps(&["a:0=1".into()]).unwrap();
+    let map = parse_node_map("a=b,b=a").unwrap();
+    let devices = parse_device_maps(&["a:0=1".into()]).unwrap();
     let r = restore_job(c.arc(), &m.id, &map, &devices, &opts("train").timeouts).unwrap();
     assert_eq!(
         r.members.iter().map(|m| m.pid).collect::<Vec<_>>(),
@@ -296,7 +296,7 @@ fn every_member_locks_before_any_checkpoints_and_the_commit_records_them_all() {
     // A device map goes to the node it names (a, where ranks 2 and 3 are restored), and only there.
     assert!(c.events_of(2).contains(&"device map 0=1".to_string()));
     assert!(!c.events_of(0).iter().any(|e| e.starts_with("device map")));
-    let bad = job::parse_device_maps(&["c:0=1".into()]).unwrap();
+    let bad = parse_device_maps(&["c:0=1".into()]).unwrap();
     let e = restore_job(c.arc(), &m.id, &map, &bad, &opts("train").timeouts).unwrap_err();
     assert!(matches!(e, ClusterError::Usage(_)), "{e}");
 }

@@ -351,7 +351,7 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         // The device files CRIU's devices plugin reopens: the same nodes must be here.
         preflight::check_devices(&info.id, &manifest.devices)?;
         // Mappings a forked child inherited from its CUDA parent are replaced by the plugin, too.
-        let replace = !crate::detect::context::inherited_mappings(&manifest.detect).is_empty();
+        let replace = !manifest.detect.inherited_mappings().is_empty();
         self.plugin = (!manifest.devices.is_empty() || replace)
             .then(|| PluginDir::for_restore(&manifest.devices, replace))
             .transpose()?;
