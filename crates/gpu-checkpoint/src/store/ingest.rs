@@ -18,95 +18,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::backend::Objects;
-use super::chunk::{is_zero, ChunkId, Decoder, Encoder};
-use super::chunker::{
-    is_page_image, ChunkParams, Chunker, Hints, Known, Piece, SegBuf, SegmentPool,
-};
+use super::chunk::ChunkId;
+use super::chunker::{is_page_image, ChunkParams, Chunker, Hints, Piece, SegBuf, SegmentPool};
 use super::error::{Error, Result};
-use super::index::ChunkIndex;
 use super::lease::WriterGuard;
 use super::manifest::{self, CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
-use super::read::{ReadAhead, Reused};
-use super::stream::{Streamed, Streams};
+use super::piece::{coder, store_piece, Collected, Streamed};
+use super::plan::Plan;
+use super::read::ReadAhead;
 use super::{Inner, Progress};
-
-pub(super) const MIB: u64 = 1024 * 1024;
-
-/// Memory the tool may use for a checkpoint of `total` bytes: max(64 MiB, 1% of it).
-pub fn memory_budget(total: u64) -> u64 {
-    (64 * MIB).max(total / 100)
-}
-
-/// Part of the budget kept for everything but the pipeline: the binary, its heap, the manifest.
-pub(super) const RESERVE: u64 = 8 * MIB;
-
-/// How many workers and buffers an ingest or materialize uses, derived from the memory budget.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Plan {
-    pub workers: usize,
-    pub segments: usize,
-    pub segment_size: usize,
-    /// Bytes of buffers and state one worker holds.
-    pub per_worker: u64,
-}
-
-impl Plan {
-    /// Segments hold 3 maximum chunks (8 when the budget is large: less of each segment's unfinished tail
-    /// is copied to the next), at least 3 of them (one being read, two being worked on); each worker needs a
-    /// compression buffer and a decompression buffer (checking reused chunks) of one maximum chunk each,
-    /// plus their zstd contexts. Workers are cut back before the budget (less a reserve for the rest of the
-    /// tool) is exceeded.
-    pub fn new(total: u64, threads: usize, params: ChunkParams, zstd_level: i32) -> Plan {
-        Self::within(total, 0, threads, params, zstd_level)
-    }
-
-    /// [`Plan::new`] with `taken` bytes of the budget held elsewhere (a backend's requests in flight).
-    pub fn within(
-        total: u64,
-        taken: u64,
-        threads: usize,
-        params: ChunkParams,
-        zstd_level: i32,
-    ) -> Plan {
-        let budget = (memory_budget(total) - RESERVE).saturating_sub(taken);
-        let max = params.max_size as u64;
-        let segment_size = if budget >= 128 * MIB {
-            8 * max
-        } else {
-            3 * max
-        };
-        let per_worker = Self::per_worker(params, zstd_level);
-        let threads = threads.max(1) as u64;
-        let workers = threads.min((budget.saturating_sub(3 * segment_size) / per_worker).max(1));
-        let left = budget.saturating_sub(workers * per_worker);
-        let segments = (left / segment_size).clamp(3, 2 + 2 * workers);
-        Plan {
-            workers: workers as usize,
-            segments: segments as usize,
-            segment_size: segment_size as usize,
-            per_worker,
-        }
-    }
-
-    /// Upper bound of the pipeline's buffers and compression state, in bytes.
-    pub fn memory(&self) -> u64 {
-        self.segments as u64 * self.segment_size as u64 + self.workers as u64 * self.per_worker
-    }
-
-    /// One worker's compression buffer, the decoder's buffer for checking reused chunks, and their zstd
-    /// contexts. The context sizes are upper estimates for inputs of at most 4 MiB (zstd shrinks its tables
-    /// to the input); measured with windows of 4 MiB (zstd 1.5.7): the compressor 0.57 MiB at level 1,
-    /// 0.76 MiB at 2, 1.3 MiB at 3; the decompressor 0.1 MiB.
-    fn per_worker(params: ChunkParams, zstd_level: i32) -> u64 {
-        let ctx = match zstd_level {
-            ..=2 => 2 * MIB,
-            3..=5 => 6 * MIB,
-            6..=12 => 16 * MIB,
-            _ => 64 * MIB,
-        };
-        2 * params.max_size as u64 + ctx
-    }
-}
 
 /// An ingest in progress: a new checkpoint id and a private staging folder. Commit it, or abort it; dropping
 /// it uncommitted removes the staging folder too.
@@ -126,49 +46,6 @@ struct FileToIngest {
     abs: PathBuf,
     size: u64,
     mode: u32,
-}
-
-/// What the workers found, collected under one mutex (a few thousand updates per GiB: no contention).
-#[derive(Default)]
-pub(super) struct Collected {
-    pub(super) chunks: Vec<Vec<Option<ChunkRef>>>,
-    /// Stored size of every distinct non-zero chunk.
-    pub(super) stored: HashMap<ChunkId, (u64, u32)>,
-    pub(super) new: Vec<ChunkId>,
-    pub(super) new_bytes: u64,
-    pub(super) zero_bytes: u64,
-    pub(super) error: Option<Error>,
-}
-
-impl Collected {
-    pub(super) fn record(
-        &mut self,
-        file: usize,
-        index: usize,
-        cref: ChunkRef,
-        outcome: Outcome,
-        len: u64,
-    ) {
-        let slots = &mut self.chunks[file];
-        if slots.len() <= index {
-            slots.resize(index + 1, None);
-        }
-        slots[index] = Some(cref);
-        match outcome {
-            Outcome::Zero => self.zero_bytes += len,
-            Outcome::Duplicate => {}
-            Outcome::Present(stored) => {
-                self.stored
-                    .insert(cref.id.expect("non-zero"), (stored, cref.len));
-            }
-            Outcome::New(stored) => {
-                let id = cref.id.expect("non-zero");
-                self.stored.insert(id, (stored, cref.len));
-                self.new.push(id);
-                self.new_bytes += stored;
-            }
-        }
-    }
 }
 
 /// The reading side of the pipeline: which file is being cut, and the queue its chunks go to. Behind a
@@ -250,20 +127,6 @@ impl Ingest {
 
     pub(super) fn inner(&self) -> &Inner {
         &self.inner
-    }
-
-    /// Starts receiving images as streams (CRIU's image streamer) for about `expected_bytes`; see
-    /// [`Streams`]. Its result goes to [`Ingest::commit_streamed`].
-    pub fn streams(&self, expected_bytes: u64) -> Streams<'_> {
-        Streams::new(self, expected_bytes, false)
-    }
-
-    /// [`Ingest::streams`] for images that must be copied out of their pipes as fast as they come: the
-    /// pages of a tree held stopped until they are all read (a leave-running dump; CRIU's pipes hold the
-    /// tree's own pages). The session may buffer up to about `expected_bytes` in memory, within what the
-    /// host has available, so the tree's pause does not wait for the workers.
-    pub fn streams_copying(&self, expected_bytes: u64) -> Streams<'_> {
-        Streams::new(self, expected_bytes, true)
     }
 
     /// The checkpoint id this ingest will commit under.
@@ -623,95 +486,6 @@ impl Drop for Ingest {
     }
 }
 
-pub(super) enum Outcome {
-    Zero,
-    /// Another chunk of this same ingest had the same content.
-    Duplicate,
-    /// Already in the store (an earlier checkpoint); stored size.
-    Present(u64),
-    /// Written by this ingest; stored size.
-    New(u64),
-}
-
-pub(super) fn store_piece(
-    backend: &dyn super::backend::Backend,
-    index: Option<&ChunkIndex>,
-    (enc, dec, ahead): (&mut Encoder, &mut Decoder, &mut ReadAhead),
-    seen: &Mutex<HashSet<ChunkId>>,
-    piece: &Piece,
-    hints: Option<&Hints>,
-) -> Result<(ChunkRef, Outcome)> {
-    let data = piece.data();
-    let len = data.len() as u32;
-    if let Known::Expect(old) = piece.known {
-        // Most likely the old chunk again, to be checked before it is reused: read it while hashing.
-        if !seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&old)
-        {
-            ahead.start(old, data.len(), enc);
-        }
-    }
-    let id = match piece.known {
-        Known::Id(id) => id,
-        Known::Zero => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
-        Known::Nothing if is_zero(data) => return Ok((ChunkRef { id: None, len }, Outcome::Zero)),
-        Known::Nothing => ChunkId::of(data),
-        Known::Expect(old) => {
-            let id = ChunkId::of(data);
-            if id != old {
-                if let Some(h) = hints {
-                    h.mismatch.store(true, Ordering::Relaxed);
-                }
-            }
-            id
-        }
-    };
-    let cref = ChunkRef { id: Some(id), len };
-    let first = seen.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
-    if !first {
-        ahead.settle(enc);
-        return Ok((cref, Outcome::Duplicate));
-    }
-    // Not in the index of stored chunks (object stores): certainly new, no request to find that out.
-    let reused = match index {
-        Some(i) if !i.may_hold(&id) => {
-            ahead.settle(enc);
-            Reused::Missing
-        }
-        _ => ahead.check(backend, &id, data, enc, dec),
-    };
-    match reused {
-        Reused::Good(stored) => return Ok((cref, Outcome::Present(stored))),
-        Reused::Missing => {}
-        // Written again below, under a temporary name renamed over the damaged one, and made durable with
-        // the new chunks before the manifest: the checkpoint never references what it could not restore.
-        Reused::Damaged(problem) => tracing::warn!(
-            "chunk {id} in the store is {problem}; writing it again from the checkpoint's bytes"
-        ),
-    }
-    let header = if backend.aligned_objects() {
-        let (header, object) = enc.encode_parts(&id, data);
-        backend.put_chunk_parts(&id, &object)?;
-        header
-    } else {
-        let (header, payload) = enc.encode(&id, data);
-        backend.put_chunk(&id, &header.encode(), payload)?;
-        header
-    };
-    if let Some(i) = index {
-        i.add(id);
-    }
-    Ok((cref, Outcome::New(header.stored_len())))
-}
-
-/// A worker's encoder, and its decoder for checking the chunks it reuses ([`ReadAhead::check`]). The decoder's
-/// buffer grows only when a compressed chunk is checked; [`Plan`] counts it anyway.
-pub(super) fn coder(level: Option<i32>, max_chunk: usize) -> std::io::Result<(Encoder, Decoder)> {
-    Ok((Encoder::new(level, max_chunk)?, Decoder::new(0)?))
-}
-
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 {
         1.0
@@ -758,35 +532,4 @@ fn collect_files(root: &Path) -> Result<Vec<FileToIngest>> {
     }
     out.sort_by(|a, b| a.rel.cmp(&b.rel));
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_plan_stays_within_the_memory_budget() {
-        let params = ChunkParams::default();
-        for total in [0, 1 << 20, 1 << 30, 4 << 30, 100 << 30, 2 << 40] {
-            for threads in [1, 2, 8, 64, 512] {
-                for level in [1, 3, 9, 19] {
-                    let p = Plan::new(total, threads, params, level);
-                    let budget = memory_budget(total);
-                    assert!(p.workers >= 1 && p.workers <= threads);
-                    assert!(p.segments >= 3);
-                    assert!(
-                        p.memory() + RESERVE <= budget || (p.workers == 1 && p.segments == 3),
-                        "{p:?} uses {} of {budget} for {total} bytes",
-                        p.memory()
-                    );
-                }
-            }
-        }
-        // Small checkpoints: 64 MiB, with room for the rest of the tool, and still two workers.
-        let small = Plan::new(1 << 30, 2, params, 2);
-        assert!(small.memory() + RESERVE <= 64 << 20, "{small:?}");
-        assert_eq!(small.workers, 2);
-        // A 100 GiB checkpoint may use 1 GiB and gets every core.
-        assert_eq!(Plan::new(100 << 30, 64, params, 2).workers, 64);
-    }
 }

@@ -26,6 +26,8 @@ mod ingest;
 mod lease;
 pub mod manifest;
 mod open;
+mod piece;
+mod plan;
 mod read;
 mod stream;
 mod time;
@@ -38,15 +40,17 @@ pub use backend::{Backend, LocalBackend, LocalFs, LockMode, MemoryBackend, Objec
 pub use chunker::ChunkParams;
 pub use error::{Error, Location, Result};
 pub use gc::GcReport;
-pub use ingest::{memory_budget, Ingest, Plan};
+pub use ingest::Ingest;
 pub use lease::{GRACE, LEASE_TTL};
 pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
+pub use piece::Streamed;
+pub use plan::{memory_budget, Plan};
 
 /// What [`Store::visit_chunks`] calls for each chunk: offset in the file, length, and the verified bytes
 /// (`None` for an all-zero chunk).
 pub type ChunkVisitor<'a> = dyn Fn(u64, u64, Option<&[u8]>) -> Result<()> + Sync + 'a;
 pub use read::MaterializeStats;
-pub use stream::{Streamed, Streams};
+pub use stream::Streams;
 pub use verify::{VerifyProblem, VerifyReport};
 
 /// Tuning of a store handle. Nothing here changes what is stored in a way that breaks reading.

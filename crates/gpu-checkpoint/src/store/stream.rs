@@ -25,7 +25,9 @@ use crossbeam_channel::{Receiver, Sender};
 use super::chunk::ChunkId;
 use super::chunker::{is_page_image, ChunkParams, Chunker, Hints, Piece, SegmentPool};
 use super::error::{Error, Result};
-use super::ingest::{coder, store_piece, Collected, Ingest, Plan};
+use super::ingest::Ingest;
+use super::piece::{coder, store_piece, Collected, Streamed};
+use super::plan::Plan;
 use super::read::ReadAhead;
 use super::Progress;
 
@@ -92,33 +94,19 @@ fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// What a streaming session stored, for [`Ingest::commit_streamed`].
-#[derive(Default)]
-pub struct Streamed {
-    /// Name and size of every image received whole, in the order of `collected.chunks`.
-    pub(super) files: Vec<(String, u64)>,
-    pub(super) collected: Collected,
-    /// When the session began: the store's work on this checkpoint started then.
-    pub(super) started: Option<std::time::Instant>,
-    /// The parent checkpoint's chunk boundaries the session looked up, for the staged files `commit` adds
-    /// (looked up once per checkpoint).
-    pub(super) hints: Option<HashMap<String, Hints>>,
-}
-
-impl Streamed {
-    /// Bytes received as streams.
-    pub fn bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.1).sum()
+impl Ingest {
+    /// Starts receiving images as streams (CRIU's image streamer) for about `expected_bytes`; see
+    /// [`Streams`]. Its result goes to [`Ingest::commit_streamed`].
+    pub fn streams(&self, expected_bytes: u64) -> Streams<'_> {
+        Streams::new(self, expected_bytes, false)
     }
 
-    /// Names of the images received as streams.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.files.iter().map(|f| f.0.as_str())
-    }
-
-    /// Name and size of every image received as a stream.
-    pub fn files(&self) -> impl Iterator<Item = (&str, u64)> {
-        self.files.iter().map(|f| (f.0.as_str(), f.1))
+    /// [`Ingest::streams`] for images that must be copied out of their pipes as fast as they come: the
+    /// pages of a tree held stopped until they are all read (a leave-running dump; CRIU's pipes hold the
+    /// tree's own pages). The session may buffer up to about `expected_bytes` in memory, within what the
+    /// host has available, so the tree's pause does not wait for the workers.
+    pub fn streams_copying(&self, expected_bytes: u64) -> Streams<'_> {
+        Streams::new(self, expected_bytes, true)
     }
 }
 

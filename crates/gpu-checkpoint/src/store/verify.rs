@@ -12,8 +12,8 @@ use serde::Serialize;
 use super::backend::Objects;
 use super::chunk::{ChunkId, Decoder};
 use super::error::{Error, Result};
-use super::ingest::Plan;
 use super::manifest::CheckpointInfo;
+use super::plan::Plan;
 use super::{Inner, Progress};
 
 /// One thing `verify` found wrong.

@@ -64,9 +64,9 @@ pub(super) const MEMORY_AHEAD_CHUNKS: usize = 48;
 pub(super) fn read_plan(inner: &Inner, info: &CheckpointInfo) -> ReadPlan {
     let max = info.chunking.max_size as u64;
     // A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context.
-    let per_worker = 2 * max + 2 * crate::store::ingest::MIB;
-    let budget = crate::store::ingest::memory_budget(info.stats.logical_bytes)
-        - crate::store::ingest::RESERVE;
+    let per_worker = 2 * max + 2 * crate::store::plan::MIB;
+    let budget =
+        crate::store::plan::memory_budget(info.stats.logical_bytes) - crate::store::plan::RESERVE;
     let threads = inner.read_threads();
     if !inner.backend.read_ahead_in_memory() {
         return ReadPlan {

@@ -10,8 +10,8 @@ use super::{fetched_len, read_plan, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AH
 use crate::store::backend::Objects;
 use crate::store::chunk::Decoder;
 use crate::store::error::{Error, Result};
-use crate::store::ingest::Plan;
 use crate::store::manifest::CheckpointInfo;
+use crate::store::plan::Plan;
 use crate::store::{Inner, Progress};
 
 /// Writes file `fi` of a checkpoint, in order, to `out` (a pipe CRIU reads during a streaming restore):
