@@ -10,10 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_checkpoint::dump::{discover, CriuRpc};
-use gpu_checkpoint::flows::cluster::register::DEFAULT_SOCKET;
 use gpu_checkpoint::flows::cluster::{
     run_agent, Admission, AgentOptions, Coordinator, LocalWork, LocalWorkOptions, MemberError,
-    NodePolicy, QuiesceHooks, RegistrationSocket,
+    NodePolicy, QuiesceHooks, RegistrationSocket, DEFAULT_SOCKET,
 };
 use gpu_checkpoint::flows::container::{ContainerRuntime, RuntimeKind};
 use gpu_checkpoint::interrupt::InterruptGuard;
@@ -95,15 +94,15 @@ pub fn run(args: Args) -> super::Result<()> {
     };
     let admission = Arc::new(Admission::open(&args.state_dir, policy)?);
     let socket = RegistrationSocket::bind(&args.socket)?;
+    let exe = std::env::current_exe().map_err(super::Failure::other)?;
     let work = LocalWork::new(LocalWorkOptions {
-        criu,
+        node: super::node(store)?.with_criu(Box::new(criu)),
         criu_path: found.path.clone(),
         criu_options: args.criu_opts.options()?,
-        store,
         backend: args.gpu.gpu_backend,
         runtime: args.runtime,
         runtime_root: args.runtime_root.clone(),
-        exe: std::env::current_exe().map_err(super::Failure::other)?,
+        exe,
         admission: Arc::clone(&admission),
         hooks,
     });

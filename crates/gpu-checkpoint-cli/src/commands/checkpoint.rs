@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use gpu_checkpoint::checkpoint::CheckpointOptions;
 use gpu_checkpoint::detect::StrategyChoice;
 use gpu_checkpoint::dump::{discover, CriuRpc};
-use gpu_checkpoint::flows::{CheckpointManifest, Flow, ImageTransfer};
-use gpu_checkpoint::freeze::{FreezeHook, GpuBackend, GroupOptions, HookOptions};
+use gpu_checkpoint::flows::{Alone, CheckpointManifest, ImageTransfer};
+use gpu_checkpoint::freeze::{GpuBackend, GroupOptions, HookOptions};
 use gpu_checkpoint::store::StoreOptions;
 use serde_json::json;
 
@@ -143,24 +143,8 @@ pub fn run(args: Args) -> super::Result<()> {
         .open_or_create(args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = backend_for(args.strategy, args.gpu.gpu_backend)?;
-    let mut gpu = FreezeHook::new(HookOptions {
-        backend,
-        group: GroupOptions {
-            lock_timeout: args.lock_timeout.0,
-            ordered: args.ordered,
-        },
-        device_map: None,
-    });
-    // Started before the tree is touched, dropped (told it is done) after the flow's own undo.
-    let guardian = super::start_guardian()?;
-    let mut flow = Flow {
-        criu: &criu,
-        gpu: &mut gpu,
-        store: &store,
-        progress: &progress,
-        images: ImageTransfer::staged_if(args.staged),
-        watch: &guardian,
-    };
+    let gpu = gpu_options(backend, args.lock_timeout.0, args.ordered);
+    let node = super::node(store)?.with_criu(Box::new(criu));
     let mut opts = CheckpointOptions::new(pid);
     opts.name = args.name;
     opts.leave_running = args.leave_running;
@@ -170,11 +154,12 @@ pub fn run(args: Args) -> super::Result<()> {
     opts.strategy = args.strategy;
     opts.allow_stopped = args.allow_stopped;
     opts.reopen_devices = args.reopen_device;
-    let result = flow.checkpoint(&opts);
+    let images = ImageTransfer::staged_if(args.staged);
+    let result = node.checkpoint(&opts, gpu, images, &progress, &Alone);
     super::say_if_interrupted();
     let out = result?;
 
-    let manifest_path = store.manifest_location(&out.info.id);
+    let manifest_path = node.store().manifest_location(&out.info.id);
     match args.store.format {
         Format::Json => {
             let v = json!({
@@ -251,6 +236,23 @@ pub fn run(args: Args) -> super::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The GPU step's settings of a checkpoint: `backend`, locking each CUDA process for at most
+/// `lock_timeout`, one after another when `ordered`.
+pub(super) fn gpu_options(
+    backend: GpuBackend,
+    lock_timeout: Option<std::time::Duration>,
+    ordered: bool,
+) -> HookOptions {
+    HookOptions {
+        backend,
+        group: GroupOptions {
+            lock_timeout,
+            ordered,
+        },
+        device_map: None,
+    }
 }
 
 /// One line about the GPU step, from the manifest's `gpu` record (none without GPU state).

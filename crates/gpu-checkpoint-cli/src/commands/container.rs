@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use gpu_checkpoint::detect::DetectOptions;
 use gpu_checkpoint::dump::{discover, named, Criu, CriuRpc, PendingCriu};
 use gpu_checkpoint::flows::container::{
-    self, ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
+    self, ContainerCheckpointOptions, ContainerRestoreOptions, OciCli, RuntimeKind,
 };
-use gpu_checkpoint::flows::CheckpointManifest;
-use gpu_checkpoint::freeze::{FreezeHook, GpuBackend, GroupOptions, HookOptions};
+use gpu_checkpoint::flows::{Alone, CheckpointManifest, Node};
+use gpu_checkpoint::freeze::GpuBackend;
 use serde_json::json;
 
 use super::Format;
@@ -63,77 +63,37 @@ fn our_criu(kind: RuntimeKind, given: Option<&std::path::Path>) -> super::Result
     Ok(Some(criu))
 }
 
-fn hook(
-    backend: GpuBackend,
-    lock_timeout: Option<std::time::Duration>,
-    ordered: bool,
-) -> FreezeHook {
-    FreezeHook::new(HookOptions {
-        backend,
-        group: GroupOptions {
-            lock_timeout,
-            ordered,
-        },
-        device_map: None,
-    })
-}
-
-/// Our CRIU for a runc checkpoint: one the user named is checked (`criu --version`) on a thread while the
-/// flow asks runc for the container (both start a binary, slow on a cold cache); the flow waits for it
-/// before it touches anything. Otherwise discovery as for every command.
-enum OurCriu {
-    Found(CriuRpc),
-    Checking(PendingCriu),
-}
-
-impl OurCriu {
-    fn start(kind: RuntimeKind, given: Option<&std::path::Path>) -> super::Result<Option<OurCriu>> {
-        if kind != RuntimeKind::Runc {
-            return Ok(None);
-        }
-        if let Some((path, source)) = named(given) {
-            let criu = PendingCriu::start(path, source);
-            criu.check_permitted()?;
-            return Ok(Some(OurCriu::Checking(criu)));
-        }
-        Ok(our_criu(kind, given)?.map(OurCriu::Found))
+/// Our CRIU for a runc checkpoint, and its path (runc's `--criu`): one the user named is checked
+/// (`criu --version`) on a thread while the flow asks runc for the container (both start a binary, slow on
+/// a cold cache); the flow waits for it before it touches anything. Otherwise discovery as for every
+/// command. `None` for runsc, which checkpoints by itself.
+fn criu_for_checkpoint(
+    kind: RuntimeKind,
+    given: Option<&std::path::Path>,
+) -> super::Result<Option<(PathBuf, Box<dyn Criu>)>> {
+    if kind != RuntimeKind::Runc {
+        return Ok(None);
     }
-
-    fn path(&self) -> PathBuf {
-        match self {
-            OurCriu::Found(c) => c.path().to_path_buf(),
-            OurCriu::Checking(c) => c.path().to_path_buf(),
-        }
+    if let Some((path, source)) = named(given) {
+        let criu = PendingCriu::start(path, source);
+        criu.check_permitted()?;
+        return Ok(Some((criu.path().to_path_buf(), Box::new(criu))));
     }
-
-    fn criu(&self) -> &dyn Criu {
-        match self {
-            OurCriu::Found(c) => c,
-            OurCriu::Checking(c) => c,
-        }
-    }
+    Ok(our_criu(kind, given)?.map(|c| (c.path().to_path_buf(), Box::new(c) as Box<dyn Criu>)))
 }
 
 /// `checkpoint --container ID`.
 pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> {
-    let criu = OurCriu::start(args.runtime.runtime, args.criu.as_deref())?;
-    let runtime = args.runtime.open(criu.as_ref().map(OurCriu::path))?;
+    let criu = criu_for_checkpoint(args.runtime.runtime, args.criu.as_deref())?;
+    let (criu_path, criu) = criu.unzip();
+    let runtime = args.runtime.open(criu_path)?;
     let store = args
         .store
         .open_or_create(args.compression.store_options())?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend)?;
-    let mut gpu = hook(backend, args.lock_timeout.0, args.ordered);
-    // Started before the container is touched, dropped (told it is done) after the flow's own undo.
-    let guardian = super::start_guardian()?;
-    let mut flow = ContainerFlow {
-        runtime: &runtime,
-        gpu: &mut gpu,
-        store: &store,
-        progress: &progress,
-        direct: criu.as_ref().map(OurCriu::criu),
-        watch: &guardian,
-    };
+    let gpu = super::checkpoint::gpu_options(backend, args.lock_timeout.0, args.ordered);
+    let node = with_criu(super::node(store)?, criu);
     let mut opts = ContainerCheckpointOptions::new(id);
     opts.name = args.name;
     opts.leave_running = args.leave_running;
@@ -143,7 +103,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> 
     opts.tcp_established = args.criu_opts.options()?.tcp_established;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == GpuBackend::Sim || args.simulated_gpus;
-    let result = flow.checkpoint(&opts);
+    let result = node.checkpoint_container(&runtime, &opts, gpu, &progress, &Alone);
     super::say_if_interrupted();
     let out = result?;
     if let Some(c) = out
@@ -157,7 +117,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> 
             c.runtime
         );
     }
-    let manifest_path = store.manifest_location(&out.info.id);
+    let manifest_path = node.store().manifest_location(&out.info.id);
     match args.store.format {
         Format::Json => {
             let v = json!({
@@ -216,6 +176,14 @@ fn say_if_simulated(tool: Option<&std::path::Path>) {
     }
 }
 
+/// `node`, with our CRIU where we have one.
+fn with_criu(node: Node, criu: Option<Box<dyn Criu>>) -> Node {
+    match criu {
+        Some(c) => node.with_criu(c),
+        None => node,
+    }
+}
+
 /// `restore CHECKPOINT --container ID`.
 pub fn restore(args: super::restore::Args, id: &str) -> super::Result<()> {
     let Some(checkpoint) = args.checkpoint.clone() else {
@@ -248,30 +216,16 @@ pub fn restore(args: super::restore::Args, id: &str) -> super::Result<()> {
         runtime = runtime.with_restore_proxy(exe);
     }
     let progress = Bar::new(args.store.format == Format::Text);
-    let mut gpu = FreezeHook::new(HookOptions {
-        backend: args.gpu.gpu_backend,
-        device_map: match args.device_map.as_deref() {
-            None => None,
-            Some(m) => Some(m.parse()?),
-        },
-        ..HookOptions::default()
-    });
-    // Deletes the half-restored container and the work folder should this process die mid-way; told
-    // it is done (dropped) after the flow's own undo.
-    let guardian = super::start_guardian()?;
-    let mut flow = ContainerFlow {
-        runtime: &runtime,
-        gpu: &mut gpu,
-        store: &store,
-        progress: &progress,
-        direct: None,
-        watch: &guardian,
-    };
-    let result = flow.restore(&ContainerRestoreOptions {
+    let gpu = super::restore::gpu_options(&args.gpu, args.device_map.as_deref())?;
+    // Its guardian deletes the half-restored container and the work folder should this process die
+    // mid-way.
+    let node = super::node(store)?;
+    let opts = ContainerRestoreOptions {
         checkpoint,
         id: id.to_string(),
         bundle: args.bundle.clone(),
-    });
+    };
+    let result = node.restore_container(&runtime, &opts, gpu, &progress, None);
     super::say_if_interrupted();
     let out = result?;
     match args.store.format {

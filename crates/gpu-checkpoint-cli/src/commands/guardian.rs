@@ -27,7 +27,8 @@ pub fn run(args: Args) -> super::Result<()> {
     }
     // SAFETY: descriptor 3 is the UNIX socket Guardian::spawn passed us, owned by nothing else here.
     let sock = unsafe { guardian::inherited_socket() };
-    // What undoes a container runtime's half-done work is the container flow's.
-    let undo = gpu_checkpoint::flows::container::GuardianUndo;
-    std::process::exit(guardian::serve(sock, args.tool_pid, &undo));
+    std::process::exit(gpu_checkpoint::flows::node::serve_guardian(
+        sock,
+        args.tool_pid,
+    ));
 }

@@ -54,7 +54,7 @@ pub struct AddArgs {
     #[arg(long)]
     pub ordered: bool,
     /// The node's agent's socket (`agent --socket`).
-    #[arg(long, value_name = "PATH", env = "GPU_CHECKPOINT_AGENT_SOCKET", default_value = gpu_checkpoint::flows::cluster::register::DEFAULT_SOCKET)]
+    #[arg(long, value_name = "PATH", env = "GPU_CHECKPOINT_AGENT_SOCKET", default_value = gpu_checkpoint::flows::cluster::DEFAULT_SOCKET)]
     pub agent_socket: std::path::PathBuf,
 }
 
@@ -183,10 +183,6 @@ fn add(a: AddArgs) -> super::Result<()> {
 }
 
 fn checkpoint(a: CheckpointArgs) -> super::Result<()> {
-    if let Some(hook) = &a.quiesce {
-        cluster::records::check_name("quiesce hook", hook).map_err(super::usage)?;
-    }
-    let coord = a.etcd.connect()?;
     let opts = JobCheckpointOptions {
         job: a.job,
         leave_running: a.leave_running,
@@ -199,6 +195,8 @@ fn checkpoint(a: CheckpointArgs) -> super::Result<()> {
             ..Timeouts::default()
         },
     };
+    opts.check()?;
+    let coord = a.etcd.connect()?;
     if let Some(every) = a.every {
         return periodic(coord, opts, every, a.keep, a.format);
     }

@@ -110,11 +110,12 @@ pub fn print_json(v: &impl serde::Serialize) -> Result {
     Ok(())
 }
 
-/// Starts the guardian (`gpu_checkpoint::flows::guardian`) that finishes or undoes a checkpoint's or
-/// restore's work should this process be killed: this very binary, run as `gpu-checkpoint guardian`.
-pub fn start_guardian() -> Result<gpu_checkpoint::flows::guardian::Guardian> {
+/// This node's flows on `store`, each operation guarded by a guardian
+/// (`gpu_checkpoint::flows::guardian`) that finishes or undoes its work should this process be killed:
+/// this very binary, run as `gpu-checkpoint guardian`.
+pub fn node(store: gpu_checkpoint::store::Store) -> Result<gpu_checkpoint::flows::Node> {
     let exe = std::env::current_exe().map_err(Failure::other)?;
-    Ok(gpu_checkpoint::flows::guardian::Guardian::spawn(&exe)?)
+    Ok(gpu_checkpoint::flows::Node::new(store).guarded_by(exe))
 }
 
 /// Says on stderr that a deferred signal came while the command ran (what it means is in the result).

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use gpu_checkpoint::dump::{discover, CriuRpc};
-use gpu_checkpoint::flows::{Flow, ImageTransfer};
-use gpu_checkpoint::freeze::{DeviceMap, FreezeHook, HookOptions};
+use gpu_checkpoint::flows::{ImageTransfer, Node};
+use gpu_checkpoint::freeze::{DeviceMap, HookOptions};
 use gpu_checkpoint::restore::Target;
 use serde_json::json;
 
@@ -70,11 +70,11 @@ pub struct Args {
 /// [`gpu_checkpoint::dump::CriuOptions::restore_options`]); a flag that contradicts the checkpoint is the
 /// restore's own error.
 fn say_what_the_checkpoint_decides(
-    flow: &Flow<'_>,
+    node: &Node,
     target: &Target,
     given: &gpu_checkpoint::dump::CriuOptions,
 ) -> super::Result<()> {
-    let (info, manifest) = flow.find(target)?;
+    let (info, manifest) = node.find(target)?;
     if let Ok(r) = manifest.options.criu.restore_options(given) {
         if !r.decided.is_empty() {
             eprintln!(
@@ -105,33 +105,17 @@ pub fn run(args: Args) -> super::Result<()> {
     let criu = CriuRpc::from_found(&found);
     let store = args.store.open_cached(args.cache_dir.as_deref())?;
     let progress = Bar::new(args.store.format == Format::Text);
-    let device_map = match args.device_map.as_deref() {
-        None => None,
-        Some(m) => Some(m.parse::<DeviceMap>()?),
+    let gpu = gpu_options(&args.gpu, args.device_map.as_deref())?;
+    let images = if args.staged {
+        ImageTransfer::Staged
+    } else if args.stream {
+        ImageTransfer::Stream
+    } else {
+        ImageTransfer::default_restore()
     };
-    let mut gpu = FreezeHook::new(HookOptions {
-        backend: args.gpu.gpu_backend,
-        device_map,
-        ..HookOptions::default()
-    });
-    // Started before the tree is touched, dropped (told it is done) after the flow's own undo.
-    let guardian = super::start_guardian()?;
-    let mut flow = Flow {
-        criu: &criu,
-        gpu: &mut gpu,
-        store: &store,
-        progress: &progress,
-        images: if args.staged {
-            ImageTransfer::Staged
-        } else if args.stream {
-            ImageTransfer::Stream
-        } else {
-            ImageTransfer::default_restore()
-        },
-        watch: &guardian,
-    };
-    say_what_the_checkpoint_decides(&flow, &target, &given)?;
-    let result = flow.restore_with(&target, &given);
+    let node = super::node(store)?.with_criu(Box::new(criu));
+    say_what_the_checkpoint_decides(&node, &target, &given)?;
+    let result = node.restore(&target, &given, images, gpu, &progress, None);
     super::say_if_interrupted();
     let out = result?;
     match args.store.format {
@@ -168,4 +152,13 @@ pub fn run(args: Args) -> super::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The GPU step's settings of a restore: `--gpu-backend`, and `--device-map` onto this node's GPUs.
+pub(super) fn gpu_options(gpu: &GpuArgs, device_map: Option<&str>) -> super::Result<HookOptions> {
+    Ok(HookOptions {
+        backend: gpu.gpu_backend,
+        device_map: device_map.map(str::parse::<DeviceMap>).transpose()?,
+        ..HookOptions::default()
+    })
 }

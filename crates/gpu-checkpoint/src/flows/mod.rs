@@ -18,6 +18,7 @@ mod error;
 pub mod guardian;
 mod logs;
 pub mod manifest;
+pub mod node;
 mod phases;
 pub mod pipeline;
 pub mod restore;
@@ -31,6 +32,7 @@ use crate::freeze::GpuHook;
 use crate::store::{Progress, Store};
 pub use error::{Error, Result};
 pub use guardian::{Event, Watch};
+pub use node::Node;
 pub use phases::{Alone, NotCommitted, Phases};
 
 pub use logs::{fallback_logs_dir, logs_dir, save_log};

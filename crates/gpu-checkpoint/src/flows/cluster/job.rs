@@ -59,6 +59,18 @@ pub struct JobCheckpointOptions {
     pub timeouts: Timeouts,
 }
 
+impl JobCheckpointOptions {
+    /// Refuses names that no record may hold (the job's, the quiesce hook's): a usage error, before
+    /// etcd is asked anything.
+    pub fn check(&self) -> Result<(), ClusterError> {
+        rec::check_name("job", &self.job).map_err(ClusterError::Usage)?;
+        if let Some(hook) = &self.quiesce {
+            rec::check_name("quiesce hook", hook).map_err(ClusterError::Usage)?;
+        }
+        Ok(())
+    }
+}
+
 /// Registers (or replaces) a member of a job.
 pub fn add_member(
     coord: &dyn Coordinator,
@@ -418,7 +430,7 @@ pub fn checkpoint_job(
     let started_unix_ms = rec::now_ms();
     let c = coord.as_ref();
     let job = &opts.job;
-    rec::check_name("job", job).map_err(ClusterError::Usage)?;
+    opts.check()?;
     let members = members(c, job)?;
     if members.is_empty() {
         return Err(ClusterError::Usage(format!(

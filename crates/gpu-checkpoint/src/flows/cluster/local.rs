@@ -1,7 +1,7 @@
-//! A member's work on its node, done by the single-node flows: the checkpoint flow (or the container
-//! flow, for a member given by container) driven in phases, the restore flows, and the node's copy of
-//! a committed job manifest. The agent ([`super::agent`]) calls it through [`MemberWork`]; the
-//! binary only assembles it ([`LocalWork::new`]).
+//! A member's work on its node, done by the single-node flows through the node's [`Node`]: the
+//! checkpoint pipeline on a process tree (or a container, for a member given by container) driven in
+//! phases, the restores, and the node's copy of a committed job manifest. The agent ([`super::agent`])
+//! calls it through [`MemberWork`]; the binary only assembles it ([`LocalWork::new`]).
 //!
 //! Every value it is given comes from a task that [`super::admit`] checked: the member is one this
 //! node's agent registered, a checkpoint id is one of a job's member checkpoints in this store.
@@ -16,28 +16,26 @@ use super::hooks::QuiesceHooks;
 use super::member_error::MemberError;
 use super::records::{self as rec, JobManifest, OpKind, Task};
 use crate::checkpoint::CheckpointOptions;
-use crate::dump::{Criu, CriuOptions, CriuRpc};
-use crate::flows::container::{
-    ContainerCheckpointOptions, ContainerFlow, ContainerRestoreOptions, OciCli, RuntimeKind,
-};
-use crate::flows::guardian::Guardian;
-use crate::flows::{CheckpointManifest, Flow, ImageTransfer, Phases};
-use crate::freeze::{BeforeUnlock, DeviceMap, FreezeHook, GpuBackend, GroupOptions, HookOptions};
+use crate::dump::CriuOptions;
+use crate::flows::container::{ContainerCheckpointOptions, ContainerRestoreOptions};
+use crate::flows::runtime::{OciCli, RuntimeKind};
+use crate::flows::{CheckpointManifest, ImageTransfer, Node, Phases};
+use crate::freeze::{BeforeUnlock, DeviceMap, GpuBackend, GroupOptions, HookOptions};
 use crate::restore::Target;
 use crate::store::{NoProgress, Store};
 
 /// What the agent's member work needs of its node.
 pub struct LocalWorkOptions {
-    pub criu: CriuRpc,
+    /// The node's flows: its store, our CRIU and the guardian (this binary).
+    pub node: Node,
     /// The CRIU binary (runc's `--criu`).
     pub criu_path: PathBuf,
     pub criu_options: CriuOptions,
-    pub store: Store,
     pub backend: GpuBackend,
     /// The container runtime of members given by container, and its state folder.
     pub runtime: RuntimeKind,
     pub runtime_root: Option<PathBuf>,
-    /// The gpu-checkpoint binary: the guardian runs it, and so does runc's restore (the image proxy).
+    /// The gpu-checkpoint binary: runc's restore runs it (the image proxy).
     pub exe: PathBuf,
     /// The members registered through this node's agent: the only ones it checkpoints.
     pub admission: Arc<Admission>,
@@ -45,8 +43,8 @@ pub struct LocalWorkOptions {
     pub hooks: QuiesceHooks,
 }
 
-/// The members' local work: the checkpoint and restore flows, each call with its own GPU hook and
-/// guardian, on this node's store.
+/// The members' local work: the checkpoint and restore flows of this node's [`Node`] (each call with its
+/// own GPU hook and guardian).
 pub struct LocalWork {
     o: LocalWorkOptions,
     /// Members of one job on this node keep the same manifest: one writes it, the others find it.
@@ -62,26 +60,23 @@ impl LocalWork {
     }
 
     pub fn store(&self) -> &Store {
-        &self.o.store
+        self.o.node.store()
     }
 
     pub fn backend(&self) -> GpuBackend {
         self.o.backend
     }
 
-    fn hook(&self, lock_timeout: Option<Duration>, device_map: Option<DeviceMap>) -> FreezeHook {
-        FreezeHook::new(HookOptions {
+    /// The GPU step's settings of one member's operation.
+    fn gpu(&self, lock_timeout: Option<Duration>, device_map: Option<DeviceMap>) -> HookOptions {
+        HookOptions {
             backend: self.o.backend,
             group: GroupOptions {
                 lock_timeout,
                 ..GroupOptions::default()
             },
             device_map,
-        })
-    }
-
-    fn guardian(&self) -> Result<Guardian, MemberError> {
-        Ok(Guardian::spawn(&self.o.exe).map_err(crate::Error::from)?)
+        }
     }
 
     /// The container runtime, looked up when a member given by container needs it.
@@ -98,41 +93,6 @@ impl LocalWork {
         Ok(rt.with_restore_proxy(self.o.exe.clone()))
     }
 
-    /// The checkpoint and restore flows on this node's store, its steps told to `guardian`.
-    fn flow<'a>(
-        &'a self,
-        gpu: &'a mut FreezeHook,
-        guardian: &'a Guardian,
-        images: ImageTransfer,
-    ) -> Flow<'a> {
-        Flow {
-            criu: &self.o.criu,
-            gpu,
-            store: &self.o.store,
-            progress: &NoProgress,
-            images,
-            watch: guardian,
-        }
-    }
-
-    /// The container flow on this node's store, its steps told to `guardian`.
-    fn container_flow<'a>(
-        &'a self,
-        runtime: &'a OciCli,
-        gpu: &'a mut FreezeHook,
-        guardian: &'a Guardian,
-        direct: Option<&'a dyn Criu>,
-    ) -> ContainerFlow<'a> {
-        ContainerFlow {
-            runtime,
-            gpu,
-            store: &self.o.store,
-            progress: &NoProgress,
-            direct,
-            watch: guardian,
-        }
-    }
-
     /// A member given by container: the container flow, in phases.
     fn checkpoint_container(
         &self,
@@ -141,17 +101,15 @@ impl LocalWork {
         phases: &dyn Phases,
     ) -> Result<(), MemberError> {
         let runtime = self.runtime()?;
-        let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis), None);
-        let guardian = self.guardian()?;
+        let gpu = self.gpu(task.lock_timeout_ms.map(Duration::from_millis), None);
         // As `checkpoint --container`: a runc container is dumped by our CRIU with runc's settings.
-        let direct = (self.o.runtime == RuntimeKind::Runc).then_some(&self.o.criu as &dyn Criu);
-        let mut flow = self.container_flow(&runtime, &mut gpu, &guardian, direct);
         let mut opts = ContainerCheckpointOptions::new(id);
         opts.name = Some(member_checkpoint_name(&task.op, task.member.rank));
         opts.leave_running = task.leave_running;
         opts.tcp_established = self.o.criu_options.tcp_established;
         opts.detect.simulator = self.o.backend == GpuBackend::Sim;
-        flow.checkpoint_phased(&opts, phases)?;
+        let node = &self.o.node;
+        node.checkpoint_container(&runtime, &opts, gpu, &NoProgress, phases)?;
         Ok(())
     }
 
@@ -164,16 +122,15 @@ impl LocalWork {
         before_unlock: &BeforeUnlock<'_>,
     ) -> Result<i32, MemberError> {
         let runtime = self.runtime()?;
-        let mut gpu = self.hook(None, map);
-        // Deletes the half-restored container should the agent die mid-way.
-        let guardian = self.guardian()?;
-        let mut flow = self.container_flow(&runtime, &mut gpu, &guardian, None);
         let opts = ContainerRestoreOptions {
             checkpoint: checkpoint.to_string(),
             id: container.to_string(),
             bundle: None,
         };
-        let out = flow.restore_phased(&opts, Some(before_unlock))?;
+        // Its guardian deletes the half-restored container should the agent die mid-way.
+        let gpu = self.gpu(None, map);
+        let node = &self.o.node;
+        let out = node.restore_container(&runtime, &opts, gpu, &NoProgress, Some(before_unlock))?;
         // Said in the agent's log: how the runtime's CRIU got the images.
         match &out.materialized_because {
             None => {
@@ -188,7 +145,7 @@ impl LocalWork {
 
     /// The manifest of member checkpoint `id` in this store (found by id only, never by name).
     pub fn member_manifest(&self, id: &str) -> Result<CheckpointManifest, MemberError> {
-        let info = self.o.store.get(id).map_err(crate::Error::from)?;
+        let info = self.store().get(id).map_err(crate::Error::from)?;
         if info.id != id {
             return Err(MemberError::Refused(format!(
                 "{id:?} is not a checkpoint id of this store"
@@ -230,7 +187,7 @@ impl LocalWork {
         rec::check_name("job checkpoint", id).map_err(MemberError::BadTask)?;
         // The agent's store is a local folder (`--storage` is a path; an agent on object storage is
         // not built yet).
-        let root = self.o.store.local_dir().ok_or_else(|| {
+        let root = self.store().local_dir().ok_or_else(|| {
             MemberError::BadTask("the agent's store is not a local folder".into())
         })?;
         Ok(root.join("jobs").join(format!("{id}.json")))
@@ -256,16 +213,15 @@ impl MemberWork for LocalWork {
         let pid = task.member.pid.ok_or_else(|| {
             MemberError::BadTask("a member with neither PID nor container".into())
         })?;
-        let mut gpu = self.hook(task.lock_timeout_ms.map(Duration::from_millis), None);
-        let guardian = self.guardian()?;
-        let mut flow = self.flow(&mut gpu, &guardian, ImageTransfer::Stream);
+        let gpu = self.gpu(task.lock_timeout_ms.map(Duration::from_millis), None);
         let mut opts = CheckpointOptions::new(pid);
         opts.name = Some(member_checkpoint_name(&task.op, task.member.rank));
         opts.leave_running = task.leave_running;
         opts.criu = self.o.criu_options.clone();
         // The simulator is recognised only when asked for, never silently.
         opts.detect.simulator = self.o.backend == GpuBackend::Sim;
-        flow.checkpoint_phased(&opts, phases)?;
+        let (images, node) = (ImageTransfer::Stream, &self.o.node);
+        node.checkpoint(&opts, gpu, images, &NoProgress, phases)?;
         Ok(())
     }
 
@@ -298,13 +254,13 @@ impl MemberWork for LocalWork {
             self.o.admission.restored(task, pid, Some(c.id));
             return Ok(pid);
         }
-        let mut gpu = self.hook(None, map);
-        let guardian = self.guardian()?;
-        let mut flow = self.flow(&mut gpu, &guardian, ImageTransfer::default_restore());
         // The flow kills the copy itself when the job's restore aborts at `before_unlock`.
-        let out = flow.restore_phased(
+        let out = self.o.node.restore(
             &Target::Checkpoint(id.to_string()),
             &CriuOptions::default(),
+            ImageTransfer::default_restore(),
+            self.gpu(None, map),
+            &NoProgress,
             Some(before_unlock),
         )?;
         self.o.admission.restored(task, out.pid, None);
@@ -339,7 +295,7 @@ impl MemberWork for LocalWork {
             }))) => {}
             Err(e) => return Err(e),
         }
-        match self.o.store.delete(id) {
+        match self.store().delete(id) {
             Ok(()) | Err(crate::store::Error::NotFound { .. }) => {}
             Err(e) => return Err(crate::Error::from(e).into()),
         }

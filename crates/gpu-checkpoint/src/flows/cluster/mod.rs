@@ -62,7 +62,7 @@ pub use placement::{Chosen, Placement};
 pub use records::{
     AgentRecord, Cut, JobManifest, JobMember, JobTimings, MemberRecord, MemberState, Task,
 };
-pub use register::{register_member, RegisterError, RegistrationSocket};
+pub use register::{register_member, RegisterError, RegistrationSocket, DEFAULT_SOCKET};
 pub use retention::{
     apply_retention, delete_job_checkpoint, run_periodic, Deleted, PeriodicOptions, Round,
 };

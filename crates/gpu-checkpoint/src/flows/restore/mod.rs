@@ -210,7 +210,10 @@ impl Flow<'_> {
 }
 
 /// The checkpoint `target` names in `store`, and its manifest.
-fn find(store: &Store, target: &Target) -> crate::Result<(CheckpointInfo, CheckpointManifest)> {
+pub(in crate::flows) fn find(
+    store: &Store,
+    target: &Target,
+) -> crate::Result<(CheckpointInfo, CheckpointManifest)> {
     let info = match target {
         Target::Checkpoint(id) => store.get(id)?,
         Target::Manifest(path) => store.get_by_manifest_path(path)?,
