@@ -300,19 +300,7 @@ fn tgid(status: &[u8]) -> Option<i32> {
 pub(crate) fn test_snapshot(pid: i32, fds: &[(i32, &str)]) -> ProcessSnapshot {
     ProcessSnapshot {
         pid,
-        stat: Stat {
-            pid,
-            comm: "app".into(),
-            state: 'S',
-            ppid: 1,
-            pgrp: pid,
-            session: pid,
-            tty_nr: 0,
-            tpgid: -1,
-            threads: 1,
-            flags: 0,
-            start_ticks: 0,
-        },
+        stat: Stat::leader(pid, 1, "app", 'S'),
         nspid: vec![],
         maps: vec![],
         fds: fds.iter().map(|(f, p)| (*f, p.to_string())).collect(),

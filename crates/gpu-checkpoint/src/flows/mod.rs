@@ -29,6 +29,7 @@ use std::time::Instant;
 
 use crate::dump::{AfterDump, Criu};
 use crate::freeze::GpuHook;
+use crate::proc::Processes;
 use crate::store::{Progress, Store};
 pub use error::{Error, Result};
 pub use guardian::{Event, Watch};
@@ -42,7 +43,8 @@ pub use manifest::{
 };
 
 /// The outside world the checkpoint and restore flows work with, each chosen by the caller (real CRIU
-/// or `FakeCriu` in unit tests, the GPU step or [`crate::freeze::NoGpu`], a store, a progress display).
+/// or `FakeCriu` in unit tests, the GPU step or [`crate::freeze::NoGpu`], a store, a progress display,
+/// the live processes or a test table): the process tree's targets of the pipeline run on it.
 pub struct Flow<'a> {
     pub criu: &'a dyn Criu,
     pub gpu: &'a mut dyn GpuHook,
@@ -52,6 +54,8 @@ pub struct Flow<'a> {
     pub images: ImageTransfer,
     /// Who is told each step, to finish or undo it should this process die ([`guardian`]).
     pub watch: &'a dyn Watch,
+    /// The live processes: /proc and signals ([`crate::proc::Live`], or a test table).
+    pub procs: &'a dyn Processes,
 }
 
 /// How CRIU's images travel between CRIU and the store.
@@ -116,6 +120,7 @@ impl Flow<'_> {
             store: self.store,
             progress: self.progress,
             watch: self.watch,
+            procs: self.procs,
         }
     }
 }

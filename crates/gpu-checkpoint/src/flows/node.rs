@@ -18,6 +18,7 @@ use super::runtime::{OciCli, RuntimeKind};
 use super::{Flow, ImageTransfer, Phases};
 use crate::dump::{Criu, CriuOptions};
 use crate::freeze::{BeforeUnlock, FreezeHook, HookOptions};
+use crate::proc::Live;
 use crate::store::{CheckpointInfo, Progress, Store};
 
 /// See the module documentation.
@@ -147,6 +148,7 @@ impl Node {
             progress,
             images,
             watch,
+            procs: &Live,
         })
     }
 
@@ -168,6 +170,7 @@ impl Node {
                 .as_deref()
                 .filter(|_| runtime.kind() == RuntimeKind::Runc),
             watch,
+            procs: &Live,
         }
     }
 }

@@ -165,6 +165,7 @@ fn slow_store_case(fail_after: bool) -> SlowStoreSeen {
         progress: &crate::store::NoProgress,
         images: ImageTransfer::Stream,
         watch: &crate::flows::guardian::NoWatch,
+        procs: &crate::proc::Live,
     }
     .checkpoint(&leave_running(pid));
     assert!(settled_running(&p), "the tree runs on, whatever happened");

@@ -33,7 +33,7 @@ use crate::detect::{self, DetectOptions, Report, StrategyChoice, StrategyName};
 use crate::dump::devices::{PluginDir, ReopenedDevice};
 use crate::dump::{AfterDump, Criu, CriuOptions, DumpRequest};
 use crate::exit::{Classify, ExitStatus};
-use crate::proc as tree;
+use crate::proc::{self as tree, Processes};
 use crate::store::{CheckpointInfo, Store};
 use undo::ContinueGuard;
 
@@ -193,7 +193,7 @@ impl Flow<'_> {
         opts: &CheckpointOptions,
         phases: &dyn Phases,
     ) -> crate::Result<CheckpointOutcome> {
-        let mut target = ProcessTree::new(self.criu, self.images, opts);
+        let mut target = ProcessTree::new(self.criu, self.images, opts, self.procs);
         let common = CheckpointCommon {
             name: opts.name.clone(),
             leave_running: opts.leave_running,
@@ -222,6 +222,7 @@ impl Flow<'_> {
 /// A process tree, dumped by CRIU: the pipeline's target for [`Flow::checkpoint`].
 struct ProcessTree<'a> {
     criu: &'a dyn Criu,
+    procs: &'a dyn Processes,
     images: ImageTransfer,
     opts: &'a CheckpointOptions,
     /// The root's and the tree's locks, held until the checkpoint ends.
@@ -240,9 +241,15 @@ struct ProcessTree<'a> {
 }
 
 impl<'a> ProcessTree<'a> {
-    fn new(criu: &'a dyn Criu, images: ImageTransfer, opts: &'a CheckpointOptions) -> Self {
+    fn new(
+        criu: &'a dyn Criu,
+        images: ImageTransfer,
+        opts: &'a CheckpointOptions,
+        procs: &'a dyn Processes,
+    ) -> Self {
         ProcessTree {
             criu,
+            procs,
             images,
             opts,
             locks: Vec::new(),
@@ -260,7 +267,7 @@ impl<'a> ProcessTree<'a> {
 impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
     fn prepare(&mut self, store: &Store) -> crate::Result<Prepared> {
         let (pid, opts) = (self.opts.pid, self.opts);
-        if !tree::is_alive(pid) {
+        if !self.procs.is_alive(pid) {
             return Err(Error::NoSuchProcess { pid }.into());
         }
         self.criu.check_permitted()?;
@@ -282,7 +289,7 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
         self.pids = report.processes.iter().map(|p| p.pid).collect();
         self.locks.extend(lock_tree(&self.pids, pid)?);
         // Processes stopped before we came stay stopped whatever happens (`--allow-stopped`).
-        let stopped_before = stopped_processes(&self.pids);
+        let stopped_before = stopped_processes(self.procs, &self.pids);
         if let (false, Some(&(stopped, state))) = (opts.allow_stopped, stopped_before.first()) {
             return Err(Error::Stopped {
                 pid,
@@ -344,18 +351,17 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
         };
         // Takes the tree over from CRIU once it has finished: the guard that continues what CRIU left
         // stopped (and releases its locked network) whichever way the checkpoint leaves.
-        let detected = &self.detected;
-        let stopped_before = &self.stopped_before;
+        let (detected, stopped_before, procs) = (&self.detected, &self.stopped_before, self.procs);
         let take_over = || {
-            let mut dumped = tree::process_tree(pid);
+            let mut dumped = procs.tree(pid);
             if dumped.is_empty() {
                 // The root died right after CRIU let it go (leave_running): the images still hold the
                 // tree.
                 dumped = detected.clone();
             }
             let dumped_pids: Vec<i32> = dumped.iter().map(|p| p.pid).collect();
-            let mut stopped_tree =
-                ContinueGuard::new(&dumped_pids, stopped_before, after == AfterDump::Stop);
+            let stopped = after == AfterDump::Stop;
+            let mut stopped_tree = ContinueGuard::new(procs, &dumped_pids, stopped_before, stopped);
             if tcp_hold {
                 let hold = crate::dump::NetworkHold::after_dump(
                     &dumped_pids,
@@ -390,7 +396,7 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
             ctx.progress,
             &req,
             ctx.ingest,
-            &self.pids,
+            ctx.procs.resident_bytes(&self.pids),
             on_read,
         )?;
         let (dumped, stopped_tree, paused) = match early {
@@ -472,9 +478,9 @@ impl pipeline::Held for TreeHeld {
 /// checkpoint or a debugger left; t: traced). CRIU dumps them stopped and restores them stopped: without
 /// `--allow-stopped` the tree is refused, since a restore of what an interrupted checkpoint left would exit
 /// 0 with a process that never runs again.
-fn stopped_processes(pids: &[i32]) -> Vec<(i32, char)> {
+fn stopped_processes(procs: &dyn Processes, pids: &[i32]) -> Vec<(i32, char)> {
     pids.iter()
-        .filter_map(|&p| tree::stat(p).map(|s| (p, s.state)))
+        .filter_map(|&p| procs.stat(p).map(|s| (p, s.state)))
         .filter(|(_, state)| matches!(state, 'T' | 't'))
         .collect()
 }

@@ -238,6 +238,7 @@ impl Scene {
             progress: &NoProgress,
             images: self.images,
             watch: &self.told,
+            procs: &crate::proc::Live,
         }
         .checkpoint_phased(opts, phases)
     }
@@ -254,6 +255,7 @@ impl Scene {
             progress: &NoProgress,
             images: self.images,
             watch: &self.told,
+            procs: &crate::proc::Live,
         }
         .restore(&Target::Checkpoint(id.to_string()))
     }
@@ -443,15 +445,27 @@ fn the_continue_guard_continues_a_stopped_tree_unless_disarmed() {
         assert!(stopped.is_empty(), "SIGSTOP took no effect");
     };
     stop();
-    drop(ContinueGuard::new(&[p.pid()], &[], true));
+    drop(ContinueGuard::new(
+        &crate::proc::Live,
+        &[p.pid()],
+        &[],
+        true,
+    ));
     assert!(p.running(), "dropped: continued");
 
     stop();
     assert_eq!(
-        ContinueGuard::new(&[p.pid()], &[], true).disarm().pids(),
+        ContinueGuard::new(&crate::proc::Live, &[p.pid()], &[], true)
+            .disarm()
+            .pids(),
         vec![p.pid()]
     );
-    drop(ContinueGuard::new(&[p.pid()], &[], false));
+    drop(ContinueGuard::new(
+        &crate::proc::Live,
+        &[p.pid()],
+        &[],
+        false,
+    ));
     std::thread::sleep(Duration::from_millis(50));
     assert!(!p.running(), "disarmed, or never stopped: left alone");
 }
@@ -706,6 +720,7 @@ fn criu_options_reach_the_dump_the_manifest_and_the_restore() {
             progress: &NoProgress,
             images: s.images,
             watch: &s.told,
+            procs: &crate::proc::Live,
         }
         .restore_with(&Target::Checkpoint(out.info.id.clone()), given)
     };
@@ -800,6 +815,7 @@ fn a_store_that_fails_while_streaming_continues_the_tree_and_keeps_nothing() {
         progress: &NoProgress,
         images: ImageTransfer::Stream,
         watch: &crate::flows::guardian::NoWatch,
+        procs: &crate::proc::Live,
     }
     .checkpoint(&CheckpointOptions::new(p.pid()))
     .unwrap_err();
@@ -962,4 +978,53 @@ fn a_process_stopped_on_purpose_is_checkpointed_with_allow_stopped_and_stays_sto
         // SAFETY: continuing our own child so that it can be killed and reaped.
         unsafe { libc::kill(p.pid(), libc::SIGCONT) };
     }
+}
+
+/// With pretend processes (nothing spawned): a PID no live process holds (here a zombie) is refused
+/// before CRIU, the GPU step, the guardian or the store are touched.
+#[test]
+fn a_pid_no_live_process_holds_is_refused_before_anything_is_touched() {
+    let s = Scene::new();
+    let procs = crate::proc::FakeProcesses::default();
+    procs.add(4242, 1, 'Z');
+    let mut gpu = RecordingGpu::new(&s.criu);
+    let err = Flow {
+        criu: &*s.criu,
+        gpu: &mut gpu,
+        store: &s.store,
+        progress: &NoProgress,
+        images: s.images,
+        watch: &s.told,
+        procs: &procs,
+    }
+    .checkpoint(&CheckpointOptions::new(4242))
+    .unwrap_err();
+    assert_eq!(err.exit_status(), ExitStatus::NoSuchProcess, "{err}");
+    assert!(s.criu.calls().is_empty(), "CRIU was not asked");
+    assert!(gpu.events().is_empty(), "the GPU step was not touched");
+    assert!(s.told().is_empty(), "nothing for the guardian to undo");
+    assert!(procs.signals().is_empty());
+}
+
+/// A tree that survives its kill once the checkpoint is durable is named in the error, with the
+/// checkpoint it belongs to (kept: it is durable).
+#[test]
+fn a_tree_that_survives_its_kill_after_the_commit_is_named() {
+    let procs = crate::proc::FakeProcesses::default();
+    procs.add(200, 1, 'T').add(201, 200, 'T').survives_kill(201);
+    let held: Box<dyn pipeline::Held> = Box::new(TreeHeld {
+        tree: ContinueGuard::new(&procs, &[200, 201], &[], true),
+        started: Instant::now(),
+        paused: None,
+    });
+    let err = held.stop("ck-1").unwrap_err();
+    assert!(
+        matches!(&err, crate::Error::Checkpoint(Error::NotStopped { id, pids }) if id == "ck-1" && pids == &[201]),
+        "{err}"
+    );
+    assert_eq!(procs.state(200), Some('Z'));
+    assert!(
+        !procs.signals().contains(&(200, libc::SIGCONT)),
+        "a durable checkpoint's tree is not put back"
+    );
 }

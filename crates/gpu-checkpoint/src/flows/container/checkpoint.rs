@@ -16,13 +16,14 @@ use crate::flows::ms;
 use crate::flows::pipeline::{self, CheckpointTarget, DumpContext, Dumped, Held, Prepared};
 use crate::flows::runtime::{DirectDump, SandboxUndo};
 use crate::flows::{Event, Watch};
-use crate::proc::TreeProcess;
+use crate::proc::{Processes, TreeProcess};
 use crate::store::Store;
 
 /// A container of an OCI runtime (runc: dumped by our CRIU with runc's settings, or by `runc
 /// checkpoint`; runsc: by its own checkpoint, its GPU state frozen inside the sandbox).
 pub(super) struct Container<'a> {
     runtime: &'a dyn ContainerRuntime,
+    procs: &'a dyn Processes,
     /// Our CRIU, for a direct dump where the runtime says how.
     criu: Option<&'a dyn Criu>,
     opts: &'a ContainerCheckpointOptions,
@@ -44,9 +45,11 @@ impl<'a> Container<'a> {
         runtime: &'a dyn ContainerRuntime,
         criu: Option<&'a dyn Criu>,
         opts: &'a ContainerCheckpointOptions,
+        procs: &'a dyn Processes,
     ) -> Self {
         Container {
             runtime,
+            procs,
             criu,
             opts,
             found: None,
@@ -123,7 +126,7 @@ impl<'a> CheckpointTarget<'a> for Container<'a> {
             .pids
             .iter()
             .filter_map(|&p| {
-                let s = crate::proc::stat(p)?;
+                let s = self.procs.stat(p)?;
                 Some(TreeProcess {
                     pid: p,
                     ppid: s.ppid,
@@ -220,9 +223,10 @@ impl<'a> CheckpointTarget<'a> for Container<'a> {
                     Default::default()
                 };
                 let at = (ctx.store, ctx.progress, ctx.ingest);
-                let stored = direct::dump_direct(criu, d, found, at, opts)?;
+                let expected = ctx.procs.resident_bytes(&self.pids);
+                let stored = direct::dump_direct(criu, d, found, (at, expected), opts)?;
                 if let Some(p) = paused.as_mut().filter(|_| direct::leaves_stopped(opts)) {
-                    p.stopped = Some(crate::proc::Held::open(&self.pids));
+                    p.stopped = Some(ctx.procs.hold(&self.pids));
                     let log = ctx.ingest.staging_dir().join(pipeline::DUMP_LOG);
                     let lock = d.options.effective_network_lock();
                     let hold =
@@ -245,7 +249,7 @@ impl<'a> CheckpointTarget<'a> for Container<'a> {
                 };
                 match runtime.followed_image().filter(|_| own_images.is_some()) {
                     Some(name) => {
-                        let expected = pipeline::resident_bytes(&self.pids);
+                        let expected = ctx.procs.resident_bytes(&self.pids);
                         let at = (ctx.ingest, ctx.progress, expected);
                         let f = follow::checkpoint_following(runtime, &req, name, at);
                         f.dumped?;
@@ -272,6 +276,7 @@ impl<'a> CheckpointTarget<'a> for Container<'a> {
             _work: own_images,
             paused,
             runtime,
+            procs: self.procs,
             id: id.to_string(),
             init: found.state.pid,
         });
@@ -326,6 +331,7 @@ struct ContainerHeld<'a> {
     _work: Option<WorkDir>,
     paused: Option<ResumeGuard<'a>>,
     runtime: &'a dyn ContainerRuntime,
+    procs: &'a dyn Processes,
     id: String,
     init: i32,
 }
@@ -355,7 +361,8 @@ impl Held for ContainerHeld<'_> {
         let (id, init) = (self.id.as_str(), self.init);
         self.runtime.delete(id, true)?;
         let left = crate::proc::wait_until(KILL_TIMEOUT, || {
-            crate::proc::stat(init)
+            self.procs
+                .stat(init)
                 .filter(|s| !s.is_dying())
                 .map(|_| init)
                 .into_iter()

@@ -24,7 +24,10 @@ pub(super) fn dump_direct(
     criu: &dyn Criu,
     d: &DirectDump,
     found: &super::Discovered,
-    (store, progress, ingest): (&Store, &dyn Progress, &crate::store::Ingest),
+    ((store, progress, ingest), expected_bytes): (
+        (&Store, &dyn Progress, &crate::store::Ingest),
+        u64,
+    ),
     opts: &super::ContainerCheckpointOptions,
 ) -> crate::Result<Option<crate::store::Streamed>> {
     for (name, bytes) in &d.files {
@@ -36,7 +39,6 @@ pub(super) fn dump_direct(
         tcp_established: opts.tcp_established,
         ..d.options.clone()
     };
-    let pids: Vec<i32> = found.processes.iter().map(|m| m.pid).collect();
     let req = DumpRequest {
         pid: found.state.pid,
         images_dir: ingest.staging_dir(),
@@ -56,8 +58,15 @@ pub(super) fn dump_direct(
         env: &[],
         container: Some(&d.settings),
     };
-    let stored =
-        crate::flows::pipeline::dump_tree(criu, store, progress, &req, ingest, &pids, None)?;
+    let stored = crate::flows::pipeline::dump_tree(
+        criu,
+        store,
+        progress,
+        &req,
+        ingest,
+        expected_bytes,
+        None,
+    )?;
     stored.transpose()
 }
 

@@ -14,7 +14,7 @@ pub(super) struct ResumeGuard<'r> {
     pub(super) armed: bool,
     /// Processes CRIU left stopped (SIGSTOP, its `--leave-stopped`): continued once the container is
     /// resumed.
-    pub(super) stopped: Option<crate::proc::Held>,
+    pub(super) stopped: Option<Box<dyn crate::proc::Hold>>,
     /// With `--tcp-established` and the processes left stopped: the connections CRIU left in repair mode
     /// and locked, released before the container resumes (see [`crate::dump::NetworkHold`]).
     pub(super) network: Option<crate::dump::NetworkHold>,

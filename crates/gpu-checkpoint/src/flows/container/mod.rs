@@ -76,6 +76,8 @@ pub struct ContainerFlow<'a> {
     /// ([`super::guardian`]): it resumes the paused container, puts the GPU state back, or stops the
     /// container once the checkpoint is durable; it deletes a half-restored container.
     pub watch: &'a dyn super::Watch,
+    /// The live processes: /proc and signals ([`crate::proc::Live`], or a test table).
+    pub procs: &'a dyn crate::proc::Processes,
 }
 
 /// What to checkpoint and how.
@@ -181,7 +183,7 @@ impl ContainerFlow<'_> {
         opts: &ContainerCheckpointOptions,
         phases: &dyn Phases,
     ) -> crate::Result<ContainerCheckpointOutcome> {
-        let mut target = checkpoint::Container::new(self.runtime, self.direct, opts);
+        let mut target = checkpoint::Container::new(self.runtime, self.direct, opts, self.procs);
         let common = CheckpointCommon {
             name: opts.name.clone(),
             leave_running: opts.leave_running,
@@ -212,6 +214,7 @@ impl ContainerFlow<'_> {
             store: self.store,
             progress: self.progress,
             watch: self.watch,
+            procs: self.procs,
         }
     }
 }

@@ -26,6 +26,7 @@ fn flow<'a>(rt: &'a FakeRuntime, gpu: &'a mut NoGpu, store: &'a Store) -> Contai
         progress: &NoProgress,
         direct: None,
         watch: &crate::flows::guardian::NoWatch,
+        procs: &crate::proc::Live,
     }
 }
 

@@ -147,6 +147,7 @@ impl Pipeline<'_> {
             store: self.store,
             progress: self.progress,
             watch: self.watch,
+            procs: self.procs,
             leave_running,
             started: t,
         })?;

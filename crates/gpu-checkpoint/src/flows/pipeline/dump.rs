@@ -100,17 +100,6 @@ pub fn store_error_first(
     }
 }
 
-/// The resident memory of the tree, in bytes: about what CRIU's page images will hold.
-pub fn resident_bytes(pids: &[i32]) -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/statm")).ok())
-        .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .sum::<u64>()
-        * page
-}
-
 /// Tells the guardian what CRIU's dump left of the network, which it releases should the tool die before
 /// the commit; a guardian that cannot be told leaves it to the flow's own undo.
 pub fn tell_network(watch: &dyn crate::flows::Watch, hold: &crate::dump::NetworkHold) {
@@ -119,7 +108,8 @@ pub fn tell_network(watch: &dyn crate::flows::Watch, hold: &crate::dump::Network
     }
 }
 
-/// CRIU dumps the tree into the staging folder, or straight into the store (`req.stream`). Returns the
+/// CRIU dumps the tree into the staging folder, or straight into the store (`req.stream`: its buffers
+/// sized for about `expected_bytes`, the tree's resident memory). Returns the
 /// store's side of a streamed dump, which may have failed though CRIU finished (the caller's undo then
 /// also continues the tree CRIU left stopped).
 ///
@@ -137,12 +127,11 @@ pub fn dump_tree(
     progress: &dyn Progress,
     req: &DumpRequest<'_>,
     ingest: &Ingest,
-    pids: &[i32],
+    expected_bytes: u64,
     on_read: Option<&mut dyn FnMut()>,
 ) -> crate::Result<Option<crate::Result<Streamed>>> {
     let (dumped, stored) = if req.stream {
-        let expected = resident_bytes(pids);
-        let d = dump_streamed(criu, req, ingest, expected, progress, on_read);
+        let d = dump_streamed(criu, req, ingest, expected_bytes, progress, on_read);
         (d.dumped, Some(d.stored))
     } else {
         (criu.dump(req), None)

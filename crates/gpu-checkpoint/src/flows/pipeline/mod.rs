@@ -37,13 +37,14 @@ use std::time::Instant;
 use crate::detect::Report;
 use crate::exit::{Classify, ExitStatus};
 use crate::freeze::GpuHook;
+use crate::proc::Processes;
 use crate::store::{Ingest, Progress, Store, Streamed};
 
 use super::manifest::CheckpointManifest;
 use super::Watch;
 
 pub use checkpoint::{CheckpointCommon, Checkpointed, Timings};
-pub use dump::{dump_tree, resident_bytes, store_error_first, tell_network, DUMP_LOG};
+pub use dump::{dump_tree, store_error_first, tell_network, DUMP_LOG};
 pub use restore::{
     Discard, RestoreContext, RestoreTarget, RestoreTimings, Restored, RestoredCheckpoint,
 };
@@ -80,13 +81,14 @@ impl Classify for Error {
     }
 }
 
-/// What the pipeline works with around its target: the GPU step, the store, the progress display and the
-/// guardian, each chosen by the caller (the real ones, or test ones).
+/// What the pipeline works with around its target: the GPU step, the store, the progress display, the
+/// guardian and the live processes, each chosen by the caller (the real ones, or test ones).
 pub struct Pipeline<'a> {
     pub gpu: &'a mut dyn GpuHook,
     pub store: &'a Store,
     pub progress: &'a dyn Progress,
     pub watch: &'a dyn Watch,
+    pub procs: &'a dyn Processes,
 }
 
 /// What a checkpoint target found before touching anything ([`CheckpointTarget::prepare`]).
@@ -111,6 +113,7 @@ pub struct DumpContext<'c> {
     pub store: &'c Store,
     pub progress: &'c dyn Progress,
     pub watch: &'c dyn Watch,
+    pub procs: &'c dyn Processes,
     pub leave_running: bool,
     /// When the dump started: how long a tree let go early was held is measured from it.
     pub started: Instant,

@@ -39,7 +39,7 @@ use crate::dump::{Criu, CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::flows::guardian::Event;
 use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord, RestoredTree};
-use crate::proc as tree;
+use crate::proc::Processes;
 use crate::store::{CheckpointInfo, Store};
 
 /// Name of CRIU's restore log in the images folder (and, prefixed with the id, in `logs/`).
@@ -188,7 +188,7 @@ impl Flow<'_> {
         given: &CriuOptions,
         before_unlock: Option<&BeforeUnlock<'_>>,
     ) -> crate::Result<RestoreOutcome> {
-        let mut tree = CriuRestore::new(self.criu, self.images, target, given);
+        let mut tree = CriuRestore::new((self.criu, self.procs), self.images, target, given);
         let out = self.pipeline().restore(&mut tree, before_unlock)?;
         let t = out.timings;
         Ok(RestoreOutcome {
@@ -230,6 +230,7 @@ pub(in crate::flows) fn find(
 /// [`Flow::restore`].
 struct CriuRestore<'a> {
     criu: &'a dyn Criu,
+    procs: &'a dyn Processes,
     /// How the images go to CRIU: as asked, then as this checkpoint allows.
     images: ImageTransfer,
     target: &'a Target,
@@ -249,13 +250,14 @@ struct CriuRestore<'a> {
 
 impl<'a> CriuRestore<'a> {
     fn new(
-        criu: &'a dyn Criu,
+        (criu, procs): (&'a dyn Criu, &'a dyn Processes),
         images: ImageTransfer,
         target: &'a Target,
         given: &'a CriuOptions,
     ) -> Self {
         CriuRestore {
             criu,
+            procs,
             images,
             target,
             given,
@@ -312,7 +314,7 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         // CRIU gives every thread back its ID too: those must be free as well as the PIDs. A tree that
         // is a PID namespace of its own is restored into a new one, where every ID is free.
         let ids = ids::RecordedIds::of(store, info, manifest)?;
-        check_pids_free(&info.id, &ids.host)?;
+        check_pids_free(self.procs, &info.id, &ids.host)?;
         self.pids = ids.host_pids.clone();
         if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
             preflight::check_host_memory(&info.id, manifest.sizes.pages_bytes, &meminfo)?;
@@ -406,7 +408,7 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
                 (Ok(pid), Err(store_err)) => {
                     // Restored, but its memory did not come: it must not run on.
                     keep_log(store, &info.id, work);
-                    kill_restored(*pid, &self.pids);
+                    kill_restored(self.procs, *pid, &self.pids);
                     return Err(store_err.into());
                 }
                 (_, Ok(stats)) => self.uffd_stats = Some(stats),
@@ -437,7 +439,8 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
                 };
                 // A PID taken between our check and CRIU's fork: say by whom.
                 if e.failure().map(|f| f.kind) == Some(FailureKind::PidInUse) {
-                    if let Err(conflict) = check_pids_free_now(&info.id, &self.ids().host) {
+                    let host = &self.ids().host;
+                    if let Err(conflict) = check_pids_free_now(self.procs, &info.id, host) {
                         tracing::debug!("CRIU: {e}");
                         return Err(conflict.into());
                     }
@@ -447,12 +450,13 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         };
         if self.ids().own_namespace {
             // Its PIDs in this namespace are new: the restored tree as it runs is the tree.
-            self.pids = tree::process_tree(pid).iter().map(|p| p.pid).collect();
+            self.pids = self.procs.tree(pid).iter().map(|p| p.pid).collect();
         }
         Ok(Restored {
             root_pid: pid,
             fetch_ms: fetch,
             discard: Box::new(KillRestored {
+                procs: self.procs,
                 root: pid,
                 pids: self.pids.clone(),
                 armed: true,
@@ -477,37 +481,40 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
 }
 
 /// A restored tree, killed when dropped unless kept: its memory or GPU state did not come back.
-struct KillRestored {
+struct KillRestored<'a> {
+    procs: &'a dyn Processes,
     root: i32,
     pids: Vec<i32>,
     armed: bool,
 }
 
-impl Discard for KillRestored {
+impl Discard for KillRestored<'_> {
     fn keep(mut self: Box<Self>) {
         self.armed = false;
     }
 }
 
-impl Drop for KillRestored {
+impl Drop for KillRestored<'_> {
     fn drop(&mut self) {
         if self.armed {
-            kill_restored(self.root, &self.pids);
+            kill_restored(self.procs, self.root, &self.pids);
         }
     }
 }
 
 /// Kills a restored tree that must not run on (its memory or GPU state did not come back).
-fn kill_restored(root: i32, recorded: &[i32]) {
-    let left = tree::kill_tree(&tree_of(root, recorded), Duration::from_secs(10));
+fn kill_restored(procs: &dyn Processes, root: i32, recorded: &[i32]) {
+    let left = procs
+        .hold(&tree_of(procs, root, recorded))
+        .kill(Duration::from_secs(10));
     if !left.is_empty() {
         tracing::error!("restored processes {left:?} could not be stopped");
     }
 }
 
 /// The restored tree as it runs now, plus the recorded PIDs (a process may have exited already).
-fn tree_of(root: i32, recorded: &[i32]) -> Vec<i32> {
-    let mut pids: Vec<i32> = tree::process_tree(root).iter().map(|p| p.pid).collect();
+fn tree_of(procs: &dyn Processes, root: i32, recorded: &[i32]) -> Vec<i32> {
+    let mut pids: Vec<i32> = procs.tree(root).iter().map(|p| p.pid).collect();
     for p in recorded {
         if !pids.contains(p) {
             pids.push(*p);
@@ -536,20 +543,20 @@ fn keep_log(store: &Store, id: &str, work: &Path) -> Option<PathBuf> {
 /// Fails when a PID of the tree is held by a live process, after giving dying ones (exiting, or zombies
 /// waiting to be reaped: the checkpointed process itself, right after a checkpoint) [`ZOMBIE_WAIT`] to
 /// free it.
-fn check_pids_free(id: &str, pids: &[i32]) -> Result<(), Error> {
+fn check_pids_free(procs: &dyn Processes, id: &str, pids: &[i32]) -> Result<(), Error> {
     let dying = || {
         pids.iter()
             .copied()
-            .filter(|p| tree::stat(*p).is_some_and(|s| s.is_dying()))
+            .filter(|p| procs.stat(*p).is_some_and(|s| s.is_dying()))
             .collect::<Vec<_>>()
     };
-    tree::wait_until(ZOMBIE_WAIT, dying);
-    check_pids_free_now(id, pids)
+    crate::proc::wait_until(ZOMBIE_WAIT, dying);
+    check_pids_free_now(procs, id, pids)
 }
 
-fn check_pids_free_now(id: &str, pids: &[i32]) -> Result<(), Error> {
+fn check_pids_free_now(procs: &dyn Processes, id: &str, pids: &[i32]) -> Result<(), Error> {
     for &pid in pids {
-        if let Some(s) = tree::stat(pid) {
+        if let Some(s) = procs.stat(pid) {
             return Err(Error::PidInUse {
                 id: id.to_string(),
                 pid,
@@ -589,4 +596,45 @@ impl WorkDir {
 /// restore and by `gc`.
 pub fn remove_stale_work_dirs(storage: &Path) -> std::io::Result<u64> {
     crate::flows::workdir::remove_stale(storage, WORK_FOLDER)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proc::FakeProcesses;
+
+    #[test]
+    fn a_pid_held_by_a_live_process_is_a_conflict_naming_its_holder() {
+        let procs = FakeProcesses::default();
+        procs.add(300, 1, 'S');
+        let e = check_pids_free(&procs, "ck", &[299, 300]).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::PidInUse {
+                    pid: 300,
+                    zombie: false,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("fake300 (pid 300, parent 1)"), "{e}");
+    }
+
+    #[test]
+    fn a_zombie_holding_a_pid_is_waited_for_until_its_parent_reaps_it() {
+        let procs = FakeProcesses::default();
+        procs.add(310, 1, 'Z');
+        let reaper = {
+            let procs = procs.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                procs.reap(310);
+            })
+        };
+        check_pids_free(&procs, "ck", &[310]).unwrap();
+        reaper.join().unwrap();
+        assert_eq!(procs.state(310), None);
+    }
 }

@@ -2,7 +2,17 @@
 //! `ProcRoot`, the flows here), who is in the tree rooted at a PID, what holds a PID, and the signals the
 //! flows send to a tree (continue, kill) with the wait for it to be gone.
 //!
+//! The flows reach live processes through one trait, [`Processes`] (what /proc says of them, and holding
+//! them to signal them: [`Hold`]): [`Live`] is the real one, `FakeProcesses` (`fake.rs`, tests only) a
+//! table of pretend processes, so that the flows' logic (what is continued, killed, refused) is tested
+//! without spawning any.
+//!
 //! A leaf module like `util`: stages and flows both use it, and it uses neither.
+
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+pub use fake::FakeProcesses;
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -68,6 +78,26 @@ impl ProcStat {
 
     pub fn is_kernel_thread(&self) -> bool {
         self.flags & PF_KTHREAD != 0
+    }
+}
+
+#[cfg(test)]
+impl ProcStat {
+    /// A process leading its own session, without a terminal (tests).
+    pub(crate) fn leader(pid: i32, ppid: i32, comm: &str, state: char) -> ProcStat {
+        ProcStat {
+            pid,
+            comm: comm.into(),
+            state,
+            ppid,
+            pgrp: pid,
+            session: pid,
+            tty_nr: 0,
+            tpgid: -1,
+            threads: 1,
+            flags: 0,
+            start_ticks: 0,
+        }
     }
 }
 
@@ -185,6 +215,81 @@ pub fn process_tree(root: i32) -> Vec<TreeProcess> {
 /// True while `pid` names a process that can still run: neither a zombie nor exiting.
 pub fn is_alive(pid: i32) -> bool {
     stat(pid).is_some_and(|s| !s.is_dying())
+}
+
+/// The live processes the flows act on: a boundary with the outside world (see the module
+/// documentation).
+pub trait Processes: Sync {
+    /// `/proc/PID/stat` of a live (or zombie) process; `None` when the PID is free.
+    fn stat(&self, pid: i32) -> Option<ProcStat>;
+    /// The tree rooted at `root` (root first, then breadth-first), or an empty list when `root` is gone.
+    fn tree(&self, root: i32) -> Vec<TreeProcess>;
+    /// The resident memory of `pids`, in bytes: about what CRIU's page images of them will hold.
+    fn resident_bytes(&self, pids: &[i32]) -> u64;
+    /// Holds `pids` (those that exist) to signal them later, never a process that took one of their PIDs
+    /// since.
+    fn hold(&self, pids: &[i32]) -> Box<dyn Hold>;
+    /// True while `pid` names a process that can still run: neither a zombie nor exiting.
+    fn is_alive(&self, pid: i32) -> bool {
+        self.stat(pid).is_some_and(|s| !s.is_dying())
+    }
+}
+
+/// Processes held to be signalled ([`Processes::hold`]).
+pub trait Hold: Send + Sync {
+    /// The PIDs held (those that existed when held).
+    fn pids(&self) -> Vec<i32>;
+    /// Sends `sig` to every process held; one that has exited since is skipped.
+    fn signal(&self, sig: i32);
+    /// Continues the processes (a tree CRIU left stopped).
+    fn continue_all(&self) {
+        self.signal(libc::SIGCONT);
+    }
+    /// Kills the processes and waits until none of them runs any more; returns the PIDs still running
+    /// after `timeout`.
+    fn kill(&self, timeout: Duration) -> Vec<i32>;
+}
+
+/// The real processes: /proc and pidfds.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Live;
+
+impl Processes for Live {
+    fn stat(&self, pid: i32) -> Option<ProcStat> {
+        stat(pid)
+    }
+
+    fn tree(&self, root: i32) -> Vec<TreeProcess> {
+        process_tree(root)
+    }
+
+    fn resident_bytes(&self, pids: &[i32]) -> u64 {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        pids.iter()
+            .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/statm")).ok())
+            .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>()
+            * page
+    }
+
+    fn hold(&self, pids: &[i32]) -> Box<dyn Hold> {
+        Box::new(Held::open(pids))
+    }
+}
+
+impl Hold for Held {
+    fn pids(&self) -> Vec<i32> {
+        Held::pids(self)
+    }
+
+    fn signal(&self, sig: i32) {
+        Held::signal(self, sig)
+    }
+
+    fn kill(&self, timeout: Duration) -> Vec<i32> {
+        Held::kill(self, timeout)
+    }
 }
 
 /// Processes held through pidfds (`pidfd_open(2)`), so that a signal meant for them can never reach a
