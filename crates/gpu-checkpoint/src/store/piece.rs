@@ -146,7 +146,7 @@ pub(super) fn coder(level: Option<i32>, max_chunk: usize) -> std::io::Result<(En
     Ok((Encoder::new(level, max_chunk)?, Decoder::new(0)?))
 }
 
-/// What a streaming session stored, for [`Ingest::commit_streamed`].
+/// What a streaming session stored, for [`super::Ingest::commit_streamed`].
 #[derive(Default)]
 pub struct Streamed {
     /// Name and size of every image received whole, in the order of `collected.chunks`.

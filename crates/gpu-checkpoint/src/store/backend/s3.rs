@@ -634,7 +634,7 @@ impl Drop for S3Backend {
 #[cfg(test)]
 mod tests {
     use crate::store::backend::Backend;
-    use crate::store::ingest::{memory_budget, Plan, RESERVE};
+    use crate::store::plan::{memory_budget, Plan, RESERVE};
     use crate::store::ChunkParams;
 
     #[test]
