@@ -7,7 +7,7 @@ use gpu_checkpoint::detect::StrategyChoice;
 use gpu_checkpoint::dump::{discover, CriuRpc};
 use gpu_checkpoint::flows::{Alone, CheckpointManifest, ImageTransfer};
 use gpu_checkpoint::freeze::{GpuBackend, GroupOptions, HookOptions};
-use gpu_checkpoint::store::StoreOptions;
+use gpu_checkpoint::store::{CheckpointInfo, Store, StoreOptions};
 use serde_json::json;
 
 use super::criu_opts::CriuArgs;
@@ -155,86 +155,57 @@ pub fn run(args: Args) -> super::Result<()> {
     opts.allow_stopped = args.allow_stopped;
     opts.reopen_devices = args.reopen_device;
     let images = ImageTransfer::staged_if(args.staged);
-    let result = node.checkpoint(&opts, gpu, images, &progress, &Alone);
-    super::say_if_interrupted();
-    let out = result?;
+    let out = super::finished(node.checkpoint(&opts, gpu, images, &progress, &Alone))?;
 
-    let manifest_path = node.store().manifest_location(&out.info.id);
-    match args.store.format {
-        Format::Json => {
-            let v = json!({
-                "id": out.info.id,
-                "name": out.info.name,
-                "pid": pid,
-                "processes": out.manifest.process_tree.len(),
-                "strategy": out.manifest.strategy,
-                "stopped": out.stopped,
-                "manifest": manifest_path,
-                "timings_ms": out.timings,
-                "gpu": out.manifest.gpu,
-                "sizes": out.manifest.sizes,
-                "devices": out.manifest.devices,
-                "stats": out.info.stats,
-            });
-            super::print_json(&v)?;
-        }
-        Format::Text => {
-            let t = &out.timings;
-            let s = &out.info.stats;
-            println!("{}", out.info.id);
-            eprintln!(
-                "checkpoint {}{} of pid {} ({} process{}, strategy {}): {} of images, {} stored ({} new)",
-                out.info.id,
-                out.info
-                    .name
-                    .as_deref()
-                    .map(|n| format!(" ({n})"))
-                    .unwrap_or_default(),
-                pid,
-                out.manifest.process_tree.len(),
-                if out.manifest.process_tree.len() == 1 { "" } else { "es" },
-                out.manifest.strategy,
-                bytes(out.manifest.sizes.image_bytes),
-                bytes(s.stored_bytes),
-                bytes(s.new_bytes),
-            );
-            let (dump, write) = if t.streamed {
-                ("dump + store (streamed)", "commit")
+    let t = &out.timings;
+    let n = out.manifest.process_tree.len();
+    let what = format!(
+        "{} of pid {pid} ({n} process{}, strategy {})",
+        out.info
+            .name
+            .as_deref()
+            .map(|n| format!(" ({n})"))
+            .unwrap_or_default(),
+        if n == 1 { "" } else { "es" },
+        out.manifest.strategy,
+    );
+    let (dump, write) = if t.streamed {
+        ("dump + store (streamed)", "commit")
+    } else {
+        ("dump", "write")
+    };
+    let mut lines = vec![format!(
+        "detect {:.0} ms, freeze {:.0} ms, {dump} {:.0} ms, {write} {:.0} ms, stop {:.0} ms; total {:.0} ms",
+        t.detect, t.freeze, t.dump, t.write, t.stop, t.total
+    )];
+    if !out.stopped {
+        lines.push(format!(
+            "the tree was held stopped {:.0} ms ({})",
+            t.paused,
+            if t.continued {
+                "until the store had read every image"
             } else {
-                ("dump", "write")
-            };
-            eprintln!(
-                "  detect {:.0} ms, freeze {:.0} ms, {dump} {:.0} ms, {write} {:.0} ms, stop {:.0} ms; total {:.0} ms",
-                t.detect, t.freeze, t.dump, t.write, t.stop, t.total
-            );
-            if !out.stopped {
-                eprintln!(
-                    "  the tree was held stopped {:.0} ms ({})",
-                    t.paused,
-                    if t.continued {
-                        "until the store had read every image"
-                    } else {
-                        "while CRIU wrote its images"
-                    }
-                );
+                "while CRIU wrote its images"
             }
-            if let Some(line) = gpu_summary(&out.manifest) {
-                eprintln!("  {line}");
-            }
-            for d in &out.manifest.devices {
-                eprintln!("  {} recorded: reopened on restore", d.path);
-            }
-            eprintln!(
-                "  the process tree {}; manifest {}",
-                if out.stopped {
-                    "was stopped"
-                } else {
-                    "keeps running"
-                },
-                manifest_path
-            );
-        }
+        ));
     }
+    lines.extend(gpu_summary(&out.manifest));
+    for d in &out.manifest.devices {
+        lines.push(format!("{} recorded: reopened on restore", d.path));
+    }
+    let done = if out.stopped {
+        "the process tree was stopped"
+    } else {
+        "the process tree keeps running"
+    };
+    let summary = Summary {
+        info: &out.info,
+        manifest: &out.manifest,
+        stopped: out.stopped,
+        timings: serde_json::to_value(t).map_err(super::Failure::other)?,
+    };
+    let json = json!({"pid": pid, "devices": out.manifest.devices});
+    summary.print(node.store(), args.store.format, (&what, &lines, done), json)?;
     Ok(())
 }
 
@@ -252,6 +223,62 @@ pub(super) fn gpu_options(
             ordered,
         },
         device_map: None,
+    }
+}
+
+/// A finished checkpoint, of a process tree or a container, as `checkpoint` prints it.
+pub(super) struct Summary<'a> {
+    pub info: &'a CheckpointInfo,
+    pub manifest: &'a CheckpointManifest,
+    pub stopped: bool,
+    pub timings: serde_json::Value,
+}
+
+impl Summary<'_> {
+    /// Prints the checkpoint: its id on stdout; in text, on stderr, `what` it is of with its sizes, then
+    /// `lines` and what became of the tree (`done`) with its manifest; in JSON, the fields every
+    /// checkpoint has and `fields`.
+    pub(super) fn print(
+        &self,
+        store: &Store,
+        format: Format,
+        (what, lines, done): (&str, &[String], &str),
+        fields: serde_json::Value,
+    ) -> super::Result {
+        let (info, manifest) = (self.info, self.manifest);
+        let manifest_path = store.manifest_location(&info.id);
+        if format == Format::Json {
+            let mut v = json!({
+                "id": info.id,
+                "name": info.name,
+                "processes": manifest.process_tree.len(),
+                "strategy": manifest.strategy,
+                "stopped": self.stopped,
+                "manifest": manifest_path,
+                "timings_ms": self.timings,
+                "gpu": manifest.gpu,
+                "sizes": manifest.sizes,
+                "stats": info.stats,
+            });
+            if let (Some(v), serde_json::Value::Object(more)) = (v.as_object_mut(), fields) {
+                v.extend(more);
+            }
+            return super::print_json(&v);
+        }
+        let s = &info.stats;
+        println!("{}", info.id);
+        eprintln!(
+            "checkpoint {}{what}: {} of images, {} stored ({} new)",
+            info.id,
+            bytes(manifest.sizes.image_bytes),
+            bytes(s.stored_bytes),
+            bytes(s.new_bytes),
+        );
+        for line in lines {
+            eprintln!("  {line}");
+        }
+        eprintln!("  {done}; manifest {manifest_path}");
+        Ok(())
     }
 }
 

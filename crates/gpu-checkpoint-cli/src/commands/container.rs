@@ -13,7 +13,7 @@ use gpu_checkpoint::freeze::GpuBackend;
 use serde_json::json;
 
 use super::Format;
-use crate::progress::{bytes, Bar};
+use crate::progress::Bar;
 
 /// The container runtime's options, shared by the three commands.
 #[derive(clap::Args, Debug, Clone)]
@@ -103,9 +103,7 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> 
     opts.tcp_established = args.criu_opts.options()?.tcp_established;
     // The simulator is recognised only when asked for, never silently.
     opts.detect.simulator = backend == GpuBackend::Sim || args.simulated_gpus;
-    let result = node.checkpoint_container(&runtime, &opts, gpu, &progress, &Alone);
-    super::say_if_interrupted();
-    let out = result?;
+    let out = super::finished(node.checkpoint_container(&runtime, &opts, gpu, &progress, &Alone))?;
     if let Some(c) = out
         .manifest
         .container
@@ -117,55 +115,33 @@ pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> 
             c.runtime
         );
     }
-    let manifest_path = node.store().manifest_location(&out.info.id);
-    match args.store.format {
-        Format::Json => {
-            let v = json!({
-                "id": out.info.id,
-                "name": out.info.name,
-                "container": out.manifest.container,
-                "pid": out.manifest.root_pid,
-                "processes": out.manifest.process_tree.len(),
-                "strategy": out.manifest.strategy,
-                "stopped": out.stopped,
-                "dump": if out.direct { "direct" } else { "runtime" },
-                "manifest": manifest_path,
-                "timings_ms": out.timings,
-                "gpu": out.manifest.gpu,
-                "sizes": out.manifest.sizes,
-                "stats": out.info.stats,
-            });
-            super::print_json(&v)?;
-        }
-        Format::Text => {
-            let t = &out.timings;
-            let s = &out.info.stats;
-            println!("{}", out.info.id);
-            eprintln!(
-                "checkpoint {} of {} container {id} ({} process(es), strategy {}): {} of images, {} stored ({} new)",
-                out.info.id,
-                runtime.kind().name(),
-                out.manifest.process_tree.len(),
-                out.manifest.strategy,
-                bytes(out.manifest.sizes.image_bytes),
-                bytes(s.stored_bytes),
-                bytes(s.new_bytes),
-            );
-            eprintln!(
-                "  detect {:.0} ms, freeze {:.0} ms, pause {:.0} ms, {} checkpoint {:.0} ms, write {:.0} ms, stop {:.0} ms; total {:.0} ms",
-                t.detect, t.freeze, t.pause, runtime.kind().name(), t.runtime_checkpoint, t.write, t.stop, t.total
-            );
-            eprintln!(
-                "  the container {}; manifest {}",
-                if out.stopped {
-                    "was deleted"
-                } else {
-                    "keeps running"
-                },
-                manifest_path
-            );
-        }
-    }
+    let (t, rt) = (&out.timings, runtime.kind().name());
+    let what = format!(
+        " of {rt} container {id} ({} process(es), strategy {})",
+        out.manifest.process_tree.len(),
+        out.manifest.strategy,
+    );
+    let lines = [format!(
+        "detect {:.0} ms, freeze {:.0} ms, pause {:.0} ms, {rt} checkpoint {:.0} ms, write {:.0} ms, stop {:.0} ms; total {:.0} ms",
+        t.detect, t.freeze, t.pause, t.runtime_checkpoint, t.write, t.stop, t.total
+    )];
+    let done = if out.stopped {
+        "the container was deleted"
+    } else {
+        "the container keeps running"
+    };
+    let summary = super::checkpoint::Summary {
+        info: &out.info,
+        manifest: &out.manifest,
+        stopped: out.stopped,
+        timings: serde_json::to_value(t).map_err(super::Failure::other)?,
+    };
+    let json = json!({
+        "container": out.manifest.container,
+        "pid": out.manifest.root_pid,
+        "dump": if out.direct { "direct" } else { "runtime" },
+    });
+    summary.print(node.store(), args.store.format, (&what, &lines, done), json)?;
     Ok(())
 }
 
@@ -225,9 +201,7 @@ pub fn restore(args: super::restore::Args, id: &str) -> super::Result<()> {
         id: id.to_string(),
         bundle: args.bundle.clone(),
     };
-    let result = node.restore_container(&runtime, &opts, gpu, &progress, None);
-    super::say_if_interrupted();
-    let out = result?;
+    let out = super::finished(node.restore_container(&runtime, &opts, gpu, &progress, None))?;
     match args.store.format {
         Format::Json => {
             let v = json!({

@@ -118,6 +118,13 @@ pub fn node(store: gpu_checkpoint::store::Store) -> Result<gpu_checkpoint::flows
     Ok(gpu_checkpoint::flows::Node::new(store).guarded_by(exe))
 }
 
+/// A flow's `result`, said on stderr first if a deferred signal came while it ran (what it means is in
+/// the result).
+pub fn finished<T>(result: gpu_checkpoint::Result<T>) -> Result<T> {
+    say_if_interrupted();
+    Ok(result?)
+}
+
 /// Says on stderr that a deferred signal came while the command ran (what it means is in the result).
 pub fn say_if_interrupted() {
     if let Some(sig) = gpu_checkpoint::interrupt::last_signal() {

@@ -115,9 +115,7 @@ pub fn run(args: Args) -> super::Result<()> {
     };
     let node = super::node(store)?.with_criu(Box::new(criu));
     say_what_the_checkpoint_decides(&node, &target, &given)?;
-    let result = node.restore(&target, &given, images, gpu, &progress, None);
-    super::say_if_interrupted();
-    let out = result?;
+    let out = super::finished(node.restore(&target, &given, images, gpu, &progress, None))?;
     match args.store.format {
         Format::Json => {
             let v = json!({

@@ -225,12 +225,8 @@ impl Scene {
         self.checkpoint_phased(gpu, opts, &Alone)
     }
 
-    pub(super) fn checkpoint_phased(
-        &self,
-        gpu: &mut RecordingGpu,
-        opts: &CheckpointOptions,
-        phases: &dyn Phases,
-    ) -> crate::Result<CheckpointOutcome> {
+    /// The flows on this scene: its CRIU, store and guardian, the live processes.
+    fn flow<'a>(&'a self, gpu: &'a mut RecordingGpu) -> Flow<'a> {
         Flow {
             criu: &*self.criu,
             gpu,
@@ -240,7 +236,15 @@ impl Scene {
             watch: &self.told,
             procs: &crate::proc::Live,
         }
-        .checkpoint_phased(opts, phases)
+    }
+
+    pub(super) fn checkpoint_phased(
+        &self,
+        gpu: &mut RecordingGpu,
+        opts: &CheckpointOptions,
+        phases: &dyn Phases,
+    ) -> crate::Result<CheckpointOutcome> {
+        self.flow(gpu).checkpoint_phased(opts, phases)
     }
 
     fn restore(
@@ -248,16 +252,7 @@ impl Scene {
         gpu: &mut RecordingGpu,
         id: &str,
     ) -> crate::Result<crate::restore::RestoreOutcome> {
-        Flow {
-            criu: &*self.criu,
-            gpu,
-            store: &self.store,
-            progress: &NoProgress,
-            images: self.images,
-            watch: &self.told,
-            procs: &crate::proc::Live,
-        }
-        .restore(&Target::Checkpoint(id.to_string()))
+        self.flow(gpu).restore(&Target::Checkpoint(id.to_string()))
     }
 
     /// Checkpoints a sleeping process (which then exits), and starts another that the fake's restores
@@ -713,16 +708,8 @@ fn criu_options_reach_the_dump_the_manifest_and_the_restore() {
         ..CriuOptions::default()
     };
     let flow = |gpu: &mut RecordingGpu, given: &CriuOptions| {
-        Flow {
-            criu: &*s.criu,
-            gpu,
-            store: &s.store,
-            progress: &NoProgress,
-            images: s.images,
-            watch: &s.told,
-            procs: &crate::proc::Live,
-        }
-        .restore_with(&Target::Checkpoint(out.info.id.clone()), given)
+        s.flow(gpu)
+            .restore_with(&Target::Checkpoint(out.info.id.clone()), given)
     };
     flow(&mut gpu, &given).unwrap();
     let Some(FakeCriuCall::Restore { options, .. }) = s.criu.calls().pop() else {
@@ -989,13 +976,8 @@ fn a_pid_no_live_process_holds_is_refused_before_anything_is_touched() {
     procs.add(4242, 1, 'Z');
     let mut gpu = RecordingGpu::new(&s.criu);
     let err = Flow {
-        criu: &*s.criu,
-        gpu: &mut gpu,
-        store: &s.store,
-        progress: &NoProgress,
-        images: s.images,
-        watch: &s.told,
         procs: &procs,
+        ..s.flow(&mut gpu)
     }
     .checkpoint(&CheckpointOptions::new(4242))
     .unwrap_err();

@@ -11,10 +11,10 @@ mod streamed;
 use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};
 use crate::fault;
 use crate::flows::pipeline::Discard as PipelineDiscard;
-use crate::flows::pipeline::{RestoreContext, RestoreTarget, Restored};
+use crate::flows::pipeline::{Found, GpuRestore, RestoreContext, RestoreTarget, Restored};
 use crate::flows::runtime::{members, pid_map, ContainerRuntime};
 use crate::flows::{ms, CheckpointManifest, ContainerRecord, Event, Watch};
-use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord, RestoredTree};
+use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
 
 /// Which checkpoint to restore, and as what.
 #[derive(Debug, Clone)]
@@ -224,13 +224,9 @@ impl<'a> RestoreTarget<'a> for Restore<'a> {
         Ok((info, manifest))
     }
 
-    fn prepare(
-        &mut self,
-        store: &crate::store::Store,
-        info: &crate::store::CheckpointInfo,
-        _manifest: &CheckpointManifest,
-    ) -> crate::Result<PathBuf> {
-        let work = WorkDir::create(store, &info.id)?;
+    fn prepare(&mut self, found: &Found<'_>) -> crate::Result<PathBuf> {
+        let info = found.info;
+        let work = WorkDir::create(found.store, &info.id)?;
         let path = work.path().to_path_buf();
         self.work = Some(work);
         self.materialized_because = streamed::why_not(self.runtime, info, &self.bundle);
@@ -293,14 +289,9 @@ impl<'a> RestoreTarget<'a> for Restore<'a> {
         })
     }
 
-    fn restore_gpu(
-        &mut self,
-        gpu: &mut dyn GpuHook,
-        gpu_record: Option<GpuRecord>,
-        root_pid: i32,
-        before_unlock: Option<&BeforeUnlock<'_>>,
-    ) -> crate::Result<Option<RestoreRecord>> {
+    fn restore_gpu(&mut self, step: GpuRestore<'_>) -> crate::Result<Option<RestoreRecord>> {
         let (runtime, id, record) = (self.runtime, self.opts.id.as_str(), self.record());
+        let (root_pid, before_unlock) = (step.root_pid, step.before_unlock);
         match &record.sandbox_gpu_tool {
             // Frozen by the runtime itself: its restore put the state back.
             Some(_) if record.sandbox_gpu_by_runtime => Ok(None),
@@ -315,7 +306,7 @@ impl<'a> RestoreTarget<'a> for Restore<'a> {
                 // the container.
                 let now = members(root_pid);
                 let map = pid_map(&record.processes, &now);
-                let gpu_record = gpu_record.map(|r| r.with_pids(|p| map.get(&p).copied()));
+                let gpu_record = step.record.map(|r| r.with_pids(|p| map.get(&p).copied()));
                 let pids: Vec<i32> = now.iter().map(|m| m.pid).collect();
                 // The GPU state back, still locked: a point to inject faults at, then the caller's
                 // barrier (a job restore's).
@@ -323,7 +314,7 @@ impl<'a> RestoreTarget<'a> for Restore<'a> {
                     fault::at("container.gpu-restored");
                     before_unlock.map_or(Ok(()), |b| b(root))
                 };
-                Ok(gpu.finish_restore(
+                Ok(step.gpu.finish_restore(
                     gpu_record.as_ref(),
                     &RestoredTree {
                         root_pid,

@@ -46,7 +46,8 @@ use super::Watch;
 pub use checkpoint::{CheckpointCommon, Checkpointed, Timings};
 pub use dump::{dump_tree, store_error_first, tell_network, DUMP_LOG};
 pub use restore::{
-    Discard, RestoreContext, RestoreTarget, RestoreTimings, Restored, RestoredCheckpoint,
+    Discard, Found, GpuRestore, RestoreContext, RestoreTarget, RestoreTimings, Restored,
+    RestoredCheckpoint,
 };
 pub use serve::{restore_streamed, send_image};
 pub use steps::{aborted_at_lock, after_durable, check_interrupt, freeze_phased};

@@ -28,6 +28,13 @@ use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord};
 use crate::interrupt::InterruptGuard;
 use crate::store::{CheckpointInfo, Progress, Store};
 
+/// The checkpoint a restore found, in its store.
+pub struct Found<'c> {
+    pub store: &'c Store,
+    pub info: &'c CheckpointInfo,
+    pub manifest: &'c CheckpointManifest,
+}
+
 /// What the target's own steps of a restore work with.
 pub struct RestoreContext<'c> {
     pub store: &'c Store,
@@ -53,6 +60,15 @@ pub trait Discard {
     fn keep(self: Box<Self>);
 }
 
+/// The GPU step's part of a restore ([`RestoreTarget::restore_gpu`]): its record put back into the tree
+/// restored at `root_pid`, waiting at `before_unlock` between the GPU restore and the unlock.
+pub struct GpuRestore<'g> {
+    pub gpu: &'g mut dyn GpuHook,
+    pub record: Option<GpuRecord>,
+    pub root_pid: i32,
+    pub before_unlock: Option<&'g BeforeUnlock<'g>>,
+}
+
 /// What is restored: a process tree (CRIU), a container (its runtime), each as a job member too
 /// (through the barrier given to [`Pipeline::restore`]).
 pub trait RestoreTarget<'a> {
@@ -60,24 +76,13 @@ pub trait RestoreTarget<'a> {
     fn find(&mut self, store: &Store) -> crate::Result<(CheckpointInfo, CheckpointManifest)>;
 
     /// Refuses, before the GPU step's own check, what would make the restore fail here.
-    fn check(
-        &mut self,
-        _store: &Store,
-        _info: &CheckpointInfo,
-        _manifest: &CheckpointManifest,
-        _gpu: Option<&GpuRecord>,
-    ) -> crate::Result<()> {
+    fn check(&mut self, _found: &Found<'_>, _gpu: Option<&GpuRecord>) -> crate::Result<()> {
         Ok(())
     }
 
     /// Readies the restore once the GPU step agreed: returns its private work folder, which the target
     /// keeps (and removes) until it is dropped, after the pipeline's guards.
-    fn prepare(
-        &mut self,
-        store: &Store,
-        info: &CheckpointInfo,
-        manifest: &CheckpointManifest,
-    ) -> crate::Result<std::path::PathBuf>;
+    fn prepare(&mut self, found: &Found<'_>) -> crate::Result<std::path::PathBuf>;
 
     /// Tells the guardian what it would undo should this process die from here on.
     fn tell(&mut self, watch: &dyn Watch, work: &Path) -> crate::Result<()>;
@@ -91,15 +96,8 @@ pub trait RestoreTarget<'a> {
     /// Restores the tree from the images.
     fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>>;
 
-    /// Puts the GPU state back into the restored tree (rooted at `root_pid`), waiting at
-    /// `before_unlock` between its restore and its unlock.
-    fn restore_gpu(
-        &mut self,
-        gpu: &mut dyn GpuHook,
-        record: Option<GpuRecord>,
-        root_pid: i32,
-        before_unlock: Option<&BeforeUnlock<'_>>,
-    ) -> crate::Result<Option<RestoreRecord>>;
+    /// Puts the GPU state back into the restored tree.
+    fn restore_gpu(&mut self, step: GpuRestore<'_>) -> crate::Result<Option<RestoreRecord>>;
 
     /// The restore finished: what the target says of it (to the guardian).
     fn finished(&mut self, _watch: &dyn Watch) {}
@@ -142,9 +140,14 @@ impl Pipeline<'_> {
         let interrupt = InterruptGuard::new();
         let (info, manifest) = target.find(self.store)?;
         let gpu_record = manifest.gpu_record()?;
-        target.check(self.store, &info, &manifest, gpu_record.as_ref())?;
+        let found = Found {
+            store: self.store,
+            info: &info,
+            manifest: &manifest,
+        };
+        target.check(&found, gpu_record.as_ref())?;
         self.gpu.prepare_restore(gpu_record.as_ref())?;
-        let work = target.prepare(self.store, &info, &manifest)?;
+        let work = target.prepare(&found)?;
         target.tell(self.watch, &work)?;
         let ctx = RestoreContext {
             store: self.store,
@@ -169,8 +172,12 @@ impl Pipeline<'_> {
         let t = Instant::now();
         // A copy whose GPU state did not come back (or whose job restore aborted) must not run on:
         // `restored.discard`, dropped, discards it.
-        let gpu =
-            target.restore_gpu(&mut *self.gpu, gpu_record, restored.root_pid, before_unlock)?;
+        let gpu = target.restore_gpu(GpuRestore {
+            gpu: &mut *self.gpu,
+            record: gpu_record,
+            root_pid: restored.root_pid,
+            before_unlock,
+        })?;
         timings.gpu = ms(t);
         restored.discard.keep();
         target.finished(self.watch);

@@ -32,13 +32,13 @@ pub use uffd::{available as uffd_available, FillStats};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::pipeline::{Discard, RestoreContext, RestoreTarget, Restored};
+use super::pipeline::{Discard, Found, GpuRestore, RestoreContext, RestoreTarget, Restored};
 use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer, Watch};
 use crate::dump::devices::PluginDir;
 use crate::dump::{Criu, CriuOptions, FailureKind, RestoreRequest};
 use crate::exit::{Classify, ExitStatus};
 use crate::flows::guardian::Event;
-use crate::freeze::{BeforeUnlock, GpuHook, GpuRecord, RestoreRecord, RestoredTree};
+use crate::freeze::{BeforeUnlock, GpuRecord, RestoreRecord, RestoredTree};
 use crate::proc::Processes;
 use crate::store::{CheckpointInfo, Store};
 
@@ -295,13 +295,8 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         Ok((info, manifest))
     }
 
-    fn check(
-        &mut self,
-        store: &Store,
-        info: &CheckpointInfo,
-        manifest: &CheckpointManifest,
-        gpu_record: Option<&GpuRecord>,
-    ) -> crate::Result<()> {
+    fn check(&mut self, found: &Found<'_>, gpu_record: Option<&GpuRecord>) -> crate::Result<()> {
+        let (store, info, manifest) = (found.store, found.info, found.manifest);
         self.criu_options = manifest
             .options
             .criu
@@ -339,12 +334,8 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         Ok(())
     }
 
-    fn prepare(
-        &mut self,
-        store: &Store,
-        info: &CheckpointInfo,
-        manifest: &CheckpointManifest,
-    ) -> crate::Result<PathBuf> {
+    fn prepare(&mut self, found: &Found<'_>) -> crate::Result<PathBuf> {
+        let (store, info, manifest) = (found.store, found.info, found.manifest);
         if let Some(dir) = store.local_dir() {
             // What killed restores left: a restore needs free space on the store's disk.
             match remove_stale_work_dirs(dir) {
@@ -464,19 +455,13 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         })
     }
 
-    fn restore_gpu(
-        &mut self,
-        gpu: &mut dyn GpuHook,
-        record: Option<GpuRecord>,
-        root_pid: i32,
-        before_unlock: Option<&BeforeUnlock<'_>>,
-    ) -> crate::Result<Option<RestoreRecord>> {
+    fn restore_gpu(&mut self, step: GpuRestore<'_>) -> crate::Result<Option<RestoreRecord>> {
         let tree = RestoredTree {
-            root_pid,
+            root_pid: step.root_pid,
             pids: &self.pids,
-            before_unlock,
+            before_unlock: step.before_unlock,
         };
-        Ok(gpu.finish_restore(record.as_ref(), &tree)?)
+        Ok(step.gpu.finish_restore(step.record.as_ref(), &tree)?)
     }
 }
 
