@@ -64,15 +64,9 @@ pub fn detect_pid_with(
     let caller = live.then(Caller::here);
     let limits = limits::findings(Some(pid), &snaps, caller.as_ref());
     let mut analysed = Vec::with_capacity(snaps.len());
+    let scan = Scan::new(opts, &root, (&sockets, &net), &nvml);
     for snap in snaps {
-        let mut findings = analyse(
-            &snap,
-            opts,
-            &root,
-            (&sockets, &net),
-            &mut reader,
-            nvml.get(&snap.pid),
-        );
+        let mut findings = scan.analyse(&snap, &mut reader);
         findings.extend(limits.iter().filter(|f| f.pid == snap.pid).cloned());
         analysed.push((snap, findings));
     }
@@ -121,6 +115,7 @@ pub fn detect_all_with(
         .collect();
     let live = opts.proc_root == std::path::Path::new("/proc");
     let caller = live.then(Caller::here);
+    let scan = Scan::new(opts, &root, (&sockets, &net), &nvml);
     let mut analysed = Vec::new();
     let mut denied = 0usize;
     for (pid, filter) in filtered {
@@ -148,14 +143,7 @@ pub fn detect_all_with(
             // A malformed file in a captured tree is bad input, not something to skip quietly.
             Err(e) => return Err(e),
         };
-        let mut findings = analyse(
-            &snap,
-            opts,
-            &root,
-            (&sockets, &net),
-            &mut reader,
-            nvml.get(&pid),
-        );
+        let mut findings = scan.analyse(&snap, &mut reader);
         // A node scan has no tree: only what each process holds by itself.
         findings.extend(limits::findings(
             None,
@@ -214,46 +202,68 @@ struct Net<'a> {
     peers: ExternalPeers,
 }
 
-/// Findings of one process: /proc classification plus what NVML said about it.
-fn analyse(
-    snap: &ProcessSnapshot,
-    opts: &DetectOptions,
-    root: &ProcRoot,
-    (sockets, net): (&Sockets<'_>, &Net<'_>),
-    reader: &mut Reader,
-    nvml: Option<&Vec<(u32, Option<u64>)>>,
-) -> Vec<Finding> {
-    let pid = snap.pid;
-    let lookup = |inode: u64| sockets.path(pid, inode);
-    let tcp = net.tcp.of(snap);
-    let tcp_socket = |inode: u64| tcp.get(&inode).cloned();
-    let external_peer = |inode: u64| net.peers.peer(inode);
-    let ctx = ClassifyContext {
-        simulator: opts.simulator,
-        socket_path: &lookup,
-        tcp_socket: &tcp_socket,
-        external_peer: &external_peer,
-    };
-    let mut findings = classify(snap, &ctx, &mut || reader.threads(root, pid));
-    for (gpu, used) in nvml.into_iter().flatten() {
-        findings.push(Finding {
-            kind: FindingKind::Nvml,
-            pid,
-            evidence: Evidence {
-                detail: match used {
-                    Some(b) => format!(
-                        "NVML lists it as a compute process on GPU {gpu} ({} of device memory)",
-                        crate::fmt::human_bytes(*b)
-                    ),
-                    None => format!("NVML lists it as a compute process on GPU {gpu}"),
-                },
-                gpu: Some(*gpu),
-                size: *used,
-                ..Default::default()
-            },
-        });
+/// What a scan reads each process with.
+struct Scan<'a> {
+    opts: &'a DetectOptions,
+    root: &'a ProcRoot,
+    sockets: &'a Sockets<'a>,
+    net: &'a Net<'a>,
+    /// What NVML said of each process.
+    nvml: &'a HashMap<i32, Vec<(u32, Option<u64>)>>,
+}
+
+impl<'a> Scan<'a> {
+    fn new(
+        opts: &'a DetectOptions,
+        root: &'a ProcRoot,
+        (sockets, net): (&'a Sockets<'a>, &'a Net<'a>),
+        nvml: &'a HashMap<i32, Vec<(u32, Option<u64>)>>,
+    ) -> Self {
+        Scan {
+            opts,
+            root,
+            sockets,
+            net,
+            nvml,
+        }
     }
-    findings
+
+    /// Findings of one process: /proc classification plus what NVML said about it.
+    fn analyse(&self, snap: &ProcessSnapshot, reader: &mut Reader) -> Vec<Finding> {
+        let (opts, root, sockets, net) = (self.opts, self.root, self.sockets, self.net);
+        let nvml = self.nvml.get(&snap.pid);
+        let pid = snap.pid;
+        let lookup = |inode: u64| sockets.path(pid, inode);
+        let tcp = net.tcp.of(snap);
+        let tcp_socket = |inode: u64| tcp.get(&inode).cloned();
+        let external_peer = |inode: u64| net.peers.peer(inode);
+        let ctx = ClassifyContext {
+            simulator: opts.simulator,
+            socket_path: &lookup,
+            tcp_socket: &tcp_socket,
+            external_peer: &external_peer,
+        };
+        let mut findings = classify(snap, &ctx, &mut || reader.threads(root, pid));
+        for (gpu, used) in nvml.into_iter().flatten() {
+            findings.push(Finding {
+                kind: FindingKind::Nvml,
+                pid,
+                evidence: Evidence {
+                    detail: match used {
+                        Some(b) => format!(
+                            "NVML lists it as a compute process on GPU {gpu} ({} of device memory)",
+                            crate::fmt::human_bytes(*b)
+                        ),
+                        None => format!("NVML lists it as a compute process on GPU {gpu}"),
+                    },
+                    gpu: Some(*gpu),
+                    size: *used,
+                    ..Default::default()
+                },
+            });
+        }
+        findings
+    }
 }
 
 fn build(

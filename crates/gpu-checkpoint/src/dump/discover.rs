@@ -50,37 +50,46 @@ pub fn discover(explicit: Option<&Path>) -> Result<FoundCriu, Error> {
     }
     let mut tried = Vec::new();
     match which("criu") {
-        Some(path) => match probe(&path) {
-            Ok(version) if version >= MIN_VERSION => {
-                return Ok(FoundCriu {
-                    path,
-                    source: CriuSource::Path,
-                    version,
-                })
+        Some(path) => {
+            if let Some(found) = recent(path, CriuSource::Path, " on PATH", &mut tried) {
+                return Ok(found);
             }
-            Ok(version) => tried.push(format!("{} on PATH is {version}, too old", path.display())),
-            Err(e) => tried.push(format!("{} on PATH: {e}", path.display())),
-        },
+        }
         None => tried.push("no `criu` on PATH".into()),
     }
     for path in prefix_candidates() {
         if !path.exists() {
             tried.push(format!("{} (absent)", path.display()));
-            continue;
-        }
-        match probe(&path) {
-            Ok(version) if version >= MIN_VERSION => {
-                return Ok(FoundCriu {
-                    path,
-                    source: CriuSource::ProjectPrefix,
-                    version,
-                })
-            }
-            Ok(version) => tried.push(format!("{} is {version}, too old", path.display())),
-            Err(e) => tried.push(format!("{}: {e}", path.display())),
+        } else if let Some(found) = recent(path, CriuSource::ProjectPrefix, "", &mut tried) {
+            return Ok(found);
         }
     }
     Err(Error::NotFound { tried })
+}
+
+/// The CRIU at `path` if it is recent enough; else what is wrong with it goes to `tried`, the path
+/// followed by `where_`.
+fn recent(
+    path: PathBuf,
+    source: CriuSource,
+    where_: &str,
+    tried: &mut Vec<String>,
+) -> Option<FoundCriu> {
+    match probe(&path) {
+        Ok(version) if version >= MIN_VERSION => Some(FoundCriu {
+            path,
+            source,
+            version,
+        }),
+        Ok(version) => {
+            tried.push(format!("{}{where_} is {version}, too old", path.display()));
+            None
+        }
+        Err(e) => {
+            tried.push(format!("{}{where_}: {e}", path.display()));
+            None
+        }
+    }
 }
 
 /// The CRIU the user named (`--criu PATH`, else `GPU_CHECKPOINT_CRIU`), without running it: the one

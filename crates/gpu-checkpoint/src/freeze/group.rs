@@ -218,18 +218,9 @@ pub fn freeze_all_with(
             || Running::assume(Arc::clone(driver), pid).lock(timeout),
             failed_msg,
         );
-        (rec, r)
+        (rec, r.map_err(|f| f.error))
     });
-    let mut records = Vec::new();
-    let mut locked = Vec::new();
-    let mut errors = Vec::new();
-    for (rec, r) in locks {
-        records.push(rec);
-        match r {
-            Ok(l) => locked.push(l),
-            Err(f) => errors.push(f.error),
-        }
-    }
+    let (mut records, locked, mut errors) = sorted(locks);
     if !errors.is_empty() {
         errors.extend(undo_locked(locked, &mut records));
         return Err(Error::Many(errors));
@@ -416,16 +407,7 @@ pub fn restore_all_with(
         };
         (rec, r)
     });
-    let mut records = Vec::new();
-    let mut locked = Vec::new();
-    let mut errors = Vec::new();
-    for (rec, r) in results {
-        records.push(rec);
-        match r {
-            Ok(l) => locked.push(l),
-            Err(e) => errors.push(e),
-        }
-    }
+    let (mut records, locked, mut errors) = sorted(results);
     if !errors.is_empty() {
         return Err((Error::Many(errors), records));
     }
@@ -446,6 +428,19 @@ pub fn restore_all_with(
     } else {
         Err((Error::Many(errors), records))
     }
+}
+
+/// What a step run on every process gave: the processes' records, those it succeeded on, the errors.
+fn sorted<T>(results: Vec<(ProcessRecord, Result<T>)>) -> (Vec<ProcessRecord>, Vec<T>, Vec<Error>) {
+    let (mut records, mut done, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    for (rec, r) in results {
+        records.push(rec);
+        match r {
+            Ok(v) => done.push(v),
+            Err(e) => errors.push(e),
+        }
+    }
+    (records, done, errors)
 }
 
 #[cfg(test)]
