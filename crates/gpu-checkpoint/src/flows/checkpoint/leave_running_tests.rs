@@ -40,9 +40,7 @@ fn settled_running(p: &Sleeper) -> bool {
 
 #[test]
 fn a_streamed_leave_running_dump_stops_the_tree_and_continues_it_before_the_gpu_thaw() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     gpu.watch = Some(p.pid());
     let out = s.checkpoint(&mut gpu, &leave_running(p.pid())).unwrap();
     // Streamed, and CRIU (the fake SIGSTOPs like CRIU's leave_stopped) did not resume the tree itself:
@@ -100,15 +98,12 @@ fn a_failed_commit_after_a_streamed_leave_running_dump_leaves_the_tree_running_a
     );
     assert_eq!(gpu.stopped_at_thaw, Some(false));
     assert!(settled_running(&p));
-    assert!(s.store.list().unwrap().is_empty());
-    assert!(s.staging_empty());
+    s.assert_nothing_kept();
 }
 
 #[test]
 fn a_job_member_left_running_runs_while_the_job_decides_and_an_abort_keeps_it_running() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     let b = super::phase_tests::Barriers::new(
         p.pid(),
         Ok(()),

@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use super::tests::{names, RecordingGpu, Scene, Sleeper};
+use super::tests::{names, Scene};
 use super::*;
 use crate::flows::NotCommitted;
 
@@ -52,9 +52,7 @@ impl Phases for Barriers {
 
 #[test]
 fn an_abort_while_locked_thaws_before_any_dump_and_stores_nothing() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     let b = Barriers::new(p.pid(), Err("rank 3 timed out".into()), Ok(()));
     let err = s
         .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)
@@ -70,15 +68,12 @@ fn an_abort_while_locked_thaws_before_any_dump_and_stores_nothing() {
     );
     assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
     assert!(p.running());
-    assert!(s.store.list().unwrap().is_empty());
-    assert!(s.staging_empty());
+    s.assert_nothing_kept();
 }
 
 #[test]
 fn an_abort_once_durable_deletes_the_member_checkpoint_and_resumes_the_held_tree() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     let b = Barriers::new(
         p.pid(),
         Ok(()),
@@ -102,9 +97,7 @@ fn an_abort_once_durable_deletes_the_member_checkpoint_and_resumes_the_held_tree
 
 #[test]
 fn in_doubt_once_durable_keeps_the_member_checkpoint_and_resumes_the_held_tree() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     let why = NotCommitted::InDoubt("etcd: unreachable".into());
     let b = Barriers::new(p.pid(), Ok(()), Err(why));
     let err = s
@@ -125,9 +118,7 @@ fn in_doubt_once_durable_keeps_the_member_checkpoint_and_resumes_the_held_tree()
 
 #[test]
 fn a_committed_job_stops_the_tree_as_a_plain_checkpoint_does() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     let b = Barriers::new(p.pid(), Ok(()), Ok(()));
     let out = s
         .checkpoint_phased(&mut gpu, &CheckpointOptions::new(p.pid()), &b)

@@ -213,6 +213,19 @@ impl Scene {
         }
     }
 
+    /// A scene with a tree to checkpoint and a GPU hook that records what it is asked.
+    pub(super) fn with_tree() -> (Scene, Sleeper, RecordingGpu) {
+        let s = Scene::new();
+        let gpu = RecordingGpu::new(&s.criu);
+        (s, Sleeper::start(), gpu)
+    }
+
+    /// Nothing of a failed checkpoint is kept: no checkpoint, no staging folder.
+    pub(super) fn assert_nothing_kept(&self) {
+        assert!(self.store.list().unwrap().is_empty());
+        assert!(self.staging_empty());
+    }
+
     pub(super) fn told(&self) -> Vec<Event> {
         self.told.events.lock().unwrap().clone()
     }
@@ -282,9 +295,7 @@ pub(super) fn names(events: &[(String, usize)]) -> Vec<&str> {
 
 #[test]
 fn default_checkpoint_freezes_before_the_dump_and_stops_the_tree_after_the_commit() {
-    let s = Scene::new();
-    let mut p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, mut p, mut gpu) = Scene::with_tree();
     let mut opts = CheckpointOptions::new(p.pid());
     opts.name = Some("job".into());
     let out = s.checkpoint(&mut gpu, &opts).unwrap();
@@ -344,8 +355,7 @@ fn failed_dump_case(images: ImageTransfer) {
     assert_eq!(err.exit_status(), ExitStatus::Storage, "{err}");
     assert_eq!(names(&gpu.events()), ["freeze", "thaw"]);
     assert!(p.running());
-    assert!(s.store.list().unwrap().is_empty());
-    assert!(s.staging_empty());
+    s.assert_nothing_kept();
     // The log left the staging folder before it went, and the error points at it.
     let f = match &err {
         crate::Error::Dump(e) => e.failure().unwrap().clone(),
@@ -386,8 +396,7 @@ fn failed_store_write_continues_the_stopped_tree_and_thaws() {
         }
     })
     .is_empty());
-    assert!(s.store.list().unwrap().is_empty());
-    assert!(s.staging_empty());
+    s.assert_nothing_kept();
 }
 
 #[test]
@@ -467,17 +476,14 @@ fn the_continue_guard_continues_a_stopped_tree_unless_disarmed() {
 
 #[test]
 fn failed_freeze_never_dumps() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     gpu.fail_freeze = true;
     s.checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
         .unwrap_err();
     assert!(s.criu.calls().is_empty());
     assert_eq!(names(&gpu.events()), ["freeze"]);
     assert!(p.running());
-    assert!(s.store.list().unwrap().is_empty());
-    assert!(s.staging_empty());
+    s.assert_nothing_kept();
 }
 
 #[test]
@@ -501,9 +507,7 @@ fn gone_process_and_busy_pid_are_refused_before_anything() {
 
 #[test]
 fn restore_refuses_a_taken_pid_and_a_failed_restore_keeps_the_checkpoint() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, p, mut gpu) = Scene::with_tree();
     let mut opts = CheckpointOptions::new(p.pid());
     opts.leave_running = true;
     let id = s.checkpoint(&mut gpu, &opts).unwrap().info.id;
@@ -673,9 +677,7 @@ fn a_streamed_restore_feeds_criu_the_stored_pages() {
 #[test]
 fn criu_options_reach_the_dump_the_manifest_and_the_restore() {
     use crate::dump::{CgroupMode, NetworkLock};
-    let s = Scene::new();
-    let mut p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, mut p, mut gpu) = Scene::with_tree();
     let mut opts = CheckpointOptions::new(p.pid());
     opts.criu = CriuOptions {
         file_locks: true,
@@ -842,9 +844,7 @@ fn logs_of_a_store_that_is_not_a_folder_go_to_the_temporary_folder() {
 
 #[test]
 fn the_guardian_is_told_each_step_before_it_happens() {
-    let s = Scene::new();
-    let mut p = Sleeper::start();
-    let mut gpu = RecordingGpu::new(&s.criu);
+    let (s, mut p, mut gpu) = Scene::with_tree();
     let pid = p.pid();
     let out = s
         .checkpoint(&mut gpu, &CheckpointOptions::new(pid))
@@ -884,8 +884,7 @@ fn a_guardian_that_cannot_be_told_stops_the_checkpoint_before_anything_is_touche
     assert!(gpu.events().is_empty(), "no GPU step: {:?}", gpu.events());
     assert!(s.criu.calls().is_empty(), "no dump: {:?}", s.criu.calls());
     assert!(tree::is_alive(p.pid()));
-    assert!(s.store.list().unwrap().is_empty());
-    assert!(s.staging_empty());
+    s.assert_nothing_kept();
 }
 
 #[test]

@@ -141,6 +141,14 @@ pub(super) struct Cluster {
 }
 
 impl Cluster {
+    /// Agents on nodes `a` and `b`, and job `train` with rank 0 on `a` and rank 1 on `b`.
+    fn train_on_a_and_b() -> Cluster {
+        let c = Cluster::start(&["a", "b"], &[]);
+        c.add("train", 0, "a");
+        c.add("train", 1, "b");
+        c
+    }
+
     pub(super) fn start(nodes: &[&str], faults: &[(u32, Fault)]) -> Cluster {
         Cluster::start_on(Arc::new(MemoryCoordinator::new()), nodes, faults, |c| c)
     }
@@ -518,9 +526,7 @@ fn periodic_checkpoints_keep_the_newest_and_a_failed_round_does_not_stop_the_nex
 
 #[test]
 fn a_member_checkpoint_on_a_node_without_agent_stays_in_the_trash_until_a_later_delete() {
-    let c = Cluster::start(&["a", "b"], &[]);
-    c.add("train", 0, "a");
-    c.add("train", 1, "b");
+    let c = Cluster::train_on_a_and_b();
     let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
     drop(c);
     // Only a's agent runs now: the job checkpoint goes, b's member checkpoint waits in the trash.
@@ -602,9 +608,7 @@ fn an_agent_whose_lease_expired_registers_again_and_takes_part_in_the_next_job()
 
 #[test]
 fn a_forged_job_manifest_is_refused_before_any_agent_is_asked() {
-    let c = Cluster::start(&["a", "b"], &[]);
-    c.add("train", 0, "a");
-    c.add("train", 1, "b");
+    let c = Cluster::train_on_a_and_b();
     let m = checkpoint_job(c.arc(), &opts("train")).unwrap();
     let none = BTreeMap::new();
     let forged: [fn(&mut JobManifest); 3] = [
