@@ -28,6 +28,7 @@ pub mod path_search;
 pub mod proc;
 pub mod store;
 pub mod testdata;
+pub mod thp;
 pub mod util;
 
 pub use error::{Error, Result};

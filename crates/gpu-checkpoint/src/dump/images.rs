@@ -158,6 +158,8 @@ pub struct Vma {
     pub flags: u32,
     /// CRIU's own bits (`VMA_*`).
     pub status: u32,
+    /// The `madvise` advice the mapping had, one bit per advice (`1 << MADV_HUGEPAGE`, ...).
+    pub madv: u64,
 }
 
 impl Vma {
@@ -215,7 +217,8 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
             return Ok(false);
         }
         let vma = is.read_bytes()?;
-        let (mut start, mut end, mut shmid, mut flags, mut status) = (None, None, 0, 0, 0);
+        let (mut start, mut end, mut shmid, mut flags, mut status, mut madv) =
+            (None, None, 0, 0, 0, 0);
         if let Err(e) = fields(&vma, |n, _, is| {
             Ok(match n {
                 1 => {
@@ -238,6 +241,10 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
                     status = is.read_uint32()?;
                     true
                 }
+                9 => {
+                    madv = is.read_uint64()?;
+                    true
+                }
                 _ => false,
             })
         }) {
@@ -250,6 +257,7 @@ pub fn parse_mm(bytes: &[u8]) -> Result<Mm, String> {
                 shmid,
                 flags,
                 status,
+                madv,
             }),
             _ => {
                 bad.get_or_insert("a mapping without bounds".to_string());
@@ -384,6 +392,7 @@ pub(crate) mod encode {
                 shmid: 0,
                 flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
                 status: super::VMA_AREA_REGULAR | super::VMA_ANON_PRIVATE,
+                madv: 0,
             })
             .collect();
         mm_of(1, &anon)
@@ -400,6 +409,9 @@ pub(crate) mod encode {
             uint(4, v.shmid, &mut e);
             uint(6, v.flags as u64, &mut e);
             uint(7, v.status as u64, &mut e);
+            if v.madv != 0 {
+                uint(9, v.madv, &mut e);
+            }
             bytes(14, &e, &mut m);
         }
         uint(15, 1, &mut m);
@@ -486,6 +498,7 @@ mod tests {
             shmid: 7,
             flags: libc::MAP_PRIVATE as u32,
             status: VMA_AREA_REGULAR | VMA_FILE_PRIVATE,
+            madv: 1 << libc::MADV_HUGEPAGE,
         };
         let guard = Vma {
             start: 0x1000,
@@ -493,6 +506,7 @@ mod tests {
             shmid: 0,
             flags: 0,
             status: VMA_AREA_GUARD,
+            madv: 0,
         };
         let mm = parse_mm(&image(&[mm_of(42, &[file, guard])])).unwrap();
         assert_eq!(mm.exe_file_id, 42);

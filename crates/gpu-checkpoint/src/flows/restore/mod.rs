@@ -134,8 +134,14 @@ pub struct Timings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uffd: Option<uffd::FillStats>,
     /// The GPU step (restore + unlock, and a job restore's wait for the other members between them); 0
-    /// without GPU state.
+    /// without GPU state. Where the processes resume before all of their memory is in, it runs while the
+    /// memory comes in.
     pub gpu: f64,
+    /// From the start until the processes ran again (CRIU resumed them; a GPU process's device state
+    /// is back only once the GPU step is done).
+    pub resumed: Option<f64>,
+    /// From the start until all of the processes' memory was in.
+    pub memory_in: Option<f64>,
     pub total: f64,
 }
 
@@ -263,7 +269,22 @@ impl Flow<'_> {
             env: &criu_env,
         };
         let mut uffd_stats = None;
-        let (fetch, restore_ms, restored) = if self.images == ImageTransfer::Uffd {
+        // The GPU step: restore and unlock, after CRIU (while the memory comes in, when the processes
+        // resume before it is all there: the GPU restore's faults are served first).
+        let mut gpu_step = |pid: i32| {
+            fault::at("restore.after-criu");
+            let t = Instant::now();
+            let r = self.gpu.finish_restore(
+                gpu_record.as_ref(),
+                &RestoredTree {
+                    root_pid: pid,
+                    pids: &pids,
+                    before_unlock,
+                },
+            );
+            (r, ms(t))
+        };
+        let (fetch, restore_ms, restored, gpu_done, resumed, memory_in) = if self.images.uffd() {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
             // post-restore notification.
             let t = Instant::now();
@@ -276,10 +297,25 @@ impl Flow<'_> {
             )?;
             let fetch = ms(t);
             let t = Instant::now();
-            let (restored, filled) =
-                uffd::restore(self.criu, &req, self.store, &info, &plan, self.progress);
-            let took = ms(t);
-            match (&restored, filled) {
+            let resume = if self.images == ImageTransfer::UffdFilled {
+                uffd::Resume::Filled
+            } else {
+                uffd::Resume::Early
+            };
+            let hold = GuardianHold(self.watch);
+            let out = uffd::restore(
+                self.criu,
+                &req,
+                self.store,
+                &info,
+                &plan,
+                self.progress,
+                resume,
+                &hold,
+                &mut gpu_step,
+            );
+            let since = |at: Option<Instant>| at.map(|a| ms_between(started, a));
+            match (&out.restored, out.filled) {
                 (Err(_), Err(store_err)) => {
                     // A damaged chunk, or a copy the kernel refused, is why CRIU failed: say that.
                     keep_log(self.store, &info.id, work.path());
@@ -293,7 +329,8 @@ impl Flow<'_> {
                 }
                 (_, Ok(stats)) => uffd_stats = Some(stats),
             }
-            (fetch, took, restored)
+            let (resumed, memory_in) = (since(out.resumed), since(out.memory_in));
+            (fetch, ms(t), out.restored, out.then, resumed, memory_in)
         } else if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
             let t = Instant::now();
@@ -305,7 +342,8 @@ impl Flow<'_> {
                 keep_log(self.store, &info.id, work.path());
                 return Err(store_err);
             }
-            (0.0, took, restored)
+            let at = Some(ms(started));
+            (0.0, took, restored, None, at, at)
         } else {
             let t = Instant::now();
             self.store
@@ -313,7 +351,8 @@ impl Flow<'_> {
             let fetch = ms(t);
             let t = Instant::now();
             let restored = self.criu.restore(&req);
-            (fetch, ms(t), restored)
+            let at = Some(ms(started));
+            (fetch, ms(t), restored, None, at, at)
         };
         let log = keep_log(self.store, &info.id, work.path());
         let pid = match restored {
@@ -334,16 +373,8 @@ impl Flow<'_> {
             }
         };
 
-        fault::at("restore.after-criu");
-        let t = Instant::now();
-        let gpu = match self.gpu.finish_restore(
-            gpu_record.as_ref(),
-            &RestoredTree {
-                root_pid: pid,
-                pids: &pids,
-                before_unlock,
-            },
-        ) {
+        let (gpu, gpu_ms) = gpu_done.unwrap_or_else(|| gpu_step(pid));
+        let gpu = match gpu {
             Ok(v) => v,
             Err(e) => {
                 // A copy whose GPU state did not come back (or whose job restore aborted) must not run on.
@@ -351,7 +382,6 @@ impl Flow<'_> {
                 return Err(e.into());
             }
         };
-        let gpu_ms = ms(t);
         Ok(RestoreOutcome {
             id: info.id,
             pid,
@@ -362,10 +392,41 @@ impl Flow<'_> {
                 streamed: req.stream,
                 uffd: uffd_stats,
                 gpu: gpu_ms,
+                resumed,
+                memory_in,
                 total: ms(started),
             },
             gpu,
         })
+    }
+}
+
+impl ImageTransfer {
+    /// Whether a restore copies the memory through userfaultfd.
+    fn uffd(self) -> bool {
+        matches!(self, ImageTransfer::Uffd | ImageTransfer::UffdFilled)
+    }
+}
+
+/// Milliseconds from `a` to `b`.
+fn ms_between(a: Instant, b: Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64() * 1000.0
+}
+
+/// The guardian holds a copy of each userfaultfd while the processes run before their memory is in.
+struct GuardianHold<'w>(&'w dyn crate::flows::Watch);
+
+impl uffd::Hold for GuardianHold<'_> {
+    fn hold(&self, fds: &[std::os::fd::RawFd]) {
+        if let Err(e) = self.0.tell(&Event::Memory { fds: fds.to_vec() }) {
+            tracing::warn!("the guardian cannot hold the restore's userfaultfds: {e}");
+        }
+    }
+
+    fn release(&self) {
+        if let Err(e) = self.0.tell(&Event::MemoryIn) {
+            tracing::debug!("telling the guardian the memory is in: {e}");
+        }
     }
 }
 
