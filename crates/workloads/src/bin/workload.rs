@@ -23,6 +23,9 @@
 //!   every page holds the previous generation's number, then writes its own into every page; a page
 //!   of another generation (a restored snapshot of two moments: torn) ends it with exit 3
 //!   records: pid gen torn (and page found, when torn)
+//! - `churn`    `--mib N` (default 256) of memory whose mappings keep changing (fork, `MADV_DONTNEED`,
+//!   `munmap`, `mremap`, `mprotect`), checked at each step (`workload/churn.rs`)
+//!   record: pid rounds full bad
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -34,6 +37,9 @@ use std::sync::Arc;
 
 use gpu_checkpoint::testdata::XorShift64;
 use gpu_checkpoint_workloads::{detach, sleep_ms, step, Opts, StateFile};
+
+#[path = "workload/churn.rs"]
+mod churn;
 
 /// Tick of the workloads: fast enough that a test sees progress within a fraction of a second.
 const TICK_MS: u64 = 20;
@@ -60,8 +66,9 @@ fn main() {
         "memory" => memory(&opts),
         "cow" => cow(&opts),
         "generations" => generations(&opts),
+        "churn" => churn::churn(&opts),
         _ => Err(format!(
-            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow, generations)"
+            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow, generations, churn)"
         )),
     };
     if let Err(e) = result {

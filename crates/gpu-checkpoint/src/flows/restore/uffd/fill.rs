@@ -51,6 +51,8 @@ pub struct FillStats {
     pub dropped_bytes: u64,
     /// Processes forked while their memory was coming in (each got what was still pending in its parent).
     pub forks: u64,
+    /// `mremap`, `munmap` and `MADV_DONTNEED` calls of running processes while their memory came in.
+    pub mapping_changes: u64,
 }
 
 /// Chunk states: not read yet, being read by a worker, copied wherever it was pending.
@@ -113,6 +115,7 @@ pub(super) struct Filler<'a> {
     dropped: AtomicU64,
     forks: AtomicU64,
     processes: AtomicU64,
+    changes: AtomicU64,
 }
 
 impl<'a> Filler<'a> {
@@ -157,6 +160,7 @@ impl<'a> Filler<'a> {
             dropped: AtomicU64::new(0),
             forks: AtomicU64::new(0),
             processes: AtomicU64::new(0),
+            changes: AtomicU64::new(0),
         }
     }
 
@@ -222,11 +226,13 @@ impl<'a> Filler<'a> {
     pub(super) fn dropped(&self, space: &Space, start: u64, end: u64) {
         let n = lock(&space.pending).drop_range(start, end);
         self.dropped.fetch_add(n, Ordering::Relaxed);
+        self.changes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// `mremap` in `space` (gate held for writing).
     pub(super) fn remapped(&self, space: &Space, from: u64, to: u64, len: u64) {
         lock(&space.pending).remap(from, to, len);
+        self.changes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A thread of `space` waits for the page at `addr`: its chunk (both, for a page cut by a chunk
@@ -539,6 +545,7 @@ impl<'a> Filler<'a> {
             shared_bytes: self.plan.shared_bytes(),
             dropped_bytes: self.dropped.load(Ordering::Relaxed),
             forks: self.forks.load(Ordering::Relaxed),
+            mapping_changes: self.changes.load(Ordering::Relaxed),
         }
     }
 
@@ -582,6 +589,7 @@ impl ChunkSink for Background<'_, '_> {
         if let Some(e) = self.filler.failure() {
             return Err(e);
         }
+        crate::fault::at("restore.memory");
         self.filler.copy_chunk(self.im, off, len, bytes)?;
         let image = &self.filler.images[self.im];
         if let Some(ci) = image.chunk_at(off) {
