@@ -153,6 +153,60 @@ pub fn collapse(pid: i32, windows: &[(u64, u64)]) -> io::Result<u64> {
     Ok(done)
 }
 
+/// What copying into fresh anonymous memory costs here, in 4 KiB pages and in huge pages: the driver's
+/// staging copy is such a copy. `bytes` copied each way (best of three); GB/s each way, `None` for huge
+/// pages where the kernel gave none (mode `never`, or none free).
+pub fn copy_speed(bytes: usize) -> (f64, Option<f64>) {
+    let src = vec![0x5au8; bytes];
+    let huge = huge_page_size() as usize;
+    let once = |advice: i32| -> Option<f64> {
+        use nix::sys::mman::{mmap_anonymous, MapFlags, ProtFlags};
+        let len = bytes + huge;
+        // SAFETY: a fresh mapping of our own, unmapped below.
+        let map = unsafe {
+            mmap_anonymous(
+                None,
+                std::num::NonZeroUsize::new(len)?,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .ok()?
+        .as_ptr();
+        let start = (map as usize).next_multiple_of(huge);
+        // SAFETY: advice on, then a copy into, `bytes` of the mapping just made (`start` lies within its
+        // first huge page); unmapped right after.
+        let (secs, got_huge) = unsafe {
+            libc::madvise(start as *mut libc::c_void, bytes, advice);
+            let t = std::time::Instant::now();
+            std::ptr::copy_nonoverlapping(src.as_ptr(), start as *mut u8, bytes);
+            let secs = t.elapsed().as_secs_f64();
+            // The kernel's count of this process's huge pages says whether it gave any.
+            let got = advice != libc::MADV_HUGEPAGE || anon_huge_bytes("self") > 0;
+            libc::munmap(map, len);
+            (secs, got)
+        };
+        got_huge.then(|| bytes as f64 / secs / 1e9)
+    };
+    let best = |advice| (0..3).filter_map(|_| once(advice)).reduce(f64::max);
+    let small = best(libc::MADV_NOHUGEPAGE).unwrap_or(0.0);
+    let huge = match mode() {
+        Some(Mode::Never) | None => None,
+        _ => best(libc::MADV_HUGEPAGE),
+    };
+    (small, huge)
+}
+
+/// `AnonHugePages` of process `pid` (a PID, or `self`), in bytes.
+pub fn anon_huge_bytes(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("AnonHugePages:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

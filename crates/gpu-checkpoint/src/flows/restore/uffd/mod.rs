@@ -181,6 +181,8 @@ pub(super) fn restore<T>(
     let end: (Mutex<Option<Instant>>, Condvar) = (Mutex::new(None), Condvar::new());
     let resumed: Mutex<Option<Instant>> = Mutex::new(None);
     let held = std::sync::atomic::AtomicBool::new(false);
+    // Collapsing into huge pages, where done before the processes resume (`Resume::Filled`).
+    let huge: Mutex<Option<(u64, f64)>> = Mutex::new(None);
     std::thread::scope(|s| {
         let serving = s.spawn(|| server.run());
         let urgent: Vec<_> = (0..URGENT_THREADS)
@@ -254,6 +256,7 @@ pub(super) fn restore<T>(
                     return Err(e.to_string());
                 }
                 close();
+                *huge.lock().unwrap_or_else(|e| e.into_inner()) = Some(collapse_huge(plan));
             }
             *resumed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
             Ok(())
@@ -276,6 +279,10 @@ pub(super) fn restore<T>(
         }
         filler.stop();
         close();
+        let mut huge = huge.into_inner().unwrap_or_else(|e| e.into_inner());
+        if huge.is_none() && resumed_at.is_some() && filler.failure().is_none() {
+            huge = Some(collapse_huge(plan));
+        }
         for u in urgent {
             let _ = u.join();
         }
@@ -293,7 +300,13 @@ pub(super) fn restore<T>(
                     .into(),
             )),
             (None, Ok(_), Some(_)) => Ok(filler.stats()),
-        };
+        }
+        .map(|mut st| {
+            if let Some((bytes, ms)) = huge {
+                (st.huge_bytes, st.huge_ms) = (bytes, ms);
+            }
+            st
+        });
         let memory_in = *end.0.lock().unwrap_or_else(|e| e.into_inner());
         Outcome {
             restored,
@@ -303,6 +316,24 @@ pub(super) fn restore<T>(
             then: then_out,
         }
     })
+}
+
+/// Collapses each process's huge-page windows back into huge pages, now that they are in and no longer
+/// registered; returns the bytes the kernel took and the time (ms). A kernel that cannot (before 6.1, or
+/// without `MADV_COLLAPSE` for another process) leaves them in 4 KiB pages, as they were copied.
+fn collapse_huge(plan: &Plan) -> (u64, f64) {
+    let t = Instant::now();
+    let mut done = 0;
+    for task in plan.tasks.iter().filter(|t| !t.huge.is_empty()) {
+        match crate::thp::collapse(task.pid, &task.huge) {
+            Ok(n) => done += n,
+            Err(e) => tracing::info!(
+                "process {}: its memory stays in 4 KiB pages (MADV_COLLAPSE: {e})",
+                task.pid
+            ),
+        }
+    }
+    (done, t.elapsed().as_secs_f64() * 1000.0)
 }
 
 /// Kills the restored processes (and any child they forked meanwhile): their memory cannot come.
