@@ -142,6 +142,10 @@ pub struct Timings {
     pub resumed: Option<f64>,
     /// From the start until all of the processes' memory was in.
     pub memory_in: Option<f64>,
+    /// From the start until the GPU step was done (before `memory_in` where it overlapped the memory's
+    /// coming in: the GPU restore reads the device memory the driver staged in the processes' memory, and
+    /// its faults are served first).
+    pub gpu_done: f64,
     pub total: f64,
 }
 
@@ -282,7 +286,7 @@ impl Flow<'_> {
                     before_unlock,
                 },
             );
-            (r, ms(t))
+            (r, ms(t), ms(started))
         };
         let (fetch, restore_ms, restored, gpu_done, resumed, memory_in) = if self.images.uffd() {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
@@ -373,7 +377,7 @@ impl Flow<'_> {
             }
         };
 
-        let (gpu, gpu_ms) = gpu_done.unwrap_or_else(|| gpu_step(pid));
+        let (gpu, gpu_ms, gpu_done) = gpu_done.unwrap_or_else(|| gpu_step(pid));
         let gpu = match gpu {
             Ok(v) => v,
             Err(e) => {
@@ -394,6 +398,7 @@ impl Flow<'_> {
                 gpu: gpu_ms,
                 resumed,
                 memory_in,
+                gpu_done,
                 total: ms(started),
             },
             gpu,

@@ -582,6 +582,8 @@ impl ChunkSink for Background<'_, '_> {
     }
 
     fn claim(&self, off: u64, _len: u64) -> bool {
+        // Before the claim: a fill slowed down here leaves the chunk to a fault meanwhile.
+        crate::fault::at("restore.memory");
         if self.filler.stop.load(Ordering::Relaxed) {
             return false;
         }
@@ -595,7 +597,6 @@ impl ChunkSink for Background<'_, '_> {
         if let Some(e) = self.filler.failure() {
             return Err(e);
         }
-        crate::fault::at("restore.memory");
         self.filler.copy_chunk(self.im, off, len, bytes)?;
         let image = &self.filler.images[self.im];
         if let Some(ci) = image.chunk_at(off) {
