@@ -39,6 +39,19 @@ impl Mode {
     }
 }
 
+/// `GPU_CHECKPOINT_HUGE_PAGES=leave` leaves restored memory in 4 KiB pages (khugepaged collapses it at its
+/// own pace): the collapse copies every window once more, under the process's mmap lock.
+pub const HUGE_PAGES_ENV: &str = "GPU_CHECKPOINT_HUGE_PAGES";
+
+/// The mode a restore collapses windows under: the kernel's, or `Never` where the kernel has none or the
+/// user said `leave` ([`HUGE_PAGES_ENV`]).
+pub fn collapse_mode() -> Mode {
+    if std::env::var(HUGE_PAGES_ENV).is_ok_and(|v| v.trim() == "leave") {
+        return Mode::Never;
+    }
+    mode().unwrap_or(Mode::Never)
+}
+
 /// The selected word of a sysfs choice line (`always [madvise] never`).
 fn selected(line: &str) -> Option<&str> {
     let at = line.find('[')? + 1;

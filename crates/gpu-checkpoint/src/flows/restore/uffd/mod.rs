@@ -175,12 +175,12 @@ pub(super) fn restore<T>(
         }
     };
     let filler = Filler::new(plan, store, info);
-    let server = Server::new(&socket, &filler);
+    let held = std::sync::atomic::AtomicBool::new(false);
+    let server = Server::new(&socket, &filler, Some((guardian, &held)));
     // The background fill's start (true) or abort (false), and its end.
     let go: (Mutex<Option<bool>>, Condvar) = (Mutex::new(None), Condvar::new());
     let end: (Mutex<Option<Instant>>, Condvar) = (Mutex::new(None), Condvar::new());
     let resumed: Mutex<Option<Instant>> = Mutex::new(None);
-    let held = std::sync::atomic::AtomicBool::new(false);
     // Collapsing into huge pages, where done before the processes resume (`Resume::Filled`).
     let huge: Mutex<Option<(u64, f64)>> = Mutex::new(None);
     std::thread::scope(|s| {

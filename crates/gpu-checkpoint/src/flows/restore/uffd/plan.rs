@@ -110,7 +110,7 @@ impl Plan {
             HashMap::new()
         };
         let mut plan = Plan::default();
-        let thp = crate::thp::mode().unwrap_or(crate::thp::Mode::Never);
+        let thp = crate::thp::collapse_mode();
         let huge = crate::thp::huge_page_size();
         for (pid, name, bytes, pm, mm) in &procs {
             let sh = shared.remove(pid).unwrap_or_default();

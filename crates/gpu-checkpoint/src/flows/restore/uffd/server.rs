@@ -45,16 +45,23 @@ fn readable_now(conn: &std::os::unix::net::UnixStream) -> bool {
 pub(super) struct Server<'a> {
     socket: &'a LazySocket,
     filler: &'a Filler<'a>,
+    /// The guardian, and whether it holds the descriptors now: a forked child's is handed to it too.
+    guardian: Option<(&'a dyn super::Hold, &'a AtomicBool)>,
     pub(super) stop: AtomicBool,
     /// Set once [`Server::run`] no longer looks at any descriptor (they may be closed then).
     pub(super) stopped: AtomicBool,
 }
 
 impl<'a> Server<'a> {
-    pub(super) fn new(socket: &'a LazySocket, filler: &'a Filler<'a>) -> Self {
+    pub(super) fn new(
+        socket: &'a LazySocket,
+        filler: &'a Filler<'a>,
+        guardian: Option<(&'a dyn super::Hold, &'a AtomicBool)>,
+    ) -> Self {
         Server {
             socket,
             filler,
+            guardian,
             stop: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
         }
@@ -164,7 +171,12 @@ impl<'a> Server<'a> {
                 match msg.decode() {
                     Event::Fault(addr) => faults.push(addr),
                     Event::Fork(child) => {
-                        self.filler.forked(space, child);
+                        let child = self.filler.forked(space, child);
+                        if let Some((g, held)) = self.guardian {
+                            if held.load(Ordering::SeqCst) {
+                                g.hold(&[child.uffd.as_raw_fd()]);
+                            }
+                        }
                     }
                     Event::Remap { from, to, len } => self.filler.remapped(space, from, to, len),
                     Event::Remove { start, end } | Event::Unmap { start, end } => {
@@ -251,7 +263,7 @@ mod tests {
         let store = Store::open(&dir.path().join("store"), Default::default()).unwrap();
         let (plan, info) = (Plan::default(), empty_info());
         let filler = Filler::new(&plan, &store, &info);
-        let server = Server::new(&socket, &filler);
+        let server = Server::new(&socket, &filler, None);
         // CRIU's side: connected, one process's PID and its descriptor sent, as criu/uffd.c sends them.
         let mut criu = UnixStream::connect(&socket.path).unwrap();
         criu.write_all(&4242i32.to_ne_bytes()).unwrap();
