@@ -3,7 +3,7 @@
 //! ([`ChunkReader`]). The userfaultfd restore copies them into the processes, the first in the background,
 //! the second for a page a process waits for.
 
-use super::pool::on_workers;
+use super::pool::on_workers_beside;
 use super::verify::{fetch_any, Scratch};
 use crate::store::chunk::{Decoder, HEADER_LEN};
 use crate::store::error::{Error, Result};
@@ -24,6 +24,11 @@ pub trait ChunkSink: Sync {
     /// The chunk's verified bytes (`None`: an all-zero chunk, which is not stored). An error stops every
     /// worker and is what [`Store::visit_chunks`] returns.
     fn visit(&self, off: u64, len: u64, bytes: Option<&[u8]>) -> Result<()>;
+    /// Readers of the sink's own ([`ChunkReader`]s) that run beside the workers: the workers are fewer
+    /// where the memory budget would not hold them all.
+    fn other_readers(&self) -> usize {
+        0
+    }
 }
 
 /// Reads chunk `ci` of file `fi` (at `off`) and calls `f` with its verified bytes: a cold chunk read with
@@ -85,15 +90,23 @@ impl Store {
             let c = &info.files[fi].chunks[ci];
             (c.id, c.len)
         };
-        on_workers(inner, info, &tasks, chunk_of, |&(ci, off, len), scratch| {
-            if sink.claim(off, len) {
-                with_verified(inner, info, fi, ci, off, scratch, &mut |bytes| {
-                    sink.visit(off, len, bytes)
-                })?;
-            }
-            progress.advance(len);
-            Ok(())
-        })
+        let others = sink.other_readers();
+        on_workers_beside(
+            inner,
+            info,
+            others,
+            &tasks,
+            chunk_of,
+            |&(ci, off, len), scratch| {
+                if sink.claim(off, len) {
+                    with_verified(inner, info, fi, ci, off, scratch, &mut |bytes| {
+                        sink.visit(off, len, bytes)
+                    })?;
+                }
+                progress.advance(len);
+                Ok(())
+            },
+        )
         .map(Some)
     }
 

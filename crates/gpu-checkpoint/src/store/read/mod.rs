@@ -65,11 +65,24 @@ pub(super) struct ReadPlan {
 pub(super) const MEMORY_AHEAD_CHUNKS: usize = 48;
 
 pub(super) fn read_plan(inner: &Inner, info: &CheckpointInfo) -> ReadPlan {
+    read_plan_beside(inner, info, 0)
+}
+
+/// A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context: what one reader
+/// of checkpoint `info` holds at most.
+fn per_reader(info: &CheckpointInfo) -> u64 {
+    2 * info.chunking.max_size as u64 + 2 * crate::store::ingest::MIB
+}
+
+/// [`read_plan`] with `others` readers of the caller's own (each [`per_reader`]) running beside the
+/// workers within the same memory budget (the userfaultfd fill's urgent path).
+pub(super) fn read_plan_beside(inner: &Inner, info: &CheckpointInfo, others: usize) -> ReadPlan {
     let max = info.chunking.max_size as u64;
-    // A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context.
-    let per_worker = 2 * max + 2 * crate::store::ingest::MIB;
-    let budget = crate::store::ingest::memory_budget(info.stats.logical_bytes)
-        - crate::store::ingest::RESERVE;
+    let per_worker = per_reader(info);
+    let budget = (crate::store::ingest::memory_budget(info.stats.logical_bytes)
+        - crate::store::ingest::RESERVE)
+        .saturating_sub(others as u64 * per_worker)
+        .max(per_worker);
     let threads = inner.read_threads();
     if !inner.backend.read_ahead_in_memory() {
         return ReadPlan {

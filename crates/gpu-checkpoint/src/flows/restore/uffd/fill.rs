@@ -593,6 +593,10 @@ impl ChunkSink for Background<'_, '_> {
             .is_some_and(|ci| self.filler.claim(self.im, ci))
     }
 
+    fn other_readers(&self) -> usize {
+        super::URGENT_THREADS
+    }
+
     fn visit(&self, off: u64, len: u64, bytes: Option<&[u8]>) -> crate::store::Result<()> {
         if let Some(e) = self.filler.failure() {
             return Err(e);

@@ -93,7 +93,8 @@ pub enum Resume {
     Filled,
 }
 
-/// Threads that read the chunks page faults wait for, beside the background fill.
+/// Threads that read the chunks page faults wait for, beside the background fill (within the same memory
+/// budget: the background fill runs fewer workers where the budget would not hold them all).
 const URGENT_THREADS: usize = 2;
 
 /// What [`restore`] did.
