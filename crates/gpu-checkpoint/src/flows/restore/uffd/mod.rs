@@ -12,16 +12,22 @@
 //! 3. CRIU restores with `--lazy-pages`: it maps the memory, registers it with one userfaultfd per process
 //!    and sends each descriptor over `lazy-pages.socket` in its work folder (CRIU's own protocol with its
 //!    `lazy-pages` daemon: the PID as a 32-bit integer, then the descriptor as `SCM_RIGHTS`).
-//! 4. At CRIU's `post-restore` notification every process is restored and none runs yet. We then copy
-//!    every lazy page out of its verified chunk into its process (`UFFDIO_COPY`, chunk by chunk on all
-//!    workers; raw chunks straight from their mapped files), close the userfaultfds, and only then answer.
-//!    The processes resume with all of their memory and without a registration: no page fault and no
-//!    userfaultfd event (fork, mremap, munmap) ever has to be served, so nothing depends on this process
-//!    staying alive afterwards. Pages of all-zero chunks are not copied at all: with the registration
-//!    gone they read as zeros, as untouched anonymous memory does.
+//! 4. At CRIU's `post-restore` notification every process is restored and none runs yet. The fill
+//!    starts: every lazy page is copied out of its verified chunk into its process (`UFFDIO_COPY`, chunk
+//!    by chunk on the store's workers). With [`Resume::Early`] (the default) the notification is answered
+//!    at once and the processes run: a page they touch first faults, and its chunk is read, verified and
+//!    copied ahead of the rest by the urgent path; their forks, `mremap`, `munmap` and `MADV_DONTNEED`
+//!    are followed (`pending.rs`, `server.rs`), and the guardian holds a copy of every descriptor ([`Hold`])
+//!    so that a touch of missing memory waits rather than reads zeros should this process die. With
+//!    [`Resume::Filled`] the notification is answered only once every page is in. Either way [`restore`]
+//!    returns once every page is in, and then closes the userfaultfds: from then on nothing depends on
+//!    this process. Pages of all-zero chunks are not copied at all: with the registration gone they read
+//!    as zeros, as untouched anonymous memory does (a fault there before that gets the zero page). Windows
+//!    of memory the kernel backs with huge pages are collapsed back into huge pages once in (`crate::thp`).
 //! 5. A failure (a damaged chunk, a copy the kernel refuses, a process CRIU sent no descriptor for)
-//!    answers the notification with an error: CRIU then kills the restored tree, and the checkpoint is
-//!    left as it was.
+//!    before the processes run answers the notification with an error: CRIU then kills the restored tree.
+//!    Once they run, the fill kills them itself (they would wait for memory that cannot come). The
+//!    checkpoint is left as it was.
 //!
 //! Except for pages a parent shares with its children. After a fork they hold one copy of each private
 //! page until one writes it, and CRIU gets that sharing back only for pages it restores itself: it fills
@@ -37,8 +43,9 @@
 //!
 //! The parts, by job: `plan.rs` decides which pages go through userfaultfd and where each lies, with
 //! `cow.rs` for the pages parent and children share;
-//! `server.rs` takes the descriptors from CRIU and serves its restorer's faults; `fill.rs` copies the
-//! pages at the notification; `sys.rs` is the raw userfaultfd interface. This file drives a restore.
+//! `server.rs` takes the descriptors from CRIU and reads the events on them; `fill.rs` copies the pages,
+//! in the background and for faults first; `pending.rs` keeps what is still to copy right while the
+//! processes change their mappings; `sys.rs` is the raw userfaultfd interface. This file drives a restore.
 
 mod cow;
 mod fill;
