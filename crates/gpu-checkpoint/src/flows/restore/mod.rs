@@ -129,7 +129,8 @@ pub enum Target {
 pub struct Timings {
     /// Reading and verifying the images out of the store into a work folder (0 when `streamed`).
     pub fetch: f64,
-    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile.
+    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile;
+    /// through userfaultfd, until every page was in (the GPU step included, which ran meanwhile).
     pub restore: f64,
     /// CRIU read the images from the store through pipes ([`ImageTransfer::Stream`]).
     pub streamed: bool,
