@@ -67,6 +67,13 @@ fn os(what: &str) -> String {
 fn round(m: &Mem, b: usize) -> Result<(), String> {
     let blocks = m.len / MIB;
     let at = |k: usize| ((b + k) % blocks) * MIB;
+    // Fresh mappings go into even blocks, `mremap` moves odd ones. While a restore still serves its
+    // memory (`--resume early`) the restored range is registered with userfaultfd and a fresh mapping
+    // is not, so the kernel keeps them apart as two mappings, and `mremap` of a range spanning both
+    // fails (EFAULT) until the memory is in: a limit of restoring through userfaultfd (CRIU's lazy pages
+    // share it), documented in docs/criu.md, not a lost byte.
+    let even = |k: usize| ((b + k) % (blocks / 2)) * 2 * MIB;
+    let odd = |k: usize| even(k) + MIB;
     if !m.check_at(at(0), MIB) {
         return Err(format!("block at {:#x}", at(0)));
     }
@@ -99,7 +106,7 @@ fn round(m: &Mem, b: usize) -> Result<(), String> {
     }
     m.write(d, SLICE);
     // Unmapped memory, and fresh memory mapped in its place.
-    let u = at(4) + 2 * SLICE;
+    let u = even(4) + 2 * SLICE;
     // SAFETY: a range within our mapping, mapped again at once.
     let p = unsafe {
         libc::munmap(m.base.add(u).cast(), SLICE);
@@ -120,7 +127,7 @@ fn round(m: &Mem, b: usize) -> Result<(), String> {
     }
     m.write(u, SLICE);
     // A block moved away and back.
-    let r = at(5);
+    let r = odd(5);
     // SAFETY: moving a MiB of our mapping onto the reserved spare MiB, then back into the hole it left.
     unsafe {
         let away = libc::mremap(
