@@ -35,13 +35,8 @@ bench_build "CRIU"
 ROUNDS=${ROUNDS:-3}
 SIZES=("$@")
 [ ${#SIZES[@]} -gt 0 ] || SIZES=(1024 4096)
-DIR=${BENCH_DIR:-target/bench-criu}
-rm -rf "$DIR"
-mkdir -p "$DIR"
-DIR=$(cd "$DIR" && pwd)
+bench_dir bench-criu
 
-PID=
-trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
 
 
 # Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.

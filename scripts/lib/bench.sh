@@ -20,3 +20,14 @@ settle() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 wait_free() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }'; }
+
+# A fresh work folder $DIR (BENCH_DIR, else target/$1), removed at exit with the process $PID the
+# benchmark runs (killed) if any.
+bench_dir() {
+    DIR=${BENCH_DIR:-target/$1}
+    rm -rf "$DIR"
+    mkdir -p "$DIR"
+    DIR=$(cd "$DIR" && pwd)
+    PID=
+    trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
+}

@@ -2,6 +2,8 @@
 
 Keeps two tensors in device memory: `base` (fixed) and `x` (x += 1 every step). Every 50 steps it checks on the
 GPU that x - base == step everywhere and writes "step S ok" (or "MISMATCH") to the state file given as argv[1].
+argv[2]: MiB per tensor (default 512); argv[3] `random`: `base` holds random int32 (incompressible, as model
+weights are) instead of 0, 1, 2, ...
 """
 import os
 import sys
@@ -12,7 +14,10 @@ import torch
 state = sys.argv[1]
 mib = int(sys.argv[2]) if len(sys.argv) > 2 else 512
 n = mib * (1 << 20) // 4
-base = torch.arange(n, device="cuda", dtype=torch.int32)
+if len(sys.argv) > 3 and sys.argv[3] == "random":
+    base = torch.randint(-(2**31), 2**31 - 1, (n,), device="cuda", dtype=torch.int32)
+else:
+    base = torch.arange(n, device="cuda", dtype=torch.int32)
 x = base.clone()
 step = 0
 while True:

@@ -11,7 +11,7 @@ mod streamed;
 use super::{injected, ContainerFlow, Error, RestoreUndo, WorkDir};
 use crate::fault;
 use crate::flows::pipeline::Discard as PipelineDiscard;
-use crate::flows::pipeline::{Found, GpuRestore, RestoreContext, RestoreTarget, Restored};
+use crate::flows::pipeline::{Found, GpuRestore, GpuStep, RestoreContext, RestoreTarget, Restored};
 use crate::flows::runtime::{members, pid_map, ContainerRuntime};
 use crate::flows::{ms, CheckpointManifest, ContainerRecord, Event, Watch};
 use crate::freeze::{BeforeUnlock, RestoreRecord, RestoredTree};
@@ -256,7 +256,11 @@ impl<'a> RestoreTarget<'a> for Restore<'a> {
         Ok(ms(t))
     }
 
-    fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>> {
+    fn restore(
+        &mut self,
+        ctx: &RestoreContext<'_>,
+        _: &mut GpuStep<'_>,
+    ) -> crate::Result<Restored<'a>> {
         let (runtime, id, work) = (self.runtime, self.opts.id.as_str(), ctx.work);
         // An imported archive's root file system changes, applied before the runtime restores; put back
         // (this guard is dropped after `discard`'s) if the restore fails.

@@ -46,7 +46,7 @@ use super::Watch;
 pub use checkpoint::{CheckpointCommon, Checkpointed, Timings};
 pub use dump::{dump_tree, store_error_first, tell_network, DUMP_LOG};
 pub use restore::{
-    Discard, Found, GpuRestore, RestoreContext, RestoreTarget, RestoreTimings, Restored,
+    Discard, Found, GpuRestore, GpuStep, RestoreContext, RestoreTarget, RestoreTimings, Restored,
     RestoredCheckpoint,
 };
 pub use serve::{restore_streamed, send_image};

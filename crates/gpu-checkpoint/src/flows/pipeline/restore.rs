@@ -12,7 +12,8 @@
 //!    every chunk verified first; what it restored is discarded should a later step fail
 //!    ([`Discard`]);
 //! 6. the GPU state goes back into the restored processes, waiting at a job restore's barrier between
-//!    the restore and the unlock ([`RestoreTarget::restore_gpu`]);
+//!    the restore and the unlock ([`RestoreTarget::restore_gpu`]); where the processes run before all
+//!    of their memory is in, the target runs this step while the memory comes in ([`GpuStep::run`]);
 //! 7. the restored tree is kept.
 //!
 //! Nothing here changes the checkpoint: a failed restore can be tried again.
@@ -43,6 +44,10 @@ pub struct RestoreContext<'c> {
     pub manifest: &'c CheckpointManifest,
     /// The restore's private work folder ([`RestoreTarget::prepare`]'s).
     pub work: &'c Path,
+    /// The guardian (it holds what must outlive this process while the restore goes on).
+    pub watch: &'c dyn Watch,
+    /// When the restore started (the timings' origin).
+    pub started: Instant,
 }
 
 /// A tree the target restored: its root, and what discards it unless the restore finishes.
@@ -69,6 +74,51 @@ pub struct GpuRestore<'g> {
     pub before_unlock: Option<&'g BeforeUnlock<'g>>,
 }
 
+/// The GPU step of a restore (restore + unlock), run once: by the target while its restore goes on
+/// (processes resumed before their memory is in: the GPU restore overlaps the memory's coming in, its
+/// faults served first), otherwise by the pipeline once the target's restore returned.
+pub struct GpuStep<'g> {
+    gpu: &'g mut dyn GpuHook,
+    record: Option<GpuRecord>,
+    before_unlock: Option<&'g BeforeUnlock<'g>>,
+    started: Instant,
+    done: Option<GpuDone>,
+}
+
+/// What [`GpuStep::run`] did: its result, how long it took and when it was done (ms from the start).
+struct GpuDone {
+    result: crate::Result<Option<RestoreRecord>>,
+    ms: f64,
+    at: f64,
+}
+
+impl GpuStep<'_> {
+    /// Runs the GPU step through `step` (the target's [`RestoreTarget::restore_gpu`], or what the
+    /// target runs in its place) on the tree restored at `root_pid`; once only, later calls do nothing.
+    pub fn run(
+        &mut self,
+        root_pid: i32,
+        step: impl FnOnce(GpuRestore<'_>) -> crate::Result<Option<RestoreRecord>>,
+    ) {
+        if self.done.is_some() {
+            return;
+        }
+        fault::at("restore.after-criu");
+        let t = Instant::now();
+        let result = step(GpuRestore {
+            gpu: &mut *self.gpu,
+            record: self.record.take(),
+            root_pid,
+            before_unlock: self.before_unlock,
+        });
+        self.done = Some(GpuDone {
+            result,
+            ms: ms(t),
+            at: ms(self.started),
+        });
+    }
+}
+
 /// What is restored: a process tree (CRIU), a container (its runtime), each as a job member too
 /// (through the barrier given to [`Pipeline::restore`]).
 pub trait RestoreTarget<'a> {
@@ -93,8 +143,13 @@ pub trait RestoreTarget<'a> {
         Ok(0.0)
     }
 
-    /// Restores the tree from the images.
-    fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>>;
+    /// Restores the tree from the images; may run the GPU step itself once the tree exists
+    /// ([`GpuStep::run`]), where it overlaps what the restore still does.
+    fn restore(
+        &mut self,
+        ctx: &RestoreContext<'_>,
+        gpu: &mut GpuStep<'_>,
+    ) -> crate::Result<Restored<'a>>;
 
     /// Puts the GPU state back into the restored tree.
     fn restore_gpu(&mut self, step: GpuRestore<'_>) -> crate::Result<Option<RestoreRecord>>;
@@ -112,6 +167,8 @@ pub struct RestoreTimings {
     pub restore: f64,
     /// The GPU step (restore + unlock, and a job restore's wait between them); 0 without GPU state.
     pub gpu: f64,
+    /// From the start until the GPU step was done.
+    pub gpu_done: f64,
     pub total: f64,
 }
 
@@ -155,6 +212,8 @@ impl Pipeline<'_> {
             info: &info,
             manifest: &manifest,
             work: &work,
+            watch: self.watch,
+            started,
         };
         let mut timings = RestoreTimings {
             fetch: target.fetch(&ctx)?,
@@ -163,22 +222,24 @@ impl Pipeline<'_> {
         fault::at("restore.before-criu");
         check_interrupt(&interrupt, "nothing was restored; the checkpoint is intact")?;
 
-        let t = Instant::now();
-        let restored = target.restore(&ctx)?;
-        timings.fetch += restored.fetch_ms;
-        timings.restore = ms(t) - restored.fetch_ms;
-        fault::at("restore.after-criu");
-
-        let t = Instant::now();
-        // A copy whose GPU state did not come back (or whose job restore aborted) must not run on:
-        // `restored.discard`, dropped, discards it.
-        let gpu = target.restore_gpu(GpuRestore {
+        let mut step = GpuStep {
             gpu: &mut *self.gpu,
             record: gpu_record,
-            root_pid: restored.root_pid,
             before_unlock,
-        })?;
-        timings.gpu = ms(t);
+            started,
+            done: None,
+        };
+        let t = Instant::now();
+        let restored = target.restore(&ctx, &mut step)?;
+        timings.fetch += restored.fetch_ms;
+        timings.restore = ms(t) - restored.fetch_ms;
+
+        step.run(restored.root_pid, |s| target.restore_gpu(s));
+        let done = step.done.take().expect("the GPU step ran");
+        (timings.gpu, timings.gpu_done) = (done.ms, done.at);
+        // A copy whose GPU state did not come back (or whose job restore aborted) must not run on:
+        // `restored.discard`, dropped, discards it.
+        let gpu = done.result?;
         restored.discard.keep();
         target.finished(self.watch);
         timings.total = ms(started);

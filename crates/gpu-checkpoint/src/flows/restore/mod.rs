@@ -26,13 +26,19 @@ mod ids;
 mod preflight;
 mod premap;
 mod uffd;
+mod workdir;
+
+pub use workdir::remove_stale_work_dirs;
+use workdir::WorkDir;
 
 pub use uffd::{available as uffd_available, FillStats};
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::pipeline::{Discard, Found, GpuRestore, RestoreContext, RestoreTarget, Restored};
+use super::pipeline::{
+    Discard, Found, GpuRestore, GpuStep, RestoreContext, RestoreTarget, Restored,
+};
 use super::{ms, save_log, CheckpointManifest, Flow, ImageTransfer, Watch};
 use crate::dump::devices::PluginDir;
 use crate::dump::{Criu, CriuOptions, FailureKind, RestoreRequest};
@@ -126,7 +132,8 @@ pub enum Target {
 pub struct Timings {
     /// Reading and verifying the images out of the store into a work folder (0 when `streamed`).
     pub fetch: f64,
-    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile.
+    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile;
+    /// through userfaultfd, until every page was in (the GPU step included, which ran meanwhile).
     pub restore: f64,
     /// CRIU read the images from the store through pipes ([`ImageTransfer::Stream`]).
     pub streamed: bool,
@@ -139,8 +146,18 @@ pub struct Timings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub staged_instead: Option<String>,
     /// The GPU step (restore + unlock, and a job restore's wait for the other members between them); 0
-    /// without GPU state.
+    /// without GPU state. Where the processes resume before all of their memory is in, it runs while the
+    /// memory comes in.
     pub gpu: f64,
+    /// From the start until the processes ran again (CRIU resumed them; a GPU process's device state
+    /// is back only once the GPU step is done).
+    pub resumed: Option<f64>,
+    /// From the start until all of the processes' memory was in.
+    pub memory_in: Option<f64>,
+    /// From the start until the GPU step was done (before `memory_in` where it overlapped the memory's
+    /// coming in: the GPU restore reads the device memory the driver staged in the processes' memory, and
+    /// its faults are served first).
+    pub gpu_done: f64,
     pub total: f64,
 }
 
@@ -202,6 +219,9 @@ impl Flow<'_> {
                 uffd: tree.uffd_stats,
                 staged_instead: tree.staged_instead,
                 gpu: t.gpu,
+                resumed: tree.resumed,
+                memory_in: tree.memory_in,
+                gpu_done: t.gpu_done,
                 total: t.total,
             },
             gpu: out.gpu,
@@ -244,6 +264,9 @@ struct CriuRestore<'a> {
     /// What the restore left: CRIU's log kept, and what userfaultfd copied.
     log: Option<PathBuf>,
     uffd_stats: Option<FillStats>,
+    /// When the processes ran again, and when all of their memory was in (ms from the start).
+    resumed: Option<f64>,
+    memory_in: Option<f64>,
     /// The restored tree's PIDs: the recorded ones, or (a new PID namespace) those it runs with.
     pids: Vec<i32>,
 }
@@ -268,6 +291,8 @@ impl<'a> CriuRestore<'a> {
             work: None,
             log: None,
             uffd_stats: None,
+            resumed: None,
+            memory_in: None,
             pids: Vec::new(),
         }
     }
@@ -365,7 +390,11 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
         Ok(())
     }
 
-    fn restore(&mut self, ctx: &RestoreContext<'_>) -> crate::Result<Restored<'a>> {
+    fn restore(
+        &mut self,
+        ctx: &RestoreContext<'_>,
+        gpu: &mut GpuStep<'_>,
+    ) -> crate::Result<Restored<'a>> {
         let (store, info, progress, work) = (ctx.store, ctx.info, ctx.progress, ctx.work);
         let criu_env = self.plugin.as_ref().map(PluginDir::env).unwrap_or_default();
         let req = RestoreRequest {
@@ -377,7 +406,11 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
             post_restore: None,
             env: &criu_env,
         };
-        let (fetch, restored) = if self.images == ImageTransfer::Uffd {
+        let criu_done = |at: &mut Self| {
+            let now = Some(ms(ctx.started));
+            (at.resumed, at.memory_in) = (now, now);
+        };
+        let (fetch, restored) = if self.images.uffd() {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
             // post-restore notification.
             let t = Instant::now();
@@ -389,8 +422,32 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
                 progress,
             )?;
             let fetch = ms(t);
-            let (restored, filled) = uffd::restore(self.criu, &req, store, info, &plan, progress);
-            match (&restored, filled) {
+            let resume = if self.images == ImageTransfer::UffdFilled {
+                uffd::Resume::Filled
+            } else {
+                uffd::Resume::Early
+            };
+            // The GPU step, right after CRIU: while the memory comes in, when the processes resume
+            // before it is all there (the GPU restore's faults are served first).
+            let (procs, own_namespace, pids) = (self.procs, self.ids().own_namespace, &self.pids);
+            let gpu_step = |pid: i32| {
+                // A tree restored into a new PID namespace has new PIDs (and no GPU state: refused
+                // in `check`).
+                let tree_pids: Vec<i32> = if own_namespace {
+                    procs.tree(pid).iter().map(|p| p.pid).collect()
+                } else {
+                    pids.clone()
+                };
+                gpu.run(pid, |step| finish_gpu(step, &tree_pids));
+            };
+            let hold = GuardianHold(ctx.watch);
+            let out = uffd::restore(
+                self.criu, &req, store, info, &plan, progress, resume, &hold, gpu_step,
+            );
+            let since = |at: Option<Instant>| at.map(|a| ms_between(ctx.started, a));
+            (self.resumed, self.memory_in) = (since(out.resumed), since(out.memory_in));
+            let restored = out.restored;
+            match (&restored, out.filled) {
                 (Err(_), Err(store_err)) => {
                     // A damaged chunk, or a copy the kernel refused, is why CRIU failed: say that.
                     keep_log(store, &info.id, work);
@@ -414,11 +471,14 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
                 keep_log(store, &info.id, work);
                 return Err(store_err);
             }
+            criu_done(self);
             (0.0, restored)
         } else {
             let t = Instant::now();
             store.materialize(&info.id, work, progress)?;
-            (ms(t), self.criu.restore(&req))
+            let restored = self.criu.restore(&req);
+            criu_done(self);
+            (ms(t), restored)
         };
         self.log = keep_log(store, &info.id, work);
         let pid = match restored {
@@ -456,12 +516,46 @@ impl<'a> RestoreTarget<'a> for CriuRestore<'a> {
     }
 
     fn restore_gpu(&mut self, step: GpuRestore<'_>) -> crate::Result<Option<RestoreRecord>> {
-        let tree = RestoredTree {
-            root_pid: step.root_pid,
-            pids: &self.pids,
-            before_unlock: step.before_unlock,
-        };
-        Ok(step.gpu.finish_restore(step.record.as_ref(), &tree)?)
+        finish_gpu(step, &self.pids)
+    }
+}
+
+/// The GPU step's restore + unlock of the tree `pids`.
+fn finish_gpu(step: GpuRestore<'_>, pids: &[i32]) -> crate::Result<Option<RestoreRecord>> {
+    let tree = RestoredTree {
+        root_pid: step.root_pid,
+        pids,
+        before_unlock: step.before_unlock,
+    };
+    Ok(step.gpu.finish_restore(step.record.as_ref(), &tree)?)
+}
+
+impl ImageTransfer {
+    /// Whether a restore copies the memory through userfaultfd.
+    fn uffd(self) -> bool {
+        matches!(self, ImageTransfer::Uffd | ImageTransfer::UffdFilled)
+    }
+}
+
+/// Milliseconds from `a` to `b`.
+fn ms_between(a: Instant, b: Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64() * 1000.0
+}
+
+/// The guardian holds a copy of each userfaultfd while the processes run before their memory is in.
+struct GuardianHold<'w>(&'w dyn Watch);
+
+impl uffd::Hold for GuardianHold<'_> {
+    fn hold(&self, fds: &[std::os::fd::RawFd]) {
+        if let Err(e) = self.0.tell(&Event::Memory { fds: fds.to_vec() }) {
+            tracing::warn!("the guardian cannot hold the restore's userfaultfds: {e}");
+        }
+    }
+
+    fn release(&self) {
+        if let Err(e) = self.0.tell(&Event::MemoryIn) {
+            tracing::debug!("telling the guardian the memory is in: {e}");
+        }
     }
 }
 
@@ -551,36 +645,6 @@ fn check_pids_free_now(procs: &dyn Processes, id: &str, pids: &[i32]) -> Result<
         }
     }
     Ok(())
-}
-
-/// The folder in a store that holds the restores' work folders.
-const WORK_FOLDER: &str = "restore-work";
-
-/// A private work folder for a restore's images (see [`crate::flows::workdir`]).
-struct WorkDir(crate::flows::workdir::WorkDir);
-
-impl WorkDir {
-    fn create(storage: Option<&Path>, id: &str) -> Result<WorkDir, Error> {
-        let place = crate::flows::workdir::Place {
-            store: storage,
-            folder: WORK_FOLDER,
-            temp_prefix: "gpu-checkpoint-restore",
-        };
-        crate::flows::workdir::WorkDir::create(&place, id)
-            .map(WorkDir)
-            .map_err(|(path, source)| Error::WorkDir { path, source })
-    }
-
-    fn path(&self) -> &Path {
-        self.0.path()
-    }
-}
-
-/// Removes the work folders that killed restores left in a store (their lock died with them); folders of
-/// restores still running are locked and kept. Returns how many were removed. Run at the start of every
-/// restore and by `gc`.
-pub fn remove_stale_work_dirs(storage: &Path) -> std::io::Result<u64> {
-    crate::flows::workdir::remove_stale(storage, WORK_FOLDER)
 }
 
 #[cfg(test)]
