@@ -1,6 +1,6 @@
 //! The container restore with CRIU's images streamed from the store: the runtime's restore runs while the
 //! store serves the images on CRIU's image-streamer socket in the images folder, each chunk verified
-//! before CRIU gets a byte of it (as `flows/restore/stream.rs` does for a process). Nothing but the
+//! before CRIU gets a byte of it (as `flows/pipeline/serve.rs` does for a process). Nothing but the
 //! runtime's own `descriptors.json` is written into the folder: no materialized copy.
 //!
 //! runc drives CRIU over its RPC, which cannot stream; the runtime gets there through our `criu swrk`
