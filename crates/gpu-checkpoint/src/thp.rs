@@ -11,8 +11,6 @@
 use std::io;
 use std::path::Path;
 
-use crate::dump::images::Vma;
-
 /// `MADV_COLLAPSE` (linux/mman.h; not in every libc yet).
 const MADV_COLLAPSE: i32 = 25;
 
@@ -88,13 +86,15 @@ pub fn huge_page_size() -> u64 {
         .unwrap_or(2 << 20)
 }
 
-/// Whether the kernel would back mapping `vma` with huge pages under `mode`: private anonymous memory
-/// that asked for them, or (`always`) that did not refuse them.
-pub fn eligible(mode: Mode, vma: &Vma) -> bool {
-    let anon_private = vma.flags & (libc::MAP_ANONYMOUS | libc::MAP_PRIVATE) as u32
+/// Whether the kernel would back a mapping with huge pages under `mode`: private anonymous memory
+/// that asked for them, or (`always`) that did not refuse them. `flags` are the mapping's `MAP_*` flags,
+/// `madv` its `madvise` advice, one bit per advice (as CRIU's `mm-PID.img` records them:
+/// `crate::dump::images::Vma`).
+pub fn eligible(mode: Mode, flags: u32, madv: u64) -> bool {
+    let anon_private = flags & (libc::MAP_ANONYMOUS | libc::MAP_PRIVATE) as u32
         == (libc::MAP_ANONYMOUS | libc::MAP_PRIVATE) as u32;
-    let asked = vma.madv & (1 << libc::MADV_HUGEPAGE) != 0;
-    let refused = vma.madv & (1 << libc::MADV_NOHUGEPAGE) != 0;
+    let asked = madv & (1 << libc::MADV_HUGEPAGE) != 0;
+    let refused = madv & (1 << libc::MADV_NOHUGEPAGE) != 0;
     anon_private
         && !refused
         && match mode {
@@ -125,11 +125,11 @@ pub fn windows(ranges: &[(u64, u64)], huge: u64) -> Vec<(u64, u64)> {
     out
 }
 
-/// Asks the kernel to collapse `windows` of process `pid` into huge pages (`process_madvise` with
-/// `MADV_COLLAPSE`). Returns the bytes it took; an error where the kernel cannot do it at all.
-pub fn collapse(pid: i32, windows: &[(u64, u64)]) -> io::Result<u64> {
+/// Asks the kernel to collapse `windows` of the process `pidfd` refers to into huge pages
+/// (`process_madvise` with `MADV_COLLAPSE`). Returns the bytes it took; an error where the kernel cannot
+/// do it at all.
+pub fn collapse(pidfd: std::os::fd::BorrowedFd<'_>, windows: &[(u64, u64)]) -> io::Result<u64> {
     use std::os::fd::AsRawFd;
-    let pidfd = crate::proc::pidfd_open(pid)?;
     let mut done = 0u64;
     // The kernel takes at most UIO_MAXIOV (1024) ranges per call.
     for part in windows.chunks(1024) {
@@ -236,29 +236,12 @@ mod tests {
 
     #[test]
     fn eligible_mappings_and_whole_windows() {
-        let anon = Vma {
-            start: 0,
-            end: 8 << 20,
-            shmid: 0,
-            flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
-            status: 0,
-            madv: 0,
-        };
-        let asked = Vma {
-            madv: 1 << libc::MADV_HUGEPAGE,
-            ..anon
-        };
-        let refused = Vma {
-            madv: 1 << libc::MADV_NOHUGEPAGE,
-            ..anon
-        };
-        let file = Vma {
-            flags: libc::MAP_PRIVATE as u32,
-            ..asked
-        };
-        assert!(eligible(Mode::Always, &anon) && !eligible(Mode::Madvise, &anon));
-        assert!(eligible(Mode::Madvise, &asked) && !eligible(Mode::Never, &asked));
-        assert!(!eligible(Mode::Always, &refused) && !eligible(Mode::Always, &file));
+        let anon = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32;
+        let file = libc::MAP_PRIVATE as u32;
+        let (asked, refused) = (1 << libc::MADV_HUGEPAGE, 1 << libc::MADV_NOHUGEPAGE);
+        assert!(eligible(Mode::Always, anon, 0) && !eligible(Mode::Madvise, anon, 0));
+        assert!(eligible(Mode::Madvise, anon, asked) && !eligible(Mode::Never, anon, asked));
+        assert!(!eligible(Mode::Always, anon, refused) && !eligible(Mode::Always, file, asked));
         const M: u64 = 1 << 20;
         // 1 MiB..7 MiB holds the windows at 2 and 4 MiB; two adjacent runs make one range.
         assert_eq!(

@@ -27,6 +27,9 @@ const LEAVES: &[&str] = &[
     "path_search",
     "fdpass",
     "testdata",
+    "beneath",
+    "validate",
+    "thp",
 ];
 
 /// The stages, bottom up: a stage names only the leaves and the stages before it.
@@ -412,6 +415,23 @@ fn no_import_runs_back_up_a_layer() {
         bad.is_empty(),
         "imports that run up a layer (or between leaves):\n{}",
         bad.concat()
+    );
+}
+
+#[test]
+fn every_module_of_the_crate_root_has_a_layer() {
+    // A module the layer check does not know would escape it: each is a leaf, a stage or the flows.
+    let c = load();
+    let unknown: BTreeSet<&str> = c
+        .files
+        .keys()
+        .filter_map(|m| m.first())
+        .map(String::as_str)
+        .filter(|top| !LEAVES.contains(top) && !STAGES.contains(top) && *top != "flows")
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "modules of the crate root that are neither a leaf, a stage nor the flows: {unknown:?}"
     );
 }
 

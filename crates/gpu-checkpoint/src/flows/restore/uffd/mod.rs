@@ -58,7 +58,7 @@ mod sys;
 pub use fill::FillStats;
 pub(super) use plan::Plan;
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -330,7 +330,9 @@ fn collapse_huge(plan: &Plan) -> (u64, f64) {
     let t = Instant::now();
     let mut done = 0;
     for task in plan.tasks.iter().filter(|t| !t.huge.is_empty()) {
-        match crate::thp::collapse(task.pid, &task.huge) {
+        let collapsed = crate::proc::pidfd_open(task.pid)
+            .and_then(|fd| crate::thp::collapse(fd.as_fd(), &task.huge));
+        match collapsed {
             Ok(n) => done += n,
             Err(e) => tracing::info!(
                 "process {}: its memory stays in 4 KiB pages (MADV_COLLAPSE: {e})",

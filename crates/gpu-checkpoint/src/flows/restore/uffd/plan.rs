@@ -245,7 +245,7 @@ impl Task {
         let eligible: Vec<(u64, u64)> = mm
             .vmas
             .iter()
-            .filter(|v| !v.is_guard() && crate::thp::eligible(mode, v))
+            .filter(|v| !v.is_guard() && crate::thp::eligible(mode, v.flags, v.madv))
             .map(|v| (v.start, v.end))
             .collect();
         let mut runs: Vec<(u64, u64)> = self
