@@ -2,13 +2,11 @@
 //! job on many nodes ([`cluster`]), built on the stages below them (`detect`, `freeze`, `dump`, `store`). A
 //! flow owns the order of operations and the undo on failure; the stages know how to do one thing each.
 //!
-//! What the flows share lives here, not in one of them: the outside world they work with ([`Flow`]), how
-//! images travel ([`ImageTransfer`]), the checkpoint's manifest ([`manifest`]) and where CRIU's logs are
-//! kept ([`save_log`]). Each of the tree's flows adds its own `impl Flow` block (`Flow::checkpoint` in
-//! [`checkpoint`], `Flow::restore` in [`restore`]). Known violation, until the flows become one pipeline
-//! with targets (issue 29): the container flow imports inner pieces of the checkpoint and restore flows
-//! (`checkpoint::freeze_phased`, `dump_tree`, `restore::stream::send_image`, ...), and [`guardian`] the
-//! container flow's undo types.
+//! What the flows share lives here, not in one of them: the one checkpoint and the one restore
+//! ([`pipeline`]) that a process tree ([`checkpoint`], [`restore`]) and a container ([`container`]) plug
+//! into as targets, the outside world they work with ([`Flow`], [`runtime`], [`guardian`]), how images
+//! travel ([`ImageTransfer`]), the checkpoint's manifest ([`manifest`]) and where CRIU's logs are kept
+//! ([`save_log`]); [`node`] builds the real flows.
 
 pub mod checkpoint;
 pub mod cluster;
