@@ -233,6 +233,21 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// A system call's result (`call` returns what the libc wrapper does: a count, or -1 with `errno` set),
+/// the call made again while a signal interrupts it.
+pub fn retry_interrupted(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// True if `bytes` starts on a [`DIRECT_IO_ALIGN`] boundary.
 pub fn is_direct_io_aligned(bytes: &[u8]) -> bool {
     (bytes.as_ptr() as usize).is_multiple_of(DIRECT_IO_ALIGN)

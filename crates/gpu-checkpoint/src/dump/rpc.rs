@@ -307,41 +307,26 @@ impl CriuRpc {
 }
 
 pub(super) fn send(fd: RawFd, data: &[u8]) -> std::io::Result<()> {
-    loop {
-        // SAFETY: `data` is valid for `data.len()` bytes; MSG_NOSIGNAL turns a dead peer into EPIPE.
-        let n = unsafe { libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n as usize != data.len() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::WriteZero,
-                "short write on a SOCK_SEQPACKET socket",
-            ));
-        }
-        return Ok(());
+    // SAFETY: `data` is valid for `data.len()` bytes; MSG_NOSIGNAL turns a dead peer into EPIPE.
+    let n = crate::util::retry_interrupted(|| unsafe {
+        libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL)
+    })?;
+    if n != data.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::WriteZero,
+            "short write on a SOCK_SEQPACKET socket",
+        ));
     }
+    Ok(())
 }
 
 /// Receives one message; with MSG_TRUNC the result is the message's full length even when `buf` was
 /// too small, so the caller can tell a truncated message from a complete one.
 pub(super) fn recv(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
-        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_TRUNC) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        return Ok(n as usize);
-    }
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
+    crate::util::retry_interrupted(|| unsafe {
+        libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_TRUNC)
+    })
 }
 
 /// Opens a folder for CRIU: CRIU resolves `images_dir_fd` as `/proc/<our pid>/fd/<n>`, so the descriptor

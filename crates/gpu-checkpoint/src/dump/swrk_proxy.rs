@@ -89,24 +89,15 @@ fn exec_real(real: &Path, fd: RawFd) -> i32 {
 }
 
 fn peek(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_PEEK | libc::MSG_TRUNC,
-            )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
+    crate::util::retry_interrupted(|| unsafe {
+        libc::recv(
+            fd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_TRUNC,
+        )
+    })
 }
 
 /// CRIU's command line for runc's restore request, and where it runs.

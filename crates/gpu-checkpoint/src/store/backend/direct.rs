@@ -41,26 +41,19 @@ pub(super) fn write_direct_parts(file: &File, parts: &[&[u8]]) -> io::Result<()>
     while !rest.is_empty() {
         let count = rest.len().min(libc::UIO_MAXIOV as usize) as libc::c_int;
         // SAFETY: IoSlice is ABI-compatible with iovec; the slices outlive the call.
-        let n = unsafe {
+        let n = crate::util::retry_interrupted(|| unsafe {
             libc::pwritev(
                 file.as_raw_fd(),
                 rest.as_ptr().cast::<libc::iovec>(),
                 count,
                 offset as libc::off_t,
             )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
+        })?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
         offset += n as u64;
-        IoSlice::advance_slices(&mut rest, n as usize);
+        IoSlice::advance_slices(&mut rest, n);
     }
     if !last.is_empty() {
         // Direct I/O takes whole blocks only: the rest goes through the page cache.

@@ -256,7 +256,7 @@ fn splice_chunk(
     let mut left = len;
     while left > 0 {
         // SAFETY: both descriptors are open for the call; `off` is a valid loff_t we own.
-        let n = unsafe {
+        let n = crate::util::retry_interrupted(|| unsafe {
             libc::splice(
                 src.as_raw_fd(),
                 &mut off,
@@ -265,21 +265,14 @@ fn splice_chunk(
                 left,
                 libc::SPLICE_F_MORE,
             )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
+        })?;
         if n == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "chunk object ended early",
             ));
         }
-        left -= n as usize;
+        left -= n;
     }
     Ok(())
 }
