@@ -58,6 +58,19 @@ macro_rules! handle {
                     error,
                 })
             }
+
+            /// The process in its next state (`next` makes that handle) once the driver's move
+            /// `done` succeeded; this handle back otherwise.
+            fn moved<N>(
+                self,
+                done: Result<()>,
+                next: fn(Arc<dyn GpuDriver>, i32) -> N,
+            ) -> std::result::Result<N, Failed<Self>> {
+                match done {
+                    Ok(()) => Ok(next(Arc::clone(&self.driver), self.pid)),
+                    Err(e) => self.fail(e),
+                }
+            }
         }
 
         impl std::fmt::Debug for $name {
@@ -117,37 +130,22 @@ impl GpuProcess {
 impl Running {
     /// RUNNING -> LOCKED, waiting at most `timeout` for submitted work (`None`: no limit).
     pub fn lock(self, timeout: Option<Duration>) -> std::result::Result<Locked, Failed<Self>> {
-        match self.driver.lock(self.pid, timeout) {
-            Ok(()) => Ok(Locked {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let done = self.driver.lock(self.pid, timeout);
+        self.moved(done, Locked::assume)
     }
 }
 
 impl Locked {
     /// LOCKED -> CHECKPOINTED.
     pub fn checkpoint(self) -> std::result::Result<Checkpointed, Failed<Self>> {
-        match self.driver.checkpoint(self.pid) {
-            Ok(()) => Ok(Checkpointed {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let done = self.driver.checkpoint(self.pid);
+        self.moved(done, Checkpointed::assume)
     }
 
     /// LOCKED -> RUNNING.
     pub fn unlock(self) -> std::result::Result<Running, Failed<Self>> {
-        match self.driver.unlock(self.pid) {
-            Ok(()) => Ok(Running {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let done = self.driver.unlock(self.pid);
+        self.moved(done, Running::assume)
     }
 
     pub fn restore_thread_id(&self) -> Result<i32> {
@@ -158,13 +156,8 @@ impl Locked {
 impl Checkpointed {
     /// CHECKPOINTED -> LOCKED, onto the GPUs `pairs` name (empty: the same GPUs).
     pub fn restore(self, pairs: &[GpuPair]) -> std::result::Result<Locked, Failed<Self>> {
-        match self.driver.restore(self.pid, pairs) {
-            Ok(()) => Ok(Locked {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let done = self.driver.restore(self.pid, pairs);
+        self.moved(done, Locked::assume)
     }
 
     pub fn restore_thread_id(&self) -> Result<i32> {
