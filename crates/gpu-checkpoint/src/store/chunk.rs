@@ -972,15 +972,22 @@ mod tests {
         (id, header, object.to_vec())
     }
 
+    /// Chunk `data`'s object, checked to be stored as `encoding` in format `version` (a trailer from
+    /// version 2 on), and a decoder that has reused it without complaint.
+    fn reused(data: &[u8], encoding: Encoding, version: u8) -> (ChunkId, Vec<u8>, Decoder) {
+        let (id, header, object) = object_of(data);
+        assert_eq!((header.encoding, header.trailer), (encoding, version >= 2));
+        assert_eq!(object[4], version, "format version");
+        let mut dec = Decoder::new(0).unwrap();
+        assert_eq!(dec.check_reuse(&id, &object, data), Ok(()));
+        (id, object, dec)
+    }
+
     #[test]
     fn a_reused_zstd_object_is_proved_by_its_trailer_without_decompressing() {
         let data = heap_like(20_000, 51);
-        let (id, header, object) = object_of(&data);
-        assert_eq!((header.encoding, header.trailer), (Encoding::Zstd, true));
-        assert_eq!(object[4], 2, "format version 2");
         // The ingest's decoder starts without an output buffer: it stays so, nothing was decompressed.
-        let mut dec = Decoder::new(0).unwrap();
-        assert_eq!(dec.check_reuse(&id, &object, &data), Ok(()));
+        let (id, object, mut dec) = reused(&data, Encoding::Zstd, 2);
         assert_eq!(dec.out.capacity(), 0, "decompressed");
         // Bytes of another length than the header says: refused.
         assert!(dec.check_reuse(&id, &object, &data[..100]).is_err());
@@ -1042,12 +1049,9 @@ mod tests {
 
     #[test]
     fn a_reused_raw_object_is_compared() {
+        // Raw objects keep format version 1.
         let data = random_bytes(100_000, 54);
-        let (id, header, object) = object_of(&data);
-        assert_eq!((header.encoding, header.trailer), (Encoding::Raw, false));
-        assert_eq!(object[4], 1, "raw objects keep format version 1");
-        let mut dec = Decoder::new(0).unwrap();
-        assert_eq!(dec.check_reuse(&id, &object, &data), Ok(()));
+        let (id, object, mut dec) = reused(&data, Encoding::Raw, 1);
         let mut bad = object.clone();
         bad[HEADER_LEN + 5000] ^= 1;
         assert_eq!(
