@@ -106,26 +106,15 @@ pub fn parse_pagemap(bytes: &[u8]) -> Result<Pagemap, String> {
     for msg in rest {
         let (mut vaddr, mut compat, mut nr, mut flags) = (None, None, None, 0);
         fields(msg, |n, _, is| {
-            Ok(match n {
-                1 => {
-                    vaddr = Some(is.read_uint64()?);
-                    true
-                }
-                2 => {
-                    compat = Some(is.read_uint32()? as u64);
-                    true
-                }
+            match n {
+                1 => vaddr = Some(is.read_uint64()?),
+                2 => compat = Some(is.read_uint32()? as u64),
                 // `in_parent` (3) predates the flags and is implied by PE_PARENT in them.
-                4 => {
-                    flags = is.read_uint32()?;
-                    true
-                }
-                5 => {
-                    nr = Some(is.read_uint64()?);
-                    true
-                }
-                _ => false,
-            })
+                4 => flags = is.read_uint32()?,
+                5 => nr = Some(is.read_uint64()?),
+                _ => return Ok(false),
+            }
+            Ok(true)
         })?;
         entries.push(PagemapEntry {
             vaddr: vaddr.ok_or("pagemap entry without vaddr")?,
@@ -235,37 +224,17 @@ fn mm_entries(bytes: &[u8]) -> Result<(u32, Vec<(Vma, u32)>), String> {
             (None, None, 0, 0, 0, 0);
         let mut prot = 0;
         if let Err(e) = fields(&vma, |n, _, is| {
-            Ok(match n {
-                1 => {
-                    start = Some(is.read_uint64()?);
-                    true
-                }
-                2 => {
-                    end = Some(is.read_uint64()?);
-                    true
-                }
-                4 => {
-                    shmid = is.read_uint64()?;
-                    true
-                }
-                5 => {
-                    prot = is.read_uint32()?;
-                    true
-                }
-                6 => {
-                    flags = is.read_uint32()?;
-                    true
-                }
-                7 => {
-                    status = is.read_uint32()?;
-                    true
-                }
-                9 => {
-                    madv = is.read_uint64()?;
-                    true
-                }
-                _ => false,
-            })
+            match n {
+                1 => start = Some(is.read_uint64()?),
+                2 => end = Some(is.read_uint64()?),
+                4 => shmid = is.read_uint64()?,
+                5 => prot = is.read_uint32()?,
+                6 => flags = is.read_uint32()?,
+                7 => status = is.read_uint32()?,
+                9 => madv = is.read_uint64()?,
+                _ => return Ok(false),
+            }
+            Ok(true)
         }) {
             bad.get_or_insert(e);
         }
@@ -327,25 +296,16 @@ pub fn parse_pstree(bytes: &[u8]) -> Result<Vec<PstreeEntry>, String> {
     for msg in messages(bytes)? {
         let (mut pid, mut ppid, mut threads) = (None, 0, Vec::new());
         fields(msg, |n, wire, is| {
-            Ok(match (n, wire) {
-                (1, _) => {
-                    pid = Some(is.read_uint32()?);
-                    true
-                }
-                (2, _) => {
-                    ppid = is.read_uint32()?;
-                    true
-                }
+            match (n, wire) {
+                (1, _) => pid = Some(is.read_uint32()?),
+                (2, _) => ppid = is.read_uint32()?,
                 (5, WireType::LengthDelimited) => {
-                    is.read_repeated_packed_uint32_into(&mut threads)?;
-                    true
+                    is.read_repeated_packed_uint32_into(&mut threads)?
                 }
-                (5, _) => {
-                    threads.push(is.read_uint32()?);
-                    true
-                }
-                _ => false,
-            })
+                (5, _) => threads.push(is.read_uint32()?),
+                _ => return Ok(false),
+            }
+            Ok(true)
         })?;
         out.push(PstreeEntry {
             pid: pid.ok_or("pstree entry without pid")?,
