@@ -128,14 +128,7 @@ fn print_text(r: &serde_json::Value) {
         s(&r["host"]["kernel"]),
         s(&r["host"]["arch"])
     );
-    println!(
-        "root        {}",
-        if r["root"] == json!(true) {
-            "yes"
-        } else {
-            "no"
-        }
-    );
+    println!("root        {}", either(&r["root"], "yes", "no"));
     let c = &r["criu"];
     if c["found"] == json!(true) {
         println!(
@@ -145,11 +138,7 @@ fn print_text(r: &serde_json::Value) {
             s(&c["source"])
         );
         let check = &c["check"];
-        let verdict = if check["ok"] == json!(true) {
-            "ok"
-        } else {
-            "FAILED"
-        };
+        let verdict = either(&check["ok"], "ok", "FAILED");
         let limited = r["warnings"].as_array().is_some_and(|w| !w.is_empty());
         println!(
             "criu check  {verdict}{}",
@@ -171,11 +160,11 @@ fn print_text(r: &serde_json::Value) {
     }
     println!(
         "userfaultfd {}",
-        if r["userfaultfd"] == json!(true) {
-            "yes (restore copies memory straight into the processes)"
-        } else {
+        either(
+            &r["userfaultfd"],
+            "yes (restore copies memory straight into the processes)",
             "no (restore streams memory to CRIU: about 2x slower)"
-        }
+        )
     );
     let h = &r["huge_pages"];
     let speed = match (h["copy_gb_per_s_4k"].as_f64(), h["copy_gb_per_s_huge"].as_f64()) {
@@ -238,5 +227,14 @@ fn print_text(r: &serde_json::Value) {
     );
     for w in r["warnings"].as_array().into_iter().flatten() {
         println!("warning     {}", s(w));
+    }
+}
+
+/// `yes` where the report's `v` is true, `no` otherwise.
+fn either<'a>(v: &serde_json::Value, yes: &'a str, no: &'a str) -> &'a str {
+    if *v == json!(true) {
+        yes
+    } else {
+        no
     }
 }
