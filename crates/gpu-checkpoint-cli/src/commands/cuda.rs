@@ -281,16 +281,8 @@ pub fn run(cmd: Command) -> super::Result<()> {
         Command::Lock {
             common: c,
             timeout: t,
-        } => {
-            let mut s = Session::open(&c, "lock")?;
-            let r = s.call(Op::Lock, |d| d.lock(c.pid, timeout(t)));
-            s.finish(c.format, r)
-        }
-        Command::Checkpoint(c) => {
-            let mut s = Session::open(&c, "checkpoint")?;
-            let r = s.call(Op::Checkpoint, |d| d.checkpoint(c.pid));
-            s.finish(c.format, r)
-        }
+        } => single(&c, "lock", Op::Lock, |d| d.lock(c.pid, timeout(t))),
+        Command::Checkpoint(c) => single(&c, "checkpoint", Op::Checkpoint, |d| d.checkpoint(c.pid)),
         Command::Restore {
             common: c,
             device_map,
@@ -300,11 +292,7 @@ pub fn run(cmd: Command) -> super::Result<()> {
             let r = s.call(Op::Restore, |d| d.restore(c.pid, &pairs));
             s.finish(c.format, r)
         }
-        Command::Unlock(c) => {
-            let mut s = Session::open(&c, "unlock")?;
-            let r = s.call(Op::Unlock, |d| d.unlock(c.pid));
-            s.finish(c.format, r)
-        }
+        Command::Unlock(c) => single(&c, "unlock", Op::Unlock, |d| d.unlock(c.pid)),
         Command::RestoreTid(c) => {
             let mut s = Session::open(&c, "restore-tid")?;
             let r = s.call(Op::RestoreTid, |d| d.restore_thread_id(c.pid));
@@ -324,6 +312,18 @@ pub fn run(cmd: Command) -> super::Result<()> {
             s.finish(c.format, r)
         }
     }
+}
+
+/// A command that is one call `f` of the driver, reported as `action`.
+fn single(
+    c: &Common,
+    action: &'static str,
+    op: Op,
+    f: impl FnOnce(&dyn GpuDriver) -> freeze::Result<()>,
+) -> super::Result<()> {
+    let mut s = Session::open(c, action)?;
+    let r = s.call(op, f);
+    s.finish(c.format, r)
 }
 
 /// RUNNING -> CHECKPOINTED or CHECKPOINTED -> RUNNING; a failure half-way is undone.
