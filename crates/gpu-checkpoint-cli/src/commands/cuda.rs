@@ -269,20 +269,30 @@ fn timeout(ms: Option<u64>) -> Option<Duration> {
 
 pub fn run(cmd: Command) -> super::Result<()> {
     match cmd {
-        Command::State(c) => {
-            let mut s = Session::open(&c, "state")?;
-            let pid = c.pid;
-            let r = s.call(Op::State, |d| d.state(pid));
-            if let Ok(st) = &r {
-                s.report.state = Some(*st);
-            }
-            s.finish(c.format, r.map(drop))
-        }
+        Command::State(c) => single(
+            &c,
+            "state",
+            Op::State,
+            |d| d.state(c.pid),
+            |r, st| r.state = Some(*st),
+        ),
         Command::Lock {
             common: c,
             timeout: t,
-        } => single(&c, "lock", Op::Lock, |d| d.lock(c.pid, timeout(t))),
-        Command::Checkpoint(c) => single(&c, "checkpoint", Op::Checkpoint, |d| d.checkpoint(c.pid)),
+        } => single(
+            &c,
+            "lock",
+            Op::Lock,
+            |d| d.lock(c.pid, timeout(t)),
+            |_, _| {},
+        ),
+        Command::Checkpoint(c) => single(
+            &c,
+            "checkpoint",
+            Op::Checkpoint,
+            |d| d.checkpoint(c.pid),
+            |_, _| {},
+        ),
         Command::Restore {
             common: c,
             device_map,
@@ -292,15 +302,14 @@ pub fn run(cmd: Command) -> super::Result<()> {
             let r = s.call(Op::Restore, |d| d.restore(c.pid, &pairs));
             s.finish(c.format, r)
         }
-        Command::Unlock(c) => single(&c, "unlock", Op::Unlock, |d| d.unlock(c.pid)),
-        Command::RestoreTid(c) => {
-            let mut s = Session::open(&c, "restore-tid")?;
-            let r = s.call(Op::RestoreTid, |d| d.restore_thread_id(c.pid));
-            if let Ok(tid) = &r {
-                s.report.restore_tid = Some(*tid);
-            }
-            s.finish(c.format, r.map(drop))
-        }
+        Command::Unlock(c) => single(&c, "unlock", Op::Unlock, |d| d.unlock(c.pid), |_, _| {}),
+        Command::RestoreTid(c) => single(
+            &c,
+            "restore-tid",
+            Op::RestoreTid,
+            |d| d.restore_thread_id(c.pid),
+            |r, tid| r.restore_tid = Some(*tid),
+        ),
         Command::Toggle {
             common: c,
             timeout: t,
@@ -314,16 +323,21 @@ pub fn run(cmd: Command) -> super::Result<()> {
     }
 }
 
-/// A command that is one call `f` of the driver, reported as `action`.
-fn single(
+/// A command that is one call `f` of the driver, reported as `action` (with what `keep` takes of the
+/// answer).
+fn single<T>(
     c: &Common,
     action: &'static str,
     op: Op,
-    f: impl FnOnce(&dyn GpuDriver) -> freeze::Result<()>,
+    f: impl FnOnce(&dyn GpuDriver) -> freeze::Result<T>,
+    keep: impl FnOnce(&mut Report, &T),
 ) -> super::Result<()> {
     let mut s = Session::open(c, action)?;
     let r = s.call(op, f);
-    s.finish(c.format, r)
+    if let Ok(v) = &r {
+        keep(&mut s.report, v);
+    }
+    s.finish(c.format, r.map(drop))
 }
 
 /// RUNNING -> CHECKPOINTED or CHECKPOINTED -> RUNNING; a failure half-way is undone.

@@ -881,14 +881,7 @@ mod tests {
         two.extend_from_slice(&zstd::bulk::compress(&data[1000..], 1).unwrap());
         let mut dec = Decoder::new(data.len()).unwrap();
         for payload in [frame, two] {
-            let header = Header {
-                encoding: Encoding::Zstd,
-                raw_len: data.len() as u32,
-                payload_len: payload.len() as u32,
-                trailer: false,
-            };
-            let mut stored = header.encode().to_vec();
-            stored.extend_from_slice(&payload);
+            let stored = v1_stored(data.len(), &payload);
             assert_eq!(stored[4], 1, "format version 1");
             assert_eq!(dec.decode(&ChunkId::of(&data), &stored).unwrap(), &data[..]);
         }
@@ -952,15 +945,19 @@ mod tests {
 
     /// A version 1 object of `data` as earlier builds wrote it (no trailer).
     fn v1_object(data: &[u8]) -> Vec<u8> {
-        let payload = zstd::bulk::compress(data, 1).unwrap();
+        v1_stored(data.len(), &zstd::bulk::compress(data, 1).unwrap())
+    }
+
+    /// A version 1 object (no trailer) of `raw_len` bytes compressed into zstd `payload`.
+    fn v1_stored(raw_len: usize, payload: &[u8]) -> Vec<u8> {
         let header = Header {
             encoding: Encoding::Zstd,
-            raw_len: data.len() as u32,
+            raw_len: raw_len as u32,
             payload_len: payload.len() as u32,
             trailer: false,
         };
         let mut stored = header.encode().to_vec();
-        stored.extend_from_slice(&payload);
+        stored.extend_from_slice(payload);
         stored
     }
 
