@@ -269,7 +269,7 @@ fn timeout(ms: Option<u64>) -> Option<Duration> {
 
 pub fn run(cmd: Command) -> super::Result<()> {
     match cmd {
-        Command::State(c) => single(
+        Command::State(c) => answer(
             &c,
             "state",
             Op::State,
@@ -279,20 +279,8 @@ pub fn run(cmd: Command) -> super::Result<()> {
         Command::Lock {
             common: c,
             timeout: t,
-        } => single(
-            &c,
-            "lock",
-            Op::Lock,
-            |d| d.lock(c.pid, timeout(t)),
-            |_, _| {},
-        ),
-        Command::Checkpoint(c) => single(
-            &c,
-            "checkpoint",
-            Op::Checkpoint,
-            |d| d.checkpoint(c.pid),
-            |_, _| {},
-        ),
+        } => single(&c, "lock", Op::Lock, |d| d.lock(c.pid, timeout(t))),
+        Command::Checkpoint(c) => single(&c, "checkpoint", Op::Checkpoint, |d| d.checkpoint(c.pid)),
         Command::Restore {
             common: c,
             device_map,
@@ -302,8 +290,8 @@ pub fn run(cmd: Command) -> super::Result<()> {
             let r = s.call(Op::Restore, |d| d.restore(c.pid, &pairs));
             s.finish(c.format, r)
         }
-        Command::Unlock(c) => single(&c, "unlock", Op::Unlock, |d| d.unlock(c.pid), |_, _| {}),
-        Command::RestoreTid(c) => single(
+        Command::Unlock(c) => single(&c, "unlock", Op::Unlock, |d| d.unlock(c.pid)),
+        Command::RestoreTid(c) => answer(
             &c,
             "restore-tid",
             Op::RestoreTid,
@@ -323,9 +311,18 @@ pub fn run(cmd: Command) -> super::Result<()> {
     }
 }
 
-/// A command that is one call `f` of the driver, reported as `action` (with what `keep` takes of the
-/// answer).
-fn single<T>(
+/// A command that is one call `f` of the driver, reported as `action`.
+fn single(
+    c: &Common,
+    action: &'static str,
+    op: Op,
+    f: impl FnOnce(&dyn GpuDriver) -> freeze::Result<()>,
+) -> super::Result<()> {
+    answer(c, action, op, f, |_, _| {})
+}
+
+/// [`single`] for a query: the report keeps what `keep` takes of the answer.
+fn answer<T>(
     c: &Common,
     action: &'static str,
     op: Op,
