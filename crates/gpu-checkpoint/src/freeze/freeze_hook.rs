@@ -401,21 +401,18 @@ mod tests {
                 ..HookOptions::default()
             })
         };
-        assert!(with(GpuBackend::Auto)
-            .restore_backend(&rec(GpuBackend::Sim))
-            .is_err());
-        assert!(with(GpuBackend::CudaDriver)
-            .restore_backend(&rec(GpuBackend::Sim))
-            .is_err());
-        assert!(with(GpuBackend::Sim)
-            .restore_backend(&rec(GpuBackend::Sim))
-            .is_ok());
-        assert!(with(GpuBackend::Sim)
-            .restore_backend(&rec(GpuBackend::CudaDriver))
-            .is_err());
-        assert!(with(GpuBackend::Auto)
-            .restore_backend(&rec(GpuBackend::CudaCli))
-            .is_ok());
+        use GpuBackend::{Auto, CudaCli, CudaDriver, Sim};
+        // (asked on restore, recorded at the checkpoint, accepted)
+        for (asked, recorded, ok) in [
+            (Auto, Sim, false),
+            (CudaDriver, Sim, false),
+            (Sim, Sim, true),
+            (Sim, CudaDriver, false),
+            (Auto, CudaCli, true),
+        ] {
+            let got = with(asked).restore_backend(&rec(recorded));
+            assert_eq!(got.is_ok(), ok, "{asked:?} for {recorded:?}");
+        }
         // A record from a newer gpu-checkpoint is refused, not misread.
         let newer = json!({"schema": RECORD_SCHEMA + 1});
         assert!(matches!(
