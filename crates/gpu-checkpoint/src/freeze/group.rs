@@ -458,6 +458,16 @@ mod tests {
         (d, dd)
     }
 
+    /// A freeze of `pids` whose driver fails each of `faults` (pid, operation, error) once.
+    fn failed_freeze(pids: &[i32], faults: &[(i32, Op, CuError)]) -> (Arc<FakeDriver>, Error) {
+        let (d, dd) = driver(pids);
+        for &(pid, op, e) in faults {
+            d.fail_next(pid, op, e);
+        }
+        let e = freeze_all(&dd, pids, &GroupOptions::default()).unwrap_err();
+        (d, e)
+    }
+
     fn states(d: &FakeDriver, pids: &[i32]) -> Vec<ProcessState> {
         pids.iter().map(|&p| d.state(p).unwrap()).collect()
     }
@@ -500,9 +510,7 @@ mod tests {
     #[test]
     fn a_lock_timeout_unlocks_the_locked_ones() {
         let pids = [1, 2, 3];
-        let (d, dd) = driver(&pids);
-        d.fail_next(2, Op::Lock, CuError::NotReady);
-        let e = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap_err();
+        let (d, e) = failed_freeze(&pids, &[(2, Op::Lock, CuError::NotReady)]);
         assert!(e.to_string().contains("CUDA_ERROR_NOT_READY"), "{e}");
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
         assert!(!d.calls().contains(&(1, Op::Checkpoint)));
@@ -537,9 +545,7 @@ mod tests {
     #[test]
     fn a_checkpoint_failure_restores_and_unlocks_the_others() {
         let pids = [1, 2, 3];
-        let (d, dd) = driver(&pids);
-        d.fail_next(3, Op::Checkpoint, CuError::NotSupported);
-        let e = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap_err();
+        let (d, e) = failed_freeze(&pids, &[(3, Op::Checkpoint, CuError::NotSupported)]);
         assert!(e.to_string().contains("pid 3"), "{e}");
         assert_eq!(states(&d, &pids), vec![ProcessState::Running; 3]);
         let calls = d.calls();
@@ -553,11 +559,11 @@ mod tests {
 
     #[test]
     fn a_failed_undo_is_reported_too() {
-        let pids = [1, 2];
-        let (d, dd) = driver(&pids);
-        d.fail_next(2, Op::Lock, CuError::NotReady);
-        d.fail_next(1, Op::Unlock, CuError::OperatingSystem);
-        let e = freeze_all(&dd, &pids, &GroupOptions::default()).unwrap_err();
+        let faults = [
+            (2, Op::Lock, CuError::NotReady),
+            (1, Op::Unlock, CuError::OperatingSystem),
+        ];
+        let (_, e) = failed_freeze(&[1, 2], &faults);
         let s = e.to_string();
         assert!(
             s.contains("NOT_READY") && s.contains("OPERATING_SYSTEM"),
