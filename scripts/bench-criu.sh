@@ -27,18 +27,9 @@
 # and needs CRIU (scripts/setup.sh installs the project's; scripts/env.sh finds it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck disable=SC1091
-. scripts/env.sh
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_build "CRIU"
-ROUNDS=${ROUNDS:-3}
-SIZES=("$@")
-[ ${#SIZES[@]} -gt 0 ] || SIZES=(1024 4096)
-DIR=${BENCH_DIR:-target/bench-criu}
-rm -rf "$DIR"
-mkdir -p "$DIR"
-DIR=$(cd "$DIR" && pwd)
+bench_start "CRIU" target/bench-criu "1024 4096" "$@"
 
 PID=
 trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
