@@ -40,13 +40,23 @@ pub fn criu_ready() -> bool {
             .map(|_| ())
             .map_err(|e| e.to_string())
     });
-    match ready {
+    needs(
+        "CRIU",
+        ready,
+        "scripts/test.sh installs CRIU; CI runs as root",
+    )
+}
+
+/// Whether what the `tests` tests need is here (`found`). In CI (`CI=true`) its absence fails the test,
+/// saying why and how CI gets it (`ci_hint`); locally the test is skipped with the reason printed.
+pub fn needs(tests: &str, found: &Result<(), String>, ci_hint: &str) -> bool {
+    match found {
         Ok(()) => true,
         Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("CRIU tests cannot run in CI: {why} (scripts/test.sh installs CRIU; CI runs as root)")
+            panic!("{tests} tests cannot run in CI: {why} ({ci_hint})")
         }
         Err(why) => {
-            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the CRIU tests");
+            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the {tests} tests");
             false
         }
     }

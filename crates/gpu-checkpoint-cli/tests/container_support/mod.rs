@@ -34,37 +34,83 @@ pub fn containers_ready() -> bool {
         }
         Ok(())
     });
-    match ready {
-        Ok(()) => true,
-        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("container tests cannot run in CI: {why} (scripts/install-containers.sh installs them)")
-        }
-        Err(why) => {
-            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the container tests");
-            false
-        }
-    }
+    common::needs(
+        "container",
+        ready,
+        "scripts/install-containers.sh installs them",
+    )
 }
 
 /// Whether real runsc sandboxes can run here (besides [`containers_ready`]): runsc installed. In CI its
 /// absence fails the test; locally it is skipped with the reason.
 pub fn runsc_ready() -> bool {
-    if !containers_ready() {
-        return false;
+    containers_ready() && installed("runsc", "runsc", |o| !o.stdout.is_empty())
+}
+
+/// Whether `BINARY --version` answers as `ok` says, for the `tests` tests ([`common::needs`]: a failure
+/// in CI, skipped locally).
+pub fn installed(tests: &str, binary: &str, ok: fn(&std::process::Output) -> bool) -> bool {
+    let found = match Command::new(binary).arg("--version").output() {
+        Ok(o) if ok(&o) => Ok(()),
+        _ => Err(format!("{binary} is not installed")),
+    };
+    common::needs(tests, &found, "scripts/install-containers.sh installs it")
+}
+
+/// A unique container id: tests run in parallel, and runc names each container's cgroup after it.
+pub fn cid(name: &str) -> String {
+    format!("gc-{}-{name}", std::process::id())
+}
+
+/// A temporary folder holding a runtime with a state folder of its own (`--root`) and a bundle, beside a
+/// store path. Fields drop in order: the runtime's containers are deleted before the folder that holds the
+/// runtime's state goes (dropped first, the folder took the state with it and left every container
+/// running).
+pub struct Scene {
+    pub store: PathBuf,
+    pub runc: Runc,
+    pub bundle: Bundle,
+    pub dir: tempfile::TempDir,
+}
+
+impl Scene {
+    /// runc, its bundle running `args` with `env`: `None` where containers cannot run here
+    /// ([`containers_ready`]).
+    pub fn runc(args: &[&str], env: &[&str]) -> Option<Scene> {
+        containers_ready().then(|| Scene::with(Runc::new, args, env))
     }
-    let ok = Command::new("runsc")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| !o.stdout.is_empty());
-    if !ok && std::env::var("CI").as_deref() == Ok("true") {
-        panic!("runsc tests cannot run in CI: runsc is not installed (scripts/install-containers.sh installs it)");
+
+    /// [`Scene::runc`] with runsc ([`runsc_ready`]).
+    pub fn runsc(args: &[&str], env: &[&str]) -> Option<Scene> {
+        runsc_ready().then(|| Scene::with(Runc::runsc, args, env))
     }
-    if !ok {
-        eprintln!(
-            "SKIPPED: runsc is not installed; run scripts/setup.sh as root to run the runsc tests"
-        );
+
+    fn with(runtime: fn(&Path) -> Runc, args: &[&str], env: &[&str]) -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        Scene {
+            store: dir.path().join("store"),
+            runc: runtime(dir.path()),
+            bundle: Bundle::new(&dir.path().join("bundle"), args, env),
+            dir,
+        }
     }
-    ok
+
+    /// Runs the bundle as container `name` made unique ([`cid`]): its id.
+    pub fn run(&self, name: &str) -> String {
+        let id = cid(name);
+        self.runc.run(&id, &self.bundle);
+        id
+    }
+
+    /// `gpu-checkpoint ARGS` on the store and the runtime, with `env` added.
+    pub fn gc(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+        Command::new(gpu_checkpoint())
+            .args(args)
+            .args(store_args(&self.store, &self.runc))
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    }
 }
 
 /// busybox-static's binary.
@@ -391,6 +437,12 @@ pub fn archive_entries(archive: &Path) -> std::collections::BTreeMap<String, Vec
         assert!(out.insert(name.clone(), bytes).is_none(), "{name} twice");
     }
     out
+}
+
+/// Number field `key` of the first record of the workload state file `path`, once it has one.
+pub fn state_field(path: &Path, key: &str) -> Option<u64> {
+    let recs = gpu_checkpoint_workloads::read_state(path).ok()?;
+    gpu_checkpoint_workloads::field_u64(recs.first()?, key)
 }
 
 /// Waits up to 20 s for `ok`, failing with `what`.
