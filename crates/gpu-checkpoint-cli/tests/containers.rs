@@ -22,16 +22,6 @@ const GPU_ARGS: &[&str] = &[
     "2",
 ];
 
-/// A container running `workload memory --mib MIB` (its state in `/state/mem`).
-fn memory_scene(mib: &str) -> Option<Scene> {
-    Scene::runc(
-        &[&format!(
-            "exec workload memory --mib {mib} --state /state/mem"
-        )],
-        &[],
-    )
-}
-
 /// What the tests need around a GPU container (see [`Scene`]).
 impl Scene {
     fn checkpoint(&self, id: &str, extra: &[&str]) -> serde_json::Value {
@@ -414,7 +404,9 @@ fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_th
 /// stored.
 #[test]
 fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
-    let Some(s) = memory_scene("256") else { return };
+    let Some(s) = Scene::memory("256") else {
+        return;
+    };
     let id = s.run("kill-dump");
     let mem = s.bundle.rootfs().join("state/mem");
     let verified = || state_field(&mem, "verified").unwrap_or(0);
@@ -486,7 +478,7 @@ fn watch_names(
 /// no container, no mount, an intact rootfs and the checkpoint.
 #[test]
 fn a_runc_restore_streams_the_images_from_the_store_and_a_damaged_chunk_fails_it_cleanly() {
-    let Some(s) = memory_scene("16") else { return };
+    let Some(s) = Scene::memory("16") else { return };
     let id = s.run("stream");
     let mem = s.bundle.rootfs().join("state/mem");
     let field = |key: &str| state_field(&mem, key);

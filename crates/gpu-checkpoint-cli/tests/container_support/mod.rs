@@ -80,6 +80,16 @@ impl Scene {
         containers_ready().then(|| Scene::with(Runc::new, args, env))
     }
 
+    /// [`Scene::runc`] running `workload memory --mib MIB` (its state in `/state/mem`).
+    pub fn memory(mib: &str) -> Option<Scene> {
+        Scene::runc(
+            &[&format!(
+                "exec workload memory --mib {mib} --state /state/mem"
+            )],
+            &[],
+        )
+    }
+
     /// [`Scene::runc`] with runsc ([`runsc_ready`]).
     pub fn runsc(args: &[&str], env: &[&str]) -> Option<Scene> {
         runsc_ready().then(|| Scene::with(Runc::runsc, args, env))
@@ -471,6 +481,22 @@ pub fn checkpoint_container(store: &Path, runc: &Runc, id: &str) -> String {
     assert!(o.status.success(), "checkpoint: {}", text(&o));
     let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     ck["id"].as_str().unwrap().to_string()
+}
+
+/// `gpu-checkpoint import ARCHIVE --storage STORE --format json`, asserting success: its JSON.
+pub fn import_archive(archive: &Path, store: &Path) -> serde_json::Value {
+    let (a, s) = (archive.display().to_string(), store.display().to_string());
+    let o = gc_run(&["import", &a, "--storage", &s, "--format", "json"]);
+    assert!(o.status.success(), "import of {a}: {}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// `gpu-checkpoint export ID -o TO --storage STORE EXTRA...`.
+pub fn export_archive(store: &Path, id: &str, to: &Path, extra: &[&str]) -> std::process::Output {
+    let (t, s) = (to.display().to_string(), store.display().to_string());
+    let mut args = vec!["export", id, "-o", &t, "--storage", &s];
+    args.extend_from_slice(extra);
+    gc_run(&args)
 }
 
 /// Writes a tar of `rootfs`'s contents to `out` (an image layer).

@@ -11,6 +11,11 @@ pub fn podman_ready() -> bool {
     containers_ready() && super::installed("podman", "podman", |o| o.status.success())
 }
 
+/// A temporary folder for podman's storage and state: `None` where podman cannot run ([`podman_ready`]).
+pub fn podman_folder() -> Option<tempfile::TempDir> {
+    podman_ready().then(|| tempfile::tempdir().unwrap())
+}
+
 /// podman with private storage and state, runc as its runtime, our CRIU found on PATH (podman asks for
 /// `criu` by name; a wrapper script, since a link is not accepted as CRIU by podman's version check).
 pub struct Podman {
@@ -76,6 +81,30 @@ impl Podman {
         let o = self.cmd().args(args).output().unwrap();
         assert!(o.status.success(), "podman {args:?}: {}", text(&o));
         String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    /// `podman container checkpoint EXTRA... --export ARCHIVE NAME`.
+    pub fn export_checkpoint(&self, name: &str, archive: &Path, extra: &[&str]) {
+        let a = archive.display().to_string();
+        let mut args = vec!["container", "checkpoint"];
+        args.extend_from_slice(extra);
+        args.extend(["--export", &a, name]);
+        self.ok(&args);
+    }
+
+    /// `podman container restore --import ARCHIVE EXTRA...`.
+    pub fn import_checkpoint(&self, archive: &Path, extra: &[&str]) {
+        let a = archive.display().to_string();
+        let mut args = vec!["container", "restore", "--import", &a];
+        args.extend_from_slice(extra);
+        self.ok(&args);
+    }
+
+    /// A local image `name` made from a minimal root file system ([`Bundle::new`]'s) (`podman import`:
+    /// no registry is reached).
+    pub fn import_minimal_image(&self, name: &str) {
+        let bundle = Bundle::new(&self.dir.join("image"), &["true"], &[]);
+        self.import_rootfs(&bundle, name);
     }
 
     /// The counter the container's shell keeps in memory and writes out.
