@@ -18,14 +18,10 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PREFIX=${1:-$REPO/.deps/checkpointctl}
-SUITE=${GPU_CHECKPOINT_CHECKPOINTCTL_SUITE:-trixie}
-
-NAME=checkpointctl
-STAMP="suite: $SUITE"
-REINSTALL=${GPU_CHECKPOINT_CHECKPOINTCTL_REINSTALL:-0}
 # shellcheck source=scripts/lib/prefix.sh
 . "$REPO/scripts/lib/prefix.sh"
+prefix_init checkpointctl "${1:-}" "${GPU_CHECKPOINT_CHECKPOINTCTL_SUITE:-trixie}" \
+    "${GPU_CHECKPOINT_CHECKPOINTCTL_REINSTALL:-0}"
 # checkpointctl 1.3.0 has no version command: its help must run, and the package's version is recorded.
 works() {
     local help

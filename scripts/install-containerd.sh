@@ -19,14 +19,10 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PREFIX=${1:-$REPO/.deps/containerd}
-SUITE=${GPU_CHECKPOINT_CONTAINERD_SUITE:-forky}
-
-NAME=containerd
-STAMP="suite: $SUITE"
-REINSTALL=${GPU_CHECKPOINT_CONTAINERD_REINSTALL:-0}
 # shellcheck source=scripts/lib/prefix.sh
 . "$REPO/scripts/lib/prefix.sh"
+prefix_init containerd "${1:-}" "${GPU_CHECKPOINT_CONTAINERD_SUITE:-forky}" \
+    "${GPU_CHECKPOINT_CONTAINERD_REINSTALL:-0}"
 works() {
     [ -x "$1/bin/containerd" ] && [ -x "$1/bin/containerd-shim-runc-v2" ] && [ -x "$1/bin/ctr" ] &&
         "$1/bin/containerd" --version 2>/dev/null | grep -q ' v\?2\.'

@@ -5,13 +5,23 @@
 #
 # The caller sets NAME (its messages start with `install-NAME: `), and for prefix_reuse and prefix_finish
 # also PREFIX, STAMP (what the prefix is installed from; a prefix whose `installed-from` file says otherwise
-# is installed again) and REINSTALL (1: install again anyway), and defines `works DIR` (true when DIR holds
-# a working install) and `describe DIR` (what DIR holds, for the messages).
+# is installed again) and REINSTALL (1: install again anyway), or has prefix_init set them; and it defines
+# `works DIR` (true when DIR holds a working install) and `describe DIR` (what DIR holds, for the messages).
 
 log() { echo "install-$NAME: $*" >&2; }
 die() {
     log "error: $*"
     exit 1
+}
+
+# prefix_init NAME PREFIX SUITE REINSTALL: sets NAME, PREFIX (REPO/.deps/NAME when empty), SUITE (the
+# Debian suite the packages come from), STAMP ("suite: SUITE") and REINSTALL.
+prefix_init() {
+    NAME=$1
+    PREFIX=${2:-$REPO/.deps/$1}
+    SUITE=$3
+    STAMP="suite: $SUITE"
+    REINSTALL=$4
 }
 
 # prefix_reuse RESULT: unless REINSTALL is 1, when PREFIX works and was installed from STAMP, says so,
