@@ -24,36 +24,30 @@ const GPU_ARGS: &[&str] = &[
 
 /// What the tests need around a GPU container (see [`Scene`]).
 impl Scene {
-    fn checkpoint(&self, id: &str, extra: &[&str]) -> serde_json::Value {
-        let mut args = vec![
-            "checkpoint",
+    /// `gpu-checkpoint COMMAND... --container ID --gpu-backend sim --format json EXTRA...`, asserting
+    /// success: its JSON.
+    fn sim_json(&self, command: &[&str], id: &str, extra: &[&str]) -> serde_json::Value {
+        let mut args = command.to_vec();
+        args.extend([
             "--container",
             id,
             "--gpu-backend",
             "sim",
             "--format",
             "json",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let o = self.gc(&args, &[]);
-        assert!(o.status.success(), "checkpoint: {}", text(&o));
+        assert!(o.status.success(), "{}: {}", command[0], text(&o));
         serde_json::from_slice(&o.stdout).unwrap()
     }
 
+    fn checkpoint(&self, id: &str, extra: &[&str]) -> serde_json::Value {
+        self.sim_json(&["checkpoint"], id, extra)
+    }
+
     fn restore(&self, ckpt: &str, id: &str) -> serde_json::Value {
-        let args = [
-            "restore",
-            ckpt,
-            "--container",
-            id,
-            "--gpu-backend",
-            "sim",
-            "--format",
-            "json",
-        ];
-        let o = self.gc(&args, &[]);
-        assert!(o.status.success(), "restore: {}", text(&o));
-        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let out = self.sim_json(&["restore", ckpt], id, &[]);
         // Every runc restore here reads its images streamed from the store (docs/containers.md).
         assert_eq!(out["streamed"], true, "{out}");
         out

@@ -12,11 +12,11 @@ use std::path::Path;
 
 #[test]
 fn a_podman_checkpoint_goes_through_the_store_and_podman_restores_it() {
-    let Some(dir) = podman_folder() else { return };
-    let podman = Podman::new(dir.path());
     // A local image from the test's minimal root file system (no registry is reached).
     let image = "localhost/gpu-checkpoint-test:1";
-    podman.import_minimal_image(image);
+    let Some((dir, podman)) = podman_with_image(image) else {
+        return;
+    };
     let name = cid("podman");
     podman.run_counter(&name, image, COUNTER, 20);
     let long_id = podman.ok(&["inspect", "--format", "{{.Id}}", &name]);
@@ -68,10 +68,10 @@ fn gc_with_fault(args: &[&str], fault: &str) -> std::process::Output {
 
 #[test]
 fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
-    let Some(dir) = podman_folder() else { return };
-    let podman = Podman::new(dir.path());
     let image = "localhost/gpu-checkpoint-diff:1";
-    podman.import_minimal_image(image);
+    let Some((dir, podman)) = podman_with_image(image) else {
+        return;
+    };
     let name = cid("diff");
     // The container adds a file and a folder and removes one of the image's files. (It does not change
     // one: podman 4.3.1 leaves changed files out of its rootfs-diff.tar.)

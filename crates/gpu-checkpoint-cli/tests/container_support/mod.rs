@@ -226,23 +226,22 @@ pub struct Runc {
 
 impl Runc {
     pub fn new(dir: &Path) -> Runc {
-        let root = dir.join("runc-root");
-        std::fs::create_dir_all(&root).unwrap();
-        Runc {
-            root,
-            binary: "runc",
-            global: Vec::new(),
-        }
+        Runc::with_root_in(dir, "runc", Vec::new())
     }
 
     /// runsc, on the platform that works here (kvm hangs) and without a network (its only mode here).
     pub fn runsc(dir: &Path) -> Runc {
-        let root = dir.join("runsc-root");
+        Runc::with_root_in(dir, "runsc", vec!["--platform=ptrace", "--network=none"])
+    }
+
+    /// `binary` with `global` flags, its state in `dir/BINARY-root`.
+    fn with_root_in(dir: &Path, binary: &'static str, global: Vec<&'static str>) -> Runc {
+        let root = dir.join(format!("{binary}-root"));
         std::fs::create_dir_all(&root).unwrap();
         Runc {
             root,
-            binary: "runsc",
-            global: vec!["--platform=ptrace", "--network=none"],
+            binary,
+            global,
         }
     }
 

@@ -16,6 +16,15 @@ pub fn podman_folder() -> Option<tempfile::TempDir> {
     podman_ready().then(|| tempfile::tempdir().unwrap())
 }
 
+/// [`podman_folder`] and podman in it, with a local image `image` of a minimal root file system
+/// ([`Podman::import_minimal_image`]).
+pub fn podman_with_image(image: &str) -> Option<(tempfile::TempDir, Podman)> {
+    let dir = podman_folder()?;
+    let podman = Podman::new(dir.path());
+    podman.import_minimal_image(image);
+    Some((dir, podman))
+}
+
 /// podman with private storage and state, runc as its runtime, our CRIU found on PATH (podman asks for
 /// `criu` by name; a wrapper script, since a link is not accepted as CRIU by podman's version check).
 pub struct Podman {
