@@ -138,16 +138,12 @@ fn sandbox_processes(root: &std::path::Path) -> Vec<u32> {
 
 /// `runsc exec ID /bin/sim-cuda-checkpoint ARGS...` -> stdout (the SIMULATED tool's own checks).
 fn sim_tool(runsc: &Runc, id: &str, args: &[&str]) -> String {
-    let o = runsc
-        .cmd()
-        .args(["exec", id, "/bin/sim-cuda-checkpoint"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "sim-cuda-checkpoint {args:?}: {}",
-        text(&o)
+    let o = common::run_ok(
+        runsc
+            .cmd()
+            .args(["exec", id, "/bin/sim-cuda-checkpoint"])
+            .args(args),
+        &format!("sim-cuda-checkpoint {args:?}"),
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -690,17 +690,13 @@ fn logs_piped_into_a_file_carry_no_colour_codes() {
         return;
     };
     let w = Workload::start("counter", dir.path(), &[]);
-    let out = std::process::Command::new(gc_bin())
-        .args(["checkpoint", "--pid", &w.pid.to_string(), "--storage"])
-        .arg(&store)
-        .arg("--leave-running")
-        .env("RUST_LOG", "debug")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        std::process::Command::new(gc_bin())
+            .args(["checkpoint", "--pid", &w.pid.to_string(), "--storage"])
+            .arg(&store)
+            .arg("--leave-running")
+            .env("RUST_LOG", "debug"),
+        "checkpoint",
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("DEBUG"), "debug lines were asked for: {err}");

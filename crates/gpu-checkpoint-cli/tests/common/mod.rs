@@ -100,19 +100,15 @@ impl Workload {
     /// Starts `workload KIND --state DIR/state --detach ARGS...`.
     pub fn start(kind: &str, dir: &Path, args: &[&str]) -> Workload {
         let state = dir.join(format!("{kind}.state"));
-        let out = Command::new(workload_bin())
-            .arg(kind)
-            .arg("--state")
-            .arg(&state)
-            .arg("--detach")
-            .args(args)
-            .output()
-            .expect("start workload");
-        assert!(out.status.success(), "workload {kind}: {out:?}");
-        let pid: i32 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .expect("workload prints its pid");
+        let pid = start_detached(
+            Command::new(workload_bin())
+                .arg(kind)
+                .arg("--state")
+                .arg(&state)
+                .arg("--detach")
+                .args(args),
+            &format!("workload {kind}"),
+        );
         Workload { pid, state }
     }
 
@@ -193,6 +189,30 @@ pub fn wait_pid_free(pid: i32) {
         }
     });
     assert!(left.is_empty(), "pid {pid} still taken");
+}
+
+/// Runs `cmd` to its end, asserting that it succeeded (`what`, its status and output in the message):
+/// its output.
+pub fn run_ok(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    out
+}
+
+/// Runs `cmd`, which starts a program detached and prints its PID (`what` names it in the messages): the
+/// PID.
+pub fn start_detached(cmd: &mut Command, what: &str) -> i32 {
+    let out = run_ok(cmd, what);
+    let said = text(&out.stdout);
+    said.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{what} prints its pid ({e}): {said:?}"))
 }
 
 /// Runs `gpu-checkpoint ARGS...`.

@@ -43,17 +43,13 @@ impl SimProcess {
     }
 
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let out = Command::new(sim_workload())
-            .arg("--daemon")
-            .args(args)
-            .envs(env.iter().copied())
-            .output()
-            .expect("run gpu-sim-workload");
-        assert!(out.status.success(), "gpu-sim-workload failed: {out:?}");
-        let pid: i32 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .expect("gpu-sim-workload --daemon prints the pid");
+        let pid = common::start_detached(
+            Command::new(sim_workload())
+                .arg("--daemon")
+                .args(args)
+                .envs(env.iter().copied()),
+            "gpu-sim-workload --daemon",
+        );
         let st = status(pid);
         let children = match st.get("children").map(String::as_str) {
             None | Some("none") => Vec::new(),
