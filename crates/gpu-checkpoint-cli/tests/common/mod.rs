@@ -191,18 +191,22 @@ pub fn wait_pid_free(pid: i32) {
     assert!(left.is_empty(), "pid {pid} still taken");
 }
 
-/// Runs `cmd` to its end, asserting that it succeeded (`what`, its status and output in the message):
-/// its output.
+/// Runs `cmd` to its end, asserting that it succeeded ([`assert_success`]): its output.
 pub fn run_ok(cmd: &mut Command, what: &str) -> Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_success(&out, what);
+    out
+}
+
+/// Asserts that the run of `what` succeeded, with its status and output in the message.
+pub fn assert_success(out: &Output, what: &str) {
     assert!(
         out.status.success(),
-        "{what}: {}\nstdout: {}\nstderr: {}",
+        "{what} failed ({}):\nstdout: {}\nstderr: {}",
         out.status,
         text(&out.stdout),
         text(&out.stderr)
     );
-    out
 }
 
 /// Runs `cmd`, which starts a program detached and prints its PID (`what` names it in the messages): the
@@ -229,13 +233,7 @@ pub fn text(b: &[u8]) -> String {
 
 /// Asserts a successful run and returns its stdout.
 pub fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "gpu-checkpoint failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_success(out, "gpu-checkpoint");
     text(&out.stdout)
 }
 
