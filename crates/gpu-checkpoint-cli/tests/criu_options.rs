@@ -313,15 +313,9 @@ fn sqlite_in_wal_mode(mode: Mode) {
     });
 }
 
-#[test]
-fn sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact() {
-    sqlite_in_wal_mode(Mode::Stop);
-}
-
-#[test]
-fn sqlite_in_wal_mode_comes_back_intact_after_a_leave_running_checkpoint() {
-    sqlite_in_wal_mode(Mode::LeaveRunning);
-}
+both_modes!(sqlite_in_wal_mode:
+    sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact,
+    sqlite_in_wal_mode_comes_back_intact_after_a_leave_running_checkpoint);
 
 /// `--criu-config`: a CRIU configuration file saying `file-locks` does what the flag does, on checkpoint
 /// (the refusal counts it) and on restore (the locks come back only because the restore's file says so).
@@ -417,15 +411,9 @@ fn a_deleted_file_over_a_mib(mode: Mode) {
     });
 }
 
-#[test]
-fn a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents() {
-    a_deleted_file_over_a_mib(Mode::Stop);
-}
-
-#[test]
-fn a_deleted_file_over_a_mib_keeps_its_contents_after_a_leave_running_checkpoint() {
-    a_deleted_file_over_a_mib(Mode::LeaveRunning);
-}
+both_modes!(a_deleted_file_over_a_mib:
+    a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents,
+    a_deleted_file_over_a_mib_keeps_its_contents_after_a_leave_running_checkpoint);
 
 /// An established loopback TCP pair in `mode`: `detect` names `--tcp-established`; without it the
 /// checkpoint is refused before the tree is frozen; with it the conversation carries on after the
@@ -511,12 +499,6 @@ fn an_established_connection(mode: Mode) {
     });
 }
 
-#[test]
-fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again() {
-    an_established_connection(Mode::Stop);
-}
-
-#[test]
-fn an_established_connection_carries_on_after_a_leave_running_checkpoint() {
-    an_established_connection(Mode::LeaveRunning);
-}
+both_modes!(an_established_connection:
+    an_established_connection_needs_tcp_established_and_restore_accepts_it_again,
+    an_established_connection_carries_on_after_a_leave_running_checkpoint);

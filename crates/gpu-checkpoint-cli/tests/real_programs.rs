@@ -172,15 +172,9 @@ fn redis_server(mode: Mode) {
     });
 }
 
-#[test]
-fn redis_server_comes_back_with_its_keys() {
-    redis_server(Mode::Stop);
-}
-
-#[test]
-fn redis_server_comes_back_with_its_keys_after_a_leave_running_checkpoint() {
-    redis_server(Mode::LeaveRunning);
-}
+both_modes!(redis_server:
+    redis_server_comes_back_with_its_keys,
+    redis_server_comes_back_with_its_keys_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // nginx
@@ -310,15 +304,9 @@ fn nginx_master(mode: Mode) {
     });
 }
 
-#[test]
-fn nginx_master_comes_back_with_its_workers() {
-    nginx_master(Mode::Stop);
-}
-
-#[test]
-fn nginx_master_comes_back_with_its_workers_after_a_leave_running_checkpoint() {
-    nginx_master(Mode::LeaveRunning);
-}
+both_modes!(nginx_master:
+    nginx_master_comes_back_with_its_workers,
+    nginx_master_comes_back_with_its_workers_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // Python multiprocessing
@@ -478,12 +466,6 @@ fn python_pool(mode: Mode) {
     );
 }
 
-#[test]
-fn a_python_multiprocessing_pool_carries_on_with_its_shared_memory() {
-    python_pool(Mode::Stop);
-}
-
-#[test]
-fn a_python_multiprocessing_pool_carries_on_after_a_leave_running_checkpoint() {
-    python_pool(Mode::LeaveRunning);
-}
+both_modes!(python_pool:
+    a_python_multiprocessing_pool_carries_on_with_its_shared_memory,
+    a_python_multiprocessing_pool_carries_on_after_a_leave_running_checkpoint);

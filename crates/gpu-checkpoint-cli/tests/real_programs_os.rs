@@ -170,15 +170,9 @@ fn tmux_server(mode: Mode) {
     });
 }
 
-#[test]
-fn tmux_comes_back_with_its_panes() {
-    tmux_server(Mode::Stop);
-}
-
-#[test]
-fn tmux_comes_back_with_its_panes_after_a_leave_running_checkpoint() {
-    tmux_server(Mode::LeaveRunning);
-}
+both_modes!(tmux_server:
+    tmux_comes_back_with_its_panes,
+    tmux_comes_back_with_its_panes_after_a_leave_running_checkpoint);
 
 /// An interactive shell in a pane opens `/dev/tty`; CRIU restores it only through the first descriptor
 /// of that terminal it meets, which is the server's master: "ctty inheritance detected" after the freeze.
@@ -307,15 +301,9 @@ fn kernel_objects(mode: Mode) {
     );
 }
 
-#[test]
-fn inotify_eventfd_ptys_and_threads_work_after_the_restore() {
-    kernel_objects(Mode::Stop);
-}
-
-#[test]
-fn inotify_eventfd_ptys_and_threads_work_after_a_leave_running_checkpoint() {
-    kernel_objects(Mode::LeaveRunning);
-}
+both_modes!(kernel_objects:
+    inotify_eventfd_ptys_and_threads_work_after_the_restore,
+    inotify_eventfd_ptys_and_threads_work_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // A PID namespace's init
@@ -380,15 +368,9 @@ fn pid_namespace(mode: Mode) {
     );
 }
 
-#[test]
-fn a_pid_namespace_init_is_restored_into_a_new_namespace() {
-    pid_namespace(Mode::Stop);
-}
-
-#[test]
-fn a_pid_namespace_init_is_restored_into_a_new_namespace_after_a_leave_running_checkpoint() {
-    pid_namespace(Mode::LeaveRunning);
-}
+both_modes!(pid_namespace:
+    a_pid_namespace_init_is_restored_into_a_new_namespace,
+    a_pid_namespace_init_is_restored_into_a_new_namespace_after_a_leave_running_checkpoint);
 
 /// Without `setsid`, the init's session leader is `unshare`, outside its namespace: CRIU fails after
 /// the freeze ("A session leader of N(1) is outside of its pid namespace"); refused before, counting on.
@@ -558,15 +540,9 @@ fn reservation(mode: Mode) {
     });
 }
 
-#[test]
-fn an_8_tib_reservation_comes_back_through_the_default_and_streamed_restores() {
-    reservation(Mode::Stop);
-}
-
-#[test]
-fn an_8_tib_reservation_comes_back_after_a_leave_running_checkpoint() {
-    reservation(Mode::LeaveRunning);
-}
+both_modes!(reservation:
+    an_8_tib_reservation_comes_back_through_the_default_and_streamed_restores,
+    an_8_tib_reservation_comes_back_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // 2 GiB of memory

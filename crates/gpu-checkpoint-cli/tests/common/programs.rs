@@ -326,6 +326,25 @@ pub fn plain_restore(dir: &Path, extra: &[&str]) {
     );
 }
 
+/// The two tests of one scenario `$round(mode)`: `$stop`, whose checkpoint stops the tree, and `$running`,
+/// whose checkpoint leaves it running (`--leave-running`).
+#[allow(unused_macros)] // not every test file that includes this module has such tests
+macro_rules! both_modes {
+    ($round:ident: $stop:ident, $running:ident) => {
+        #[test]
+        fn $stop() {
+            $round($crate::common::programs::Mode::Stop);
+        }
+
+        #[test]
+        fn $running() {
+            $round($crate::common::programs::Mode::LeaveRunning);
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use both_modes;
+
 /// How the checkpointed tree carries on: stopped (the default: killed once the checkpoint is taken,
 /// to be restored), or `--leave-running` (the original keeps running; the test kills it before the
 /// restore).
