@@ -295,16 +295,7 @@ fn nginx_round(via: Via, mode: Mode, nginx: &Path) {
     assert!(serves(), "the new workers serve the page");
 }
 
-fn nginx_master(mode: Mode) {
-    let Some(nginx) = program("nginx", "nginx") else {
-        return;
-    };
-    Via::each(&format!("nginx master with workers, {mode}"), |via| {
-        nginx_round(via, mode, &nginx)
-    });
-}
-
-both_modes!(nginx_master:
+both_modes!("nginx master with workers", program("nginx", "nginx"), nginx_round;
     nginx_master_comes_back_with_its_workers,
     nginx_master_comes_back_with_its_workers_after_a_leave_running_checkpoint);
 
@@ -458,14 +449,6 @@ fn pool_round(via: Via, mode: Mode, py: &Path) {
     );
 }
 
-fn python_pool(mode: Mode) {
-    let Some(py) = python() else { return };
-    Via::each(
-        &format!("a Python multiprocessing pool with shared memory, {mode}"),
-        |via| pool_round(via, mode, &py),
-    );
-}
-
-both_modes!(python_pool:
+both_modes!("a Python multiprocessing pool with shared memory", python(), pool_round;
     a_python_multiprocessing_pool_carries_on_with_its_shared_memory,
     a_python_multiprocessing_pool_carries_on_after_a_leave_running_checkpoint);

@@ -268,14 +268,6 @@ fn postgres_round(via: Via, mode: Mode, t: &PgTemplate) {
     );
 }
 
-fn postgres(mode: Mode) {
-    let Some(t) = postgres_template() else { return };
-    Via::each(
-        &format!("PostgreSQL in its own IPC namespace, {mode}"),
-        |via| postgres_round(via, mode, &t),
-    );
-}
-
 /// The template, when PostgreSQL and a C compiler are there (and root and CRIU).
 fn postgres_template() -> Option<PgTemplate> {
     let bin = postgres_bin()?;
@@ -288,7 +280,7 @@ fn has_cc() -> bool {
     found || missing::<()>("no C compiler (cc): the PostgreSQL test builds a shim").is_some()
 }
 
-both_modes!(postgres:
+both_modes!("PostgreSQL in its own IPC namespace", postgres_template(), postgres_round;
     postgres_in_its_own_ipc_namespace_comes_back_with_its_rows,
     postgres_in_its_own_ipc_namespace_comes_back_after_a_leave_running_checkpoint);
 
@@ -561,15 +553,6 @@ fn memcached_round(via: Via, mode: Mode, bin: &Path) {
     );
 }
 
-fn memcached_server(mode: Mode) {
-    let Some(bin) = program("memcached", "memcached") else {
-        return;
-    };
-    Via::each(&format!("memcached, {mode}"), |via| {
-        memcached_round(via, mode, &bin)
-    });
-}
-
-both_modes!(memcached_server:
+both_modes!("memcached", program("memcached", "memcached"), memcached_round;
     memcached_comes_back_with_its_values,
     memcached_comes_back_with_its_values_after_a_leave_running_checkpoint);

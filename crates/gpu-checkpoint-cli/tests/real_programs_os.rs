@@ -360,15 +360,7 @@ fn pid_namespace_round(via: Via, mode: Mode, py: &Path) {
     );
 }
 
-fn pid_namespace(mode: Mode) {
-    let Some(py) = python() else { return };
-    Via::each(
-        &format!("the init of its own PID namespace, {mode}"),
-        |via| pid_namespace_round(via, mode, &py),
-    );
-}
-
-both_modes!(pid_namespace:
+both_modes!("the init of its own PID namespace", python(), pid_namespace_round;
     a_pid_namespace_init_is_restored_into_a_new_namespace,
     a_pid_namespace_init_is_restored_into_a_new_namespace_after_a_leave_running_checkpoint);
 

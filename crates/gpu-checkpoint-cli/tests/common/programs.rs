@@ -326,24 +326,56 @@ pub fn plain_restore(dir: &Path, extra: &[&str]) {
     );
 }
 
-/// The two tests of one scenario `$round(mode)`: `$stop`, whose checkpoint stops the tree, and `$running`,
-/// whose checkpoint leaves it running (`--leave-running`).
+/// The two tests of one scenario: `$stop`, whose checkpoint stops the tree, and `$running`, whose
+/// checkpoint leaves it running (`--leave-running`).
+///
+/// `both_modes!(scenario: stop, running)`: each runs `scenario(mode)`.
+/// `both_modes!("what", found, round; stop, running)`: each runs `round(via, mode, &found)` for both
+/// tools ([`Via::each`], `what` naming the case) with what `found` (an `Option`, a program looked up
+/// with [`program`] for instance) holds; `None` ends the test (a failure in CI, skipped locally).
 #[allow(unused_macros)] // not every test file that includes this module has such tests
 macro_rules! both_modes {
-    ($round:ident: $stop:ident, $running:ident) => {
+    ($scenario:ident: $stop:ident, $running:ident) => {
         #[test]
         fn $stop() {
-            $round($crate::common::programs::Mode::Stop);
+            $scenario($crate::common::programs::Mode::Stop);
         }
 
         #[test]
         fn $running() {
-            $round($crate::common::programs::Mode::LeaveRunning);
+            $scenario($crate::common::programs::Mode::LeaveRunning);
+        }
+    };
+    ($what:literal, $found:expr, $round:path; $stop:ident, $running:ident) => {
+        #[test]
+        fn $stop() {
+            $crate::common::programs::rounds(
+                $what,
+                $crate::common::programs::Mode::Stop,
+                $found,
+                |via, mode, found| $round(via, mode, found),
+            );
+        }
+
+        #[test]
+        fn $running() {
+            $crate::common::programs::rounds(
+                $what,
+                $crate::common::programs::Mode::LeaveRunning,
+                $found,
+                |via, mode, found| $round(via, mode, found),
+            );
         }
     };
 }
 #[allow(unused_imports)]
 pub(crate) use both_modes;
+
+/// [`Via::each`] of `round` in `mode` with what `found` holds; `None` ends the test (see [`both_modes`]).
+pub fn rounds<T>(what: &str, mode: Mode, found: Option<T>, round: impl Fn(Via, Mode, &T)) {
+    let Some(found) = found else { return };
+    Via::each(&format!("{what}, {mode}"), |via| round(via, mode, &found));
+}
 
 /// How the checkpointed tree carries on: stopped (the default: killed once the checkpoint is taken,
 /// to be restored), or `--leave-running` (the original keeps running; the test kills it before the
