@@ -336,35 +336,24 @@ pub fn plain_restore(dir: &Path, extra: &[&str]) {
 #[allow(unused_macros)] // not every test file that includes this module has such tests
 macro_rules! both_modes {
     ($scenario:ident: $stop:ident, $running:ident) => {
-        #[test]
-        fn $stop() {
-            $scenario($crate::common::programs::Mode::Stop);
-        }
-
-        #[test]
-        fn $running() {
-            $scenario($crate::common::programs::Mode::LeaveRunning);
-        }
+        $crate::common::programs::both_modes!(@tests $scenario; $stop, $running);
     };
     ($what:literal, $found:expr, $round:path; $stop:ident, $running:ident) => {
+        $crate::common::programs::both_modes!(@tests
+            |mode| $crate::common::programs::rounds($what, mode, $found, |via, mode, found| {
+                $round(via, mode, found)
+            });
+            $stop, $running);
+    };
+    (@tests $scenario:expr; $stop:ident, $running:ident) => {
         #[test]
         fn $stop() {
-            $crate::common::programs::rounds(
-                $what,
-                $crate::common::programs::Mode::Stop,
-                $found,
-                |via, mode, found| $round(via, mode, found),
-            );
+            ($scenario)($crate::common::programs::Mode::Stop);
         }
 
         #[test]
         fn $running() {
-            $crate::common::programs::rounds(
-                $what,
-                $crate::common::programs::Mode::LeaveRunning,
-                $found,
-                |via, mode, found| $round(via, mode, found),
-            );
+            ($scenario)($crate::common::programs::Mode::LeaveRunning);
         }
     };
 }
