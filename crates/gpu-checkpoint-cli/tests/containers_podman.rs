@@ -14,10 +14,10 @@ use std::path::Path;
 fn a_podman_checkpoint_goes_through_the_store_and_podman_restores_it() {
     // A local image from the test's minimal root file system (no registry is reached).
     let image = "localhost/gpu-checkpoint-test:1";
+    let name = cid("podman");
     let Some((dir, podman)) = podman_with_image(image) else {
         return;
     };
-    let name = cid("podman");
     podman.run_counter(&name, image, COUNTER, 20);
     let long_id = podman.ok(&["inspect", "--format", "{{.Id}}", &name]);
 
