@@ -298,15 +298,20 @@ pub fn restore_with(target: &str, store: &Path, extra: &[&str]) -> i32 {
     out.trim().parse().expect("restore prints the PID")
 }
 
-/// The ids `list --format json` shows.
-pub fn list_ids(store: &Path) -> Vec<String> {
-    let out = gc(&[
+/// `gpu-checkpoint list --storage STORE --format json`.
+pub fn list_json(store: &Path) -> Output {
+    gc(&[
         "list",
         "--storage",
-        store.to_str().unwrap(),
+        &store.display().to_string(),
         "--format",
         "json",
-    ]);
+    ])
+}
+
+/// The ids `list --format json` shows.
+pub fn list_ids(store: &Path) -> Vec<String> {
+    let out = list_json(store);
     if !out.status.success() {
         return Vec::new();
     }

@@ -152,14 +152,9 @@ pub fn listed(store: &std::path::Path) -> Vec<serde_json::Value> {
     if !store.join("store.json").exists() {
         return Vec::new();
     }
-    let v = json_ok(&[
-        "list",
-        "--storage",
-        store.to_str().unwrap(),
-        "--format",
-        "json",
-    ]);
-    match v {
+    let o = common::list_json(store);
+    common::assert_success(&o, "list");
+    match serde_json::from_slice(&o.stdout).expect("list prints JSON") {
         serde_json::Value::Array(a) => a,
         serde_json::Value::Object(o) => o
             .get("checkpoints")
