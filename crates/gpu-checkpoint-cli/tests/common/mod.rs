@@ -27,6 +27,17 @@ pub fn criu_scene() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
     Some((dir, store))
 }
 
+/// A `counter` workload in a [`criu_scene`], once it has ticked `seq` times: the folder, the store path
+/// and the workload.
+pub fn criu_counter(seq: u64) -> Option<(tempfile::TempDir, PathBuf, Workload)> {
+    let (dir, store) = criu_scene()?;
+    let w = Workload::start("counter", dir.path(), &[]);
+    w.wait_state("the counter ticking", |r| {
+        r.len() == 1 && num(&r[0], "seq") >= seq
+    });
+    Some((dir, store, w))
+}
+
 /// Whether tests needing root and CRIU can run. In CI (`CI=true`) their absence fails the test; locally
 /// the test is skipped with the reason printed.
 pub fn criu_ready() -> bool {
