@@ -246,22 +246,28 @@ fn unix_and_tcp_listening_sockets_work_after_restore() {
             .collect();
         (num(&rec, "seq"), num(&rec, "value"))
     };
-    let mut answer = String::new();
-    std::net::TcpStream::connect(("127.0.0.1", port))
-        .expect("the restored TCP listener accepts")
-        .read_to_string(&mut answer)
-        .unwrap();
-    let (seq, value) = parse(&answer);
-    assert!(seq > seq0, "{answer}");
-    assert_eq!(value, chain(1, seq));
-    let mut answer = String::new();
-    std::os::unix::net::UnixStream::connect(&sock)
-        .expect("the restored UNIX listener accepts")
-        .read_to_string(&mut answer)
-        .unwrap();
-    let (seq, value) = parse(&answer);
-    assert!(seq > seq0, "{answer}");
-    assert_eq!(value, chain(1, seq));
+    let answers = [
+        read_all(
+            std::net::TcpStream::connect(("127.0.0.1", port))
+                .expect("the restored TCP listener accepts"),
+        ),
+        read_all(
+            std::os::unix::net::UnixStream::connect(&sock)
+                .expect("the restored UNIX listener accepts"),
+        ),
+    ];
+    for answer in answers {
+        let (seq, value) = parse(&answer);
+        assert!(seq > seq0, "{answer}");
+        assert_eq!(value, chain(1, seq));
+    }
+}
+
+/// What `stream` says until it closes.
+fn read_all(mut stream: impl Read) -> String {
+    let mut said = String::new();
+    stream.read_to_string(&mut said).unwrap();
+    said
 }
 
 #[test]

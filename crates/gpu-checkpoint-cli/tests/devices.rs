@@ -116,10 +116,7 @@ fn holds_fuse(pid: i32) {
 }
 
 fn start(py: &Path, dir: &Path) -> (Program, Report) {
-    let script = dir.join("holder.py");
-    std::fs::write(&script, [REPORT_PY, HOLDER].concat()).unwrap();
-    let st = Report::new(dir.join("holder.log"));
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), st.path.as_os_str()]);
+    let (p, st) = Program::python(py, dir, "holder", HOLDER, &[]);
     counts_past(&st, 2);
     holds_fuse(p.pid);
     (p, st)

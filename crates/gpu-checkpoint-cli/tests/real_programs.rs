@@ -395,10 +395,7 @@ fn pool_going_on(report: &Report, pid: i32, from: &[u64], by: u64, what: &str) -
 /// worker counting on from where the checkpoint left it, the shared bytes consistent with the counts.
 fn pool_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
-    let script = work.path().join("pool.py");
-    std::fs::write(&script, [REPORT_PY, POOL].concat()).unwrap();
-    let report = Report::new(work.path().join("pool.log"));
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), report.path.as_os_str()]);
+    let (p, report) = Program::python(py, work.path(), "pool", POOL, &[]);
     let started = pool_going_on(&report, p.pid, &[0, 0], 10, "the workers counting");
     let mut workers = started.pids.clone();
     workers.sort();

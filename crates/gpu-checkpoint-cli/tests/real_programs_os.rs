@@ -245,15 +245,13 @@ fn kernel_objects_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
     let watched = work.path().join("watched");
     std::fs::create_dir(&watched).unwrap();
-    let script = work.path().join("objects.py");
-    std::fs::write(&script, [REPORT_PY, KERNEL_OBJECTS].concat()).unwrap();
-    let report = Report::new(work.path().join("objects.log"));
-    let p = Program::start(&[
-        py.as_os_str(),
-        script.as_os_str(),
-        watched.as_os_str(),
-        report.path.as_os_str(),
-    ]);
+    let (p, report) = Program::python(
+        py,
+        work.path(),
+        "objects",
+        KERNEL_OBJECTS,
+        &[watched.as_os_str()],
+    );
     // The watch exists once the program reports.
     reported_past(&report, "rounds", 1, "the program's first round");
     std::fs::write(watched.join("before"), b"1").unwrap();
@@ -484,10 +482,7 @@ while True:
 
 fn reservation_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
-    let script = work.path().join("reserve.py");
-    std::fs::write(&script, [REPORT_PY, RESERVATION].concat()).unwrap();
-    let report = Report::new(work.path().join("reserve.log"));
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), report.path.as_os_str()]);
+    let (p, report) = Program::python(py, work.path(), "reserve", RESERVATION, &[]);
     let base = reported_past(&report, "n", 3, "the reservation made")["base"].clone();
 
     let taken = via.checkpoint(mode, p.pid, work.path(), &[], || {

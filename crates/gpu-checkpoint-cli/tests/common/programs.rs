@@ -248,16 +248,33 @@ pub struct Program {
 impl Program {
     /// `setsid ARGV...`, its output thrown away.
     pub fn start<S: AsRef<OsStr>>(argv: &[S]) -> Program {
-        let out = Command::new("sh")
-            .arg("-c")
-            .arg(r#"setsid "$@" </dev/null >/dev/null 2>&1 & echo $!"#)
-            .arg("sh")
-            .args(argv)
-            .output()
-            .expect("run sh");
-        assert!(out.status.success(), "{out:?}");
-        let pid = text(&out.stdout).trim().parse().expect("a pid");
+        let pid = super::start_detached(
+            Command::new("sh")
+                .arg("-c")
+                .arg(r#"setsid "$@" </dev/null >/dev/null 2>&1 & echo $!"#)
+                .arg("sh")
+                .args(argv),
+            "sh",
+        );
         Program { pid, done: false }
+    }
+
+    /// Writes `script` (after [`REPORT_PY`]) to `DIR/NAME.py` and starts `PY DIR/NAME.py ARGS...
+    /// DIR/NAME.log`: the program and its report.
+    pub fn python(
+        py: &Path,
+        dir: &Path,
+        name: &str,
+        script: &str,
+        args: &[&OsStr],
+    ) -> (Program, Report) {
+        let file = dir.join(format!("{name}.py"));
+        std::fs::write(&file, [REPORT_PY, script].concat()).unwrap();
+        let report = Report::new(dir.join(format!("{name}.log")));
+        let mut argv = vec![py.as_os_str(), file.as_os_str()];
+        argv.extend_from_slice(args);
+        argv.push(report.path.as_os_str());
+        (Program::start(&argv), report)
     }
 
     pub fn running(&self) -> bool {
