@@ -15,29 +15,11 @@ use gpu_checkpoint::store::backend::{chunk_key, LEASES};
 #[cfg(feature = "s3")]
 use gpu_checkpoint::store::ObjectMeta;
 use gpu_checkpoint::store::{
-    Backend, ChunkParams, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store,
-    StoreOptions, GRACE,
+    Backend, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store, GRACE,
 };
 use gpu_checkpoint::{Classify, ExitStatus};
-use gpu_checkpoint_testdata::XorShift64;
 
-fn opts() -> StoreOptions {
-    StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-        ..StoreOptions::default()
-    }
-}
-
-fn random(n: usize, seed: u64) -> Vec<u8> {
-    XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).bytes(n)
-}
+use common::{pseudo_random as random, small_opts as opts};
 
 /// A backend under test, with what the suite needs to play with time.
 struct Fixture {

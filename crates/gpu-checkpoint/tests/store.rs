@@ -8,36 +8,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_checkpoint::store::{
-    ChunkParams, Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
+    Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
 };
 use gpu_checkpoint::Classify;
 use gpu_checkpoint::ExitStatus;
-use gpu_checkpoint_testdata::XorShift64;
 use proptest::prelude::*;
 
-/// Small chunks so that test-sized files have many of them (and debug builds stay quick).
-fn small_opts() -> StoreOptions {
-    StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-        ..StoreOptions::default()
-    }
-}
+mod common;
+
+use common::{pseudo_random, small_opts};
 
 fn open(dir: &Path) -> Store {
     Store::open(&dir.join("store"), small_opts()).unwrap()
-}
-
-/// This file's seed spread (`seed * golden ratio`, not `testdata::random_bytes`'s `(seed + 1) * ...`): the
-/// bytes these tests were written against, kept as they were.
-fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
-    XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).bytes(n)
 }
 
 /// A CRIU-like image folder: a big pages file of 4 KiB pages (zeros, random, repeated, text-like) and a few
