@@ -22,6 +22,17 @@ fn open(dir: &Path) -> Store {
     Store::open(&dir.join("store"), small_opts()).unwrap()
 }
 
+/// A store in a temporary folder and, beside it, a CRIU-like image folder `src` ([`criu_like`]): the
+/// folder, the store and `src`.
+fn store_and_images(pages: usize, seed: u64) -> (tempfile::TempDir, Store, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    criu_like(&src, pages, seed);
+    (t, store, src)
+}
+
 /// A CRIU-like image folder: a big pages file of 4 KiB pages (zeros, random, repeated, text-like) and a few
 /// small metadata files.
 fn criu_like(dir: &Path, pages: usize, seed: u64) {
@@ -213,11 +224,7 @@ proptest! {
 
 #[test]
 fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 2000, 7);
+    let (t, store, src) = store_and_images(2000, 7);
     let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     assert!(first.stats.new_bytes > 0);
     let again = ingest(&store, Some("job"), |d| copy_tree(&src, d));
@@ -265,11 +272,7 @@ fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
 
 #[test]
 fn two_checkpoints_with_the_same_content_share_chunks() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 800, 3);
+    let (t, store, src) = store_and_images(800, 3);
     let a = ingest(&store, Some("replica-a"), |d| copy_tree(&src, d));
     let after_a = chunk_files(&t.path().join("store")).len();
     // Same memory under other file names (another process's images: pages-9.img, ...).
@@ -386,11 +389,7 @@ fn problems(store: &Store, id: &str) -> usize {
 
 #[test]
 fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 600, 11);
+    let (t, store, src) = store_and_images(600, 11);
     let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     let pages = first
         .files
@@ -456,11 +455,7 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
 /// which it still decodes and compares.
 #[test]
 fn a_re_checkpoint_checks_compressed_chunks_by_their_trailer_and_older_ones_in_full() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 600, 12);
+    let (t, store, src) = store_and_images(600, 12);
     let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     let mut zstd: Vec<PathBuf> = Vec::new();
     for f in &first.files {
