@@ -78,6 +78,12 @@ impl Scene {
         eprintln!("{}", std::fs::read_to_string(&log).unwrap());
     }
 
+    /// `CheckpointContainer` into `checkpoint.tar` in the test's folder, which must succeed: the archive.
+    fn checkpointed(&mut self, id: &str) -> PathBuf {
+        self.checkpoint(id, "checkpoint.tar")
+            .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"))
+    }
+
     /// `CheckpointContainer` into `name` in the test's folder.
     fn checkpoint(&mut self, id: &str, name: &str) -> Result<PathBuf, cri_client::Error> {
         let path = self.dir.path().join(name);
@@ -192,9 +198,7 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     let before = counter(&mut s.node, &id);
 
     // KEP-2008: the kubelet's checkpoint is the CRI's CheckpointContainer; the container runs on.
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     let after = counter(&mut s.node, &id);
     untouched(&mut s.node, &id, &pids);
 
@@ -292,8 +296,7 @@ fn a_gpu_container_the_freeze_cannot_take_is_refused_with_the_reason_and_keeps_r
     sim::inject_fault(pids[1], "none").unwrap();
     untouched(&mut s.node, &id, &pids);
     // And then it checkpoints.
-    s.checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    s.checkpointed(&id);
     untouched(&mut s.node, &id, &pids);
 }
 
@@ -302,9 +305,7 @@ fn a_restore_onto_gpus_that_cannot_hold_the_checkpoint_is_refused_before_anythin
     let Some(mut s) = scene(&[]) else { return };
     let pod = s.node.pod("src");
     let (id, pids) = s.start_gpu(&pod, "gpu", &[]);
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     s.node.cri.remove(&id, Duration::ZERO).unwrap();
     wait_gone(&pids);
     let archive = ck.display().to_string();
@@ -339,9 +340,7 @@ fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
     let id = run_on(&mut s.node, &pod, "cpu", &image().name, CPU_SCRIPT, &[])
         .unwrap_or_else(|(_, e)| panic!("{e}"));
     let before = counter(&mut s.node, &id);
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     let after = counter(&mut s.node, &id);
     let rec = record_of(&ck);
     assert_eq!(rec["strategy"], "none");
@@ -389,9 +388,7 @@ fn the_wrapper_killed_during_a_restore_leaves_no_container_and_the_archive_resto
     let Some((mut s, id, pids)) = killed_at("engine.gpu-restored", "src") else {
         return;
     };
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     s.node.cri.remove(&id, Duration::ZERO).unwrap();
     wait_gone(&pids);
     let archive = ck.display().to_string();

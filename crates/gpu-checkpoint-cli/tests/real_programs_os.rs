@@ -334,6 +334,23 @@ fn start_in_pid_namespace(py: &Path, dir: &Path, setsid: bool) -> (Program, i32,
     (p, init[0], report)
 }
 
+/// Without `setsid`, the init's session leader is `unshare`, outside its namespace: CRIU fails after
+/// the freeze ("A session leader of N(1) is outside of its pid namespace"); refused before, counting on.
+#[test]
+fn a_pid_namespace_init_whose_session_is_outside_is_refused() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (_unshare, init, report) = start_in_pid_namespace(&py, work.path(), false);
+    refused(
+        "a PID namespace's init in unshare's session",
+        init,
+        &[],
+        &["pid-namespace", "setsid"],
+    );
+    let n = last_json(&report).unwrap()["n"].as_u64().unwrap();
+    reported_past(&report, "n", n + 3, "the init counting on");
+}
+
 fn pid_namespace_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
     let (_unshare, init, report) = start_in_pid_namespace(py, work.path(), true);
@@ -361,23 +378,6 @@ fn pid_namespace_round(via: Via, mode: Mode, py: &Path) {
 both_modes!("the init of its own PID namespace", python(), pid_namespace_round;
     a_pid_namespace_init_is_restored_into_a_new_namespace,
     a_pid_namespace_init_is_restored_into_a_new_namespace_after_a_leave_running_checkpoint);
-
-/// Without `setsid`, the init's session leader is `unshare`, outside its namespace: CRIU fails after
-/// the freeze ("A session leader of N(1) is outside of its pid namespace"); refused before, counting on.
-#[test]
-fn a_pid_namespace_init_whose_session_is_outside_is_refused() {
-    let Some(py) = python() else { return };
-    let work = tempfile::tempdir().unwrap();
-    let (_unshare, init, report) = start_in_pid_namespace(&py, work.path(), false);
-    refused(
-        "a PID namespace's init in unshare's session",
-        init,
-        &[],
-        &["pid-namespace", "setsid"],
-    );
-    let n = last_json(&report).unwrap()["n"].as_u64().unwrap();
-    reported_past(&report, "n", n + 3, "the init counting on");
-}
 
 // ---------------------------------------------------------------------------------------------------
 // A deleted binary
