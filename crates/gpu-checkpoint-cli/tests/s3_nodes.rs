@@ -123,6 +123,30 @@ fn one_node(name: &str, mib: &str) -> Option<OneNode> {
     })
 }
 
+/// Runs `node`'s `gpu-checkpoint ARGS...` and stops `server` once `mid_way` says the command is half-way
+/// (within a minute, `not_yet` otherwise; still running then, or its `what` ended first): its output.
+fn server_gone_when(
+    server: &mut s3::S3Server,
+    node: &Node,
+    args: &[&str],
+    what: &str,
+    not_yet: &str,
+    mid_way: impl Fn() -> bool,
+) -> std::process::Output {
+    let mut child = node.command(args).spawn().unwrap();
+    let t0 = std::time::Instant::now();
+    while !mid_way() {
+        assert!(t0.elapsed().as_secs() < 60, "{not_yet}");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the {what} ended first"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    server.stop();
+    child.wait_with_output().unwrap()
+}
+
 #[test]
 fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed() {
     let Some(mut s) = one_node("node-a", "256") else {
@@ -130,22 +154,15 @@ fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed(
     };
     let (a, url, pid, w, checksum) = (&s.node, &s.url, &s.pid, &s.w, &s.checksum);
     // Started, then the server goes away once the first chunks are in: mid-checkpoint.
-    let mut child = a
-        .command(&["checkpoint", "--pid", pid, "--storage", url])
-        .spawn()
-        .unwrap();
     let chunks = s.server.object_file("job/chunks");
-    let t0 = std::time::Instant::now();
-    while std::fs::read_dir(&chunks).map_or(true, |mut d| d.next().is_none()) {
-        assert!(t0.elapsed().as_secs() < 60, "no chunk reached the server");
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the checkpoint ended first"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    s.server.stop();
-    let out = child.wait_with_output().unwrap();
+    let out = server_gone_when(
+        &mut s.server,
+        a,
+        &["checkpoint", "--pid", pid, "--storage", url],
+        "checkpoint",
+        "no chunk reached the server",
+        || std::fs::read_dir(&chunks).is_ok_and(|mut d| d.next().is_some()),
+    );
     // Storage that cannot be reached once the retries ran out: exit 6, not CRIU's broken pipe.
     fails_with(&out, 6);
     assert!(w.alive() && !w.stopped(), "the process keeps running");
@@ -219,28 +236,20 @@ fn the_server_gone_mid_restore_leaves_the_checkpoint_intact_and_a_retry_restores
     );
     wait_pid_free(w.pid);
     // The server goes away once the restore has made its work folder (it is fetching chunks then).
-    let mut child = b
-        .command(&["restore", &id, "--storage", url])
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while !std::fs::read_dir(&b.tmp).unwrap().flatten().any(|e| {
-        e.file_name()
-            .to_string_lossy()
-            .starts_with("gpu-checkpoint-restore")
-    }) {
-        assert!(
-            t0.elapsed().as_secs() < 60,
-            "the restore made no work folder"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the restore ended first"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    s.server.stop();
-    let out = child.wait_with_output().unwrap();
+    let out = server_gone_when(
+        &mut s.server,
+        b,
+        &["restore", &id, "--storage", url],
+        "restore",
+        "the restore made no work folder",
+        || {
+            std::fs::read_dir(&b.tmp).unwrap().flatten().any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("gpu-checkpoint-restore")
+            })
+        },
+    );
     assert!(!out.status.success(), "{out:?}");
     wait_pid_free(w.pid);
     // The checkpoint is intact: back up, the server serves it, and the same restore works.
