@@ -189,11 +189,12 @@ fn reading_commands_make_no_store_and_a_file_is_not_a_storage() {
     let err = Store::open(&file, StoreOptions::default())
         .err()
         .expect("a file is no store");
-    assert_eq!(
-        gpu_checkpoint::Classify::exit_status(&err),
-        gpu_checkpoint::ExitStatus::Usage,
-        "{err}"
-    );
+    assert_exit(&err, gpu_checkpoint::ExitStatus::Usage);
+}
+
+/// Asserts that `err` exits with `want`.
+fn assert_exit(err: &gpu_checkpoint::store::Error, want: gpu_checkpoint::ExitStatus) {
+    assert_eq!(gpu_checkpoint::Classify::exit_status(err), want, "{err}");
 }
 
 fn code_and_stderr(out: &Output) -> (Option<i32>, String) {
@@ -239,11 +240,7 @@ fn a_chunk_replaced_by_a_folder_is_damage() {
     let err = store
         .materialize(&id, &t.path().join("out"), &NoProgress)
         .unwrap_err();
-    assert_eq!(
-        gpu_checkpoint::Classify::exit_status(&err),
-        gpu_checkpoint::ExitStatus::CheckpointInvalid,
-        "{err}"
-    );
+    assert_exit(&err, gpu_checkpoint::ExitStatus::CheckpointInvalid);
 }
 
 /// Issue 13, item 11: `gc` refuses to run while a damaged manifest exists (exit 7, naming it), and deletes
@@ -309,11 +306,7 @@ fn verify_calls_a_manifest_with_an_escaping_path_damaged() {
         assert!(text.contains("escapes the image folder"), "{bad:?}: {text}");
         // The restore's reading of it: the same verdict.
         let err = store.get(&id).unwrap_err();
-        assert_eq!(
-            gpu_checkpoint::Classify::exit_status(&err),
-            gpu_checkpoint::ExitStatus::CheckpointInvalid,
-            "{err}"
-        );
+        assert_exit(&err, gpu_checkpoint::ExitStatus::CheckpointInvalid);
     }
 }
 
