@@ -180,12 +180,7 @@ fn json_reports_every_call_with_its_time() {
     assert_eq!(v["backend"], "sim");
     assert_eq!(v["ok"], true);
     assert_eq!(v["state"], "checkpointed");
-    let ops: Vec<&str> = v["calls"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["op"].as_str().unwrap())
-        .collect();
+    let ops = strings(&v["calls"], "op");
     assert_eq!(ops, ["state", "lock", "checkpoint", "state"]);
     assert!(v["calls"][1]["ms"].as_f64().unwrap() >= 0.0);
     let tid: i32 = ok("restore-tid", p.pid, &[]).parse().unwrap();

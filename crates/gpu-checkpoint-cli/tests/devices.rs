@@ -326,12 +326,8 @@ fn nvidia_node_without_a_context_is_reopened_without_a_flag() {
             .unwrap();
     assert_eq!(v["devices"][0]["path"], "/dev/nvidiactl", "{v}");
     // One record per open file (nine descriptors, nine opens), every node.
-    let paths: std::collections::BTreeSet<&str> = v["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["path"].as_str().unwrap())
-        .collect();
+    let paths: std::collections::BTreeSet<&str> =
+        strings(&v["devices"], "path").into_iter().collect();
     assert_eq!(v["devices"].as_array().map(Vec::len), Some(9), "{v}");
     assert_eq!(
         paths.into_iter().collect::<Vec<_>>(),

@@ -220,12 +220,7 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     let processes = g["processes"].as_array().unwrap();
     assert_eq!(processes.len(), 2, "{g}");
     for p in processes {
-        let ops: Vec<&str> = p["steps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["op"].as_str().unwrap())
-            .collect();
+        let ops = strings(&p["steps"], "op");
         assert_eq!(ops, ["lock", "checkpoint"], "{p}");
         assert!(p["memory"][0]["bytes"].as_u64().unwrap() >= 8 << 20, "{p}");
     }

@@ -69,12 +69,7 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
     let rec = archived_gpu_record(&stopped);
     assert_eq!(rec["leave_running"], false);
     assert!(rec["gpu"]["thaw"].is_null(), "{rec}");
-    let steps: Vec<&str> = rec["gpu"]["processes"][0]["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["op"].as_str().unwrap())
-        .collect();
+    let steps = strings(&rec["gpu"]["processes"][0]["steps"], "op");
     assert_eq!(steps, ["lock", "checkpoint"]);
     podman.ok(&["rm", "--force", &name]);
 

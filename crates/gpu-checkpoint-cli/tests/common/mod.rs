@@ -336,6 +336,19 @@ pub fn list_ids(store: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The string field `key` of every element of the JSON array `list`.
+pub fn strings<'a>(list: &'a serde_json::Value, key: &str) -> Vec<&'a str> {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"))
+        .iter()
+        .map(|e| {
+            e[key]
+                .as_str()
+                .unwrap_or_else(|| panic!("no string {key} in {e}"))
+        })
+        .collect()
+}
+
 /// Number field of a record.
 pub fn num(rec: &Record, key: &str) -> u64 {
     gpu_checkpoint_workloads::field_u64(rec, key)

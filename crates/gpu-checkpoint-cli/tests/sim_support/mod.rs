@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 #[path = "../common/mod.rs"]
 pub mod common;
 #[allow(unused_imports)] // each test file uses a different subset
-pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint};
+pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint, strings};
 
 /// `gpu-sim-workload`, built next to `gpu-checkpoint` by `cargo build --workspace` / `cargo test --workspace`.
 pub fn sim_workload() -> PathBuf {
