@@ -164,11 +164,9 @@ fn sim_steps(runsc: &Runc, id: &str) -> u64 {
 fn gpu_sandbox(tag: &str) -> Option<(Scene, String)> {
     let s = Scene::runsc(&["exec gpu-sim-workload --mib 8 --workers 2"], &[])?;
     let (runsc, bundle) = (&s.runc, &s.bundle);
-    let tool = sim_workload().with_file_name("sim-cuda-checkpoint");
-    assert!(
-        tool.exists(),
-        "{} is missing: cargo build -p gpu-checkpoint-workloads",
-        tool.display()
+    let tool = built_beside(
+        "sim-cuda-checkpoint",
+        "cargo build -p gpu-checkpoint-workloads",
     );
     std::fs::copy(&tool, bundle.rootfs().join("bin/sim-cuda-checkpoint")).unwrap();
     copy_libraries(&tool, &bundle.rootfs());

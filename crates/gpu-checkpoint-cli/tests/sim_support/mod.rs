@@ -18,15 +18,16 @@ pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint, strings};
 
 /// `gpu-sim-workload`, built next to `gpu-checkpoint` by `cargo build --workspace` / `cargo test --workspace`.
 pub fn sim_workload() -> PathBuf {
-    let p = gpu_checkpoint()
-        .parent()
-        .expect("binary has a folder")
-        .join("gpu-sim-workload");
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build -p gpu-checkpoint-workloads` (cargo test --workspace builds it)",
-        p.display()
-    );
+    built_beside(
+        "gpu-sim-workload",
+        "run `cargo build -p gpu-checkpoint-workloads` (cargo test --workspace builds it)",
+    )
+}
+
+/// The file `name` built next to `gpu-checkpoint`, which must be there (`how`: what builds it).
+pub fn built_beside(name: &str, how: &str) -> PathBuf {
+    let p = gpu_checkpoint().with_file_name(name);
+    assert!(p.exists(), "{} is missing: {how}", p.display());
     p
 }
 
