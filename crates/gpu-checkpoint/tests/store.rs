@@ -970,12 +970,11 @@ fn full_disk_during_ingest_is_a_storage_error_and_leaves_the_store_consistent() 
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    if !mounted {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must run this test as root (mount tmpfs)"
-        );
-        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+    if !common::runs_here(
+        mounted,
+        "cannot mount a tmpfs here (needs root)",
+        "CI must run this test as root (mount tmpfs)",
+    ) {
         return;
     }
     struct Unmount<'a>(&'a Path);
@@ -1357,13 +1356,12 @@ fn special_files_in_a_store_neither_hang_nor_exhaust_memory() {
 #[test]
 fn a_read_only_store_can_be_verified_and_restored() {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "CI runs as root"
-        );
-        eprintln!("skipped: not root (the test bind-mounts the store read-only)");
+    let root = unsafe { libc::geteuid() } == 0;
+    if !common::runs_here(
+        root,
+        "not root (the test bind-mounts the store read-only)",
+        "CI runs as root",
+    ) {
         return;
     }
     let t = tempfile::tempdir().unwrap();

@@ -9,6 +9,16 @@ pub mod s3;
 use gpu_checkpoint::store::{ChunkParams, StoreOptions};
 use gpu_checkpoint_testdata::XorShift64;
 
+/// Whether a test can run here (`ready`). Where it cannot, CI (`CI=true`) fails it (`in_ci`: why CI can
+/// run it); elsewhere it is skipped with the reason printed (`skipped`).
+pub fn runs_here(ready: bool, skipped: &str, in_ci: &str) -> bool {
+    if !ready {
+        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "{in_ci}");
+        eprintln!("skipped: {skipped}");
+    }
+    ready
+}
+
 /// Small chunks so that test-sized files have many of them (and debug builds stay quick).
 pub fn small_opts() -> StoreOptions {
     StoreOptions {
