@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_start "runc, CRIU" target/bench-containers 1024 "$@"
+bench_start "runc, CRIU" bench-containers 1024 "$@"
 ROOT=$DIR/runc-root
 RUNC=(runc --root "$ROOT" --criu "$CRIU")
 ID=bench-$$

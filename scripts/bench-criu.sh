@@ -29,11 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_start "CRIU" target/bench-criu "1024 4096" "$@"
-
-PID=
-trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
-
+bench_start "CRIU" bench-criu "1024 4096" "$@"
 
 # Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.
 ours() {

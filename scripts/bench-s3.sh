@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_start "CRIU" target/bench-s3 ""
+bench_start "CRIU" bench-s3 ""
 scripts/install-awscli.sh >/dev/null
 # shellcheck source=scripts/lib/apt-missing.sh
 . scripts/lib/apt-missing.sh

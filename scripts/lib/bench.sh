@@ -15,21 +15,18 @@ bench_build() {
     CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
 }
 
-# bench_start WHAT DIR_DEFAULT "SIZES_DEFAULT" ARGS...: bench_build WHAT; ROUNDS (default 3); SIZES, an
-# array: ARGS, or the words of SIZES_DEFAULT without any; DIR: $BENCH_DIR or DIR_DEFAULT, emptied and
-# made, as an absolute path.
+# bench_start WHAT NAME "SIZES_DEFAULT" ARGS...: bench_build WHAT; ROUNDS (default 3); SIZES, an array:
+# ARGS, or the words of SIZES_DEFAULT without any; the work folder bench_dir NAME.
 bench_start() {
     bench_build "$1"
     ROUNDS=${ROUNDS:-3}
-    DIR=${BENCH_DIR:-$2}
     # shellcheck disable=SC2206 # a list of sizes
     local defaults=($3)
+    local name=$2
     shift 3
     SIZES=("$@")
     [ ${#SIZES[@]} -gt 0 ] || SIZES=("${defaults[@]}")
-    rm -rf "$DIR"
-    mkdir -p "$DIR"
-    DIR=$(cd "$DIR" && pwd)
+    bench_dir "$name"
 }
 
 now() { echo "$EPOCHREALTIME"; }
@@ -40,3 +37,14 @@ settle() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 wait_free() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", (b > 0 ? a / b : 0) }'; }
+
+# A fresh work folder $DIR (BENCH_DIR, else target/$1), removed at exit with the process $PID the
+# benchmark runs (killed) if any.
+bench_dir() {
+    DIR=${BENCH_DIR:-target/$1}
+    rm -rf "$DIR"
+    mkdir -p "$DIR"
+    DIR=$(cd "$DIR" && pwd)
+    PID=
+    trap '[ -n "$PID" ] && kill -9 "$PID" 2>/dev/null; rm -rf "$DIR"' EXIT
+}

@@ -679,6 +679,15 @@ fn doctor_reports_criu_and_its_check() {
     // This kernel has userfaultfd (the default restore goes through it), and doctor says so both ways.
     assert_eq!(v["userfaultfd"], true, "{v}");
     assert!(text.contains("userfaultfd yes"), "{text}");
+    // The huge-page mode the kernel has, and what a copy costs in each page size here.
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
+    let mode = v["huge_pages"]["mode"].as_str().unwrap();
+    assert!(thp.contains(&format!("[{mode}]")), "{thp} / {v}");
+    assert!(
+        v["huge_pages"]["copy_gb_per_s_4k"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
+    assert!(text.contains(&format!("huge pages  {mode}")), "{text}");
     let driver = text
         .lines()
         .find(|l| l.starts_with("cuda-driver"))

@@ -155,6 +155,39 @@ fn a_tree_survives_checkpoint_stop_restore_with_device_memory() {
     }
 }
 
+/// The GPU restore does not wait for the memory: the processes resume as soon as CRIU has restored them,
+/// and the driver's restore (here the simulator's: it copies the device memory it staged in the process's
+/// memory back to the device) runs while the rest comes in, its page faults served first. With the
+/// background fill slowed down, the GPU step is done long before the last page is in, and the device
+/// memory is right.
+#[test]
+fn the_gpu_restore_overlaps_the_memory_coming_in() {
+    let Some((_dir, store)) = setup() else { return };
+    let tree = SimProcess::start(&["--mib", "256"]);
+    let ck = checkpoint(tree.pid, &store, &[]);
+    wait_gone(&[tree.pid]);
+    let id = ck["id"].as_str().unwrap();
+    let o = Command::new(gpu_checkpoint())
+        .args(restore_args(id, &store, &["--format", "json"]))
+        .env("GPU_CHECKPOINT_FAULT", "restore.memory=sleep:40")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "restore: {}", text(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let t = &r["timings_ms"];
+    let (gpu_done, memory_in) = (
+        t["gpu_done"].as_f64().unwrap(),
+        t["memory_in"].as_f64().unwrap(),
+    );
+    assert!(
+        gpu_done + 300.0 < memory_in,
+        "the GPU restore waited for the memory: {t}"
+    );
+    // Its staged device memory came through faults, ahead of the background fill.
+    assert!(t["uffd"]["faults_served"].as_u64().unwrap() > 16, "{t}");
+    assert_healthy(&[tree.pid]);
+}
+
 #[test]
 fn leave_running_keeps_the_tree_computing_and_the_checkpoint_restores() {
     let Some((_dir, store)) = setup() else { return };

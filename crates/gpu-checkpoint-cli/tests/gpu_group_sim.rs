@@ -110,3 +110,34 @@ fn restore_after_a_failed_restore_works() {
     step.finish_restore(&rec, &[]).unwrap();
     assert_all_running(&d, &pids);
 }
+
+/// The sockets process `pid` holds (`socket:[N]` descriptors).
+fn sockets(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_string_lossy().starts_with("socket:["))
+        .count()
+}
+
+/// A request to a simulated process returns only once the process has closed its end of the
+/// connection: a detect of its tree right after (a job member's next checkpoint, in the same agent)
+/// must not find a socket connected outside the tree (it did, under load: "needs --external unix[...]").
+#[test]
+fn a_request_returns_once_the_process_has_closed_its_end() {
+    let p = SimProcess::start_env(&["--mib", "1"], &[("GPU_SIM_FAULTS", "slow-close")]);
+    let d = driver();
+    // Its only socket, once the start's own STATUS connection is closed: the listening one.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while sockets(p.pid) > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let idle = sockets(p.pid);
+    assert_eq!(idle, 1, "the listening socket alone");
+    assert_eq!(d.state(p.pid).unwrap(), ProcessState::Running);
+    assert_eq!(
+        sockets(p.pid),
+        idle,
+        "the connection's socket is still open"
+    );
+}

@@ -671,9 +671,11 @@ fn another_users_process_without_cap_sys_resource_is_refused() {
     );
 }
 
-/// A process started in the test's own session (not a session leader): CRIU fails after the freeze
-/// ("The root process N is not a session leader"); refused before anything is touched, naming
-/// `--shell-job`; with it, checkpointed and restored like the rest.
+/// A process that does not lead its session (started in the background by a shell that does): CRIU
+/// fails after the freeze ("The root process N is not a session leader"); refused before anything is
+/// touched, naming `--shell-job`; with it, checkpointed and restored like the rest. The shell is made a
+/// session leader here (`setsid`) whatever session the test runs in: a CI job's may begin outside its
+/// PID namespace, which CRIU refuses even with `--shell-job` (refused as such, see detect/limits.rs).
 #[test]
 fn a_process_that_does_not_lead_its_session_needs_shell_job() {
     let Some(py) = python() else { return };
@@ -681,15 +683,27 @@ fn a_process_that_does_not_lead_its_session_needs_shell_job() {
     let script = work.path().join("counter.py");
     std::fs::write(&script, [REPORT_PY, COUNTER].concat()).unwrap();
     let report = Report::new(work.path().join("counter.log"));
-    let mut child = Command::new(&py)
+    let mut child = Command::new("setsid")
+        .args([
+            "sh",
+            "-c",
+            "\"$0\" \"$@\" </dev/null >/dev/null 2>&1 & echo $!; exec >&-; wait",
+        ])
+        .arg(&py)
         .arg(&script)
         .arg(&report.path)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let pid = child.id() as i32;
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let pid: i32 = line.trim().parse().expect("the counter's PID");
     reported_past(&report, "n", 3, "the child counting");
     refused("not a session leader", pid, &[], &["--shell-job"]);
     let ck = checkpoint(
@@ -699,6 +713,9 @@ fn a_process_that_does_not_lead_its_session_needs_shell_job() {
     );
     assert_eq!(ck["stopped"], false, "{ck}");
     assert!(runs(pid));
+    // SAFETY: signalling the counter this test started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let _ = child.wait();
     let _ = child.kill();
     let _ = child.wait();
 }

@@ -24,6 +24,9 @@ pub const POINTS: &[&str] = &[
     "store.write",
     "restore.before-criu",
     "restore.after-criu",
+    // The userfaultfd restore's background fill, before each chunk it copies (with the processes already
+    // running, unless `--resume filled`): `sleep:MS` stretches the time their memory takes to come in.
+    "restore.memory",
     // The container flow (`flows/container/`): its runtime's commands fail as the runtime's own would
     // (`eio`); its other steps share the points above (`checkpoint.after-dump` is after the runtime's
     // checkpoint, `restore.before-criu` and `restore.after-criu` around its restore).

@@ -29,6 +29,7 @@ pub mod interrupt;
 pub mod path_search;
 pub mod proc;
 pub mod store;
+pub mod thp;
 pub mod util;
 pub mod validate;
 

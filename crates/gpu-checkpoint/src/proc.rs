@@ -262,6 +262,18 @@ pub fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// A copy of descriptor `fd` of the process `pidfd` refers to (`pidfd_getfd`: root, or a tracer's rights).
+pub fn pidfd_getfd(pidfd: &OwnedFd, fd: RawFd) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_getfd with a valid pidfd; the result is a new descriptor or -1.
+    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0u32) };
+    if copy < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us, and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy as RawFd) })
+}
+
 /// Continues a tree CRIU left stopped (`leave_stopped`).
 pub fn continue_tree(pids: &[i32]) {
     Held::open(pids).continue_all();

@@ -50,6 +50,12 @@ pub struct Args {
     /// memory on all cores, and the processes resume with all of it).
     #[arg(long)]
     pub stream: bool,
+    /// When the restored processes go on, with memory copied through userfaultfd: `early` (the default)
+    /// as soon as CRIU has restored them, the pages they touch before the copy reaches them served on
+    /// demand from verified chunks (the command still returns once every page is in); `filled` only once
+    /// all of their memory is in.
+    #[arg(long, value_enum, default_value_t = Resume::Early)]
+    pub resume: Resume,
     /// CRIU's dump-time flags (--tcp-established, --file-locks, ...) are accepted for scripts written for
     /// plain CRIU, but the checkpoint decides them; the restore's own are --external, --criu-config,
     /// --manage-cgroups and --tcp-close.
@@ -64,6 +70,13 @@ pub struct Args {
     /// The bundle to restore the container into (default: the checkpointed container's).
     #[arg(long, value_name = "DIR", requires = "container")]
     pub bundle: Option<PathBuf>,
+}
+
+/// `restore --resume`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Resume {
+    Early,
+    Filled,
 }
 
 /// One line on stderr for the CRIU flags given again that the checkpoint decides anyway (and the notes of
@@ -126,7 +139,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         } else if args.stream {
             ImageTransfer::Stream
         } else {
-            ImageTransfer::default_restore()
+            match (ImageTransfer::default_restore(), args.resume) {
+                (ImageTransfer::Uffd, Resume::Filled) => ImageTransfer::UffdFilled,
+                (t, _) => t,
+            }
         },
         watch: &guardian,
     };
@@ -161,8 +177,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 format!("fetch {:.0} ms, restore {:.0} ms", t.fetch, t.restore)
             };
+            let resumed = match (t.resumed, t.memory_in) {
+                (Some(r), Some(m)) if m > r + 0.5 => {
+                    format!("; ran again after {r:.0} ms, all memory in after {m:.0} ms")
+                }
+                (Some(r), _) => format!("; ran again after {r:.0} ms"),
+                _ => String::new(),
+            };
             eprintln!(
-                "restored checkpoint {} as pid {}: {images}, gpu {:.0} ms; total {:.0} ms",
+                "restored checkpoint {} as pid {}: {images}, gpu {:.0} ms; total {:.0} ms{resumed}",
                 out.id, out.pid, t.gpu, t.total
             );
         }

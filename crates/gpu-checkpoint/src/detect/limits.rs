@@ -265,7 +265,24 @@ fn tree_checks(root: i32, snaps: &[ProcessSnapshot]) -> Vec<(i32, FindingKind, E
         return out;
     }
 
-    // Sessions and terminals.
+    // Sessions and terminals. Session 0 here: the leader is in a PID namespace above the one
+    // gpu-checkpoint (and CRIU) runs in, such as the host's session of a container's CI job; CRIU
+    // refuses that whatever its options.
+    if let Some(s) = snaps.iter().find(|s| s.stat.session == 0) {
+        out.push(refuse(
+            s.pid,
+            Limit::PidNamespace,
+            format!(
+                "the session leader of process {} is outside the PID namespace gpu-checkpoint runs in \
+                 (its session reads 0 here; CRIU: \"A session leader of {}({}) is outside of its pid \
+                 namespace\"), which --shell-job does not change",
+                s.pid, s.pid, s.pid
+            ),
+            "start the program in a session of its own (`setsid PROGRAM`), or run gpu-checkpoint in \
+             the PID namespace its session began in",
+        ));
+        return out;
+    }
     if r.stat.session != root {
         out.push((
             root,
@@ -462,6 +479,16 @@ mod tests {
         // Not a session leader: --shell-job.
         let f = findings(Some(20), &[snap(20, 5)], Some(&root_caller()));
         assert_eq!(kinds(&f), [(20, None, Some(NeededOption::ShellJob))]);
+        // A session that began outside our PID namespace (it reads 0): refused, --shell-job cannot help.
+        let mut child = snap(25, 24);
+        child.stat.ppid = 24;
+        child.stat.session = 0;
+        let f = findings(Some(24), &[snap(24, 24), child], Some(&root_caller()));
+        assert_eq!(kinds(&f), [(25, Some(Limit::PidNamespace), None)]);
+        assert!(
+            f[0].evidence.detail.contains("outside the PID namespace"),
+            "{f:?}"
+        );
         // A pts slave whose master is outside: --shell-job; with the master in the tree: nothing.
         let mut s = snap(21, 21);
         s.fds.push((0, "/dev/pts/3".into()));

@@ -158,6 +158,8 @@ pub struct Vma {
     pub flags: u32,
     /// CRIU's own bits (`VMA_*`).
     pub status: u32,
+    /// The `madvise` advice the mapping had, one bit per advice (`1 << MADV_HUGEPAGE`, ...).
+    pub madv: u64,
 }
 
 impl Vma {
@@ -229,7 +231,8 @@ fn mm_entries(bytes: &[u8]) -> Result<(u32, Vec<(Vma, u32)>), String> {
             return Ok(false);
         }
         let vma = is.read_bytes()?;
-        let (mut start, mut end, mut shmid, mut flags, mut status) = (None, None, 0, 0, 0);
+        let (mut start, mut end, mut shmid, mut flags, mut status, mut madv) =
+            (None, None, 0, 0, 0, 0);
         let mut prot = 0;
         if let Err(e) = fields(&vma, |n, _, is| {
             Ok(match n {
@@ -257,6 +260,10 @@ fn mm_entries(bytes: &[u8]) -> Result<(u32, Vec<(Vma, u32)>), String> {
                     status = is.read_uint32()?;
                     true
                 }
+                9 => {
+                    madv = is.read_uint64()?;
+                    true
+                }
                 _ => false,
             })
         }) {
@@ -270,6 +277,7 @@ fn mm_entries(bytes: &[u8]) -> Result<(u32, Vec<(Vma, u32)>), String> {
                     shmid,
                     flags,
                     status,
+                    madv,
                 },
                 prot,
             )),
@@ -411,6 +419,7 @@ pub(crate) mod encode {
                 shmid: 0,
                 flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
                 status: super::VMA_AREA_REGULAR | super::VMA_ANON_PRIVATE,
+                madv: 0,
             })
             .collect();
         mm_of(1, &anon)
@@ -437,6 +446,9 @@ pub(crate) mod encode {
             uint(5, *prot as u64, &mut e);
             uint(6, v.flags as u64, &mut e);
             uint(7, v.status as u64, &mut e);
+            if v.madv != 0 {
+                uint(9, v.madv, &mut e);
+            }
             bytes(14, &e, &mut m);
         }
         uint(15, 1, &mut m);
@@ -523,6 +535,7 @@ mod tests {
             shmid: 7,
             flags: libc::MAP_PRIVATE as u32,
             status: VMA_AREA_REGULAR | VMA_FILE_PRIVATE,
+            madv: 1 << libc::MADV_HUGEPAGE,
         };
         let guard = Vma {
             start: 0x1000,
@@ -530,6 +543,7 @@ mod tests {
             shmid: 0,
             flags: 0,
             status: VMA_AREA_GUARD,
+            madv: 0,
         };
         let mm = parse_mm(&image(&[mm_of(42, &[file, guard])])).unwrap();
         assert_eq!(mm.exe_file_id, 42);

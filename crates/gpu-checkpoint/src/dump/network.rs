@@ -31,7 +31,7 @@
 //! and it is left off: it only matters to a `bind`, which an established socket never makes again.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -307,13 +307,9 @@ fn repair_off(pid: i32) -> io::Result<usize> {
         if !is_socket {
             continue;
         }
-        // SAFETY: pidfd_getfd with a valid pidfd; the result is a new descriptor we own.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
-        if fd < 0 {
+        let Ok(sock) = crate::proc::pidfd_getfd(&pidfd, target) else {
             continue; // closed since the listing
-        }
-        // SAFETY: the syscall returned a fresh descriptor, owned from here on.
-        let sock = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        };
         let tcp = get_int(&sock, libc::SOL_SOCKET, libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP);
         // Several processes (or descriptors) may share a socket: the first one turns it off.
         if tcp && get_int(&sock, libc::IPPROTO_TCP, TCP_REPAIR) == Some(1) {

@@ -103,6 +103,14 @@ pub enum Event {
     Durable,
     /// A restore is about to create processes with these PIDs.
     Restore { pids: Vec<i32> },
+    /// The restored processes go on before all of their memory is in: these descriptors of the tool's
+    /// (their userfaultfds) are what serves it. The guardian holds a copy of each (`pidfd_getfd`) until
+    /// [`Event::MemoryIn`], so that should the tool die, a process touching memory not yet in waits (and
+    /// is killed with the copy) instead of reading zeros.
+    Memory { fds: Vec<i32> },
+    /// Every page is in: the guardian lets go of its copies (the tool's own close drops the
+    /// registrations).
+    MemoryIn,
     /// A container restore is about to run the runtime's restore: what deletes the half-restored
     /// container and removes the work folder.
     ContainerRestore(RestoreUndo),
@@ -113,7 +121,7 @@ pub enum Event {
 }
 
 /// Where the flows report their steps (a boundary with the outside world: another process).
-pub trait Watch {
+pub trait Watch: Sync {
     /// Tells `event` and returns once it is recorded. An error before the tree is touched must stop the
     /// flow; later ones are logged (the flow's own undo still works).
     fn tell(&self, event: &Event) -> Result<(), Error>;
@@ -301,6 +309,8 @@ struct Watched {
     network: Option<crate::dump::NetworkHold>,
     /// A container restore under way.
     container_restore: Option<RestoreUndo>,
+    /// Copies of a restore's userfaultfds ([`Event::Memory`]).
+    memory: Vec<OwnedFd>,
 }
 
 /// The guardian's life, run by the binary's hidden `guardian` command: `sock` is its end of the socket,
@@ -353,7 +363,7 @@ pub fn serve(sock: OwnedFd, tool: i32) -> i32 {
                         return 0;
                     }
                     Ok(event) => {
-                        watched.record(event);
+                        watched.record(event, &tool_fd);
                         let _ = writer.write_all(b"ok\n");
                         continue;
                     }
@@ -371,7 +381,7 @@ pub fn serve(sock: OwnedFd, tool: i32) -> i32 {
 }
 
 impl Watched {
-    fn record(&mut self, event: Event) {
+    fn record(&mut self, event: Event, tool: &OwnedFd) {
         match event {
             Event::Checkpoint {
                 pids,
@@ -397,6 +407,17 @@ impl Watched {
             Event::Network(hold) => self.network = Some(hold),
             Event::Durable => self.durable = true,
             Event::Restore { pids } => self.restore = Some(pids),
+            Event::Memory { fds } => {
+                for fd in fds {
+                    match tree::pidfd_getfd(tool, fd) {
+                        Ok(copy) => self.memory.push(copy),
+                        Err(e) => eprintln!(
+                            "gpu-checkpoint guardian: cannot hold the tool's descriptor {fd}: {e}"
+                        ),
+                    }
+                }
+            }
+            Event::MemoryIn => self.memory.clear(),
             Event::ContainerRestore(undo) => self.container_restore = Some(undo),
             Event::Restored => self.container_restore = None,
             Event::Done => {}

@@ -62,8 +62,13 @@ pub enum ImageTransfer {
     Staged,
     /// Restore only (a checkpoint streams): the processes' private memory is copied from the store
     /// straight into them through userfaultfd, and CRIU restores everything else from a folder of the
-    /// other images, a few MiB (the default restore where userfaultfd is available, `restore/uffd/`).
+    /// other images, a few MiB (the default restore where userfaultfd is available, `restore/uffd/`). The
+    /// processes go on as soon as CRIU has restored them; a page they touch before it is copied is served
+    /// on demand, from its verified chunk, ahead of the rest. The restore returns once every page is in.
     Uffd,
+    /// [`ImageTransfer::Uffd`], with the processes resumed only once all of their memory is in (nothing
+    /// they do ever waits on a page).
+    UffdFilled,
 }
 
 impl ImageTransfer {

@@ -14,7 +14,7 @@
 use super::types::{CuError, GpuInfo, GpuPair, GpuUuid, ProcessState};
 use super::{Error, GpuBackend, GpuDriver, GpuMemory, Op, Result};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::Duration;
@@ -86,9 +86,15 @@ pub fn request(pid: i32, op: Op, line: &str, timeout: Duration) -> Result<String
         .write_all(format!("{line}\n").as_bytes())
         .map_err(|e| protocol(format!("sending `{line}`: {e}")))?;
     let mut answer = String::new();
-    BufReader::new(&stream)
+    let mut reader = BufReader::new(&stream);
+    reader
         .read_line(&mut answer)
         .map_err(|e| protocol(format!("waiting for the answer to `{line}`: {e}")))?;
+    // The simulator closes its end after answering. Until it has, the process holds a socket connected
+    // to this one, outside its tree, which a detect of the tree right after (the next checkpoint of a
+    // job member, in this same agent) would take for a connection CRIU cannot dump: wait for its end
+    // (EOF comes only once its descriptor is closed), bounded by the same timeout.
+    let _ = reader.read_to_end(&mut Vec::new());
     parse_answer(pid, op, answer.trim_end())
 }
 

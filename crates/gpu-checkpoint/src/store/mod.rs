@@ -42,12 +42,12 @@ pub use ingest::{memory_budget, Ingest, Plan};
 pub use lease::{GRACE, LEASE_TTL};
 pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
 
-/// What [`Store::visit_chunks`] calls for each chunk: offset in the file, length, and the verified bytes
-/// (`None` for an all-zero chunk).
-pub type ChunkVisitor<'a> = dyn Fn(u64, u64, Option<&[u8]>) -> Result<()> + Sync + 'a;
-pub use read::MaterializeStats;
+pub use read::{ChunkReader, ChunkSink, MaterializeStats};
 pub use stream::{Streamed, Streams};
 pub use verify::{VerifyProblem, VerifyReport};
+
+/// The environment variable that sets the store's worker threads where [`StoreOptions::threads`] is 0.
+pub const THREADS_ENV: &str = "GPU_CHECKPOINT_THREADS";
 
 /// Tuning of a store handle. Nothing here changes what is stored in a way that breaks reading.
 #[derive(Clone, Debug)]
@@ -58,8 +58,9 @@ pub struct StoreOptions {
     /// Compress new chunks with zstd (`zstd_level`). Off, every chunk is stored raw: ingest and restore then
     /// cost little more than hashing and copying, for users who value checkpoint time over disk space.
     pub compress: bool,
-    /// Worker threads for hashing, compression and parallel reads; 0 = one per core (and one more for an
-    /// ingest into a store written with direct I/O: its workers also wait on the device).
+    /// Worker threads for hashing, compression and parallel reads; 0 = `GPU_CHECKPOINT_THREADS` where set,
+    /// else one per core this process may run on (and one more for an ingest into a store written with
+    /// direct I/O, four more for reads with it: those workers also wait on the device).
     pub threads: usize,
     /// Content-defined chunking sizes for new checkpoints.
     pub chunking: ChunkParams,
@@ -87,13 +88,23 @@ impl StoreOptions {
     }
 
     fn effective_threads(&self) -> usize {
-        if self.threads > 0 {
-            self.threads
-        } else {
+        self.explicit_threads().unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1)
+        })
+    }
+
+    /// The thread count given (`threads`, else `GPU_CHECKPOINT_THREADS`): taken as it is, with no worker
+    /// added for the device's waits. Benchmarks vary it to show how the pipelines scale with cores.
+    fn explicit_threads(&self) -> Option<usize> {
+        if self.threads > 0 {
+            return Some(self.threads);
         }
+        std::env::var(THREADS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
     }
 }
 
@@ -130,7 +141,7 @@ impl Inner {
     /// 1.79-1.89 s with 3 workers against 1.82-2.03 s with 2, `docs/criu.md`). An explicit thread count
     /// is taken as it is.
     fn ingest_threads(&self) -> usize {
-        let extra = self.opts.threads == 0 && self.backend.aligned_objects();
+        let extra = self.opts.explicit_threads().is_none() && self.backend.aligned_objects();
         self.opts.effective_threads() + extra as usize
     }
 
@@ -139,7 +150,7 @@ impl Inner {
     /// of 4 GiB from a cold cache on 2 cores took 1.86-2.02 s with 2 workers, 1.51-1.55 s with 3, 1.28-1.38 s
     /// with 4 and 1.19-1.24 s with 6 (`docs/criu.md`).
     fn read_threads(&self) -> usize {
-        let extra = if self.opts.threads == 0 && self.backend.reads_uncached() {
+        let extra = if self.opts.explicit_threads().is_none() && self.backend.reads_uncached() {
             4
         } else {
             0
@@ -473,26 +484,6 @@ impl Store {
     ) -> Result<MaterializeStats> {
         let _lock = self.read_guard()?;
         read::materialize_selected(&self.inner, info, dest, keep, progress)
-    }
-
-    /// Calls `visit(offset, len, bytes)` for every chunk of image `name` that `want(offset, len)` selects,
-    /// with the chunk's verified bytes (`None` for an all-zero chunk, which is not stored), on the store's
-    /// worker threads, in no particular order. Raw chunks in local files are verified where they lie and
-    /// handed over mapped, without a copy. Stops at the first error, the store's (naming checkpoint, file
-    /// and chunk) or the visitor's. `Ok(None)` when the checkpoint has no such image.
-    pub fn visit_chunks(
-        &self,
-        info: &CheckpointInfo,
-        name: &str,
-        want: &(dyn Fn(u64, u64) -> bool + Sync),
-        visit: &ChunkVisitor<'_>,
-        progress: &dyn Progress,
-    ) -> Result<Option<()>> {
-        let Some(fi) = info.files.iter().position(|f| f.path == name) else {
-            return Ok(None);
-        };
-        let _lock = self.read_guard()?;
-        read::visit_chunks(&self.inner, info, fi, want, visit, progress).map(Some)
     }
 
     /// Sends the image `name` of checkpoint `info` to `out` in order, every chunk verified before its bytes

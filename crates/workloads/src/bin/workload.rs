@@ -14,7 +14,7 @@
 //! - `memory`   `--mib N` of pseudo-random memory, re-verified against its BLAKE3 checksum every
 //!   `--verify-ms MS` (default 200; 0: never, the process then idles, as the benchmark wants);
 //!   `--content mixed` fills it like a real heap instead: runs of zero, random, recurring and
-//!   compressible pages
+//!   compressible pages; `--huge 1` asks for transparent huge pages for it (`MADV_HUGEPAGE`)
 //! - `cow`      `--mib N` (default 128) of pseudo-random private memory filled by the parent, then
 //!   `--children K` (default 4) forked children that read it, so parent and children share its pages
 //!   (copy-on-write); each process also has a page and a MiB of its own in the same mapping, and
@@ -23,6 +23,9 @@
 //!   every page holds the previous generation's number, then writes its own into every page; a page
 //!   of another generation (a restored snapshot of two moments: torn) ends it with exit 3
 //!   records: pid gen torn (and page found, when torn)
+//! - `churn`    `--mib N` (default 256) of memory whose mappings keep changing (fork, `MADV_DONTNEED`,
+//!   `munmap`, `mremap`, `mprotect`), checked at each step (`workload/churn.rs`)
+//!   record: pid rounds full bad
 //!
 //! `--detach` daemonizes first (see [`gpu_checkpoint_workloads::detach`]) and prints the PID.
 
@@ -34,6 +37,9 @@ use std::sync::Arc;
 
 use gpu_checkpoint_testdata::XorShift64;
 use gpu_checkpoint_workloads::{detach, sleep_ms, step, Opts, StateFile};
+
+#[path = "workload/churn.rs"]
+mod churn;
 
 /// Tick of the workloads: fast enough that a test sees progress within a fraction of a second.
 const TICK_MS: u64 = 20;
@@ -60,8 +66,9 @@ fn main() {
         "memory" => memory(&opts),
         "cow" => cow(&opts),
         "generations" => generations(&opts),
+        "churn" => churn::churn(&opts),
         _ => Err(format!(
-            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow, generations)"
+            "unknown workload {kind:?} (sample, counter, threads, pipes, sockets, files, memory, cow, generations, churn)"
         )),
     };
     if let Err(e) = result {
@@ -471,6 +478,13 @@ fn memory(opts: &Opts) -> Result<(), String> {
     let s = state(opts, 1)?;
     put(&s, 0, &format!("pid={} phase=filling mib={mib}", pid()))?;
     let mut buf = vec![0u64; mib << 17];
+    if opts.num("huge", 0)? == 1 {
+        // Before the first touch: the kernel then backs it with huge pages where it can (THP `madvise`).
+        let start = (buf.as_mut_ptr() as usize).next_multiple_of(4096);
+        let end = (buf.as_mut_ptr() as usize + (mib << 20)) & !4095;
+        // SAFETY: advice on whole pages of memory we own; the buffer stays valid.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
     let seed = opts.num("seed", 0x9e37_79b9_7f4a_7c15)? | 1;
     match opts.rest.get("content").map(String::as_str) {
         None | Some("random") => fill_random(&mut buf, seed),

@@ -448,7 +448,7 @@ mod tests {
         let e = a
             .register(&reg(None, Some("--help")), 0, NO_CONTAINERS)
             .unwrap_err();
-        assert!(e.to_string().contains("not beginning with -"), "{e}");
+        assert!(e.to_string().contains("starts with '-'"), "{e}");
         let init = |_: &str| Ok(pid);
         a.register(&reg(None, Some("c1")), 0, &init).unwrap();
     }

@@ -23,6 +23,10 @@ mod preflight;
 mod premap;
 pub(crate) mod stream;
 mod uffd;
+mod workdir;
+
+pub use workdir::remove_stale_work_dirs;
+use workdir::WorkDir;
 
 pub use uffd::{available as uffd_available, FillStats};
 
@@ -127,7 +131,8 @@ pub enum Target {
 pub struct Timings {
     /// Reading and verifying the images out of the store into a work folder (0 when `streamed`).
     pub fetch: f64,
-    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile.
+    /// CRIU's restore; when `streamed`, the images were read and verified out of the store meanwhile;
+    /// through userfaultfd, until every page was in (the GPU step included, which ran meanwhile).
     pub restore: f64,
     /// CRIU read the images from the store through pipes ([`ImageTransfer::Stream`]).
     pub streamed: bool,
@@ -140,8 +145,18 @@ pub struct Timings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub staged_instead: Option<String>,
     /// The GPU step (restore + unlock, and a job restore's wait for the other members between them); 0
-    /// without GPU state.
+    /// without GPU state. Where the processes resume before all of their memory is in, it runs while the
+    /// memory comes in.
     pub gpu: f64,
+    /// From the start until the processes ran again (CRIU resumed them; a GPU process's device state
+    /// is back only once the GPU step is done).
+    pub resumed: Option<f64>,
+    /// From the start until all of the processes' memory was in.
+    pub memory_in: Option<f64>,
+    /// From the start until the GPU step was done (before `memory_in` where it overlapped the memory's
+    /// coming in: the GPU restore reads the device memory the driver staged in the processes' memory, and
+    /// its faults are served first).
+    pub gpu_done: f64,
     pub total: f64,
 }
 
@@ -290,7 +305,29 @@ impl Flow<'_> {
             env: &criu_env,
         };
         let mut uffd_stats = None;
-        let (fetch, restore_ms, restored) = if images == ImageTransfer::Uffd {
+        // The GPU step: restore and unlock, after CRIU (while the memory comes in, when the processes
+        // resume before it is all there: the GPU restore's faults are served first).
+        let own_namespace = ids.own_namespace;
+        let mut gpu_step = |pid: i32| {
+            fault::at("restore.after-criu");
+            let t = Instant::now();
+            // A tree restored into a new PID namespace has new PIDs (and no GPU state: refused above).
+            let tree_pids: Vec<i32> = if own_namespace {
+                tree::process_tree(pid).iter().map(|p| p.pid).collect()
+            } else {
+                pids.clone()
+            };
+            let r = self.gpu.finish_restore(
+                gpu_record.as_ref(),
+                &RestoredTree {
+                    root_pid: pid,
+                    pids: &tree_pids,
+                    before_unlock,
+                },
+            );
+            (r, ms(t), ms(started))
+        };
+        let (fetch, restore_ms, restored, gpu_done, resumed, memory_in) = if images.uffd() {
             // The images without the memory userfaultfd fills (a few MiB), then CRIU with the fill at its
             // post-restore notification.
             let t = Instant::now();
@@ -303,10 +340,25 @@ impl Flow<'_> {
             )?;
             let fetch = ms(t);
             let t = Instant::now();
-            let (restored, filled) =
-                uffd::restore(self.criu, &req, self.store, &info, &plan, self.progress);
-            let took = ms(t);
-            match (&restored, filled) {
+            let resume = if images == ImageTransfer::UffdFilled {
+                uffd::Resume::Filled
+            } else {
+                uffd::Resume::Early
+            };
+            let hold = GuardianHold(self.watch);
+            let out = uffd::restore(
+                self.criu,
+                &req,
+                self.store,
+                &info,
+                &plan,
+                self.progress,
+                resume,
+                &hold,
+                &mut gpu_step,
+            );
+            let since = |at: Option<Instant>| at.map(|a| ms_between(started, a));
+            match (&out.restored, out.filled) {
                 (Err(_), Err(store_err)) => {
                     // A damaged chunk, or a copy the kernel refused, is why CRIU failed: say that.
                     keep_log(self.store, &info.id, work.path());
@@ -320,7 +372,8 @@ impl Flow<'_> {
                 }
                 (_, Ok(stats)) => uffd_stats = Some(stats),
             }
-            (fetch, took, restored)
+            let (resumed, memory_in) = (since(out.resumed), since(out.memory_in));
+            (fetch, ms(t), out.restored, out.then, resumed, memory_in)
         } else if req.stream {
             // Fetching overlaps CRIU's restore: CRIU reads every image from the store's verified chunks.
             let t = Instant::now();
@@ -332,7 +385,8 @@ impl Flow<'_> {
                 keep_log(self.store, &info.id, work.path());
                 return Err(store_err);
             }
-            (0.0, took, restored)
+            let at = Some(ms(started));
+            (0.0, took, restored, None, at, at)
         } else {
             let t = Instant::now();
             self.store
@@ -340,7 +394,8 @@ impl Flow<'_> {
             let fetch = ms(t);
             let t = Instant::now();
             let restored = self.criu.restore(&req);
-            (fetch, ms(t), restored)
+            let at = Some(ms(started));
+            (fetch, ms(t), restored, None, at, at)
         };
         let log = keep_log(self.store, &info.id, work.path());
         let pid = match restored {
@@ -361,20 +416,12 @@ impl Flow<'_> {
             }
         };
 
+        let (gpu, gpu_ms, gpu_done) = gpu_done.unwrap_or_else(|| gpu_step(pid));
         if ids.own_namespace {
             // Its PIDs in this namespace are new: the restored tree as it runs is the tree.
             pids = tree::process_tree(pid).iter().map(|p| p.pid).collect();
         }
-        fault::at("restore.after-criu");
-        let t = Instant::now();
-        let gpu = match self.gpu.finish_restore(
-            gpu_record.as_ref(),
-            &RestoredTree {
-                root_pid: pid,
-                pids: &pids,
-                before_unlock,
-            },
-        ) {
+        let gpu = match gpu {
             Ok(v) => v,
             Err(e) => {
                 // A copy whose GPU state did not come back (or whose job restore aborted) must not run on.
@@ -382,7 +429,6 @@ impl Flow<'_> {
                 return Err(e.into());
             }
         };
-        let gpu_ms = ms(t);
         Ok(RestoreOutcome {
             id: info.id,
             pid,
@@ -394,10 +440,42 @@ impl Flow<'_> {
                 uffd: uffd_stats,
                 staged_instead,
                 gpu: gpu_ms,
+                resumed,
+                memory_in,
+                gpu_done,
                 total: ms(started),
             },
             gpu,
         })
+    }
+}
+
+impl ImageTransfer {
+    /// Whether a restore copies the memory through userfaultfd.
+    fn uffd(self) -> bool {
+        matches!(self, ImageTransfer::Uffd | ImageTransfer::UffdFilled)
+    }
+}
+
+/// Milliseconds from `a` to `b`.
+fn ms_between(a: Instant, b: Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64() * 1000.0
+}
+
+/// The guardian holds a copy of each userfaultfd while the processes run before their memory is in.
+struct GuardianHold<'w>(&'w dyn crate::flows::Watch);
+
+impl uffd::Hold for GuardianHold<'_> {
+    fn hold(&self, fds: &[std::os::fd::RawFd]) {
+        if let Err(e) = self.0.tell(&Event::Memory { fds: fds.to_vec() }) {
+            tracing::warn!("the guardian cannot hold the restore's userfaultfds: {e}");
+        }
+    }
+
+    fn release(&self) {
+        if let Err(e) = self.0.tell(&Event::MemoryIn) {
+            tracing::debug!("telling the guardian the memory is in: {e}");
+        }
     }
 }
 
@@ -463,34 +541,4 @@ fn check_pids_free_now(id: &str, pids: &[i32]) -> Result<(), Error> {
         }
     }
     Ok(())
-}
-
-/// The folder in a store that holds the restores' work folders.
-const WORK_FOLDER: &str = "restore-work";
-
-/// A private work folder for a restore's images (see [`crate::flows::workdir`]).
-struct WorkDir(crate::flows::workdir::WorkDir);
-
-impl WorkDir {
-    fn create(storage: Option<&Path>, id: &str) -> Result<WorkDir, Error> {
-        let place = crate::flows::workdir::Place {
-            store: storage,
-            folder: WORK_FOLDER,
-            temp_prefix: "gpu-checkpoint-restore",
-        };
-        crate::flows::workdir::WorkDir::create(&place, id)
-            .map(WorkDir)
-            .map_err(|(path, source)| Error::WorkDir { path, source })
-    }
-
-    fn path(&self) -> &Path {
-        self.0.path()
-    }
-}
-
-/// Removes the work folders that killed restores left in a store (their lock died with them); folders of
-/// restores still running are locked and kept. Returns how many were removed. Run at the start of every
-/// restore and by `gc`.
-pub fn remove_stale_work_dirs(storage: &Path) -> std::io::Result<u64> {
-    crate::flows::workdir::remove_stale(storage, WORK_FOLDER)
 }

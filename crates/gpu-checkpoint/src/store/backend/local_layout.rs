@@ -98,6 +98,9 @@ impl LocalBackend {
             }
             Ok(None) => match dir.symlink_metadata(STORE_FILE) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                // Missing at the open, there now: another opener has just made the store. The caller
+                // looks again.
+                Ok(m) if m.is_file() => Ok(None),
                 _ => {
                     trust::check_layout(dir, self.owners)?;
                     Err(Error::BadStore {

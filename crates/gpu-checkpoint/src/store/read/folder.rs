@@ -1,5 +1,4 @@
-//! Sinks that take chunks in any order: the image files of a folder (`materialize`), and a visitor of
-//! verified chunks (`visit_chunks`, which the userfaultfd restore copies into the processes).
+//! The sink that takes chunks in any order into the image files of a folder (`materialize`).
 
 use std::fs;
 use std::os::unix::fs::FileExt;
@@ -8,9 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use super::pool::on_workers;
-use super::verify::{decode_checked, fetch_any, fetch_verified, verify_raw_in_place};
+use super::verify::fetch_any;
 use super::{MaterializeStats, Task};
-use crate::store::backend::Objects;
 use crate::store::error::{Error, Result};
 use crate::store::manifest::{CheckpointInfo, ChunkRef};
 use crate::store::{Inner, Progress};
@@ -124,53 +122,5 @@ fn write_all(
         chunks_read,
         zero_bytes,
         elapsed_ms: 0,
-    })
-}
-
-/// Calls `visit(offset, len, bytes)` with the verified bytes of every chunk of file `fi` that
-/// `want(offset, len)` selects, on the store's workers; see
-/// [`Store::visit_chunks`](crate::store::Store::visit_chunks).
-pub(in crate::store) fn visit_chunks(
-    inner: &Inner,
-    info: &CheckpointInfo,
-    fi: usize,
-    want: &(dyn Fn(u64, u64) -> bool + Sync),
-    visit: &crate::store::ChunkVisitor<'_>,
-    progress: &dyn Progress,
-) -> Result<()> {
-    let tasks: Vec<(usize, u64, u64)> = info
-        .chunk_refs()
-        .filter(|(f, _, off, c)| *f == fi && want(*off, c.len as u64))
-        .map(|(_, ci, off, c)| (ci, off, c.len as u64))
-        .collect();
-    let chunk_of = |&(ci, _, _): &(usize, u64, u64)| {
-        let c = &info.files[fi].chunks[ci];
-        (c.id, c.len)
-    };
-    on_workers(inner, info, &tasks, chunk_of, |&(ci, off, len), scratch| {
-        let Some(id) = info.files[fi].chunks[ci].id else {
-            return visit(off, len, None).map(|()| progress.advance(len));
-        };
-        // A cold chunk is read with direct I/O; a cached raw one is verified where it lies, mapped.
-        if let Some(n) = inner
-            .backend
-            .read_chunk_uncached(&id, &mut scratch.direct)?
-        {
-            let raw = decode_checked(info, &mut scratch.dec, scratch.direct.slice(n), fi, ci, off)?;
-            visit(off, len, Some(raw))?;
-        } else if let Some(map) = verify_raw_in_place(inner, info, fi, ci, off)? {
-            visit(
-                off,
-                len,
-                Some(&map.bytes()[crate::store::chunk::HEADER_LEN..]),
-            )?;
-        } else {
-            // Cached and compressed (or not a local file): read the usual way. `fetch_any` would ask the
-            // backend for an uncached read a second time.
-            let raw = fetch_verified(inner, info, &mut scratch.dec, &mut scratch.buf, fi, ci, off)?;
-            visit(off, len, Some(raw))?;
-        }
-        progress.advance(len);
-        Ok(())
     })
 }

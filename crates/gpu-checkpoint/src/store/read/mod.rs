@@ -6,9 +6,10 @@
 //! on the read workers, with the chunks read ahead of them where the page cache is used ([`Prefetcher`]).
 //! The destinations (sinks) differ only in the order they need:
 //!
-//! - [`folder`]: image files written into a folder (`materialize`, `materialize_selected`), and verified
-//!   chunks handed to a visitor (`visit_chunks`: the userfaultfd restore copies them into the processes).
-//!   Any order: [`pool::on_workers`] hands chunks to workers as they come free.
+//! - [`folder`]: image files written into a folder (`materialize`, `materialize_selected`). Any order:
+//!   [`pool::on_workers`] hands chunks to workers as they come free.
+//! - [`chunks`]: verified chunks handed to the caller (`Store::visit_chunks` on the workers, or one at a
+//!   time with a `ChunkReader`: the userfaultfd restore copies them into the processes).
 //! - [`pipe`]: one image, in file order, to a writer or a pipe (`stream_file`: the streamed restore feeds
 //!   CRIU's pipe; raw chunks are spliced from their files). It keeps a bounded window of verified chunks
 //!   ahead of the writer, and recycles their buffers.
@@ -17,6 +18,7 @@
 //! chunk's hash before its bytes are written. Nothing is handed back until every chunk has been checked:
 //! on any error the files written so far are removed, so CRIU never sees a partial or unverified image.
 
+mod chunks;
 mod folder;
 mod pipe;
 mod pool;
@@ -30,7 +32,8 @@ use serde::Serialize;
 use super::manifest::CheckpointInfo;
 use super::Inner;
 
-pub(in crate::store) use folder::{materialize, materialize_selected, visit_chunks};
+pub use chunks::{ChunkReader, ChunkSink};
+pub(in crate::store) use folder::{materialize, materialize_selected};
 pub(in crate::store) use pipe::stream_file;
 pub(in crate::store) use reuse::{ReadAhead, Reused};
 
@@ -62,11 +65,24 @@ pub(super) struct ReadPlan {
 pub(super) const MEMORY_AHEAD_CHUNKS: usize = 48;
 
 pub(super) fn read_plan(inner: &Inner, info: &CheckpointInfo) -> ReadPlan {
+    read_plan_beside(inner, info, 0)
+}
+
+/// A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context: what one reader
+/// of checkpoint `info` holds at most.
+fn per_reader(info: &CheckpointInfo) -> u64 {
+    2 * info.chunking.max_size as u64 + 2 * crate::store::ingest::MIB
+}
+
+/// [`read_plan`] with `others` readers of the caller's own (each [`per_reader`]) running beside the
+/// workers within the same memory budget (the userfaultfd fill's urgent path).
+pub(super) fn read_plan_beside(inner: &Inner, info: &CheckpointInfo, others: usize) -> ReadPlan {
     let max = info.chunking.max_size as u64;
-    // A stored object (or its direct-I/O buffer) and its decoded bytes, plus a zstd context.
-    let per_worker = 2 * max + 2 * crate::store::ingest::MIB;
-    let budget = crate::store::ingest::memory_budget(info.stats.logical_bytes)
-        - crate::store::ingest::RESERVE;
+    let per_worker = per_reader(info);
+    let budget = (crate::store::ingest::memory_budget(info.stats.logical_bytes)
+        - crate::store::ingest::RESERVE)
+        .saturating_sub(others as u64 * per_worker)
+        .max(per_worker);
     let threads = inner.read_threads();
     if !inner.backend.read_ahead_in_memory() {
         return ReadPlan {

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::verify::Scratch;
-use super::{fetched_len, read_plan, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AHEAD};
+use super::{fetched_len, read_plan_beside, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AHEAD};
 use crate::store::backend::Objects;
 use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
@@ -27,7 +27,20 @@ pub(super) fn on_workers<T: Sync>(
     chunk_of: impl Fn(&T) -> (Option<ChunkId>, u32) + Sync,
     work: impl Fn(&T, &mut Scratch) -> Result<()> + Sync,
 ) -> Result<()> {
-    let plan = read_plan(inner, info);
+    on_workers_beside(inner, info, 0, tasks, chunk_of, work)
+}
+
+/// [`on_workers`] with `others` readers of the caller's own running beside them, within the same memory
+/// budget ([`read_plan_beside`]).
+pub(super) fn on_workers_beside<T: Sync>(
+    inner: &Inner,
+    info: &CheckpointInfo,
+    others: usize,
+    tasks: &[T],
+    chunk_of: impl Fn(&T) -> (Option<ChunkId>, u32) + Sync,
+    work: impl Fn(&T, &mut Scratch) -> Result<()> + Sync,
+) -> Result<()> {
+    let plan = read_plan_beside(inner, info, others);
     let workers = plan.workers;
     let max_chunk = info.chunking.max_size as usize;
     let next = AtomicUsize::new(0);

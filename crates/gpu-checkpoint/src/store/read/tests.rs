@@ -301,3 +301,24 @@ fn a_restore_from_a_backend_holding_read_ahead_in_memory_stays_within_the_plan_a
         st.pending.keys()
     );
 }
+
+/// Readers of the caller's own (the userfaultfd fill's urgent path) share the memory budget with the
+/// workers: where the budget bounds the workers, they are fewer by as many.
+#[test]
+fn readers_beside_the_workers_share_their_memory_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = crate::store::StoreOptions {
+        threads: 64,
+        ..Default::default()
+    };
+    let store = Store::open(dir.path(), opts).unwrap();
+    let ing = store.begin(None).unwrap();
+    std::fs::write(ing.staging_dir().join("pages-1.img"), b"x").unwrap();
+    let mut info = ing.commit(serde_json::json!({}), &NoProgress).unwrap();
+    // 20 GiB of images: a budget of 1% (205 MiB, less the reserve), 10 MiB per reader of 4 MiB chunks.
+    info.stats.logical_bytes = 20 << 30;
+    let alone = read_plan(&store.inner, &info);
+    let beside = super::read_plan_beside(&store.inner, &info, 2);
+    assert_eq!(alone.workers, 19, "{alone:?}");
+    assert_eq!(beside.workers, 17, "{beside:?}");
+}

@@ -70,6 +70,12 @@ pub fn serve(listener: &UnixListener, sim: &Sim, lockstep: Option<&Lockstep>) ->
             answer = format!("{answer} {}", l.status());
         }
         let _ = (&stream).write_all(format!("{answer}\n").as_bytes());
+        // `slow-close`: the connection stays open a while after the answer, as it can when this
+        // thread is descheduled between the two (a loaded machine): a client must not take the
+        // answer for the end of the connection.
+        if sim.fault("slow-close") {
+            std::thread::sleep(Duration::from_millis(300));
+        }
     }
 }
 

@@ -108,6 +108,11 @@ impl Sim {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Whether fault `name` is set (from memory or the fault file), for the control channel.
+    pub fn fault(&self, name: &str) -> bool {
+        self.has_fault(&self.lock_inner(), name)
+    }
+
     /// Faults from memory, plus the fault file (re-read every call).
     fn has_fault(&self, g: &Inner, name: &str) -> bool {
         if g.faults.contains(name) {

@@ -180,6 +180,7 @@ mod tests {
             shmid: 0,
             flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
             status: VMA_AREA_REGULAR | VMA_ANON_PRIVATE,
+            madv: 0,
         }
     }
 

@@ -44,6 +44,9 @@ pub(super) struct Task {
     /// The pagemap entries CRIU is to read instead of the dumped ones, when some pages recorded lazy
     /// are left to CRIU (`shared` > 0).
     pub(super) criu_entries: Option<Vec<PagemapEntry>>,
+    /// Huge-page windows (`[start, end)`) wholly made of lazy pages in mappings the kernel backs with
+    /// huge pages: collapsed back into huge pages once they are in (`crate::thp`).
+    pub(super) huge: Vec<(u64, u64)>,
 }
 
 /// Which pages of a checkpoint go through userfaultfd, per process.
@@ -107,9 +110,12 @@ impl Plan {
             HashMap::new()
         };
         let mut plan = Plan::default();
+        let thp = crate::thp::collapse_mode();
+        let huge = crate::thp::huge_page_size();
         for (pid, name, bytes, pm, mm) in &procs {
             let sh = shared.remove(pid).unwrap_or_default();
             let mut task = Task::of(*pid, pm, &mm.bounds(), page, &sh).map_err(|e| bad(name, e))?;
+            task.huge = task.huge_windows(mm, thp, huge);
             if let Some(entries) = task.criu_entries.take() {
                 let img = write_pagemap(bytes, &entries).map_err(|e| bad(name, e))?;
                 plan.pagemaps.push((name.to_string(), img));
@@ -178,6 +184,7 @@ impl Task {
             kept: Vec::new(),
             shared: 0,
             criu_entries: None,
+            huge: Vec::new(),
         };
         // CRIU's pagemap, built only when some pages may change sides.
         let mut criu = (!shared.is_empty()).then(|| Vec::with_capacity(pm.entries.len()));
@@ -231,6 +238,28 @@ impl Task {
             task.criu_entries = criu;
         }
         Ok(task)
+    }
+
+    /// The huge-page windows of its lazy memory (see [`Task::huge`]), under the kernel's `mode`.
+    fn huge_windows(&self, mm: &Mm, mode: crate::thp::Mode, huge: u64) -> Vec<(u64, u64)> {
+        let eligible: Vec<(u64, u64)> = mm
+            .vmas
+            .iter()
+            .filter(|v| !v.is_guard() && crate::thp::eligible(mode, v))
+            .map(|v| (v.start, v.end))
+            .collect();
+        let mut runs: Vec<(u64, u64)> = self
+            .lazy
+            .iter()
+            .filter(|r| {
+                eligible
+                    .iter()
+                    .any(|&(s, e)| s <= r.vaddr && r.vaddr + r.len <= e)
+            })
+            .map(|r| (r.vaddr, r.vaddr + r.len))
+            .collect();
+        runs.sort_unstable();
+        crate::thp::windows(&runs, huge)
     }
 
     /// Adds the lazy pages `[va, end)`, at `img_off` in the page image, split at mapping bounds: one

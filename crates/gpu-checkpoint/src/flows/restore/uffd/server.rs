@@ -1,27 +1,28 @@
-//! Our end of CRIU's lazy-pages protocol while CRIU restores: the socket CRIU sends each process's
-//! userfaultfd over, and the page faults CRIU's own restorer causes before the processes run.
+//! Our end of CRIU's lazy-pages protocol while the processes are restored: the socket CRIU sends each
+//! process's userfaultfd over, and the events on those descriptors until the fill is done.
 //!
 //! CRIU speaks to its `lazy-pages` daemon here (criu/uffd.c): it connects to `lazy-pages.socket` in its
 //! work folder and, per process, sends the PID as a 32-bit integer, then the descriptor as `SCM_RIGHTS`.
-//! Until the post-restore notification the processes do not run, so the only events are the faults of
-//! CRIU's restorer (a few pages, e.g. a thread's rseq area), served one page at a time; the bulk copy is
-//! `fill.rs`'s, after this server stopped.
+//! Until the post-restore notification the processes do not run, and the only events are the faults of
+//! CRIU's restorer (a few pages, e.g. a thread's rseq area). Once they run (a restore that resumes them
+//! before all of their memory is in), every event CRIU asked for comes: page faults, forks, `mremap`,
+//! `munmap` and `MADV_DONTNEED`. The events that change the mappings are read with [`Filler::gate`]
+//! held for writing, so that no copy is under way while what is pending changes (`fill.rs`); faults are
+//! handed to the fill's urgent queue.
 
-use std::collections::HashMap;
 use std::io::Read;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::dump::streamer::{accept_until, bind_in};
-use crate::store::{CheckpointInfo, Store};
 
-use super::plan::Plan;
-use super::sys::{self, page_size, UFFD_EVENT_PAGEFAULT};
-use super::{copy_error, other};
+use super::fill::{Filler, Space};
+use super::other;
+use super::sys::{self, Event};
 
 /// The socket CRIU connects to (criu/uffd.c, `LAZY_PAGES_SOCK_NAME`), in its work folder.
 pub const SOCKET: &str = "lazy-pages.socket";
@@ -39,40 +40,45 @@ fn readable_now(conn: &std::os::unix::net::UnixStream) -> bool {
     unsafe { libc::poll(&mut fd, 1, 0) > 0 }
 }
 
-/// CRIU's side of the restore before the post-restore notification: receives the userfaultfds as CRIU
-/// sends them, and answers the page faults CRIU's restorer causes itself (it touches a few pages of lazy
-/// memory while completing a process, e.g. the thread's rseq area). The processes are not running yet,
-/// so no other event can come.
+/// Receives the userfaultfds as CRIU sends them (each becomes a space of the fill), and handles the events
+/// on them until stopped.
 pub(super) struct Server<'a> {
     socket: &'a LazySocket,
-    plan: &'a Plan,
-    store: &'a Store,
-    info: &'a CheckpointInfo,
-    pub(super) uffds: Mutex<HashMap<i32, OwnedFd>>,
+    filler: &'a Filler<'a>,
+    /// The guardian, and whether it holds the descriptors now: a forked child's is handed to it too.
+    guardian: Option<(&'a dyn super::Hold, &'a AtomicBool)>,
     pub(super) stop: AtomicBool,
-    pub(super) served: AtomicU64,
+    /// Set once [`Server::run`] no longer looks at any descriptor (they may be closed then).
+    pub(super) stopped: AtomicBool,
 }
 
 impl<'a> Server<'a> {
     pub(super) fn new(
         socket: &'a LazySocket,
-        plan: &'a Plan,
-        store: &'a Store,
-        info: &'a CheckpointInfo,
+        filler: &'a Filler<'a>,
+        guardian: Option<(&'a dyn super::Hold, &'a AtomicBool)>,
     ) -> Self {
         Server {
             socket,
-            plan,
-            store,
-            info,
-            uffds: Mutex::new(HashMap::new()),
+            filler,
+            guardian,
             stop: AtomicBool::new(false),
-            served: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
         }
     }
 
-    /// Until `stop`: accept CRIU's connection, take descriptors, serve faults.
+    /// Until `stop`: accept CRIU's connection, take descriptors, handle events. A failure is also the
+    /// fill's (every path stops).
     pub(super) fn run(&self) -> crate::store::Result<()> {
+        let r = self.serve();
+        self.stopped.store(true, Ordering::SeqCst);
+        if let Err(e) = &r {
+            self.filler.fail(other(e.to_string()));
+        }
+        r
+    }
+
+    fn serve(&self) -> crate::store::Result<()> {
         let io = |what: &str, e: std::io::Error| other(format!("{what}: {e}"));
         // Every descriptor comes over the connection: until CRIU connects there is nothing else to serve.
         let Some(mut conn) = accept_until(&self.socket.listener, &self.stop)
@@ -84,22 +90,16 @@ impl<'a> Server<'a> {
             .map_err(|e| io("CRIU's lazy-pages connection", e))?;
         let mut conn_open = true;
         while !self.stop.load(Ordering::SeqCst) {
-            let uffds: Vec<(i32, RawFd)> = self
-                .uffds
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .map(|(p, f)| (*p, f.as_raw_fd()))
-                .collect();
-            let mut fds: Vec<libc::pollfd> = Vec::with_capacity(uffds.len() + 1);
+            let spaces: Vec<Arc<Space>> = self.filler.spaces();
+            let mut fds: Vec<libc::pollfd> = Vec::with_capacity(spaces.len() + 1);
             fds.push(libc::pollfd {
                 // poll ignores negative descriptors
                 fd: if conn_open { conn.as_raw_fd() } else { -1 },
                 events: libc::POLLIN,
                 revents: 0,
             });
-            fds.extend(uffds.iter().map(|&(_, fd)| libc::pollfd {
-                fd,
+            fds.extend(spaces.iter().map(|s| libc::pollfd {
+                fd: s.uffd.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             }));
@@ -115,9 +115,9 @@ impl<'a> Server<'a> {
             if fds[0].revents != 0 {
                 conn_open = self.take_message(&mut conn)?;
             }
-            for (k, &(pid, fd)) in uffds.iter().enumerate() {
+            for (k, space) in spaces.iter().enumerate() {
                 if fds[k + 1].revents != 0 {
-                    self.drain(pid, fd)?;
+                    self.drain(space)?;
                 }
             }
         }
@@ -149,10 +149,7 @@ impl<'a> Server<'a> {
                 if pid > 0 && pid != RESTORE_FINISHED {
                     let fd = crate::fdpass::receive_one(conn, "the process's userfaultfd")
                         .map_err(|e| io("receiving a userfaultfd", e))?;
-                    self.uffds
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(pid, fd);
+                    self.filler.add_process(pid, fd);
                 }
                 // pid < 0: a zombie (no memory); RESTORE_FINISHED: nothing to do.
                 Ok(true)
@@ -161,66 +158,42 @@ impl<'a> Server<'a> {
         }
     }
 
-    /// Handles every event queued on process `pid`'s userfaultfd.
-    fn drain(&self, pid: i32, uffd: RawFd) -> crate::store::Result<()> {
-        while let Some(msg) = sys::read_event(uffd)
-            .map_err(|e| other(format!("reading process {pid}'s userfaultfd: {e}")))?
+    /// Handles every event queued on `space`'s userfaultfd: mapping changes at once, with the gate held
+    /// for writing; faults after, for the fill.
+    fn drain(&self, space: &Space) -> crate::store::Result<()> {
+        let uffd: RawFd = space.uffd.as_raw_fd();
+        let mut faults = Vec::new();
         {
-            if msg.event != UFFD_EVENT_PAGEFAULT {
-                return Err(other(format!(
-                    "process {pid}: userfaultfd event {:#x} while CRIU restored it (only page \
-                     faults are expected before it runs)",
-                    msg.event
-                )));
-            }
-            self.serve_fault(pid, uffd, msg.arg[1])?;
-        }
-        Ok(())
-    }
-
-    /// Copies the page at `addr` (or a zero page, if the checkpoint holds none there) into process `pid`.
-    fn serve_fault(&self, pid: i32, uffd: RawFd, addr: u64) -> crate::store::Result<()> {
-        let page = page_size();
-        let addr = addr - addr % page;
-        let task = self.plan.tasks.iter().find(|t| t.pid == pid);
-        let run = task.and_then(|t| {
-            let i = t.lazy.partition_point(|r| r.vaddr + r.len <= addr);
-            t.lazy.get(i).filter(|r| r.vaddr <= addr)
-        });
-        let result = match (task, run) {
-            (Some(task), Some(run)) => {
-                let img = run.img_off + (addr - run.vaddr);
-                let buf = Mutex::new(vec![0u8; page as usize]);
-                let want = |off: u64, len: u64| off < img + page && img < off + len;
-                let visit = |off: u64, len: u64, bytes: Option<&[u8]>| {
-                    if let Some(d) = bytes {
-                        let (a, b) = (off.max(img), (off + len).min(img + page));
-                        buf.lock().unwrap_or_else(|e| e.into_inner())
-                            [(a - img) as usize..(b - img) as usize]
-                            .copy_from_slice(&d[(a - off) as usize..(b - off) as usize]);
+            let _gate = self.filler.gate.write().unwrap_or_else(|e| e.into_inner());
+            while let Some(msg) = sys::read_event(uffd)
+                .map_err(|e| other(format!("reading process {}'s userfaultfd: {e}", space.pid)))?
+            {
+                match msg.decode() {
+                    Event::Fault(addr) => faults.push(addr),
+                    Event::Fork(child) => {
+                        let child = self.filler.forked(space, child);
+                        if let Some((g, held)) = self.guardian {
+                            if held.load(Ordering::SeqCst) {
+                                g.hold(&[child.uffd.as_raw_fd()]);
+                            }
+                        }
                     }
-                    Ok(())
-                };
-                self.store.visit_chunks(
-                    self.info,
-                    &task.pages,
-                    &want,
-                    &visit,
-                    &crate::store::NoProgress,
-                )?;
-                let buf = buf.into_inner().unwrap_or_else(|e| e.into_inner());
-                sys::copy(uffd, addr, &buf)
+                    Event::Remap { from, to, len } => self.filler.remapped(space, from, to, len),
+                    Event::Remove { start, end } | Event::Unmap { start, end } => {
+                        self.filler.dropped(space, start, end)
+                    }
+                    Event::Other(e) => {
+                        return Err(other(format!(
+                            "process {}: unexpected userfaultfd event {e:#x}",
+                            space.pid
+                        )))
+                    }
+                }
             }
-            // Not in the checkpoint: the page was never touched, it reads as zeros.
-            _ => sys::zeropage(uffd, addr, page),
-        };
-        match result {
-            Ok(()) => {}
-            // Served already (two threads faulted on it).
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => return Err(copy_error(pid, addr, page, e)),
         }
-        self.served.fetch_add(1, Ordering::Relaxed);
+        for addr in faults {
+            self.filler.fault(space, addr)?;
+        }
         Ok(())
     }
 }
@@ -256,6 +229,8 @@ impl Drop for LazySocket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flows::restore::uffd::plan::Plan;
+    use crate::store::{CheckpointInfo, Store};
     use std::io::Write;
     use std::os::unix::net::UnixStream;
 
@@ -287,7 +262,8 @@ mod tests {
         let socket = LazySocket::bind(dir.path()).unwrap();
         let store = Store::open(&dir.path().join("store"), Default::default()).unwrap();
         let (plan, info) = (Plan::default(), empty_info());
-        let server = Server::new(&socket, &plan, &store, &info);
+        let filler = Filler::new(&plan, &store, &info);
+        let server = Server::new(&socket, &filler, None);
         // CRIU's side: connected, one process's PID and its descriptor sent, as criu/uffd.c sends them.
         let mut criu = UnixStream::connect(&socket.path).unwrap();
         criu.write_all(&4242i32.to_ne_bytes()).unwrap();
@@ -304,7 +280,6 @@ mod tests {
         // The notification came before the server read anything.
         server.stop.store(true, Ordering::SeqCst);
         server.run().unwrap();
-        let uffds = server.uffds.lock().unwrap();
-        assert!(uffds.contains_key(&4242), "{:?}", uffds.keys());
+        assert!(filler.has_process(4242));
     }
 }

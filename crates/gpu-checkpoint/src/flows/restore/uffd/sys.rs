@@ -38,6 +38,13 @@ struct UffdioCopy {
     copy: i64,
 }
 
+/// `struct uffdio_range`.
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
 /// `struct uffdio_zeropage` (its `struct uffdio_range` flattened: start, len).
 #[repr(C)]
 struct UffdioZeropage {
@@ -70,12 +77,61 @@ pub(super) struct UffdMsg {
 
 /// `UFFD_EVENT_PAGEFAULT`.
 pub(super) const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+/// The events CRIU asks for on every userfaultfd it opens (criu/uffd.c, `NEED_UFFD_API_FEATURES`): they
+/// come only while a process runs with its registration, i.e. during a restore that resumes the
+/// processes before all of their memory is in.
+const UFFD_EVENT_FORK: u8 = 0x13;
+const UFFD_EVENT_REMAP: u8 = 0x14;
+const UFFD_EVENT_REMOVE: u8 = 0x15;
+const UFFD_EVENT_UNMAP: u8 = 0x16;
+
+/// One message read from a userfaultfd, decoded.
+#[derive(Debug)]
+pub(super) enum Event {
+    /// A thread touched the missing page at this address and waits for it.
+    Fault(u64),
+    /// The process forked: the child's userfaultfd (installed in this process by the read), registered
+    /// where the parent's memory was.
+    Fork(OwnedFd),
+    /// `mremap` moved `[from, from + len)` to `to`.
+    Remap { from: u64, to: u64, len: u64 },
+    /// `MADV_DONTNEED`/`MADV_REMOVE` dropped `[start, end)`: it reads as zeros from now on.
+    Remove { start: u64, end: u64 },
+    /// `munmap` (or a mapping over it) removed `[start, end)`.
+    Unmap { start: u64, end: u64 },
+    /// An event this restore did not ask for.
+    Other(u8),
+}
+
+impl UffdMsg {
+    /// The event, with its arguments (linux/userfaultfd.h, `struct uffd_msg`'s union).
+    pub(super) fn decode(self) -> Event {
+        let [a, b, c] = self.arg;
+        match self.event {
+            UFFD_EVENT_PAGEFAULT => Event::Fault(b),
+            UFFD_EVENT_FORK => {
+                // SAFETY: the kernel installed this descriptor in our table for the read that returned
+                // the message; nothing else owns it.
+                Event::Fork(unsafe { OwnedFd::from_raw_fd(a as u32 as RawFd) })
+            }
+            UFFD_EVENT_REMAP => Event::Remap {
+                from: a,
+                to: b,
+                len: c,
+            },
+            UFFD_EVENT_REMOVE => Event::Remove { start: a, end: b },
+            UFFD_EVENT_UNMAP => Event::Unmap { start: a, end: b },
+            e => Event::Other(e),
+        }
+    }
+}
 
 // The layouts of linux/userfaultfd.h: a struct of another size would be a different request code, or have
 // the kernel read and write past ours.
 const _: () = assert!(size_of::<UffdioApi>() == 24);
 const _: () = assert!(size_of::<UffdioCopy>() == 40);
 const _: () = assert!(size_of::<UffdioZeropage>() == 32);
+const _: () = assert!(size_of::<UffdioRange>() == 16);
 #[cfg(test)]
 const _: () = assert!(size_of::<UffdioRegister>() == 32);
 const _: () = assert!(size_of::<UffdMsg>() == 32);
@@ -86,6 +142,8 @@ const _: () =
     assert!(nix::request_code_readwrite!(UFFDIO, 0x03, size_of::<UffdioCopy>()) == 0xC028_AA03);
 const _: () =
     assert!(nix::request_code_readwrite!(UFFDIO, 0x04, size_of::<UffdioZeropage>()) == 0xC020_AA04);
+const _: () =
+    assert!(nix::request_code_read!(UFFDIO, 0x02, size_of::<UffdioRange>()) == 0x8010_AA02);
 #[cfg(test)]
 const _: () =
     assert!(nix::request_code_readwrite!(UFFDIO, 0x00, size_of::<UffdioRegister>()) == 0xC020_AA00);
@@ -110,6 +168,13 @@ nix::ioctl_readwrite!(
     UFFDIO,
     0x04,
     UffdioZeropage
+);
+nix::ioctl_read!(
+    /// `UFFDIO_WAKE`.
+    uffdio_wake,
+    UFFDIO,
+    0x02,
+    UffdioRange
 );
 nix::ioctl_readwrite!(
     /// `UFFDIO_REGISTER`.
@@ -153,8 +218,22 @@ pub(super) fn handshake(uffd: RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// `UFFDIO_COPY` of `src` to `dst` (page-aligned, whole pages), resumed after partial copies.
-pub(super) fn copy(uffd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<()> {
+/// How far a [`copy`] got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Copied {
+    /// Every page is there (copied now, or there already).
+    All,
+    /// The process's mappings are changing (a fork, `mremap`, `munmap` or `MADV_DONTNEED` waits for its
+    /// event to be read): this many bytes were copied; the rest must be looked at again once the event
+    /// has been read.
+    Again(u64),
+    /// The process's memory is gone (it exited or called `exec`): nothing more can be copied into it.
+    Gone,
+}
+
+/// `UFFDIO_COPY` of `src` to `dst` (page-aligned, whole pages), resumed after partial copies. A page that
+/// is there already (served by a fault, or copied by another path) is skipped.
+pub(super) fn copy(uffd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<Copied> {
     let len = src.len() as u64;
     let mut done = 0u64;
     while done < len {
@@ -173,13 +252,23 @@ pub(super) fn copy(uffd: RawFd, dst: u64, src: &[u8]) -> std::io::Result<()> {
         }
         match r {
             Ok(_) => {}
-            // Partly done (the part is counted above), or the mappings changed under the copy: go on.
-            Err(Errno::EAGAIN) => {}
-            // A page that is there already (served during the restore, or by a second fault): skip.
+            // Partly done (the part is counted above): the next call meets what stopped it.
+            Err(Errno::EAGAIN) if c.copy > 0 => {}
+            Err(Errno::EAGAIN) => return Ok(Copied::Again(done)),
             Err(Errno::EEXIST) => done += page_size(),
+            Err(Errno::ESRCH) => return Ok(Copied::Gone),
             Err(e) => return Err(e.into()),
         }
     }
+    Ok(Copied::All)
+}
+
+/// Wakes the threads waiting on a fault in `[start, start + len)` (for a fault whose page another path
+/// placed, or one answered with nothing to copy).
+pub(super) fn wake(uffd: RawFd, start: u64, len: u64) -> std::io::Result<()> {
+    let mut r = UffdioRange { start, len };
+    // SAFETY: UFFDIO_WAKE reads a valid range struct.
+    unsafe { uffdio_wake(uffd, &mut r) }?;
     Ok(())
 }
 
