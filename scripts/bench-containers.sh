@@ -23,18 +23,9 @@
 # Builds gpu-checkpoint in release mode; needs CRIU and runc (scripts/setup.sh installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck disable=SC1091
-. scripts/env.sh
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_build "runc, CRIU"
-ROUNDS=${ROUNDS:-3}
-SIZES=("$@")
-[ ${#SIZES[@]} -gt 0 ] || SIZES=(1024)
-DIR=${BENCH_DIR:-target/bench-containers}
-rm -rf "$DIR"
-mkdir -p "$DIR"
-DIR=$(cd "$DIR" && pwd)
+bench_start "runc, CRIU" bench-containers 1024 "$@"
 ROOT=$DIR/runc-root
 RUNC=(runc --root "$ROOT" --criu "$CRIU")
 ID=bench-$$

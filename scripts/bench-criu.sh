@@ -27,17 +27,9 @@
 # and needs CRIU (scripts/setup.sh installs the project's; scripts/env.sh finds it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck disable=SC1091
-. scripts/env.sh
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_build "CRIU"
-ROUNDS=${ROUNDS:-3}
-SIZES=("$@")
-[ ${#SIZES[@]} -gt 0 ] || SIZES=(1024 4096)
-bench_dir bench-criu
-
-
+bench_start "CRIU" bench-criu "1024 4096" "$@"
 
 # Ours, streamed (default) or staged ($1 = "" or "--staged"); appends to the arrays named by $2.
 ours() {

@@ -23,8 +23,6 @@
 #   CHECKPOINT=0    skip the checkpoint comparison
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck disable=SC1091
-. scripts/env.sh
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
 bench_build "CRIU"

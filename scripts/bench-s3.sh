@@ -20,24 +20,18 @@
 # (scripts/install-awscli.sh, called here: the benchmark alone needs it) and GNU time (installed here too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck disable=SC1091
-. scripts/env.sh
 # shellcheck source=scripts/lib/bench.sh
 . scripts/lib/bench.sh
-bench_build "CRIU"
+bench_start "CRIU" bench-s3 ""
 scripts/install-awscli.sh >/dev/null
 # shellcheck source=scripts/lib/apt-missing.sh
 . scripts/lib/apt-missing.sh
 # `time` alone is the shell's keyword: the program is asked for by its path.
 apt_install_missing /usr/bin/time:time
 S3_SERVER=${S3_SERVER:-s3s-fs}
-ROUNDS=${ROUNDS:-3}
 MIB=${1:-256}
-DIR=${BENCH_DIR:-target/bench-s3}
-rm -rf "$DIR"
 mkdir -p "$DIR/data"
 chmod 700 "$DIR"
-DIR=$(cd "$DIR" && pwd)
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 hex() { od -An -tx1 -N"$1" /dev/urandom | tr -d ' \n'; }

@@ -18,28 +18,18 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PREFIX=${1:-$REPO/.deps/checkpointctl}
-SUITE=${GPU_CHECKPOINT_CHECKPOINTCTL_SUITE:-trixie}
-
-log() { echo "install-checkpointctl: $*" >&2; }
-die() {
-    log "error: $*"
-    exit 1
-}
-
-STAMP="suite: $SUITE"
+# shellcheck source=scripts/lib/prefix.sh
+. "$REPO/scripts/lib/prefix.sh"
+prefix_init checkpointctl "${1:-}" "${GPU_CHECKPOINT_CHECKPOINTCTL_SUITE:-trixie}" \
+    "${GPU_CHECKPOINT_CHECKPOINTCTL_REINSTALL:-0}"
 # checkpointctl 1.3.0 has no version command: its help must run, and the package's version is recorded.
 works() {
     local help
     [ -x "$1/bin/checkpointctl" ] && help=$("$1/bin/checkpointctl" --help 2>/dev/null) &&
         [[ $help == *"checkpoint archives"* ]]
 }
-if [ "${GPU_CHECKPOINT_CHECKPOINTCTL_REINSTALL:-0}" != 1 ] && works "$PREFIX" &&
-    [ "$(cat "$PREFIX/installed-from" 2>/dev/null)" = "$STAMP" ]; then
-    log "checkpointctl $(cat "$PREFIX/version") already installed in $PREFIX"
-    echo "$PREFIX/bin/checkpointctl"
-    exit 0
-fi
+describe() { echo "checkpointctl $(cat "$1/version")"; }
+prefix_reuse "$PREFIX/bin/checkpointctl"
 
 # shellcheck source=scripts/lib/debian-apt.sh
 . "$REPO/scripts/lib/debian-apt.sh"
@@ -65,8 +55,4 @@ WRAPPER
 chmod 0755 "$NEW/bin/checkpointctl"
 works "$NEW" || die "the unpacked checkpointctl does not run: $("$NEW/bin/checkpointctl" --help 2>&1 | head -3)"
 dpkg-deb -f "$(ls "$APTDIR"/debs/checkpointctl_*.deb)" Version >"$NEW/version"
-echo "$STAMP" >"$NEW/installed-from"
-debian_apt_swap_in "$NEW" "$PREFIX"
-rm -f "$APTDIR"/debs/*.deb
-log "checkpointctl $(cat "$PREFIX/version") installed in $PREFIX"
-echo "$PREFIX/bin/checkpointctl"
+prefix_finish "$NEW" "$PREFIX/bin/checkpointctl"

@@ -19,26 +19,16 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PREFIX=${1:-$REPO/.deps/containerd}
-SUITE=${GPU_CHECKPOINT_CONTAINERD_SUITE:-forky}
-
-log() { echo "install-containerd: $*" >&2; }
-die() {
-    log "error: $*"
-    exit 1
-}
-
-STAMP="suite: $SUITE"
+# shellcheck source=scripts/lib/prefix.sh
+. "$REPO/scripts/lib/prefix.sh"
+prefix_init containerd "${1:-}" "${GPU_CHECKPOINT_CONTAINERD_SUITE:-forky}" \
+    "${GPU_CHECKPOINT_CONTAINERD_REINSTALL:-0}"
 works() {
     [ -x "$1/bin/containerd" ] && [ -x "$1/bin/containerd-shim-runc-v2" ] && [ -x "$1/bin/ctr" ] &&
         "$1/bin/containerd" --version 2>/dev/null | grep -q ' v\?2\.'
 }
-if [ "${GPU_CHECKPOINT_CONTAINERD_REINSTALL:-0}" != 1 ] && works "$PREFIX" &&
-    [ "$(cat "$PREFIX/installed-from" 2>/dev/null)" = "$STAMP" ]; then
-    log "$("$PREFIX/bin/containerd" --version) already installed in $PREFIX"
-    echo "$PREFIX/bin"
-    exit 0
-fi
+describe() { "$1/bin/containerd" --version; }
+prefix_reuse "$PREFIX/bin"
 
 # shellcheck source=scripts/lib/debian-apt.sh
 . "$REPO/scripts/lib/debian-apt.sh"
@@ -64,11 +54,4 @@ for b in containerd containerd-shim-runc-v2 ctr; do
 done
 works "$NEW" || die "the unpacked containerd does not run: $("$NEW/bin/containerd" --version 2>&1 | head -3)"
 dpkg-deb -f "$APTDIR"/debs/containerd_*.deb Version >"$NEW/version"
-echo "$STAMP" >"$NEW/installed-from"
-rm -rf "$PREFIX.old"
-[ -e "$PREFIX" ] && mv "$PREFIX" "$PREFIX.old"
-mv "$NEW" "$PREFIX"
-rm -rf "$PREFIX.old"
-rm -f "$APTDIR"/debs/*.deb
-log "$("$PREFIX/bin/containerd" --version) installed in $PREFIX"
-echo "$PREFIX/bin"
+prefix_finish "$NEW" "$PREFIX/bin"

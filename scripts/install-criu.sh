@@ -24,23 +24,14 @@ SUITES=${GPU_CHECKPOINT_CRIU_SUITE:-forky trixie}
 # The packages we need; their library dependencies are resolved from trixie's index below.
 ROOTS=(criu libcompel1)
 
-log() { echo "install-criu: $*" >&2; }
-die() {
-    log "error: $*"
-    exit 1
-}
-
+NAME=criu
 STAMP="suites: $SUITES"
-wrapper_works() {
-    [ -x "$PREFIX/bin/criu" ] && "$PREFIX/bin/criu" --version 2>/dev/null | grep -q '^Version: [4-9]\.' &&
-        [ "$(cat "$PREFIX/installed-from" 2>/dev/null)" = "$STAMP" ]
-}
-
-if [ "${GPU_CHECKPOINT_CRIU_REINSTALL:-0}" != 1 ] && wrapper_works; then
-    log "$("$PREFIX/bin/criu" --version | head -1) already installed in $PREFIX"
-    echo "$PREFIX/bin/criu"
-    exit 0
-fi
+REINSTALL=${GPU_CHECKPOINT_CRIU_REINSTALL:-0}
+# shellcheck source=scripts/lib/prefix.sh
+. "$REPO/scripts/lib/prefix.sh"
+works() { [ -x "$1/bin/criu" ] && "$1/bin/criu" --version 2>/dev/null | grep -q '^Version: [4-9]\.'; }
+describe() { "$1/bin/criu" --version | head -1; }
+prefix_reuse "$PREFIX/bin/criu"
 
 command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
     die "apt-get and dpkg are needed (a Debian-like system); otherwise install CRIU >= 4.0 yourself and pass --criu PATH"
@@ -83,8 +74,4 @@ EOF
 chmod 0755 "$NEW/bin/criu"
 
 "$NEW/bin/criu" --version | grep -q '^Version: [4-9]\.' || die "the unpacked CRIU does not run: $("$NEW/bin/criu" --version 2>&1 | head -3)"
-echo "$STAMP" >"$NEW/installed-from"
-debian_apt_swap_in "$NEW" "$PREFIX"
-rm -f "$APTDIR"/debs/*.deb # unpacked; the package index stays for a quick reinstall
-log "$("$PREFIX/bin/criu" --version | head -1) installed in $PREFIX"
-echo "$PREFIX/bin/criu"
+prefix_finish "$NEW" "$PREFIX/bin/criu"

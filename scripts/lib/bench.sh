@@ -1,6 +1,9 @@
 # shellcheck shell=bash
-# Sourced by the benchmark scripts: their common start, timing, settling the caches between timed steps,
-# medians and ratios.
+# Sourced by the benchmark scripts (from the repository's root): their common start, timing, settling the
+# caches between timed steps, medians and ratios.
+
+# shellcheck disable=SC1091
+. scripts/env.sh
 
 # Root (for $1), a release build of the tool and the workloads, and what every benchmark runs: $BIN, $GC,
 # $CRIU (scripts/env.sh must have been sourced).
@@ -10,6 +13,20 @@ bench_build() {
     BIN=${CARGO_TARGET_DIR:-target}/release
     GC=$BIN/gpu-checkpoint
     CRIU=${GPU_CHECKPOINT_CRIU:?run scripts/setup.sh first}
+}
+
+# bench_start WHAT NAME "SIZES_DEFAULT" ARGS...: bench_build WHAT; ROUNDS (default 3); SIZES, an array:
+# ARGS, or the words of SIZES_DEFAULT without any; the work folder bench_dir NAME.
+bench_start() {
+    bench_build "$1"
+    ROUNDS=${ROUNDS:-3}
+    # shellcheck disable=SC2206 # a list of sizes
+    local defaults=($3)
+    local name=$2
+    shift 3
+    SIZES=("$@")
+    [ ${#SIZES[@]} -gt 0 ] || SIZES=("${defaults[@]}")
+    bench_dir "$name"
 }
 
 now() { echo "$EPOCHREALTIME"; }

@@ -12,11 +12,10 @@ import time
 
 import torch
 
+from torch_workload import count, tensors
+
 state = sys.argv[1]
-mib = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-n = mib * (1 << 20) // 4
-base = torch.arange(n, device="cuda", dtype=torch.int32)
-x = base.clone()
+base, x = tensors(int(sys.argv[2]) if len(sys.argv) > 2 else 256)
 torch.cuda.synchronize()
 child = os.fork()
 if child == 0:
@@ -28,13 +27,4 @@ if child == 0:
         time.sleep(0.1)
 with open(state + ".childpid", "w") as f:
     f.write(str(child))
-step = 0
-while True:
-    x += 1
-    step += 1
-    if step % 50 == 0:
-        ok = bool(((x - base) == step).all().item())
-        with open(state + ".tmp", "w") as f:
-            f.write(f"{'step' if ok else 'MISMATCH step'} {step} {'ok' if ok else ''} time {int(time.time())}\n")
-        os.replace(state + ".tmp", state)
-    time.sleep(0.002)
+count(state, base, x)

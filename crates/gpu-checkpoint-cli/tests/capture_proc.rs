@@ -31,6 +31,23 @@ fn is_root() -> bool {
     root
 }
 
+/// A target ([`Target::start`]) and a temporary folder, where root is there ([`is_root`]; skipped
+/// locally, saying `why` root is needed).
+fn scene(why: &str) -> Option<(Target, tempfile::TempDir)> {
+    if !is_root() {
+        eprintln!("skipped: not root ({why})");
+        return None;
+    }
+    Some((Target::start(), tempfile::tempdir().unwrap()))
+}
+
+/// Asserts that the capture refused its folder (exit 2): its error.
+fn refused(o: &Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    err
+}
+
 /// A shell holding secrets in its environment and on its command line, as real jobs do.
 struct Target(Child);
 
@@ -70,12 +87,9 @@ impl Drop for Target {
 
 #[test]
 fn capture_holds_no_secret_and_keeps_gpu_evidence() {
-    if !is_root() {
-        eprintln!("skipped: not root (capture-proc.sh reads another process's environ)");
+    let Some((t, dir)) = scene("capture-proc.sh reads another process's environ") else {
         return;
-    }
-    let t = Target::start();
-    let dir = tempfile::tempdir().unwrap();
+    };
     let out = dir.path().join("cap");
     let o = capture(t.0.id(), &out);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -113,12 +127,9 @@ fn capture_holds_no_secret_and_keeps_gpu_evidence() {
 
 #[test]
 fn capture_refuses_a_folder_it_does_not_own_or_that_is_not_empty() {
-    if !is_root() {
-        eprintln!("skipped: not root (the test hands a folder to another user)");
+    let Some((t, dir)) = scene("the test hands a folder to another user") else {
         return;
-    }
-    let t = Target::start();
-    let dir = tempfile::tempdir().unwrap();
+    };
     // A folder owned by someone else, with a link planted where the capture would write.
     let theirs = dir.path().join("theirs");
     fs::create_dir(&theirs).unwrap();
@@ -126,32 +137,20 @@ fn capture_refuses_a_folder_it_does_not_own_or_that_is_not_empty() {
     fs::write(&victim, "root's file\n").unwrap();
     symlink(&victim, theirs.join("net")).unwrap();
     std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
-    let o = capture(t.0.id(), &theirs);
-    assert_eq!(
-        o.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(String::from_utf8_lossy(&o.stderr).contains("owned by uid 65534"));
+    let err = refused(&capture(t.0.id(), &theirs));
+    assert!(err.contains("owned by uid 65534"), "{err}");
     assert_eq!(fs::read_to_string(&victim).unwrap(), "root's file\n");
 
     // Our own folder, but not empty: refused too (a stale capture could hold planted links).
     let ours = dir.path().join("ours");
     fs::create_dir(&ours).unwrap();
     symlink(&victim, ours.join("net")).unwrap();
-    let o = capture(t.0.id(), &ours);
-    assert_eq!(
-        o.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    refused(&capture(t.0.id(), &ours));
     assert_eq!(fs::read_to_string(&victim).unwrap(), "root's file\n");
 
     // A link in place of the folder.
     let link = dir.path().join("link");
     symlink(&victim, &link).unwrap();
-    assert_eq!(capture(t.0.id(), &link).status.code(), Some(2));
+    refused(&capture(t.0.id(), &link));
     assert_eq!(fs::read_to_string(&victim).unwrap(), "root's file\n");
 }

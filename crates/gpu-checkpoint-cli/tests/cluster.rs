@@ -14,7 +14,7 @@ use std::time::Duration;
 use cluster_support::*;
 use gpu_checkpoint::flows::cluster::{CoordError, Coordinator, EtcdConfig, EtcdCoordinator, Event};
 use gpu_checkpoint::freeze::sim;
-use sim_support::{assert_healthy, criu_ready, status, wait_gone, SimProcess};
+use sim_support::{assert_healthy, criu_ready, status, strings, wait_gone, SimProcess};
 
 #[test]
 fn the_etcd_coordinator_keeps_the_promises_the_protocol_relies_on() {
@@ -355,12 +355,7 @@ fn a_node_gone_since_the_checkpoint_gets_a_free_agent_with_its_gpus_and_store() 
         text(&out)
     );
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let nodes: Vec<&str> = r["members"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x["node"].as_str().unwrap())
-        .collect();
+    let nodes = strings(&r["members"], "node");
     assert_eq!(nodes, ["a", "a", "d", "d"], "{r}");
     assert_eq!(r["placed"][0]["from"], "b", "{r}");
     assert_eq!(r["placed"][0]["to"], "d", "{r}");

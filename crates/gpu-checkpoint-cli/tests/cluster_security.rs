@@ -49,6 +49,14 @@ impl Secure {
         })
     }
 
+    /// [`Secure::start`] with a SIMULATED GPU process registered as rank 0 of job `train`.
+    fn with_rank() -> Option<(Secure, SimProcess)> {
+        let s = Secure::start()?;
+        let rank = SimProcess::start(&["--mib", "4"]);
+        s.add(0, rank.pid);
+        Some((s, rank))
+    }
+
     fn pki(&self, file: &str) -> String {
         self.etcd.pki.as_ref().unwrap().path(file)
     }
@@ -132,9 +140,9 @@ fn assert_no_secret(text: &str) {
 
 #[test]
 fn secure_etcd_takes_good_credentials_and_refuses_each_bad_one_before_anything_is_done() {
-    let Some(s) = Secure::start() else { return };
-    let rank = SimProcess::start(&["--mib", "4"]);
-    s.add(0, rank.pid);
+    let Some((s, rank)) = Secure::with_rank() else {
+        return;
+    };
     let ckpt = ["checkpoint", "--job", "train", "--leave-running"];
     // Good: the agent's credentials from its config file (TLS, its certificate, user and password).
     let good = s.etcd.client_args();
@@ -295,9 +303,9 @@ fn member(pid: i32) -> serde_json::Value {
 
 #[test]
 fn a_forged_quiesce_command_is_never_run() {
-    let Some(s) = Secure::start() else { return };
-    let rank = SimProcess::start(&["--mib", "4"]);
-    s.add(0, rank.pid);
+    let Some((s, rank)) = Secure::with_rank() else {
+        return;
+    };
     let pwned = s.dir.path().join("pwned");
     let cmd = format!("id > {}", pwned.display());
     let task = serde_json::json!({"kind": "checkpoint", "member": member(rank.pid),
@@ -373,11 +381,11 @@ fn forged_restore_and_delete_tasks_leave_a_checkpoint_no_job_made_alone() {
 
 #[test]
 fn a_job_manifest_whose_id_walks_out_of_the_store_writes_nothing_there() {
-    let Some(s) = Secure::start() else { return };
-    let rank = SimProcess::start(&["--mib", "4"]);
     // A registered member: the forger may checkpoint it (an etcd writer may run job operations), but
     // the manifest it forges names a file outside the store.
-    s.add(0, rank.pid);
+    let Some((s, rank)) = Secure::with_rank() else {
+        return;
+    };
     let outside = s.dir.path().join("outside");
     std::fs::create_dir(&outside).unwrap();
     let manifest = serde_json::json!({"id": "../../outside/PWN", "job": "train",

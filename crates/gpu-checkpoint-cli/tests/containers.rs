@@ -9,13 +9,7 @@ mod container_support;
 
 use container_support::*;
 use gpu_checkpoint::freeze::sim;
-use std::path::Path;
 use std::time::{Duration, Instant};
-
-/// A unique container id: tests run in parallel, and runc names each container's cgroup after it.
-fn cid(name: &str) -> String {
-    format!("gc-{}-{name}", std::process::id())
-}
 
 const GPU_ARGS: &[&str] = &[
     "exec",
@@ -28,72 +22,32 @@ const GPU_ARGS: &[&str] = &[
     "2",
 ];
 
-/// A GPU container running, and what the tests need around it.
-/// Fields drop in order: the runtime's containers are deleted before the folder that holds the runtime's
-/// state goes (dropped first, the folder took the state with it and left every container running).
-struct Setup {
-    store: std::path::PathBuf,
-    runc: Runc,
-    bundle: Bundle,
-    dir: tempfile::TempDir,
-}
-
-fn setup(args: &[&str], env: &[&str]) -> Option<Setup> {
-    if !containers_ready() {
-        return None;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    let runc = Runc::new(dir.path());
-    let bundle = Bundle::new(&dir.path().join("bundle"), args, env);
-    Some(Setup {
-        store,
-        runc,
-        bundle,
-        dir,
-    })
-}
-
-impl Setup {
-    fn gc(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-        std::process::Command::new(gpu_checkpoint())
-            .args(args)
-            .args(store_args(&self.store, &self.runc))
-            .envs(env.iter().copied())
-            .output()
-            .unwrap()
-    }
-
-    fn checkpoint(&self, id: &str, extra: &[&str]) -> serde_json::Value {
-        let mut args = vec![
-            "checkpoint",
+/// What the tests need around a GPU container (see [`Scene`]).
+impl Scene {
+    /// `gpu-checkpoint COMMAND... --container ID --gpu-backend sim --format json EXTRA...`, asserting
+    /// success: its JSON.
+    fn sim_json(&self, command: &[&str], id: &str, extra: &[&str]) -> serde_json::Value {
+        let mut args = command.to_vec();
+        args.extend([
             "--container",
             id,
             "--gpu-backend",
             "sim",
             "--format",
             "json",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let o = self.gc(&args, &[]);
-        assert!(o.status.success(), "checkpoint: {}", text(&o));
+        assert!(o.status.success(), "{}: {}", command[0], text(&o));
         serde_json::from_slice(&o.stdout).unwrap()
     }
 
+    fn checkpoint(&self, id: &str, extra: &[&str]) -> serde_json::Value {
+        self.sim_json(&["checkpoint"], id, extra)
+    }
+
     fn restore(&self, ckpt: &str, id: &str) -> serde_json::Value {
-        let args = [
-            "restore",
-            ckpt,
-            "--container",
-            id,
-            "--gpu-backend",
-            "sim",
-            "--format",
-            "json",
-        ];
-        let o = self.gc(&args, &[]);
-        assert!(o.status.success(), "restore: {}", text(&o));
-        let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let out = self.sim_json(&["restore", ckpt], id, &[]);
         // Every runc restore here reads its images streamed from the store (docs/containers.md).
         assert_eq!(out["streamed"], true, "{out}");
         out
@@ -117,8 +71,7 @@ impl Setup {
 
     /// Runs the bundle as container `name` (made unique) and waits for its 3 GPU processes.
     fn start_gpu(&self, name: &str) -> (String, Vec<i32>) {
-        let id = cid(name);
-        self.runc.run(&id, &self.bundle);
+        let id = self.run(name);
         let pids = self.gpu_pids(&id, 3);
         (id, pids)
     }
@@ -130,7 +83,7 @@ impl Setup {
 
 #[test]
 fn a_gpu_container_survives_checkpoint_stop_restore_and_is_runcs_afterwards() {
-    let Some(s) = setup(GPU_ARGS, &[]) else {
+    let Some(s) = Scene::runc(GPU_ARGS, &[]) else {
         return;
     };
     // sh execs the workload: its init and its 2 children, each with SIMULATED device memory.
@@ -180,7 +133,7 @@ fn a_gpu_container_survives_checkpoint_stop_restore_and_is_runcs_afterwards() {
 
 #[test]
 fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original() {
-    let Some(s) = setup(GPU_ARGS, &[]) else {
+    let Some(s) = Scene::runc(GPU_ARGS, &[]) else {
         return;
     };
     let (id, pids) = s.start_gpu("lr");
@@ -209,7 +162,7 @@ fn leave_running_keeps_computing_and_its_checkpoint_restores_beside_the_original
 /// the CRIU stand-in's post-restore socket could not be bound there ("criu failed: type RESTORE").
 #[test]
 fn a_store_deep_in_the_file_system_restores_streamed() {
-    let Some(mut s) = setup(GPU_ARGS, &[]) else {
+    let Some(mut s) = Scene::runc(GPU_ARGS, &[]) else {
         return;
     };
     s.store = s
@@ -220,7 +173,7 @@ fn a_store_deep_in_the_file_system_restores_streamed() {
     assert!(s.store.as_os_str().len() > 100, "{}", s.store.display());
     let (id, _) = s.start_gpu("deep");
     let ck = s.checkpoint(&id, &[]);
-    // Streamed, as every runc restore here (`Setup::restore` checks it).
+    // Streamed, as every runc restore here (`Scene::restore` checks it).
     s.restore(ck["id"].as_str().unwrap(), &id);
     assert_healthy(&s.gpu_pids(&id, 3));
 }
@@ -232,26 +185,16 @@ fn a_cpu_container_with_memory_threads_and_a_tcp_listener_restores() {
         "workload memory --mib 32 --state /state/mem &",
         "exec workload sockets --state /state/sock --unix /tmp/u",
     ];
-    let Some(s) = setup(&args, &[]) else { return };
-    let id = cid("cpu");
-    s.runc.run(&id, &s.bundle);
+    let Some(s) = Scene::runc(&args, &[]) else {
+        return;
+    };
+    let id = s.run("cpu");
     let sock = s.bundle.rootfs().join("state/sock");
     let mem = s.bundle.rootfs().join("state/mem");
-    let field = |path: &Path, key: &str| -> Option<u64> {
-        let recs = gpu_checkpoint_workloads::read_state(path).ok()?;
-        gpu_checkpoint_workloads::field_u64(recs.first()?, key)
-    };
-    let wait = |what: &str, ok: &dyn Fn() -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !ok() {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
-    wait("the workloads", &|| {
-        field(&mem, "verified").is_some_and(|v| v > 0) && field(&sock, "seq").is_some()
+    wait_for("the workloads", &|| {
+        state_field(&mem, "verified").is_some_and(|v| v > 0) && state_field(&sock, "seq").is_some()
     });
-    let port = field(&sock, "port").unwrap();
+    let port = state_field(&sock, "port").unwrap();
     let answer = s.runc.exec(&id, &["nc", "127.0.0.1", &port.to_string()]);
     assert!(answer.starts_with("seq="), "{answer}");
     // A first checkpoint leaves it running; the second, which stops it, stores little new: the 32 MiB
@@ -259,7 +202,7 @@ fn a_cpu_container_with_memory_threads_and_a_tcp_listener_restores() {
     let first = s.checkpoint(&id, &["--leave-running"]);
     assert!(s.running(&id));
     let ck = s.checkpoint(&id, &[]);
-    let seq_at = field(&sock, "seq").unwrap();
+    let seq_at = state_field(&sock, "seq").unwrap();
     assert_eq!(s.runc.state(&id), None);
     let (new1, new2) = (
         first["stats"]["new_bytes"].as_u64().unwrap(),
@@ -276,22 +219,22 @@ fn a_cpu_container_with_memory_threads_and_a_tcp_listener_restores() {
     // runc dumps and restores the container's network namespace empty (`empty_ns`): its network is the
     // runtime's (a CNI plugin, a hook) to set up again, here its loopback.
     s.runc.exec(&id, &["ip", "link", "set", "lo", "up"]);
-    wait("the restored workloads", &|| {
-        field(&sock, "seq").is_some_and(|q| q > seq_at + 5)
+    wait_for("the restored workloads", &|| {
+        state_field(&sock, "seq").is_some_and(|q| q > seq_at + 5)
     });
-    let verified = field(&mem, "verified").unwrap();
-    wait("the memory verified again", &|| {
-        field(&mem, "verified").is_some_and(|v| v > verified)
+    let verified = state_field(&mem, "verified").unwrap();
+    wait_for("the memory verified again", &|| {
+        state_field(&mem, "verified").is_some_and(|v| v > verified)
     });
-    assert_eq!(field(&mem, "bad"), Some(0), "memory intact");
-    assert_eq!(field(&sock, "errors"), Some(0));
+    assert_eq!(state_field(&mem, "bad"), Some(0), "memory intact");
+    assert_eq!(state_field(&sock, "errors"), Some(0));
     // The listener came back with its port, inside the container's own network namespace.
     let answer = s.runc.exec(&id, &["nc", "127.0.0.1", &port.to_string()]);
     assert!(answer.starts_with("seq="), "{answer}");
 }
 
 /// A failed checkpoint: the container runs as before, healthy, and nothing is stored.
-fn assert_untouched(s: &Setup, id: &str, pids: &[i32]) {
+fn assert_untouched(s: &Scene, id: &str, pids: &[i32]) {
     assert!(s.running(id), "{:?}", s.runc.list());
     assert_eq!(&s.runc.pids(id), pids, "the same processes");
     assert_healthy(pids);
@@ -300,7 +243,7 @@ fn assert_untouched(s: &Setup, id: &str, pids: &[i32]) {
 
 #[test]
 fn every_failed_checkpoint_step_leaves_the_container_running() {
-    let Some(s) = setup(GPU_ARGS, &[]) else {
+    let Some(s) = Scene::runc(GPU_ARGS, &[]) else {
         return;
     };
     let (id, pids) = s.start_gpu("fail-ck");
@@ -356,7 +299,7 @@ fn every_failed_checkpoint_step_leaves_the_container_running() {
 fn a_failed_restore_keeps_the_checkpoint_and_the_bundle() {
     // The fault file lives in the rootfs, so the restored copy reads it too.
     let env = ["GPU_SIM_FAULT_FILE=/state/faults"];
-    let Some(s) = setup(GPU_ARGS, &env) else {
+    let Some(s) = Scene::runc(GPU_ARGS, &env) else {
         return;
     };
     let faults = s.bundle.rootfs().join("state/faults");
@@ -404,8 +347,10 @@ fn a_failed_restore_keeps_the_checkpoint_and_the_bundle() {
 #[test]
 fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_the_direct_dump() {
     let script = ["i=0; while true; do i=$((i+1)); echo $i > /data/n; sleep 0.1; done"];
-    let Some(s) = setup(&script, &[]) else { return };
-    let Some(ns) = NetNs::add(&format!("gc-{}-ns", std::process::id())) else {
+    let Some(s) = Scene::runc(&script, &[]) else {
+        return;
+    };
+    let Some(ns) = NetNs::add(&cid("ns")) else {
         return;
     };
     let ns_path = ns.path();
@@ -422,8 +367,7 @@ fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_th
             "destination": "/data", "type": "bind", "source": data, "options": ["rbind", "rw"]
         }));
     std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
-    let id = cid("mounts");
-    s.runc.run(&id, &s.bundle);
+    let id = s.run("mounts");
     let count = || -> u64 {
         std::fs::read_to_string(data.join("n"))
             .ok()
@@ -454,18 +398,12 @@ fn a_container_with_a_bind_mount_and_a_joined_network_namespace_restores_from_th
 /// stored.
 #[test]
 fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
-    let Some(s) = setup(&["exec workload memory --mib 256 --state /state/mem"], &[]) else {
+    let Some(s) = Scene::memory("256") else {
         return;
     };
-    let id = cid("kill-dump");
-    s.runc.run(&id, &s.bundle);
+    let id = s.run("kill-dump");
     let mem = s.bundle.rootfs().join("state/mem");
-    let verified = || -> u64 {
-        gpu_checkpoint_workloads::read_state(&mem)
-            .ok()
-            .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "verified"))
-            .unwrap_or(0)
-    };
+    let verified = || state_field(&mem, "verified").unwrap_or(0);
     wait_for("the memory workload", &|| verified() > 0);
     let pids = s.runc.pids(&id);
     let mut tool = std::process::Command::new(gpu_checkpoint())
@@ -500,10 +438,7 @@ fn the_tool_killed_during_the_direct_dump_leaves_the_container_running() {
     assert_eq!(s.runc.pids(&id), pids, "the same processes");
     let at = verified();
     wait_for("the memory verified again", &|| verified() > at);
-    let bad = gpu_checkpoint_workloads::read_state(&mem)
-        .ok()
-        .and_then(|r| gpu_checkpoint_workloads::field_u64(r.first()?, "bad"));
-    assert_eq!(bad, Some(0), "memory intact");
+    assert_eq!(state_field(&mem, "bad"), Some(0), "memory intact");
     assert!(listed(&s.store).is_empty(), "nothing stored");
 }
 
@@ -537,16 +472,10 @@ fn watch_names(
 /// no container, no mount, an intact rootfs and the checkpoint.
 #[test]
 fn a_runc_restore_streams_the_images_from_the_store_and_a_damaged_chunk_fails_it_cleanly() {
-    let Some(s) = setup(&["exec workload memory --mib 16 --state /state/mem"], &[]) else {
-        return;
-    };
-    let id = cid("stream");
-    s.runc.run(&id, &s.bundle);
+    let Some(s) = Scene::memory("16") else { return };
+    let id = s.run("stream");
     let mem = s.bundle.rootfs().join("state/mem");
-    let field = |key: &str| -> Option<u64> {
-        let recs = gpu_checkpoint_workloads::read_state(&mem).ok()?;
-        gpu_checkpoint_workloads::field_u64(recs.first()?, key)
-    };
+    let field = |key: &str| state_field(&mem, key);
     wait_for("the workload", &|| field("verified").is_some_and(|v| v > 0));
     let ck = s.checkpoint(&id, &[]);
     let ckpt = ck["id"].as_str().unwrap();

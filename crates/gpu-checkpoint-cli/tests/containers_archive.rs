@@ -34,26 +34,20 @@ fn stored(store: &Path, id: &str, into: &Path) -> BTreeMap<String, Vec<u8>> {
 
 #[test]
 fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated() {
-    if !containers_ready() {
+    let Some(scene) = Scene::memory("16") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let runc = Runc::new(dir.path());
-    let bundle = Bundle::new(
-        &dir.path().join("bundle"),
-        &["exec workload memory --mib 16 --state /state/mem"],
-        &[],
-    );
-    let store = dir.path().join("store");
-    let id = format!("gc-{}-arch", std::process::id());
-    runc.run(&id, &bundle);
-    let mem = bundle.rootfs().join("state/mem");
-    let verified = || -> Option<u64> {
-        let recs = gpu_checkpoint_workloads::read_state(&mem).ok()?;
-        gpu_checkpoint_workloads::field_u64(recs.first()?, "verified")
     };
+    let Scene {
+        store,
+        runc,
+        bundle,
+        dir,
+    } = &scene;
+    let id = scene.run("arch");
+    let mem = bundle.rootfs().join("state/mem");
+    let verified = || state_field(&mem, "verified");
     wait_for("the workload", &|| verified().is_some_and(|v| v > 0));
-    let ck_id = checkpoint_container(&store, &runc, &id);
+    let ck_id = checkpoint_container(store, runc, &id);
     let st = store.display().to_string();
 
     // Export: podman's layout, the images byte for byte.
@@ -85,7 +79,7 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
     spec["annotations"]["io.container.manager"] = "libpod".into();
     let dumped: serde_json::Value = serde_json::from_slice(&files["spec.dump"]).unwrap();
     assert_eq!(dumped, spec, "spec.dump is the bundle's config.json");
-    let images = stored(&store, &ck_id, &dir.path().join("mat1"));
+    let images = stored(store, &ck_id, &dir.path().join("mat1"));
     assert!(images.contains_key("inventory.img") && images.contains_key("descriptors.json"));
     assert!(images.keys().any(|k| k.starts_with("pages-")));
     for (name, data) in &images {
@@ -110,18 +104,12 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
     // Import into a new store: verified; into the first store: deduplicated against the original.
     let store2 = dir.path().join("store2");
     let s2 = store2.display().to_string();
-    let imp = json(
-        &gc_run(&["import", &a, "--storage", &s2, "--format", "json"]),
-        "import",
-    );
+    let imp = import_archive(&archive, &store2);
     assert_eq!(imp["container"], id.as_str());
     let imp_id = imp["id"].as_str().unwrap().to_string();
     let v = gc_run(&["verify", &imp_id, "--storage", &s2]);
     assert!(v.status.success(), "verify: {}", text(&v));
-    let dedup = json(
-        &gc_run(&["import", &a, "--storage", &st, "--format", "json"]),
-        "import into the first store",
-    );
+    let dedup = import_archive(&archive, store);
     let (new, logical) = (
         dedup["stats"]["new_bytes"].as_u64().unwrap(),
         dedup["stats"]["logical_bytes"].as_u64().unwrap(),
@@ -134,8 +122,7 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
 
     // The imported checkpoint exports the same archive again.
     let archive2 = dir.path().join("ck2.tar");
-    let a2 = archive2.display().to_string();
-    let out = gc_run(&["export", &imp_id, "-o", &a2, "--storage", &s2]);
+    let out = export_archive(&store2, &imp_id, &archive2, &[]);
     assert!(out.status.success(), "export of the import: {}", text(&out));
     assert_eq!(archive_entries(&archive2), files);
     // Its root file system changes are the engine's own: a base to diff against is refused (exit 2).
@@ -157,7 +144,7 @@ fn a_runc_checkpoint_exports_as_a_podman_archive_and_imports_back_deduplicated()
 
     // runc restores the imported checkpoint, once told the bundle (the archive does not say where).
     let mut args = vec!["restore", &imp_id, "--container", &id, "--format", "json"];
-    let sargs2 = store_args(&store2, &runc);
+    let sargs2 = store_args(&store2, runc);
     args.extend(sargs2.iter().map(String::as_str));
     let no_bundle = gc_run(&args);
     assert_eq!(no_bundle.status.code(), Some(2), "{}", text(&no_bundle));

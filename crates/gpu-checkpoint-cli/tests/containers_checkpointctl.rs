@@ -50,16 +50,7 @@ fn ctl(bin: &Path, args: &[&str], archive: &Path) -> String {
 }
 
 fn export(store: &Path, id: &str, to: &Path) {
-    let o = gc_run(&[
-        "export",
-        id,
-        "--format",
-        "oci-checkpoint",
-        "-o",
-        &to.display().to_string(),
-        "--storage",
-        &store.display().to_string(),
-    ]);
+    let o = export_archive(store, id, to, &["--format", "oci-checkpoint"]);
     assert!(o.status.success(), "export: {}", text(&o));
 }
 
@@ -103,25 +94,18 @@ fn checkpointctl_reads_the_archives_we_export() {
     let Some(bin) = checkpointctl_ready() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-
     // A runc container checkpointed by gpu-checkpoint, exported.
-    let runc = Runc::new(dir.path());
-    let bundle = Bundle::new(
-        &dir.path().join("bundle"),
-        &["exec workload memory --mib 8 --state /state/mem"],
-        &[],
-    );
+    let Some(s) = Scene::memory("8") else { return };
+    let (store, runc, bundle, dir) = (&s.store, &s.runc, &s.bundle, &s.dir);
     let id = format!("gc{}", std::process::id() % 100_000);
-    runc.run(&id, &bundle);
+    runc.run(&id, bundle);
     let mem = bundle.rootfs().join("state/mem");
     wait_for("the workload", &|| {
         gpu_checkpoint_workloads::read_state(&mem).is_ok_and(|r| !r.is_empty())
     });
-    let store = dir.path().join("store");
-    let ck = checkpoint_container(&store, &runc, &id);
+    let ck = checkpoint_container(store, runc, &id);
     let ours = dir.path().join("runc.tar");
-    export(&store, &ck, &ours);
+    export(store, &ck, &ours);
     let show = ctl(&bin, &["show"], &ours);
     // The table's row: container (the id: a runc container's name), no image, id, runtime, a creation
     // time, the engine of the archive's format, and the size of our CRIU images.
@@ -160,20 +144,16 @@ fn checkpointctl_reads_the_archives_we_export() {
     // says about our export exactly what it says about podman's own archive.
     let podman = Podman::new(dir.path());
     let image = "localhost/gpu-checkpoint-ctl:1";
-    podman.import_rootfs(&bundle, image);
-    let name = format!("gc-{}-ctlpod", std::process::id());
+    podman.import_rootfs(bundle, image);
+    let name = cid("ctlpod");
     let script = format!("echo hi > /new; {COUNTER}");
     podman.run_counter(&name, image, &script, 5);
     let long_id = podman.ok(&["inspect", "--format", "{{.Id}}", &name]);
     let theirs = dir.path().join("podman.tar.zst");
-    let t = theirs.display().to_string();
-    podman.ok(&["container", "checkpoint", "--export", &t, &name]);
-    let s = store.display().to_string();
-    let o = gc_run(&["import", &t, "--storage", &s, "--format", "json"]);
-    assert!(o.status.success(), "import: {}", text(&o));
-    let imp: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    podman.export_checkpoint(&name, &theirs, &[]);
+    let imp = import_archive(&theirs, store);
     let again = dir.path().join("podman-again.tar");
-    export(&store, imp["id"].as_str().unwrap(), &again);
+    export(store, imp["id"].as_str().unwrap(), &again);
     let show = ctl(&bin, &["show"], &again);
     for want in [
         &name,

@@ -25,40 +25,33 @@ use std::path::Path;
 
 /// The workload's `gen` and `torn`, once it has written a record.
 fn generation(state: &Path) -> Option<(u64, u64)> {
-    let recs = gpu_checkpoint_workloads::read_state(state).ok()?;
-    let r = recs.first()?;
-    Some((
-        gpu_checkpoint_workloads::field_u64(r, "gen")?,
-        gpu_checkpoint_workloads::field_u64(r, "torn")?,
-    ))
+    Some((state_field(state, "gen")?, state_field(state, "torn")?))
 }
 
 #[test]
 fn a_leave_running_container_checkpoint_of_a_process_rewriting_its_memory_restores_one_moment() {
-    if !containers_ready() {
+    let args = ["exec workload generations --mib 64 --state /state/gen"];
+    let Some(s) = Scene::runc(&args, &[]) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    let runc = Runc::new(dir.path());
-    let bundle = Bundle::new(
-        &dir.path().join("bundle"),
-        &["exec workload generations --mib 64 --state /state/gen"],
-        &[],
-    );
-    let state = bundle.rootfs().join("state/gen");
-    let id = format!("gc-{}-lrgen", std::process::id());
-    runc.run(&id, &bundle);
+    };
+    let runc = &s.runc;
+    let state = s.bundle.rootfs().join("state/gen");
+    let id = s.run("lrgen");
     let gen = || generation(&state);
     wait_for("a few generations", &|| gen().is_some_and(|(g, _)| g >= 3));
     // Two rounds: each restored container is checkpointed in turn.
     for round in 0..2 {
-        let o = std::process::Command::new(gpu_checkpoint())
-            .args(["checkpoint", "--container", &id, "--leave-running"])
-            .args(["--format", "json"])
-            .args(store_args(&store, &runc))
-            .output()
-            .unwrap();
+        let o = s.gc(
+            &[
+                "checkpoint",
+                "--container",
+                &id,
+                "--leave-running",
+                "--format",
+                "json",
+            ],
+            &[],
+        );
         assert!(
             o.status.success(),
             "round {round}: checkpoint: {}",
@@ -84,12 +77,17 @@ fn a_leave_running_container_checkpoint_of_a_process_rewriting_its_memory_restor
         let size = std::fs::metadata(&state).unwrap().len() as usize;
         std::fs::write(&state, vec![b' '; size]).unwrap();
 
-        let o = std::process::Command::new(gpu_checkpoint())
-            .args(["restore", ck["id"].as_str().unwrap(), "--container", &id])
-            .args(["--format", "json"])
-            .args(store_args(&store, &runc))
-            .output()
-            .unwrap();
+        let o = s.gc(
+            &[
+                "restore",
+                ck["id"].as_str().unwrap(),
+                "--container",
+                &id,
+                "--format",
+                "json",
+            ],
+            &[],
+        );
         assert!(o.status.success(), "round {round}: restore: {}", text(&o));
         wait_for("the restored container's first record", &|| {
             gen().is_some() || runc.state(&id).is_none_or(|(s, _)| s != "running")

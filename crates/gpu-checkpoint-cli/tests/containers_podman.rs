@@ -8,31 +8,22 @@ mod container_support;
 
 use container_support::podman::*;
 use container_support::*;
+use std::path::Path;
 
 #[test]
 fn a_podman_checkpoint_goes_through_the_store_and_podman_restores_it() {
-    if !podman_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let podman = Podman::new(dir.path());
     // A local image from the test's minimal root file system (no registry is reached).
-    let bundle = Bundle::new(&dir.path().join("bundle"), &["true"], &[]);
     let image = "localhost/gpu-checkpoint-test:1";
-    podman.import_rootfs(&bundle, image);
-    let name = format!("gc-{}-podman", std::process::id());
+    let name = cid("podman");
+    let Some((dir, podman)) = podman_with_image(image) else {
+        return;
+    };
     podman.run_counter(&name, image, COUNTER, 20);
     let long_id = podman.ok(&["inspect", "--format", "{{.Id}}", &name]);
 
     // podman's archive (zstd, its default) into the store.
     let theirs = dir.path().join("podman.tar.zst");
-    podman.ok(&[
-        "container",
-        "checkpoint",
-        "--export",
-        &theirs.display().to_string(),
-        &name,
-    ]);
+    podman.export_checkpoint(&name, &theirs, &[]);
     let at_checkpoint = {
         let files = archive_entries(&theirs);
         assert!(
@@ -43,41 +34,19 @@ fn a_podman_checkpoint_goes_through_the_store_and_podman_restores_it() {
         files
     };
     let store = dir.path().join("store");
-    let s = store.display().to_string();
-    let o = gc_run(&[
-        "import",
-        &theirs.display().to_string(),
-        "--storage",
-        &s,
-        "--format",
-        "json",
-    ]);
-    assert!(o.status.success(), "import: {}", text(&o));
-    let imp: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let imp = import_archive(&theirs, &store);
     assert_eq!(imp["container"], long_id.as_str());
     let id = imp["id"].as_str().unwrap();
-    let v = gc_run(&["verify", id, "--storage", &s]);
+    let v = gc_run(&["verify", id, "--storage", &store.display().to_string()]);
     assert!(v.status.success(), "verify: {}", text(&v));
 
     // Out again: the same files as podman wrote, and podman restores it.
     let ours = dir.path().join("ours.tar");
-    let o = gc_run(&[
-        "export",
-        id,
-        "-o",
-        &ours.display().to_string(),
-        "--storage",
-        &s,
-    ]);
+    let o = export_archive(&store, id, &ours, &[]);
     assert!(o.status.success(), "export: {}", text(&o));
     assert_eq!(archive_entries(&ours), at_checkpoint);
     podman.ok(&["rm", "--force", &name]);
-    podman.ok(&[
-        "container",
-        "restore",
-        "--import",
-        &ours.display().to_string(),
-    ]);
+    podman.import_checkpoint(&ours, &[]);
     let state = podman.ok(&["inspect", "--format", "{{.State.Status}}", &name]);
     assert_eq!(state, "running");
     // The shell's counter goes on from where it was, not from 1: its memory came back.
@@ -99,33 +68,27 @@ fn gc_with_fault(args: &[&str], fault: &str) -> std::process::Output {
 
 #[test]
 fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
-    if !podman_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let podman = Podman::new(dir.path());
-    let image_bundle = Bundle::new(&dir.path().join("image"), &["true"], &[]);
     let image = "localhost/gpu-checkpoint-diff:1";
-    podman.import_rootfs(&image_bundle, image);
-    let name = format!("gc-{}-diff", std::process::id());
+    let Some((dir, podman)) = podman_with_image(image) else {
+        return;
+    };
+    let name = cid("diff");
     // The container adds a file and a folder and removes one of the image's files. (It does not change
     // one: podman 4.3.1 leaves changed files out of its rootfs-diff.tar.)
     let script =
         format!("echo added > /new.txt; mkdir /data; echo x > /data/f; rm /bin/nc; {COUNTER}");
     podman.run_counter(&name, image, &script, 20);
     let theirs = dir.path().join("podman.tar.zst");
-    let t = theirs.display().to_string();
-    podman.ok(&["container", "checkpoint", "--export", &t, &name]);
+    podman.export_checkpoint(&name, &theirs, &[]);
     let files = archive_entries(&theirs);
     assert!(files.contains_key("rootfs-diff.tar"), "{:?}", files.keys());
     let deleted: Vec<String> = serde_json::from_slice(&files["deleted.files"]).unwrap();
     assert_eq!(deleted, ["/bin/nc"]);
     let store = dir.path().join("store");
-    let s = store.display().to_string();
-    let o = gc_run(&["import", &t, "--storage", &s, "--format", "json"]);
-    assert!(o.status.success(), "import: {}", text(&o));
-    let imp: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let ck = imp["id"].as_str().unwrap().to_string();
+    let ck = import_archive(&theirs, &store)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     // runc restores it into a bundle of the image's files, with the container's own spec (its mounts are
     // podman's, which stay until the podman container is removed).
@@ -142,7 +105,7 @@ fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
     )
     .unwrap();
     let runc = Runc::new(dir.path());
-    let id = format!("gc-{}-diffr", std::process::id());
+    let id = cid("diffr");
     let b = bundle.dir.display().to_string();
     let mut args = vec!["restore", &ck, "--container", &id, "--bundle", &b];
     let sargs = store_args(&store, &runc);
@@ -198,10 +161,7 @@ fn a_podman_archives_root_file_system_changes_are_applied_by_a_runc_restore() {
 
 #[test]
 fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
-    if !podman_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    let Some(dir) = podman_folder() else { return };
     let podman = Podman::new(dir.path());
     // A runc container whose bundle is also a podman image. podman's image root folder is 0555 and
     // CRIU checks the root's mode on restore: the bundle's is made the same.
@@ -219,7 +179,7 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
     podman.import_rootfs(&bundle, image);
     let image_id = podman.ok(&["image", "inspect", "--format", "{{.Id}}", image]);
     let runc = Runc::new(dir.path());
-    let id = format!("gc-{}-ours", std::process::id());
+    let id = cid("ours");
     runc.run(&id, &bundle);
     let count = |c: std::io::Result<String>| c.ok().and_then(|c| c.trim().parse::<u64>().ok());
     wait_for("the counter", &|| {
@@ -230,12 +190,7 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
     let ck = ck.as_str();
     // Empty when the checkpoint froze the shell between truncating and writing it.
     let at = count(std::fs::read_to_string(rootfs.join("tmp/c"))).unwrap_or(0);
-    let s = store.display().to_string();
-    let export = |to: &str, extra: &[&str]| {
-        let mut a = vec!["export", ck, "-o", to, "--storage", &s];
-        a.extend_from_slice(extra);
-        gc_run(&a)
-    };
+    let export = |to: &str, extra: &[&str]| export_archive(&store, ck, Path::new(to), extra);
 
     // Without the image podman cannot restore it: it looks the empty image name up.
     let plain = dir.path().join("plain.tar").display().to_string();
@@ -271,7 +226,7 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
         ],
     );
     assert!(o.status.success(), "export: {}", text(&o));
-    let files = archive_entries(std::path::Path::new(&ours));
+    let files = archive_entries(Path::new(&ours));
     let deleted: Vec<String> = serde_json::from_slice(&files["deleted.files"]).unwrap();
     assert_eq!(deleted, ["/bin/nc"]);
     let mut diff = tar::Archive::new(&files["rootfs-diff.tar"][..]);
@@ -288,7 +243,7 @@ fn podman_restores_an_export_of_our_runc_checkpoint_given_the_image() {
         text(&o)
     );
     podman.ok(&["image", "unmount", &image_id]);
-    podman.ok(&["container", "restore", "--import", &ours]);
+    podman.import_checkpoint(Path::new(&ours), &[]);
     let state = podman.ok(&["inspect", "--format", "{{.State.Status}}", &id]);
     assert_eq!(state, "running");
     assert_eq!(

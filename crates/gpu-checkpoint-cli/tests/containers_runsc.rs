@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 /// The counter's `seq`: its state file is in the bundle's rootfs (gVisor's gofer writes it there).
 fn seq(bundle: &Bundle) -> Option<u64> {
-    let recs = gpu_checkpoint_workloads::read_state(&bundle.rootfs().join("state/c")).ok()?;
-    gpu_checkpoint_workloads::field_u64(recs.first()?, "seq")
+    state_field(&bundle.rootfs().join("state/c"), "seq")
 }
 
 /// Waits until the counter in `id` passes `above`.
@@ -30,38 +29,15 @@ fn counts_past(bundle: &Bundle, id: &str, above: u64) -> u64 {
     }
 }
 
-/// `gpu-checkpoint ARGS` on the store and runsc, with `env`.
-fn gc(
-    store: &std::path::Path,
-    runsc: &Runc,
-    args: &[&str],
-    env: &[(&str, &str)],
-) -> std::process::Output {
-    std::process::Command::new(gpu_checkpoint())
-        .args(args)
-        .args(store_args(store, runsc))
-        .envs(env.iter().copied())
-        .output()
-        .unwrap()
-}
-
 #[test]
 fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
-    if !runsc_ready() {
+    let Some(s) = Scene::runsc(&["exec workload counter --state /state/c"], &[]) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    let runsc = Runc::runsc(dir.path());
-    let bundle = Bundle::new(
-        &dir.path().join("bundle"),
-        &["exec workload counter --state /state/c"],
-        &[],
-    );
-    let id = format!("gc-{}-rs", std::process::id());
-    runsc.run(&id, &bundle);
-    let first = counts_past(&bundle, &id, 0);
-    let gc = |args: &[&str], env: &[(&str, &str)]| gc(&store, &runsc, args, env);
+    };
+    let (store, runsc, bundle) = (&s.store, &s.runc, &s.bundle);
+    let id = s.run("rs");
+    let first = counts_past(bundle, &id, 0);
+    let gc = |args: &[&str], env: &[(&str, &str)]| s.gc(args, env);
     let json = |o: std::process::Output| -> serde_json::Value {
         assert!(o.status.success(), "{}", text(&o));
         serde_json::from_slice(&o.stdout).unwrap()
@@ -90,20 +66,20 @@ fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
         "{}",
         meta["sizes"]
     );
-    let after = counts_past(&bundle, &id, first);
+    let after = counts_past(bundle, &id, first);
 
     // The store fails after runsc stopped the sandbox: it comes back from the images, counting on.
     let o = gc(&ck, &[("GPU_CHECKPOINT_FAULT", "store.write=eio")]);
     assert!(!o.status.success(), "{}", text(&o));
     assert!(
-        listed(&store).len() == 1,
+        listed(store).len() == 1,
         "only the first checkpoint is stored"
     );
     assert!(
         runsc.state(&id).is_some_and(|(s, _)| s == "running"),
         "the sandbox runs again"
     );
-    let revived = counts_past(&bundle, &id, after);
+    let revived = counts_past(bundle, &id, after);
 
     let stopped = json(gc(&ck, &[]));
     assert_eq!(stopped["stopped"], true);
@@ -127,11 +103,14 @@ fn a_gvisor_sandbox_checkpoints_restores_and_comes_back_after_a_failure() {
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(runsc.state(&copy).is_some_and(|(s, _)| s == "running"));
-    counts_past(&bundle, &copy, revived);
+    counts_past(bundle, &copy, revived);
 
     // Dropping the runtime deletes every sandbox it started: none of their processes is left.
     let root = runsc.root.clone();
-    drop(runsc);
+    let Scene {
+        runc, dir: _dir, ..
+    } = s;
+    drop(runc);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !sandbox_processes(&root).is_empty() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(100));
@@ -159,16 +138,12 @@ fn sandbox_processes(root: &std::path::Path) -> Vec<u32> {
 
 /// `runsc exec ID /bin/sim-cuda-checkpoint ARGS...` -> stdout (the SIMULATED tool's own checks).
 fn sim_tool(runsc: &Runc, id: &str, args: &[&str]) -> String {
-    let o = runsc
-        .cmd()
-        .args(["exec", id, "/bin/sim-cuda-checkpoint"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "sim-cuda-checkpoint {args:?}: {}",
-        text(&o)
+    let o = common::run_ok(
+        runsc
+            .cmd()
+            .args(["exec", id, "/bin/sim-cuda-checkpoint"])
+            .args(args),
+        &format!("sim-cuda-checkpoint {args:?}"),
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -182,30 +157,26 @@ fn sim_steps(runsc: &Runc, id: &str) -> u64 {
         .unwrap_or_else(|| panic!("no steps in `{out}`"))
 }
 
-/// A sandbox `id` running the SIMULATED GPU workload as its init (guest PID 1), with the SIMULATED
-/// stand-in for `cuda-checkpoint` at /bin/sim-cuda-checkpoint inside; returns once the simulator
-/// answers there.
-fn gpu_sandbox(dir: &std::path::Path, runsc: &Runc, id: &str) -> Bundle {
-    let bundle = Bundle::new(
-        &dir.join("bundle"),
-        &["exec gpu-sim-workload --mib 8 --workers 2"],
-        &[],
-    );
-    let tool = sim_workload().with_file_name("sim-cuda-checkpoint");
-    assert!(
-        tool.exists(),
-        "{} is missing: cargo build -p gpu-checkpoint-workloads",
-        tool.display()
+/// A sandbox named after `tag` running the SIMULATED GPU workload as its init (guest PID 1), with the
+/// SIMULATED stand-in for `cuda-checkpoint` at /bin/sim-cuda-checkpoint inside, in a new folder beside a
+/// store path: the scene and the sandbox's id once the simulator answers there, or `None` (with the
+/// reason printed) where runsc is not ready.
+fn gpu_sandbox(tag: &str) -> Option<(Scene, String)> {
+    let s = Scene::runsc(&["exec gpu-sim-workload --mib 8 --workers 2"], &[])?;
+    let (runsc, bundle) = (&s.runc, &s.bundle);
+    let tool = built_beside(
+        "sim-cuda-checkpoint",
+        "cargo build -p gpu-checkpoint-workloads",
     );
     std::fs::copy(&tool, bundle.rootfs().join("bin/sim-cuda-checkpoint")).unwrap();
     copy_libraries(&tool, &bundle.rootfs());
-    runsc.run(id, &bundle);
+    let id = s.run(tag);
     wait_for("the simulator answers inside the sandbox", &|| {
         runsc
             .cmd()
             .args([
                 "exec",
-                id,
+                &id,
                 "/bin/sim-cuda-checkpoint",
                 "--get-state",
                 "--pid",
@@ -214,21 +185,7 @@ fn gpu_sandbox(dir: &std::path::Path, runsc: &Runc, id: &str) -> Bundle {
             .output()
             .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("running"))
     });
-    bundle
-}
-
-/// A SIMULATED GPU sandbox named after `tag` ([`gpu_sandbox`]) in a new folder beside a store path:
-/// (folder, store, runsc, id, bundle), or `None` (with the reason printed) where runsc is not ready.
-fn gpu_setup(tag: &str) -> Option<(tempfile::TempDir, std::path::PathBuf, Runc, String, Bundle)> {
-    if !runsc_ready() {
-        return None;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("store");
-    let runsc = Runc::runsc(dir.path());
-    let id = format!("gc-{}-{tag}", std::process::id());
-    let bundle = gpu_sandbox(dir.path(), &runsc, &id);
-    Some((dir, store, runsc, id, bundle))
+    Some((s, id))
 }
 
 /// Checkpoint arguments that freeze the sandbox's GPU state inside it with the SIMULATED tool.
@@ -249,10 +206,11 @@ fn gpu_checkpoint_args(id: &str) -> Vec<&str> {
 /// simulator's lives in the sentry, so without the tool the checkpoint would not freeze it at all.)
 #[test]
 fn gpu_checkpoint_freezes_a_gvisor_sandbox_gpu_state_inside_it() {
-    let Some((_dir, store, runsc, id, bundle)) = gpu_setup("rt") else {
+    let Some((s, id)) = gpu_sandbox("rt") else {
         return;
     };
-    let gc = |args: &[&str], env: &[(&str, &str)]| gc(&store, &runsc, args, env);
+    let (store, runsc, bundle) = (&s.store, &s.runc, &s.bundle);
+    let gc = |args: &[&str], env: &[(&str, &str)]| s.gc(args, env);
     let mut ck = gpu_checkpoint_args(&id);
     ck.extend(["--format", "json"]);
     // --leave-running: the sandbox is brought back from the images, then its GPU state inside.
@@ -261,30 +219,30 @@ fn gpu_checkpoint_freezes_a_gvisor_sandbox_gpu_state_inside_it() {
     let o = gc(&kept, &[]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("SIMULATED"), "{}", text(&o));
-    assert!(sim_tool(&runsc, &id, &["--get-state", "--pid", "1"]).contains("running"));
-    let steps = sim_steps(&runsc, &id);
+    assert!(sim_tool(runsc, &id, &["--get-state", "--pid", "1"]).contains("running"));
+    let steps = sim_steps(runsc, &id);
     wait_for("the simulator computes on after --leave-running", &|| {
-        sim_steps(&runsc, &id) > steps
+        sim_steps(runsc, &id) > steps
     });
 
     // The store fails after runsc stopped the sandbox: it comes back, its GPU state restored inside.
     let o = gc(&ck, &[("GPU_CHECKPOINT_FAULT", "store.write=eio")]);
     assert!(!o.status.success(), "{}", text(&o));
     assert_eq!(
-        listed(&store).len(),
+        listed(store).len(),
         1,
         "only the first checkpoint is stored"
     );
-    assert!(sim_tool(&runsc, &id, &["--get-state", "--pid", "1"]).contains("running"));
-    let before = sim_steps(&runsc, &id);
+    assert!(sim_tool(runsc, &id, &["--get-state", "--pid", "1"]).contains("running"));
+    let before = sim_steps(runsc, &id);
     wait_for("the revived simulator computes on", &|| {
-        sim_steps(&runsc, &id) > before
+        sim_steps(runsc, &id) > before
     });
 
     let o = gc(&ck, &[]);
     assert!(o.status.success(), "{}", text(&o));
     let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(listed(&store).len(), 2);
+    assert_eq!(listed(store).len(), 2);
     assert_eq!(out["stopped"], true);
     assert_eq!(
         out["container"]["sandbox_gpu_tool"],
@@ -316,17 +274,17 @@ fn gpu_checkpoint_freezes_a_gvisor_sandbox_gpu_state_inside_it() {
         None,
         "the half-restored sandbox is removed"
     );
-    assert_eq!(listed(&store).len(), 2, "the checkpoint stays");
+    assert_eq!(listed(store).len(), 2, "the checkpoint stays");
     std::fs::rename(&hidden, &tool).unwrap();
     let o = restore();
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("SIMULATED"), "{}", text(&o));
-    assert!(sim_tool(&runsc, &copy, &["--get-state", "--pid", "1"]).contains("running"));
-    let verified = sim_tool(&runsc, &copy, &["--verify", "--pid", "1"]);
+    assert!(sim_tool(runsc, &copy, &["--get-state", "--pid", "1"]).contains("running"));
+    let verified = sim_tool(runsc, &copy, &["--verify", "--pid", "1"]);
     assert!(verified.starts_with("verified"), "{verified}");
-    let after = sim_steps(&runsc, &copy);
+    let after = sim_steps(runsc, &copy);
     wait_for("the restored simulator computes on", &|| {
-        sim_steps(&runsc, &copy) > after
+        sim_steps(runsc, &copy) > after
     });
 }
 
@@ -339,13 +297,10 @@ fn gpu_checkpoint_freezes_a_gvisor_sandbox_gpu_state_inside_it() {
 fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_checkpoint() {
     use gpu_checkpoint::freeze::cuda_cli::CudaCli;
     use gpu_checkpoint::freeze::{GpuDriver, ProcessState};
-    if !runsc_ready() {
+    let Some((s, id)) = gpu_sandbox("rg") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let runsc = Runc::runsc(dir.path());
-    let id = format!("gc-{}-rg", std::process::id());
-    let bundle = gpu_sandbox(dir.path(), &runsc, &id);
+    };
+    let (dir, runsc, bundle) = (&s.dir, &s.runc, &s.bundle);
     // The backend inside the sandbox named `id`, on guest PIDs.
     let inside = |id: &str| {
         let mut wrapper: Vec<String> = vec![
@@ -367,7 +322,7 @@ fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_check
     );
 
     gpu.lock(1, Some(Duration::from_secs(10))).unwrap();
-    let at_lock = sim_steps(&runsc, &id);
+    let at_lock = sim_steps(runsc, &id);
     gpu.checkpoint(1).unwrap();
     assert_eq!(gpu.state(1).unwrap(), ProcessState::Checkpointed);
     let images = dir.path().join("images");
@@ -403,26 +358,22 @@ fn the_gpu_state_of_a_gvisor_sandbox_is_frozen_from_inside_it_around_runsc_check
     gpu.restore(1, &[]).unwrap();
     gpu.unlock(1).unwrap();
     assert_eq!(gpu.state(1).unwrap(), ProcessState::Running);
-    let verified = sim_tool(&runsc, &copy, &["--verify", "--pid", "1"]);
+    let verified = sim_tool(runsc, &copy, &["--verify", "--pid", "1"]);
     assert!(verified.starts_with("verified"), "{verified}");
-    let after = sim_steps(&runsc, &copy);
+    let after = sim_steps(runsc, &copy);
     assert!(after >= at_lock, "steps went back: {after} < {at_lock}");
     wait_for("the restored simulator computes on", &|| {
-        sim_steps(&runsc, &copy) > after
+        sim_steps(runsc, &copy) > after
     });
 }
 
 /// Runs `gpu-checkpoint ARGS` and SIGKILLs it while its `runsc checkpoint` runs (a child of the tool
 /// whose command line has `checkpoint --image-path`); returns once the guardian, which shares the tool's
 /// stderr, is done.
-fn killed_during_runsc_checkpoint(
-    store: &std::path::Path,
-    runsc: &Runc,
-    args: &[&str],
-) -> std::process::Output {
+fn killed_during_runsc_checkpoint(s: &Scene, args: &[&str]) -> std::process::Output {
     let tool = std::process::Command::new(gpu_checkpoint())
         .args(args)
-        .args(store_args(store, runsc))
+        .args(store_args(&s.store, &s.runc))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -454,9 +405,10 @@ fn killed_during_runsc_checkpoint(
 #[test]
 fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlocked() {
     use std::os::unix::process::ExitStatusExt;
-    let Some((_dir, store, runsc, id, _bundle)) = gpu_setup("rk") else {
+    let Some((s, id)) = gpu_sandbox("rk") else {
         return;
     };
+    let (store, runsc) = (&s.store, &s.runc);
     let ck = gpu_checkpoint_args(&id);
     for point in [
         "container.sandbox-locked",
@@ -466,8 +418,8 @@ fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlo
         let fault = format!("{point}=kill");
         // `output` returns once the guardian, which shares the tool's stderr, is done.
         let o = match point {
-            "during runsc checkpoint" => killed_during_runsc_checkpoint(&store, &runsc, &ck),
-            _ => gc(&store, &runsc, &ck, &[("GPU_CHECKPOINT_FAULT", &fault)]),
+            "during runsc checkpoint" => killed_during_runsc_checkpoint(&s, &ck),
+            _ => s.gc(&ck, &[("GPU_CHECKPOINT_FAULT", &fault)]),
         };
         assert_eq!(o.status.signal(), Some(9), "{point}: {}", text(&o));
         let said = text(&o);
@@ -485,26 +437,24 @@ fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlo
             "{point}: the sandbox does not run: {}",
             text(&o)
         );
-        let state = sim_tool(&runsc, &id, &["--get-state", "--pid", "1"]);
+        let state = sim_tool(runsc, &id, &["--get-state", "--pid", "1"]);
         assert!(
             state.contains("running"),
             "{point}: the GPU process is left {state}: {}",
             text(&o)
         );
-        let verified = sim_tool(&runsc, &id, &["--verify", "--pid", "1"]);
+        let verified = sim_tool(runsc, &id, &["--verify", "--pid", "1"]);
         assert!(verified.starts_with("verified"), "{point}: {verified}");
-        let steps = sim_steps(&runsc, &id);
+        let steps = sim_steps(runsc, &id);
         wait_for("the simulator computes on", &|| {
-            sim_steps(&runsc, &id) > steps
+            sim_steps(runsc, &id) > steps
         });
-        assert!(listed(&store).is_empty(), "{point}: nothing is stored");
+        assert!(listed(store).is_empty(), "{point}: nothing is stored");
     }
 
     // Killed once the checkpoint is durable: the guardian leaves the sandbox as the checkpoint left it
     // (stopped by runsc's checkpoint), puts nothing back inside it, and the checkpoint restores.
-    let o = gc(
-        &store,
-        &runsc,
+    let o = s.gc(
         &ck,
         &[("GPU_CHECKPOINT_FAULT", "checkpoint.after-commit=kill")],
     );
@@ -517,17 +467,17 @@ fn the_tool_killed_after_the_in_sandbox_lock_leaves_the_sandbox_running_and_unlo
         runsc.state(&id).is_none_or(|(s, _)| s != "running"),
         "the checkpointed sandbox was brought back: {said}"
     );
-    let stored = listed(&store);
+    let stored = listed(store);
     assert_eq!(stored.len(), 1, "the durable checkpoint is kept");
     let copy = format!("{id}-2");
     let o = std::process::Command::new(gpu_checkpoint())
         .args(["restore", stored[0]["id"].as_str().unwrap()])
         .args(["--container", &copy])
-        .args(store_args(&store, &runsc))
+        .args(store_args(store, runsc))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    assert!(sim_tool(&runsc, &copy, &["--get-state", "--pid", "1"]).contains("running"));
-    let verified = sim_tool(&runsc, &copy, &["--verify", "--pid", "1"]);
+    assert!(sim_tool(runsc, &copy, &["--get-state", "--pid", "1"]).contains("running"));
+    let verified = sim_tool(runsc, &copy, &["--verify", "--pid", "1"]);
     assert!(verified.starts_with("verified"), "{verified}");
 }

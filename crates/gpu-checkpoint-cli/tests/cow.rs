@@ -180,12 +180,6 @@ fn a_pre_fork_tree(mode: Mode) {
     restore_shares(&w, &store, &id, &["--stream"], &at_checkpoint, before_kib);
 }
 
-#[test]
-fn a_pre_fork_tree_keeps_sharing_its_memory_after_restore() {
-    a_pre_fork_tree(Mode::Stop);
-}
-
-#[test]
-fn a_pre_fork_tree_keeps_sharing_its_memory_after_a_leave_running_checkpoint() {
-    a_pre_fork_tree(Mode::LeaveRunning);
-}
+both_modes!(a_pre_fork_tree:
+    a_pre_fork_tree_keeps_sharing_its_memory_after_restore,
+    a_pre_fork_tree_keeps_sharing_its_memory_after_a_leave_running_checkpoint);

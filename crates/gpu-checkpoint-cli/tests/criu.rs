@@ -90,11 +90,9 @@ fn cycle_restoring_with(
 
 #[test]
 fn counter_continues_and_restores_twice() {
-    let Some((dir, store)) = criu_scene() else {
+    let Some((_dir, store, w)) = criu_counter(5) else {
         return;
     };
-    let w = Workload::start("counter", dir.path(), &[]);
-    w.wait_state("a few ticks", |r| r.len() == 1 && num(&r[0], "seq") >= 5);
     let (before, ck) = cycle(&w, &store, 1);
     let seq0 = num(&before[0], "seq");
     assert_eq!(num(&before[0], "value"), chain(1, seq0));
@@ -191,16 +189,23 @@ fn children_and_threads_continue_after_a_streamed_restore() {
     threads_case(&["--stream"]);
 }
 
-/// A parent and two children talking over pipes: checkpoint with `extra`, restore with `restore_extra`,
-/// the conversations go on under the same PIDs.
-fn pipes_case(extra: &[&str], restore_extra: &[&str]) {
-    let Some((dir, store)) = criu_scene() else {
-        return;
-    };
+/// A parent and two children talking over pipes ([`criu_scene`]), once both children answer: the folder,
+/// the store path and the workload.
+fn pipes() -> Option<(tempfile::TempDir, std::path::PathBuf, Workload)> {
+    let (dir, store) = criu_scene()?;
     let w = Workload::start("pipes", dir.path(), &["--children", "2"]);
     w.wait_state("both children answering", |r| {
         r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)
     });
+    Some((dir, store, w))
+}
+
+/// A parent and two children talking over pipes: checkpoint with `extra`, restore with `restore_extra`,
+/// the conversations go on under the same PIDs.
+fn pipes_case(extra: &[&str], restore_extra: &[&str]) {
+    let Some((_dir, store, w)) = pipes() else {
+        return;
+    };
     let (before, ck) = cycle_restoring_with(&w, &store, 2, extra, restore_extra);
     assert_eq!(ck["processes"], 3, "parent and two children: {ck}");
     let after = w.wait_state("conversations going on", |r| {
@@ -241,22 +246,28 @@ fn unix_and_tcp_listening_sockets_work_after_restore() {
             .collect();
         (num(&rec, "seq"), num(&rec, "value"))
     };
-    let mut answer = String::new();
-    std::net::TcpStream::connect(("127.0.0.1", port))
-        .expect("the restored TCP listener accepts")
-        .read_to_string(&mut answer)
-        .unwrap();
-    let (seq, value) = parse(&answer);
-    assert!(seq > seq0, "{answer}");
-    assert_eq!(value, chain(1, seq));
-    let mut answer = String::new();
-    std::os::unix::net::UnixStream::connect(&sock)
-        .expect("the restored UNIX listener accepts")
-        .read_to_string(&mut answer)
-        .unwrap();
-    let (seq, value) = parse(&answer);
-    assert!(seq > seq0, "{answer}");
-    assert_eq!(value, chain(1, seq));
+    let answers = [
+        read_all(
+            std::net::TcpStream::connect(("127.0.0.1", port))
+                .expect("the restored TCP listener accepts"),
+        ),
+        read_all(
+            std::os::unix::net::UnixStream::connect(&sock)
+                .expect("the restored UNIX listener accepts"),
+        ),
+    ];
+    for answer in answers {
+        let (seq, value) = parse(&answer);
+        assert!(seq > seq0, "{answer}");
+        assert_eq!(value, chain(1, seq));
+    }
+}
+
+/// What `stream` says until it closes.
+fn read_all(mut stream: impl Read) -> String {
+    let mut said = String::new();
+    stream.read_to_string(&mut said).unwrap();
+    said
 }
 
 #[test]
@@ -370,11 +381,9 @@ fn one_gib_of_memory_survives_with_its_checksum() {
 
 #[test]
 fn leave_running_keeps_the_original_and_the_copy_works_after_it_exits() {
-    let Some((dir, store)) = criu_scene() else {
+    let Some((_dir, store, w)) = criu_counter(3) else {
         return;
     };
-    let w = Workload::start("counter", dir.path(), &[]);
-    w.wait_state("ticking", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
     let ck = checkpoint(w.pid, &store, &["--leave-running", "--name", "periodic"]);
     assert_eq!(ck["stopped"], false);
     let seq_ck = num(
@@ -478,11 +487,9 @@ fn disk_full_during_the_dump_leaves_the_process_running() {
 /// under the PID, and the checkpoint is intact: repaired, it restores.
 #[test]
 fn a_damaged_chunk_stops_a_restore() {
-    let Some((dir, store)) = criu_scene() else {
+    let Some((_dir, store, w)) = criu_counter(3) else {
         return;
     };
-    let w = Workload::start("counter", dir.path(), &[]);
-    w.wait_state("a few ticks", |r| r.len() == 1 && num(&r[0], "seq") >= 3);
     let ck = checkpoint(w.pid, &store, &[]);
     let id = ck["id"].as_str().unwrap();
     wait_pid_free(w.pid);
@@ -699,17 +706,13 @@ fn logs_piped_into_a_file_carry_no_colour_codes() {
         return;
     };
     let w = Workload::start("counter", dir.path(), &[]);
-    let out = std::process::Command::new(gc_bin())
-        .args(["checkpoint", "--pid", &w.pid.to_string(), "--storage"])
-        .arg(&store)
-        .arg("--leave-running")
-        .env("RUST_LOG", "debug")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        std::process::Command::new(gc_bin())
+            .args(["checkpoint", "--pid", &w.pid.to_string(), "--storage"])
+            .arg(&store)
+            .arg("--leave-running")
+            .env("RUST_LOG", "debug"),
+        "checkpoint",
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("DEBUG"), "debug lines were asked for: {err}");
@@ -771,13 +774,9 @@ fn restore_refuses_a_thread_id_in_use_and_names_its_holder() {
 /// that child, is refused with exit 8 instead of failing inside CRIU, and the tree runs on.
 #[test]
 fn a_checkpoint_overlapping_a_running_one_is_a_conflict() {
-    let Some((dir, store)) = criu_scene() else {
+    let Some((_dir, store, w)) = pipes() else {
         return;
     };
-    let w = Workload::start("pipes", dir.path(), &["--children", "2"]);
-    w.wait_state("both children answering", |r| {
-        r.len() == 2 && r.iter().all(|c| num(c, "rounds") >= 3)
-    });
     let tree: Vec<i32> = gpu_checkpoint::proc::process_tree(w.pid)
         .iter()
         .map(|p| p.pid)

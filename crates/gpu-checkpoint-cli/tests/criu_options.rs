@@ -241,6 +241,15 @@ impl Sqlite {
         wait_for(what, || self.written() > past);
     }
 
+    /// The restored writer `w` writes on (`what`) past `at_checkpoint`, holding its lock again (`locks`
+    /// says why it must); then, once it is killed, the database checks out ([`Sqlite::check_intact`]).
+    fn writes_on_holding_its_lock(&self, w: Program, at_checkpoint: u64, what: &str, locks: &str) {
+        self.wait_written(what, at_checkpoint + 10);
+        assert!(holds_lock_on(w.pid, "app.db"), "{locks}");
+        w.kill_and_wait_free();
+        self.check_intact();
+    }
+
     /// With no writer left: the whole database checks out, and holds every row written, once.
     fn check_intact(&self) {
         let (count, top, integrity) = sqlite_check(&self.py, &self.check, &self.db);
@@ -279,13 +288,12 @@ fn sqlite_in_wal_mode(mode: Mode) {
     let at_checkpoint = s.written();
     restore_giving_again(&ck, &store, "--file-locks", w.pid);
     s.writing(true);
-    s.wait_written("the restored writer going on", at_checkpoint + 10);
-    assert!(
-        holds_lock_on(w.pid, "app.db"),
-        "restore gave the locks back"
+    s.writes_on_holding_its_lock(
+        w,
+        at_checkpoint,
+        "the restored writer going on",
+        "restore gave the locks back",
     );
-    w.kill_and_wait_free();
-    s.check_intact();
 
     // Plain CRIU: refused without the flag (the writer resumed), brought back with it.
     Via::Plain.case(&format!("SQLite in WAL mode, {mode}"), || {
@@ -306,22 +314,18 @@ fn sqlite_in_wal_mode(mode: Mode) {
         let at_checkpoint = s.written();
         taken.restore(w.pid, &["--file-locks"]);
         s.writing(true);
-        s.wait_written("the writer restored by plain CRIU", at_checkpoint + 10);
-        assert!(holds_lock_on(w.pid, "app.db"));
-        w.kill_and_wait_free();
-        s.check_intact();
+        s.writes_on_holding_its_lock(
+            w,
+            at_checkpoint,
+            "the writer restored by plain CRIU",
+            "plain CRIU gave the locks back",
+        );
     });
 }
 
-#[test]
-fn sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact() {
-    sqlite_in_wal_mode(Mode::Stop);
-}
-
-#[test]
-fn sqlite_in_wal_mode_comes_back_intact_after_a_leave_running_checkpoint() {
-    sqlite_in_wal_mode(Mode::LeaveRunning);
-}
+both_modes!(sqlite_in_wal_mode:
+    sqlite_in_wal_mode_needs_file_locks_and_comes_back_intact,
+    sqlite_in_wal_mode_comes_back_intact_after_a_leave_running_checkpoint);
 
 /// `--criu-config`: a CRIU configuration file saying `file-locks` does what the flag does, on checkpoint
 /// (the refusal counts it) and on restore (the locks come back only because the restore's file says so).
@@ -342,13 +346,12 @@ fn a_criu_configuration_file_carries_options_to_both_sides() {
         &["--criu-config", conf.to_str().unwrap()],
     );
     assert_eq!(pid, w.pid);
-    s.wait_written("the restored writer going on", at_checkpoint + 10);
-    assert!(
-        holds_lock_on(w.pid, "app.db"),
-        "the restore's configuration file gave the locks back"
+    s.writes_on_holding_its_lock(
+        w,
+        at_checkpoint,
+        "the restored writer going on",
+        "the restore's configuration file gave the locks back",
     );
-    w.kill_and_wait_free();
-    s.check_intact();
 }
 
 /// (checks, ok) from the ghost holder's last report.
@@ -417,15 +420,9 @@ fn a_deleted_file_over_a_mib(mode: Mode) {
     });
 }
 
-#[test]
-fn a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents() {
-    a_deleted_file_over_a_mib(Mode::Stop);
-}
-
-#[test]
-fn a_deleted_file_over_a_mib_keeps_its_contents_after_a_leave_running_checkpoint() {
-    a_deleted_file_over_a_mib(Mode::LeaveRunning);
-}
+both_modes!(a_deleted_file_over_a_mib:
+    a_deleted_file_over_a_mib_needs_ghost_limit_and_keeps_its_contents,
+    a_deleted_file_over_a_mib_keeps_its_contents_after_a_leave_running_checkpoint);
 
 /// An established loopback TCP pair in `mode`: `detect` names `--tcp-established`; without it the
 /// checkpoint is refused before the tree is frozen; with it the conversation carries on after the
@@ -511,12 +508,6 @@ fn an_established_connection(mode: Mode) {
     });
 }
 
-#[test]
-fn an_established_connection_needs_tcp_established_and_restore_accepts_it_again() {
-    an_established_connection(Mode::Stop);
-}
-
-#[test]
-fn an_established_connection_carries_on_after_a_leave_running_checkpoint() {
-    an_established_connection(Mode::LeaveRunning);
-}
+both_modes!(an_established_connection:
+    an_established_connection_needs_tcp_established_and_restore_accepts_it_again,
+    an_established_connection_carries_on_after_a_leave_running_checkpoint);

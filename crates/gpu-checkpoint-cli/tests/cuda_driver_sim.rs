@@ -28,14 +28,9 @@ struct Driver {
 
 impl Driver {
     fn new(version: &'static str) -> Driver {
-        let built = gpu_checkpoint()
-            .parent()
-            .expect("target folder")
-            .join("libcuda.so");
-        assert!(
-            built.exists(),
-            "{} missing: cargo build --workspace builds crates/cuda-sim",
-            built.display()
+        let built = built_beside(
+            "libcuda.so",
+            "cargo build --workspace builds crates/cuda-sim",
         );
         let dir = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(&built, dir.path().join("libcuda.so.1")).unwrap();

@@ -31,6 +31,13 @@ fn fails(action: &str, pid: i32, extra: &[&str], code: i32, needle: &str) -> Str
     t
 }
 
+/// `cuda state` says `running`, and the process computes on, its device memory intact.
+fn runs_intact(pid: i32) {
+    assert_eq!(ok("state", pid, &[]), "running");
+    assert_progress(pid);
+    assert_verified(pid);
+}
+
 #[test]
 fn lifecycle_moves_device_memory_out_and_back() {
     let p = SimProcess::start(&["--mib", "4", "--devices", "2"]);
@@ -71,9 +78,7 @@ fn lifecycle_moves_device_memory_out_and_back() {
     assert_verified(pid);
 
     ok("unlock", pid, &[]);
-    assert_eq!(ok("state", pid, &[]), "running");
-    assert_progress(pid);
-    assert_verified(pid);
+    runs_intact(pid);
 }
 
 #[test]
@@ -146,9 +151,7 @@ fn injected_faults_leave_the_process_usable() {
     fails("toggle", pid, &[], 1, "CUDA_ERROR_OPERATING_SYSTEM");
     sim::inject_fault(pid, "none").unwrap();
     ok("toggle", pid, &[]);
-    assert_eq!(ok("state", pid, &[]), "running");
-    assert_progress(pid);
-    assert_verified(pid);
+    runs_intact(pid);
 }
 
 #[test]
@@ -180,12 +183,7 @@ fn json_reports_every_call_with_its_time() {
     assert_eq!(v["backend"], "sim");
     assert_eq!(v["ok"], true);
     assert_eq!(v["state"], "checkpointed");
-    let ops: Vec<&str> = v["calls"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["op"].as_str().unwrap())
-        .collect();
+    let ops = strings(&v["calls"], "op");
     assert_eq!(ops, ["state", "lock", "checkpoint", "state"]);
     assert!(v["calls"][1]["ms"].as_f64().unwrap() >= 0.0);
     let tid: i32 = ok("restore-tid", p.pid, &[]).parse().unwrap();

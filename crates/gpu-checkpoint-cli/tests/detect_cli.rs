@@ -20,6 +20,15 @@ fn detect(args: &[&str]) -> Output {
         .expect("run gpu-checkpoint")
 }
 
+/// `detect ARGS... --proc-root ROOT EXTRA...`, ROOT the fixture `name`.
+fn detect_in(name: &str, args: &[&str], extra: &[&str]) -> Output {
+    let root = fixture(name);
+    let mut all = args.to_vec();
+    all.extend(["--proc-root", &root]);
+    all.extend_from_slice(extra);
+    detect(&all)
+}
+
 fn code(o: &Output) -> i32 {
     o.status.code().expect("exited with a code")
 }
@@ -39,30 +48,16 @@ fn json(o: &Output) -> serde_json::Value {
 
 #[test]
 fn json_report_of_a_blocked_process() {
-    let root = fixture("cuda-malloc-managed");
-    let v = json(&detect(&[
-        "--pid",
-        "5000",
-        "--proc-root",
-        &root,
-        "--format",
-        "json",
-    ]));
-    let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-    for k in [
-        "schema_version",
-        "pid",
-        "gpu",
-        "processes",
-        "findings",
-        "strategy",
-        "strategies",
-        "driver_version",
-        "elapsed_ms",
-    ] {
-        assert!(keys.contains(&k), "missing {k} in {keys:?}");
-    }
-    assert_eq!(keys.len(), 9, "{keys:?}");
+    let v = json(&detect_in(
+        "cuda-malloc-managed",
+        &["--pid", "5000"],
+        &["--format", "json"],
+    ));
+    let keys: std::collections::BTreeSet<&str> =
+        v.as_object().unwrap().keys().map(String::as_str).collect();
+    let want =
+        "schema_version pid gpu processes findings strategy strategies driver_version elapsed_ms";
+    assert_eq!(keys, want.split(' ').collect(), "the report's fields");
     assert_eq!(v["schema_version"], 1);
     assert_eq!(v["pid"], 5000);
     assert_eq!(v["gpu"], true);
@@ -95,8 +90,7 @@ fn json_report_of_a_blocked_process() {
 
 #[test]
 fn text_report_short_and_verbose() {
-    let root = fixture("pci-bar");
-    let short = detect(&["--pid", "7500", "--proc-root", &root]);
+    let short = detect_in("pci-bar", &["--pid", "7500"], &[]);
     assert_eq!(code(&short), 0, "{}", stderr(&short));
     let text = stdout(&short);
     assert!(text.starts_with("pid 7500: strategy unsupported"), "{text}");
@@ -109,13 +103,7 @@ fn text_report_short_and_verbose() {
         !text.contains("0x7f3c46c00000"),
         "evidence only with --verbose: {text}"
     );
-    let verbose = stdout(&detect(&[
-        "--pid",
-        "7500",
-        "--proc-root",
-        &root,
-        "--verbose",
-    ]));
+    let verbose = stdout(&detect_in("pci-bar", &["--pid", "7500"], &["--verbose"]));
     assert!(
         verbose.contains("0x7f3c46c00000-0x7f3c46c10000"),
         "{verbose}"
@@ -127,8 +115,7 @@ fn text_report_short_and_verbose() {
 /// What CRIU will need an option for is printed with the flag, without --verbose.
 #[test]
 fn text_report_names_the_flags_a_checkpoint_needs() {
-    let root = fixture("needs-options");
-    let out = detect(&["--pid", "9300", "--tree", "--proc-root", &root]);
+    let out = detect_in("needs-options", &["--pid", "9300", "--tree"], &[]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.starts_with("pid 9300: strategy none"), "{text}");
@@ -144,52 +131,24 @@ fn text_report_names_the_flags_a_checkpoint_needs() {
 
 #[test]
 fn simulator_only_on_request_and_said_so() {
-    let root = fixture("simulator");
-    let on = stdout(&detect(&[
-        "--pid",
-        "9000",
-        "--proc-root",
-        &root,
-        "--simulator",
-    ]));
+    let sim = |extra: &[&str]| detect_in("simulator", &["--pid", "9000"], extra);
+    let on = stdout(&sim(&["--simulator"]));
     assert!(on.contains("(simulated GPU)"), "{on}");
     assert!(on.contains("cuda-driver"), "{on}");
-    let off = stdout(&detect(&["--pid", "9000", "--proc-root", &root]));
+    let off = stdout(&sim(&[]));
     assert!(off.contains("strategy none"), "{off}");
     assert!(!off.contains("simulated"), "{off}");
-    let v = json(&detect(&[
-        "--pid",
-        "9000",
-        "--proc-root",
-        &root,
-        "--simulator",
-        "--format",
-        "json",
-    ]));
+    let v = json(&sim(&["--simulator", "--format", "json"]));
     assert_eq!(v["processes"][0]["simulated"], true);
 }
 
 #[test]
 fn tree_and_all() {
-    let root = fixture("tree");
-    let v = json(&detect(&[
-        "--pid",
-        "8000",
-        "--tree",
-        "--proc-root",
-        &root,
-        "--format",
-        "json",
-    ]));
+    let tree = |args: &[&str], extra: &[&str]| detect_in("tree", args, extra);
+    let v = json(&tree(&["--pid", "8000", "--tree"], &["--format", "json"]));
     assert_eq!(v["processes"].as_array().unwrap().len(), 4);
     assert_eq!(v["strategy"]["name"], "unsupported");
-    let v = json(&detect(&[
-        "--all",
-        "--proc-root",
-        &root,
-        "--format",
-        "json",
-    ]));
+    let v = json(&tree(&["--all"], &["--format", "json"]));
     assert_eq!(v["pid"], serde_json::Value::Null);
     let pids: Vec<i64> = v["processes"]
         .as_array()
@@ -198,7 +157,7 @@ fn tree_and_all() {
         .map(|p| p["pid"].as_i64().unwrap())
         .collect();
     assert_eq!(pids, vec![8001, 8002]);
-    let text = stdout(&detect(&["--all", "--proc-root", &root]));
+    let text = stdout(&tree(&["--all"], &[]));
     assert!(text.starts_with("2 process(es) with GPU state"), "{text}");
 }
 

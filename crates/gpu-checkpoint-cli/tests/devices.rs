@@ -116,10 +116,7 @@ fn holds_fuse(pid: i32) {
 }
 
 fn start(py: &Path, dir: &Path) -> (Program, Report) {
-    let script = dir.join("holder.py");
-    std::fs::write(&script, [REPORT_PY, HOLDER].concat()).unwrap();
-    let st = Report::new(dir.join("holder.log"));
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), st.path.as_os_str()]);
+    let (p, st) = Program::python(py, dir, "holder", HOLDER, &[]);
     counts_past(&st, 2);
     holds_fuse(p.pid);
     (p, st)
@@ -329,12 +326,8 @@ fn nvidia_node_without_a_context_is_reopened_without_a_flag() {
             .unwrap();
     assert_eq!(v["devices"][0]["path"], "/dev/nvidiactl", "{v}");
     // One record per open file (nine descriptors, nine opens), every node.
-    let paths: std::collections::BTreeSet<&str> = v["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["path"].as_str().unwrap())
-        .collect();
+    let paths: std::collections::BTreeSet<&str> =
+        strings(&v["devices"], "path").into_iter().collect();
     assert_eq!(v["devices"].as_array().map(Vec::len), Some(9), "{v}");
     assert_eq!(
         paths.into_iter().collect::<Vec<_>>(),

@@ -57,27 +57,36 @@ fn a_tree_freezes_and_thaws_in_parallel() {
     assert_all_running(&d, &rec.pids());
 }
 
-#[test]
-fn a_lock_timeout_on_one_process_unlocks_the_others() {
+/// A tree of three SIMULATED GPU processes, `fault` injected into the one at `victim`: the group's
+/// freeze (lock timeout `lock_ms`) fails naming `needle`, and every process runs on, intact. The error
+/// and the victim's PID.
+fn one_fault_leaves_all_running(
+    victim: usize,
+    fault: &str,
+    lock_ms: u64,
+    needle: &str,
+) -> (String, i32) {
     let tree = SimProcess::start(&["--mib", "1", "--children", "2"]);
     let d = driver();
     let pids = tree.all_pids();
-    sim::inject_fault(pids[2], "lock-timeout").unwrap();
-    let e = group::freeze_all(&d, &pids, &opts(300)).unwrap_err();
-    assert!(e.to_string().contains("CUDA_ERROR_NOT_READY"), "{e}");
-    assert!(e.to_string().contains(&format!("pid {}", pids[2])), "{e}");
+    sim::inject_fault(pids[victim], fault).unwrap();
+    let e = group::freeze_all(&d, &pids, &opts(lock_ms))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(needle), "{e}");
     assert_all_running(&d, &pids);
+    (e, pids[victim])
+}
+
+#[test]
+fn a_lock_timeout_on_one_process_unlocks_the_others() {
+    let (e, pid) = one_fault_leaves_all_running(2, "lock-timeout", 300, "CUDA_ERROR_NOT_READY");
+    assert!(e.contains(&format!("pid {pid}")), "{e}");
 }
 
 #[test]
 fn a_checkpoint_failure_on_one_process_restores_the_others() {
-    let tree = SimProcess::start(&["--mib", "1", "--children", "2"]);
-    let d = driver();
-    let pids = tree.all_pids();
-    sim::inject_fault(pids[1], "checkpoint").unwrap();
-    let e = group::freeze_all(&d, &pids, &opts(5000)).unwrap_err();
-    assert!(e.to_string().contains("NOT_SUPPORTED"), "{e}");
-    assert_all_running(&d, &pids);
+    one_fault_leaves_all_running(1, "checkpoint", 5000, "NOT_SUPPORTED");
 }
 
 #[test]

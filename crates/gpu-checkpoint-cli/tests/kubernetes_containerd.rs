@@ -68,6 +68,22 @@ impl Scene {
         (id, pids)
     }
 
+    /// Waits until the guardian's log (the node's, not runc's output, which the engine reads to its end)
+    /// says `what`, and shows it.
+    fn guardian_said(&self, what: &str) {
+        let log = self.node.prefix.join("var/log/gpu-checkpoint/guardian.log");
+        wait_for("the guardian's report", &|| {
+            std::fs::read_to_string(&log).is_ok_and(|l| l.contains(what))
+        });
+        eprintln!("{}", std::fs::read_to_string(&log).unwrap());
+    }
+
+    /// `CheckpointContainer` into `checkpoint.tar` in the test's folder, which must succeed: the archive.
+    fn checkpointed(&mut self, id: &str) -> PathBuf {
+        self.checkpoint(id, "checkpoint.tar")
+            .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"))
+    }
+
     /// `CheckpointContainer` into `name` in the test's folder.
     fn checkpoint(&mut self, id: &str, name: &str) -> Result<PathBuf, cri_client::Error> {
         let path = self.dir.path().join(name);
@@ -76,6 +92,16 @@ impl Scene {
             .checkpoint(id, &path, Duration::from_secs(60))
             .map(|()| path)
     }
+}
+
+/// A [`scene`] whose wrapper is SIGKILLed at fault point `point` (`GPU_CHECKPOINT_FAULT`), with a GPU
+/// container running in pod `pod` ([`Scene::start_gpu`]): its id and GPU processes.
+fn killed_at(point: &str, pod: &str) -> Option<(Scene, String, Vec<i32>)> {
+    let fault = format!("{point}=kill");
+    let mut s = scene(&[("GPU_CHECKPOINT_FAULT", &fault)])?;
+    let pod = s.node.pod(pod);
+    let (id, pids) = s.start_gpu(&pod, "gpu", &[]);
+    Some((s, id, pids))
 }
 
 /// Creates and starts container `name` of `image` in `pod` running `script` with `env`; the
@@ -172,9 +198,7 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     let before = counter(&mut s.node, &id);
 
     // KEP-2008: the kubelet's checkpoint is the CRI's CheckpointContainer; the container runs on.
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     let after = counter(&mut s.node, &id);
     untouched(&mut s.node, &id, &pids);
 
@@ -196,12 +220,7 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     let processes = g["processes"].as_array().unwrap();
     assert_eq!(processes.len(), 2, "{g}");
     for p in processes {
-        let ops: Vec<&str> = p["steps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["op"].as_str().unwrap())
-            .collect();
+        let ops = strings(&p["steps"], "op");
         assert_eq!(ops, ["lock", "checkpoint"], "{p}");
         assert!(p["memory"][0]["bytes"].as_u64().unwrap() >= 8 << 20, "{p}");
     }
@@ -272,8 +291,7 @@ fn a_gpu_container_the_freeze_cannot_take_is_refused_with_the_reason_and_keeps_r
     sim::inject_fault(pids[1], "none").unwrap();
     untouched(&mut s.node, &id, &pids);
     // And then it checkpoints.
-    s.checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    s.checkpointed(&id);
     untouched(&mut s.node, &id, &pids);
 }
 
@@ -282,9 +300,7 @@ fn a_restore_onto_gpus_that_cannot_hold_the_checkpoint_is_refused_before_anythin
     let Some(mut s) = scene(&[]) else { return };
     let pod = s.node.pod("src");
     let (id, pids) = s.start_gpu(&pod, "gpu", &[]);
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     s.node.cri.remove(&id, Duration::ZERO).unwrap();
     wait_gone(&pids);
     let archive = ck.display().to_string();
@@ -319,9 +335,7 @@ fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
     let id = run_on(&mut s.node, &pod, "cpu", &image().name, CPU_SCRIPT, &[])
         .unwrap_or_else(|(_, e)| panic!("{e}"));
     let before = counter(&mut s.node, &id);
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     let after = counter(&mut s.node, &id);
     let rec = record_of(&ck);
     assert_eq!(rec["strategy"], "none");
@@ -345,26 +359,19 @@ fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
 /// the container computes on, `ExecSync` works, and the CRI call fails.
 #[test]
 fn the_wrapper_killed_after_the_freeze_leaves_the_container_computing() {
-    let Some(mut s) = scene(&[("GPU_CHECKPOINT_FAULT", "engine.after-freeze=kill")]) else {
+    let Some((mut s, id, pids)) = killed_at("engine.after-freeze", "killed") else {
         return;
     };
-    let pod = s.node.pod("killed");
-    let (id, pids) = s.start_gpu(&pod, "gpu", &[]);
     let e = s
         .checkpoint(&id, "checkpoint.tar")
         .expect_err("the wrapper was killed");
     eprintln!("CheckpointContainer with the wrapper killed: {e}");
-    // The guardian works on after the wrapper died, and says what it did in the node's log (not in
-    // runc's output, which the engine reads to its end).
+    // The guardian works on after the wrapper died, and says what it did in the node's log.
     wait_for("the GPU processes to be unlocked", &|| {
         pids.iter()
             .all(|&p| sim::status(p).is_ok_and(|s| s["state"] == "running"))
     });
-    let log = s.node.prefix.join("var/log/gpu-checkpoint/guardian.log");
-    wait_for("the guardian's report", &|| {
-        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("put back the GPU state of 2"))
-    });
-    eprintln!("{}", std::fs::read_to_string(&log).unwrap());
+    s.guardian_said("put back the GPU state of 2");
     untouched(&mut s.node, &id, &pids);
 }
 
@@ -373,14 +380,10 @@ fn the_wrapper_killed_after_the_freeze_leaves_the_container_computing() {
 /// CRI call fails, and the archive restores on another node.
 #[test]
 fn the_wrapper_killed_during_a_restore_leaves_no_container_and_the_archive_restores() {
-    let Some(mut s) = scene(&[("GPU_CHECKPOINT_FAULT", "engine.gpu-restored=kill")]) else {
+    let Some((mut s, id, pids)) = killed_at("engine.gpu-restored", "src") else {
         return;
     };
-    let pod = s.node.pod("src");
-    let (id, pids) = s.start_gpu(&pod, "gpu", &[]);
-    let ck = s
-        .checkpoint(&id, "checkpoint.tar")
-        .unwrap_or_else(|e| panic!("CheckpointContainer: {e}"));
+    let ck = s.checkpointed(&id);
     s.node.cri.remove(&id, Duration::ZERO).unwrap();
     wait_gone(&pids);
     let archive = ck.display().to_string();
@@ -390,12 +393,7 @@ fn the_wrapper_killed_during_a_restore_leaves_no_container_and_the_archive_resto
     let (id, e) = run_on(&mut s.node, &pod, "restored", &archive, GPU_SCRIPT, &env)
         .expect_err("the wrapper was killed");
     eprintln!("StartContainer with the wrapper killed: {e}");
-    let log = s.node.prefix.join("var/log/gpu-checkpoint/guardian.log");
-    wait_for("the guardian's report", &|| {
-        std::fs::read_to_string(&log)
-            .is_ok_and(|l| l.contains("deleted the half-restored container"))
-    });
-    eprintln!("{}", std::fs::read_to_string(&log).unwrap());
+    s.guardian_said("deleted the half-restored container");
     assert!(!runc_knows(&id), "runc still knows {id}");
     assert_ne!(s.node.state(&id), RUNNING);
     assert!(s.node.pids(&id).is_empty(), "{id} has processes");

@@ -27,18 +27,14 @@ fn gpu_pids(podman: &Podman, name: &str) -> Vec<i32> {
 
 #[test]
 fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
-    if !podman_ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    let Some(dir) = podman_folder() else { return };
     let prefix = dir.path().join("node");
     node_setup("podman", &prefix);
     let conf = prefix.join("etc/containers/containers.conf.d/50-gpu-checkpoint.conf");
     let podman = Podman::with_conf(dir.path(), &conf);
-    let bundle = Bundle::new(&dir.path().join("bundle"), &["true"], &[]);
     let image = "localhost/gpu-checkpoint-engine-test:1";
-    podman.import_rootfs(&bundle, image);
-    let name = format!("gc-{}-podman-gpu", std::process::id());
+    podman.import_minimal_image(image);
+    let name = cid("podman-gpu");
     let gpu0 = sim::sim_gpu_uuid(0).to_string();
     podman.run_detached(
         &name,
@@ -53,14 +49,7 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
 
     // `--leave-running`: the container and its GPU work go on; the archive holds the frozen state.
     let running = dir.path().join("running.tar.zst");
-    podman.ok(&[
-        "container",
-        "checkpoint",
-        "--leave-running",
-        "--export",
-        &running.display().to_string(),
-        &name,
-    ]);
+    podman.export_checkpoint(&name, &running, &["--leave-running"]);
     assert_healthy(&pids);
     let rec = archived_gpu_record(&running);
     assert_frozen_by_us(&rec);
@@ -75,36 +64,18 @@ fn podman_checkpoints_and_restores_a_gpu_container_through_the_wrapper() {
     // podman's default checkpoint stops the container: its GPU state stays in the images.
     let before = podman.counter(&name);
     let stopped = dir.path().join("stopped.tar.zst");
-    podman.ok(&[
-        "container",
-        "checkpoint",
-        "--export",
-        &stopped.display().to_string(),
-        &name,
-    ]);
+    podman.export_checkpoint(&name, &stopped, &[]);
     wait_gone(&pids);
     let rec = archived_gpu_record(&stopped);
     assert_eq!(rec["leave_running"], false);
     assert!(rec["gpu"]["thaw"].is_null(), "{rec}");
-    let steps: Vec<&str> = rec["gpu"]["processes"][0]["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["op"].as_str().unwrap())
-        .collect();
+    let steps = strings(&rec["gpu"]["processes"][0]["steps"], "op");
     assert_eq!(steps, ["lock", "checkpoint"]);
     podman.ok(&["rm", "--force", &name]);
 
     // podman's restore: the wrapper restores and unlocks the GPU state; the counter goes on.
     let restored = format!("{name}-restored");
-    podman.ok(&[
-        "container",
-        "restore",
-        "--import",
-        &stopped.display().to_string(),
-        "--name",
-        &restored,
-    ]);
+    podman.import_checkpoint(&stopped, &["--name", &restored]);
     let now = gpu_pids(&podman, &restored);
     assert_healthy(&now);
     let resumed = podman.counter(&restored);

@@ -172,15 +172,9 @@ fn redis_server(mode: Mode) {
     });
 }
 
-#[test]
-fn redis_server_comes_back_with_its_keys() {
-    redis_server(Mode::Stop);
-}
-
-#[test]
-fn redis_server_comes_back_with_its_keys_after_a_leave_running_checkpoint() {
-    redis_server(Mode::LeaveRunning);
-}
+both_modes!(redis_server:
+    redis_server_comes_back_with_its_keys,
+    redis_server_comes_back_with_its_keys_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // nginx
@@ -301,24 +295,9 @@ fn nginx_round(via: Via, mode: Mode, nginx: &Path) {
     assert!(serves(), "the new workers serve the page");
 }
 
-fn nginx_master(mode: Mode) {
-    let Some(nginx) = program("nginx", "nginx") else {
-        return;
-    };
-    Via::each(&format!("nginx master with workers, {mode}"), |via| {
-        nginx_round(via, mode, &nginx)
-    });
-}
-
-#[test]
-fn nginx_master_comes_back_with_its_workers() {
-    nginx_master(Mode::Stop);
-}
-
-#[test]
-fn nginx_master_comes_back_with_its_workers_after_a_leave_running_checkpoint() {
-    nginx_master(Mode::LeaveRunning);
-}
+both_modes!("nginx master with workers", program("nginx", "nginx"), nginx_round;
+    nginx_master_comes_back_with_its_workers,
+    nginx_master_comes_back_with_its_workers_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // Python multiprocessing
@@ -416,10 +395,7 @@ fn pool_going_on(report: &Report, pid: i32, from: &[u64], by: u64, what: &str) -
 /// worker counting on from where the checkpoint left it, the shared bytes consistent with the counts.
 fn pool_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
-    let script = work.path().join("pool.py");
-    std::fs::write(&script, [REPORT_PY, POOL].concat()).unwrap();
-    let report = Report::new(work.path().join("pool.log"));
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), report.path.as_os_str()]);
+    let (p, report) = Program::python(py, work.path(), "pool", POOL, &[]);
     let started = pool_going_on(&report, p.pid, &[0, 0], 10, "the workers counting");
     let mut workers = started.pids.clone();
     workers.sort();
@@ -470,20 +446,6 @@ fn pool_round(via: Via, mode: Mode, py: &Path) {
     );
 }
 
-fn python_pool(mode: Mode) {
-    let Some(py) = python() else { return };
-    Via::each(
-        &format!("a Python multiprocessing pool with shared memory, {mode}"),
-        |via| pool_round(via, mode, &py),
-    );
-}
-
-#[test]
-fn a_python_multiprocessing_pool_carries_on_with_its_shared_memory() {
-    python_pool(Mode::Stop);
-}
-
-#[test]
-fn a_python_multiprocessing_pool_carries_on_after_a_leave_running_checkpoint() {
-    python_pool(Mode::LeaveRunning);
-}
+both_modes!("a Python multiprocessing pool with shared memory", python(), pool_round;
+    a_python_multiprocessing_pool_carries_on_with_its_shared_memory,
+    a_python_multiprocessing_pool_carries_on_after_a_leave_running_checkpoint);

@@ -268,14 +268,6 @@ fn postgres_round(via: Via, mode: Mode, t: &PgTemplate) {
     );
 }
 
-fn postgres(mode: Mode) {
-    let Some(t) = postgres_template() else { return };
-    Via::each(
-        &format!("PostgreSQL in its own IPC namespace, {mode}"),
-        |via| postgres_round(via, mode, &t),
-    );
-}
-
 /// The template, when PostgreSQL and a C compiler are there (and root and CRIU).
 fn postgres_template() -> Option<PgTemplate> {
     let bin = postgres_bin()?;
@@ -288,15 +280,9 @@ fn has_cc() -> bool {
     found || missing::<()>("no C compiler (cc): the PostgreSQL test builds a shim").is_some()
 }
 
-#[test]
-fn postgres_in_its_own_ipc_namespace_comes_back_with_its_rows() {
-    postgres(Mode::Stop);
-}
-
-#[test]
-fn postgres_in_its_own_ipc_namespace_comes_back_after_a_leave_running_checkpoint() {
-    postgres(Mode::LeaveRunning);
-}
+both_modes!("PostgreSQL in its own IPC namespace", postgres_template(), postgres_round;
+    postgres_in_its_own_ipc_namespace_comes_back_with_its_rows,
+    postgres_in_its_own_ipc_namespace_comes_back_after_a_leave_running_checkpoint);
 
 /// In the host's IPC namespace, postgres's SysV segment is what CRIU cannot dump: refused before anything
 /// is touched (plain CRIU fails after freezing it: "doesn't live in IPC ns"), and postgres answers on.
@@ -443,15 +429,9 @@ fn mariadb_server(mode: Mode) {
     });
 }
 
-#[test]
-fn mariadb_comes_back_with_its_memory_table() {
-    mariadb_server(Mode::Stop);
-}
-
-#[test]
-fn mariadb_comes_back_with_its_memory_table_after_a_leave_running_checkpoint() {
-    mariadb_server(Mode::LeaveRunning);
-}
+both_modes!(mariadb_server:
+    mariadb_comes_back_with_its_memory_table,
+    mariadb_comes_back_with_its_memory_table_after_a_leave_running_checkpoint);
 
 /// Stock MariaDB does InnoDB's asynchronous I/O through io_uring, which CRIU cannot dump ("Unknown shit 600
 /// (anon_inode:[io_uring])" after the freeze): refused before anything is touched, naming the remedy,
@@ -573,21 +553,6 @@ fn memcached_round(via: Via, mode: Mode, bin: &Path) {
     );
 }
 
-fn memcached_server(mode: Mode) {
-    let Some(bin) = program("memcached", "memcached") else {
-        return;
-    };
-    Via::each(&format!("memcached, {mode}"), |via| {
-        memcached_round(via, mode, &bin)
-    });
-}
-
-#[test]
-fn memcached_comes_back_with_its_values() {
-    memcached_server(Mode::Stop);
-}
-
-#[test]
-fn memcached_comes_back_with_its_values_after_a_leave_running_checkpoint() {
-    memcached_server(Mode::LeaveRunning);
-}
+both_modes!("memcached", program("memcached", "memcached"), memcached_round;
+    memcached_comes_back_with_its_values,
+    memcached_comes_back_with_its_values_after_a_leave_running_checkpoint);

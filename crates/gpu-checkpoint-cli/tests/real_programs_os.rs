@@ -170,15 +170,9 @@ fn tmux_server(mode: Mode) {
     });
 }
 
-#[test]
-fn tmux_comes_back_with_its_panes() {
-    tmux_server(Mode::Stop);
-}
-
-#[test]
-fn tmux_comes_back_with_its_panes_after_a_leave_running_checkpoint() {
-    tmux_server(Mode::LeaveRunning);
-}
+both_modes!(tmux_server:
+    tmux_comes_back_with_its_panes,
+    tmux_comes_back_with_its_panes_after_a_leave_running_checkpoint);
 
 /// An interactive shell in a pane opens `/dev/tty`; CRIU restores it only through the first descriptor
 /// of that terminal it meets, which is the server's master: "ctty inheritance detected" after the freeze.
@@ -251,15 +245,13 @@ fn kernel_objects_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
     let watched = work.path().join("watched");
     std::fs::create_dir(&watched).unwrap();
-    let script = work.path().join("objects.py");
-    std::fs::write(&script, [REPORT_PY, KERNEL_OBJECTS].concat()).unwrap();
-    let report = Report::new(work.path().join("objects.log"));
-    let p = Program::start(&[
-        py.as_os_str(),
-        script.as_os_str(),
-        watched.as_os_str(),
-        report.path.as_os_str(),
-    ]);
+    let (p, report) = Program::python(
+        py,
+        work.path(),
+        "objects",
+        KERNEL_OBJECTS,
+        &[watched.as_os_str()],
+    );
     // The watch exists once the program reports.
     reported_past(&report, "rounds", 1, "the program's first round");
     std::fs::write(watched.join("before"), b"1").unwrap();
@@ -307,15 +299,9 @@ fn kernel_objects(mode: Mode) {
     );
 }
 
-#[test]
-fn inotify_eventfd_ptys_and_threads_work_after_the_restore() {
-    kernel_objects(Mode::Stop);
-}
-
-#[test]
-fn inotify_eventfd_ptys_and_threads_work_after_a_leave_running_checkpoint() {
-    kernel_objects(Mode::LeaveRunning);
-}
+both_modes!(kernel_objects:
+    inotify_eventfd_ptys_and_threads_work_after_the_restore,
+    inotify_eventfd_ptys_and_threads_work_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // A PID namespace's init
@@ -348,6 +334,23 @@ fn start_in_pid_namespace(py: &Path, dir: &Path, setsid: bool) -> (Program, i32,
     (p, init[0], report)
 }
 
+/// Without `setsid`, the init's session leader is `unshare`, outside its namespace: CRIU fails after
+/// the freeze ("A session leader of N(1) is outside of its pid namespace"); refused before, counting on.
+#[test]
+fn a_pid_namespace_init_whose_session_is_outside_is_refused() {
+    let Some(py) = python() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let (_unshare, init, report) = start_in_pid_namespace(&py, work.path(), false);
+    refused(
+        "a PID namespace's init in unshare's session",
+        init,
+        &[],
+        &["pid-namespace", "setsid"],
+    );
+    let n = last_json(&report).unwrap()["n"].as_u64().unwrap();
+    reported_past(&report, "n", n + 3, "the init counting on");
+}
+
 fn pid_namespace_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
     let (_unshare, init, report) = start_in_pid_namespace(py, work.path(), true);
@@ -372,40 +375,9 @@ fn pid_namespace_round(via: Via, mode: Mode, py: &Path) {
     );
 }
 
-fn pid_namespace(mode: Mode) {
-    let Some(py) = python() else { return };
-    Via::each(
-        &format!("the init of its own PID namespace, {mode}"),
-        |via| pid_namespace_round(via, mode, &py),
-    );
-}
-
-#[test]
-fn a_pid_namespace_init_is_restored_into_a_new_namespace() {
-    pid_namespace(Mode::Stop);
-}
-
-#[test]
-fn a_pid_namespace_init_is_restored_into_a_new_namespace_after_a_leave_running_checkpoint() {
-    pid_namespace(Mode::LeaveRunning);
-}
-
-/// Without `setsid`, the init's session leader is `unshare`, outside its namespace: CRIU fails after
-/// the freeze ("A session leader of N(1) is outside of its pid namespace"); refused before, counting on.
-#[test]
-fn a_pid_namespace_init_whose_session_is_outside_is_refused() {
-    let Some(py) = python() else { return };
-    let work = tempfile::tempdir().unwrap();
-    let (_unshare, init, report) = start_in_pid_namespace(&py, work.path(), false);
-    refused(
-        "a PID namespace's init in unshare's session",
-        init,
-        &[],
-        &["pid-namespace", "setsid"],
-    );
-    let n = last_json(&report).unwrap()["n"].as_u64().unwrap();
-    reported_past(&report, "n", n + 3, "the init counting on");
-}
+both_modes!("the init of its own PID namespace", python(), pid_namespace_round;
+    a_pid_namespace_init_is_restored_into_a_new_namespace,
+    a_pid_namespace_init_is_restored_into_a_new_namespace_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // A deleted binary
@@ -510,10 +482,7 @@ while True:
 
 fn reservation_round(via: Via, mode: Mode, py: &Path) {
     let work = tempfile::tempdir().unwrap();
-    let script = work.path().join("reserve.py");
-    std::fs::write(&script, [REPORT_PY, RESERVATION].concat()).unwrap();
-    let report = Report::new(work.path().join("reserve.log"));
-    let p = Program::start(&[py.as_os_str(), script.as_os_str(), report.path.as_os_str()]);
+    let (p, report) = Program::python(py, work.path(), "reserve", RESERVATION, &[]);
     let base = reported_past(&report, "n", 3, "the reservation made")["base"].clone();
 
     let taken = via.checkpoint(mode, p.pid, work.path(), &[], || {
@@ -558,15 +527,9 @@ fn reservation(mode: Mode) {
     });
 }
 
-#[test]
-fn an_8_tib_reservation_comes_back_through_the_default_and_streamed_restores() {
-    reservation(Mode::Stop);
-}
-
-#[test]
-fn an_8_tib_reservation_comes_back_after_a_leave_running_checkpoint() {
-    reservation(Mode::LeaveRunning);
-}
+both_modes!(reservation:
+    an_8_tib_reservation_comes_back_through_the_default_and_streamed_restores,
+    an_8_tib_reservation_comes_back_after_a_leave_running_checkpoint);
 
 // ---------------------------------------------------------------------------------------------------
 // 2 GiB of memory

@@ -96,39 +96,80 @@ fn node_a_to_node_b(dir: &std::path::Path, server: &dyn s3::Endpoint) {
     }
 }
 
-#[test]
-fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed() {
-    let Some((dir, mut server)) = scene() else {
-        return;
-    };
-    let url = server.url("job");
-    let a = Node::new(dir.path(), "node-a", &server);
-    let (w, checksum) = memory_workload(dir.path(), "256");
-    let pid = w.pid.to_string();
-    // Started, then the server goes away once the first chunks are in: mid-checkpoint.
-    let mut child = a
-        .command(&["checkpoint", "--pid", &pid, "--storage", &url])
-        .spawn()
-        .unwrap();
-    let chunks = server.object_file("job/chunks");
+/// One node, its store under `job/` of a bucket on a real S3 server ([`scene`]), and a `memory` workload
+/// of `mib` MiB (its checksum, its PID as text). Fields drop in order: the workload, then the server, then
+/// the folder.
+struct OneNode {
+    w: Workload,
+    checksum: String,
+    pid: String,
+    node: Node,
+    url: String,
+    server: s3::S3Server,
+    _dir: tempfile::TempDir,
+}
+
+fn one_node(name: &str, mib: &str) -> Option<OneNode> {
+    let (dir, server) = scene()?;
+    let (w, checksum) = memory_workload(dir.path(), mib);
+    Some(OneNode {
+        pid: w.pid.to_string(),
+        w,
+        checksum,
+        node: Node::new(dir.path(), name, &server),
+        url: server.url("job"),
+        server,
+        _dir: dir,
+    })
+}
+
+/// Runs `node`'s `gpu-checkpoint ARGS...` and stops `server` once `mid_way` says the command is half-way
+/// (within a minute, `not_yet` otherwise; still running then, or its `what` ended first): its output.
+fn server_gone_when(
+    server: &mut s3::S3Server,
+    node: &Node,
+    args: &[&str],
+    what: &str,
+    not_yet: &str,
+    mid_way: impl Fn() -> bool,
+) -> std::process::Output {
+    let mut child = node.command(args).spawn().unwrap();
     let t0 = std::time::Instant::now();
-    while std::fs::read_dir(&chunks).map_or(true, |mut d| d.next().is_none()) {
-        assert!(t0.elapsed().as_secs() < 60, "no chunk reached the server");
+    while !mid_way() {
+        assert!(t0.elapsed().as_secs() < 60, "{not_yet}");
         assert!(
             child.try_wait().unwrap().is_none(),
-            "the checkpoint ended first"
+            "the {what} ended first"
         );
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     server.stop();
-    let out = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed() {
+    let Some(mut s) = one_node("node-a", "256") else {
+        return;
+    };
+    let (a, url, pid, w, checksum) = (&s.node, &s.url, &s.pid, &s.w, &s.checksum);
+    // Started, then the server goes away once the first chunks are in: mid-checkpoint.
+    let chunks = s.server.object_file("job/chunks");
+    let out = server_gone_when(
+        &mut s.server,
+        a,
+        &["checkpoint", "--pid", pid, "--storage", url],
+        "checkpoint",
+        "no chunk reached the server",
+        || std::fs::read_dir(&chunks).is_ok_and(|mut d| d.next().is_some()),
+    );
     // Storage that cannot be reached once the retries ran out: exit 6, not CRIU's broken pipe.
     fails_with(&out, 6);
     assert!(w.alive() && !w.stopped(), "the process keeps running");
     let now = num(&w.wait_state("verifying", |r| r.len() == 1)[0], "verified");
-    verifies(&w, &checksum, now);
+    verifies(w, checksum, now);
     // Nothing listed: no manifest reached the server.
-    let listed = manifests_on_server(&server, "job");
+    let listed = manifests_on_server(&s.server, "job");
     assert!(listed.is_empty(), "{listed:?}");
     // No secret in what the tool said.
     let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
@@ -137,12 +178,11 @@ fn the_server_gone_mid_checkpoint_leaves_the_process_running_and_nothing_listed(
 
 #[test]
 fn a_damaged_object_stops_a_restore_and_the_checkpoint_stays_restorable_after_repair() {
-    let Some((dir, server)) = scene() else { return };
-    let url = server.url("job");
-    let a = Node::new(dir.path(), "node-a", &server);
-    let (w, checksum) = memory_workload(dir.path(), "8");
-    let pid = w.pid.to_string();
-    let ck = a.json(&["checkpoint", "--pid", &pid, "--storage", &url]);
+    let Some(s) = one_node("node-a", "8") else {
+        return;
+    };
+    let (a, url, pid, w, server) = (&s.node, &s.url, &s.pid, &s.w, &s.server);
+    let ck = a.json(&["checkpoint", "--pid", pid, "--storage", url]);
     let id = ck["id"].as_str().unwrap().to_owned();
     wait_pid_free(w.pid);
     // Truncate every chunk object of the page image on the server's disk.
@@ -166,10 +206,10 @@ fn a_damaged_object_stops_a_restore_and_the_checkpoint_stays_restorable_after_re
     let object = server.object_file(&format!("job/chunks/{}/{hash}", &hash[..2]));
     let original = std::fs::read(&object).unwrap();
     std::fs::write(&object, &original[..original.len() / 2]).unwrap();
-    let out = a.run(&["verify", &id, "--storage", &url]);
+    let out = a.run(&["verify", &id, "--storage", url]);
     let said = fails_with(&out, 7);
     assert!(said.contains(&hash), "{said}");
-    fails_with(&a.run(&["restore", &id, "--storage", &url]), 7);
+    fails_with(&a.run(&["restore", &id, "--storage", url]), 7);
     assert!(!w.alive(), "nothing was restored from a damaged checkpoint");
     // Put back, the same checkpoint restores: a failed restore leaves it intact.
     std::fs::write(&object, &original).unwrap();
@@ -177,21 +217,18 @@ fn a_damaged_object_stops_a_restore_and_the_checkpoint_stays_restorable_after_re
         &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
         "verified",
     );
-    let out = ok(&a.run(&["restore", &id, "--storage", &url]));
+    let out = ok(&a.run(&["restore", &id, "--storage", url]));
     assert_eq!(out.trim(), pid);
-    verifies(&w, &checksum, verified0);
+    verifies(w, &s.checksum, verified0);
 }
 
 #[test]
 fn the_server_gone_mid_restore_leaves_the_checkpoint_intact_and_a_retry_restores() {
-    let Some((dir, mut server)) = scene() else {
+    let Some(mut s) = one_node("node-b", "256") else {
         return;
     };
-    let url = server.url("job");
-    let b = Node::new(dir.path(), "node-b", &server);
-    let (w, checksum) = memory_workload(dir.path(), "256");
-    let pid = w.pid.to_string();
-    let ck = b.json(&["checkpoint", "--pid", &pid, "--storage", &url]);
+    let (b, url, pid, w, checksum) = (&s.node, &s.url, &s.pid, &s.w, &s.checksum);
+    let ck = b.json(&["checkpoint", "--pid", pid, "--storage", url]);
     let id = ck["id"].as_str().unwrap().to_owned();
     let verified0 = num(
         &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
@@ -199,36 +236,28 @@ fn the_server_gone_mid_restore_leaves_the_checkpoint_intact_and_a_retry_restores
     );
     wait_pid_free(w.pid);
     // The server goes away once the restore has made its work folder (it is fetching chunks then).
-    let mut child = b
-        .command(&["restore", &id, "--storage", &url])
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while !std::fs::read_dir(&b.tmp).unwrap().flatten().any(|e| {
-        e.file_name()
-            .to_string_lossy()
-            .starts_with("gpu-checkpoint-restore")
-    }) {
-        assert!(
-            t0.elapsed().as_secs() < 60,
-            "the restore made no work folder"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the restore ended first"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    server.stop();
-    let out = child.wait_with_output().unwrap();
+    let out = server_gone_when(
+        &mut s.server,
+        b,
+        &["restore", &id, "--storage", url],
+        "restore",
+        "the restore made no work folder",
+        || {
+            std::fs::read_dir(&b.tmp).unwrap().flatten().any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("gpu-checkpoint-restore")
+            })
+        },
+    );
     assert!(!out.status.success(), "{out:?}");
     wait_pid_free(w.pid);
     // The checkpoint is intact: back up, the server serves it, and the same restore works.
-    server.restart();
-    ok(&b.run(&["verify", &id, "--storage", &url]));
-    let out = ok(&b.run(&["restore", &id, "--storage", &url]));
+    s.server.restart();
+    ok(&b.run(&["verify", &id, "--storage", url]));
+    let out = ok(&b.run(&["restore", &id, "--storage", url]));
     assert_eq!(out.trim(), pid);
-    verifies(&w, &checksum, verified0);
+    verifies(w, checksum, verified0);
 }
 
 /// Checkpoints `w` `rounds` times (leaving it running) from `node`; a checkpoint refused because a gc

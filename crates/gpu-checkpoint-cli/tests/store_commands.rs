@@ -25,6 +25,22 @@ fn json(out: &Output) -> serde_json::Value {
     })
 }
 
+/// A store in a temporary folder: the folder, the store's path (`store` in it) and the store.
+fn new_store() -> (tempfile::TempDir, std::path::PathBuf, Store) {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    (t, dir, store)
+}
+
+/// The first chunk of `file` in checkpoint `id` of the store at `dir`: its file and its hex id.
+fn first_chunk(store: &Store, dir: &Path, id: &str, file: &str) -> (std::path::PathBuf, String) {
+    let info = store.get(id).unwrap();
+    let f = info.files.iter().find(|f| f.path == file).unwrap();
+    let hex = f.chunks[0].id.unwrap().to_hex().to_string();
+    (dir.join("chunks").join(&hex[..2]).join(&hex), hex)
+}
+
 fn checkpoint(store: &Store, name: &str, seed: u8) -> String {
     let ing = store.begin(Some(name)).unwrap();
     let data: Vec<u8> = (0..3_000_000u32)
@@ -39,9 +55,7 @@ fn checkpoint(store: &Store, name: &str, seed: u8) -> String {
 
 #[test]
 fn store_commands_report_and_exit_as_documented() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let (t, dir, store) = new_store();
     let a = checkpoint(&store, "job", 1);
     let b = checkpoint(&store, "job", 2);
 
@@ -88,17 +102,7 @@ fn store_commands_report_and_exit_as_documented() {
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("OK"));
 
     // Damage one chunk of checkpoint a: verify names it and exits 7.
-    let info_a = store.get(&a).unwrap();
-    let chunk = info_a
-        .files
-        .iter()
-        .find(|f| f.path == "pages-1.img")
-        .unwrap()
-        .chunks[0]
-        .id
-        .unwrap()
-        .to_hex();
-    let path = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    let (path, chunk) = first_chunk(&store, &dir, &a, "pages-1.img");
     let mut bytes = fs::read(&path).unwrap();
     bytes[40] ^= 0xff;
     fs::write(&path, bytes).unwrap();
@@ -135,9 +139,7 @@ fn store_commands_report_and_exit_as_documented() {
 /// A restore killed mid-way leaves its work folder (images, logs) in the store: `gc` removes it.
 #[test]
 fn gc_removes_work_folders_of_killed_restores() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    Store::open(&dir, StoreOptions::default()).unwrap();
+    let (_t, dir, _store) = new_store();
     let stale = dir
         .join("restore-work")
         .join("20261124T000000Z-00000000.killed");
@@ -187,11 +189,12 @@ fn reading_commands_make_no_store_and_a_file_is_not_a_storage() {
     let err = Store::open(&file, StoreOptions::default())
         .err()
         .expect("a file is no store");
-    assert_eq!(
-        gpu_checkpoint::Classify::exit_status(&err),
-        gpu_checkpoint::ExitStatus::Usage,
-        "{err}"
-    );
+    assert_exit(&err, gpu_checkpoint::ExitStatus::Usage);
+}
+
+/// Asserts that `err` exits with `want`.
+fn assert_exit(err: &gpu_checkpoint::store::Error, want: gpu_checkpoint::ExitStatus) {
+    assert_eq!(gpu_checkpoint::Classify::exit_status(err), want, "{err}");
 }
 
 fn code_and_stderr(out: &Output) -> (Option<i32>, String) {
@@ -224,15 +227,9 @@ fn a_lock_timeout_out_of_range_is_a_usage_error() {
 /// `verify` and for a restore's reading of it.
 #[test]
 fn a_chunk_replaced_by_a_folder_is_damage() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let (t, dir, store) = new_store();
     let id = checkpoint(&store, "job", 3);
-    let chunk = store.get(&id).unwrap().files[1].chunks[0]
-        .id
-        .unwrap()
-        .to_hex();
-    let path = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    let (path, chunk) = first_chunk(&store, &dir, &id, "pages-1.img");
     fs::remove_file(&path).unwrap();
     fs::create_dir(&path).unwrap();
     fs::write(path.join("x"), b"not a chunk").unwrap();
@@ -243,20 +240,14 @@ fn a_chunk_replaced_by_a_folder_is_damage() {
     let err = store
         .materialize(&id, &t.path().join("out"), &NoProgress)
         .unwrap_err();
-    assert_eq!(
-        gpu_checkpoint::Classify::exit_status(&err),
-        gpu_checkpoint::ExitStatus::CheckpointInvalid,
-        "{err}"
-    );
+    assert_exit(&err, gpu_checkpoint::ExitStatus::CheckpointInvalid);
 }
 
 /// Issue 13, item 11: `gc` refuses to run while a damaged manifest exists (exit 7, naming it), and deletes
 /// nothing: neither unreferenced chunks nor what interrupted writers left.
 #[test]
 fn gc_refuses_while_a_manifest_is_damaged_and_deletes_nothing() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let (_t, dir, store) = new_store();
     let a = checkpoint(&store, "a", 1);
     let b = checkpoint(&store, "b", 2);
     store.delete(&a).unwrap(); // a's chunks are unreferenced now
@@ -295,9 +286,7 @@ fn walk(d: &Path) -> Vec<std::path::PathBuf> {
 /// for `verify` (exit 7), as it is for a restore, and for every other reader of manifests.
 #[test]
 fn verify_calls_a_manifest_with_an_escaping_path_damaged() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let (_t, dir, store) = new_store();
     let id = checkpoint(&store, "job", 4);
     let good = store.get(&id).unwrap();
     for bad in ["../x", "/etc/x", "a/../../x", ""] {
@@ -317,11 +306,7 @@ fn verify_calls_a_manifest_with_an_escaping_path_damaged() {
         assert!(text.contains("escapes the image folder"), "{bad:?}: {text}");
         // The restore's reading of it: the same verdict.
         let err = store.get(&id).unwrap_err();
-        assert_eq!(
-            gpu_checkpoint::Classify::exit_status(&err),
-            gpu_checkpoint::ExitStatus::CheckpointInvalid,
-            "{err}"
-        );
+        assert_exit(&err, gpu_checkpoint::ExitStatus::CheckpointInvalid);
     }
 }
 
@@ -334,9 +319,7 @@ fn a_list_without_permission_is_exit_4() {
         eprintln!("SKIPPED: needs root to run the binary as another user");
         return;
     }
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let (t, dir, store) = new_store();
     checkpoint(&store, "job", 5);
     // The way in must be open to the user; the store itself stays 0700 root.
     fs::set_permissions(t.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -358,15 +341,9 @@ fn a_list_without_permission_is_exit_4() {
 /// `store_trust.rs`.)
 #[test]
 fn loosened_permissions_are_reported_and_put_back() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("store");
-    let store = Store::open(&dir, StoreOptions::default()).unwrap();
+    let (_t, dir, store) = new_store();
     let id = checkpoint(&store, "job", 6);
-    let chunk = store.get(&id).unwrap().files[1].chunks[0]
-        .id
-        .unwrap()
-        .to_hex();
-    let chunk = dir.join("chunks").join(&chunk[..2]).join(&chunk);
+    let (chunk, _) = first_chunk(&store, &dir, &id, "pages-1.img");
     let manifest = store.manifest_path(&id).unwrap();
     let loosen = || {
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();

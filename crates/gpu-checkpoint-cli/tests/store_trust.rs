@@ -11,25 +11,24 @@ use std::process::{Command, Output};
 
 use gpu_checkpoint::store::{NoProgress, Store, StoreOptions};
 
+mod common;
+
 /// The second user: `nobody` on Debian-like systems.
 const OTHER: u32 = 65534;
 
-/// Whether these tests can run (root, `setpriv`): in CI (`CI=true`) their absence fails the test, locally
-/// it is skipped with the reason.
-fn ready() -> bool {
+/// A temporary folder, where these tests can run (root, `setpriv`): in CI (`CI=true`) their absence fails
+/// the test, locally it is skipped with the reason ([`common::needs`]).
+fn ready_folder() -> Option<tempfile::TempDir> {
     // SAFETY: geteuid has no preconditions.
-    let why = if unsafe { libc::geteuid() } != 0 {
-        "not running as root"
+    let found = if unsafe { libc::geteuid() } != 0 {
+        Err("not running as root".into())
     } else if Command::new("setpriv").arg("--version").output().is_err() {
-        "no setpriv (util-linux)"
+        Err("no setpriv (util-linux)".into())
     } else {
-        return true;
+        Ok(())
     };
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("the store trust tests cannot run in CI: {why}");
-    }
-    eprintln!("SKIPPED: {why}");
-    false
+    common::needs("store trust", &found, "CI runs as root, with util-linux")
+        .then(|| tempfile::tempdir().unwrap())
 }
 
 fn bin<I, S>(args: I) -> Output
@@ -47,20 +46,16 @@ where
 
 /// Runs `args` as the second user.
 fn as_other(args: &[&OsStr]) {
-    let out = Command::new("setpriv")
-        .args([
-            format!("--reuid={OTHER}"),
-            format!("--regid={OTHER}"),
-            "--clear-groups".into(),
-            "--".into(),
-        ])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "as uid {OTHER}: {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+    common::run_ok(
+        Command::new("setpriv")
+            .args([
+                format!("--reuid={OTHER}"),
+                format!("--regid={OTHER}"),
+                "--clear-groups".into(),
+                "--".into(),
+            ])
+            .args(args),
+        &format!("as uid {OTHER}: {args:?}"),
     );
 }
 
@@ -118,8 +113,9 @@ struct Scene {
     id: String,
 }
 
-fn scene(owner: u32) -> Scene {
-    let dir = tempfile::tempdir().unwrap();
+/// `None` where these tests cannot run ([`ready_folder`]).
+fn scene(owner: u32) -> Option<Scene> {
+    let dir = ready_folder()?;
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let store = dir.path().join("store");
     let s = Store::open(&store, StoreOptions::default()).unwrap();
@@ -138,12 +134,12 @@ fn scene(owner: u32) -> Scene {
         fs::write(victim.join(f), "root's").unwrap();
         fs::set_permissions(victim.join(f), fs::Permissions::from_mode(0o644)).unwrap();
     }
-    Scene {
+    Some(Scene {
         dir,
         store,
         victim,
         id,
-    }
+    })
 }
 
 impl Scene {
@@ -167,10 +163,7 @@ impl Scene {
 /// outside the store through a `staging` link that user planted.
 #[test]
 fn gc_never_empties_a_folder_through_a_planted_staging_link() {
-    if !ready() {
-        return;
-    }
-    let s = scene(OTHER);
+    let Some(s) = scene(OTHER) else { return };
     plant_link(&s.store, "staging", &s.victim);
     let (code, err) = s.run(&["gc"]);
     assert_eq!(code, Some(4), "{err}");
@@ -189,10 +182,7 @@ fn gc_never_empties_a_folder_through_a_planted_staging_link() {
 /// The second: `list` chmodded 0600 every file of a folder outside the store through a `manifests` link.
 #[test]
 fn list_never_chmods_through_a_planted_manifests_link() {
-    if !ready() {
-        return;
-    }
-    let s = scene(OTHER);
+    let Some(s) = scene(OTHER) else { return };
     plant_link(&s.store, "manifests", &s.victim);
     for args in [&["list"][..], &["list", "--trust-store-owner", "65534"]] {
         let (code, err) = s.run(args);
@@ -204,10 +194,7 @@ fn list_never_chmods_through_a_planted_manifests_link() {
 /// The third: a `lock` link made root create a file anywhere (opened with O_CREAT, without O_NOFOLLOW).
 #[test]
 fn a_planted_lock_link_makes_root_create_nothing() {
-    if !ready() {
-        return;
-    }
-    let s = scene(OTHER);
+    let Some(s) = scene(OTHER) else { return };
     let target = s.dir.path().join("made-by-root");
     plant_link(&s.store, "lock", &target);
     for args in [
@@ -226,11 +213,8 @@ fn a_planted_lock_link_makes_root_create_nothing() {
 /// found in one's own store.
 #[test]
 fn no_sweep_through_a_planted_restore_work_link() {
-    if !ready() {
-        return;
-    }
     for owner in [OTHER, 0] {
-        let s = scene(owner);
+        let Some(s) = scene(owner) else { return };
         let link = s.store.join("restore-work");
         if owner == OTHER {
             plant_link(&s.store, "restore-work", &s.victim);
@@ -249,10 +233,7 @@ fn no_sweep_through_a_planted_restore_work_link() {
 /// command that would write is refused (exit 6).
 #[test]
 fn another_users_store_is_refused_and_only_read_when_trusted() {
-    if !ready() {
-        return;
-    }
-    let s = scene(OTHER);
+    let Some(s) = scene(OTHER) else { return };
     let manifest = s.store.join("manifests").join(format!("{}.json", s.id));
     as_other(&["chmod".as_ref(), "0644".as_ref(), manifest.as_os_str()]);
     let before = snapshot(&s.store);
@@ -298,10 +279,7 @@ fn another_users_store_is_refused_and_only_read_when_trusted() {
 /// A store (or a folder above it) that others can write is refused: they could have planted anything.
 #[test]
 fn a_store_others_can_write_is_refused() {
-    if !ready() {
-        return;
-    }
-    let s = scene(0);
+    let Some(s) = scene(0) else { return };
     fs::set_permissions(s.store.join("chunks"), fs::Permissions::from_mode(0o777)).unwrap();
     let (code, err) = s.run(&["list"]);
     assert_eq!(code, Some(4), "{err}");
@@ -399,10 +377,7 @@ impl Drop for SmallDisk {
 /// readable tar archive", exit 2); and a garbage archive's bytes (terminal escapes) are never printed raw.
 #[test]
 fn import_on_a_full_disk_is_exit_6_and_garbage_is_printed_escaped() {
-    if !ready() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
+    let Some(dir) = ready_folder() else { return };
     let src = dir.path().join("big.tar");
     archive(&src, 8 << 20);
     let disk = SmallDisk::mount(4);

@@ -15,29 +15,11 @@ use gpu_checkpoint::store::backend::{chunk_key, LEASES};
 #[cfg(feature = "s3")]
 use gpu_checkpoint::store::ObjectMeta;
 use gpu_checkpoint::store::{
-    Backend, ChunkParams, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store,
-    StoreOptions, GRACE,
+    Backend, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store, GRACE,
 };
 use gpu_checkpoint::{Classify, ExitStatus};
-use gpu_checkpoint_testdata::XorShift64;
 
-fn opts() -> StoreOptions {
-    StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-        ..StoreOptions::default()
-    }
-}
-
-fn random(n: usize, seed: u64) -> Vec<u8> {
-    XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).bytes(n)
-}
+use common::{pseudo_random as random, small_opts as opts};
 
 /// A backend under test, with what the suite needs to play with time.
 struct Fixture {
@@ -440,6 +422,15 @@ fn checkpoints_round_trip_and_an_unchanged_one_writes_nothing(f: &Fixture) {
 }
 
 /// Flips the last byte of chunk `id`'s object, through the backend itself.
+/// The id of the first chunk of `file` in checkpoint `info`.
+fn first_chunk(
+    info: &gpu_checkpoint::store::CheckpointInfo,
+    file: &str,
+) -> gpu_checkpoint::store::chunk::ChunkId {
+    let f = info.files.iter().find(|f| f.path == file).unwrap();
+    f.chunks[0].id.unwrap()
+}
+
 fn damage(b: &dyn Backend, id: &gpu_checkpoint::store::chunk::ChunkId) {
     let key = chunk_key(id);
     let mut obj = Vec::new();
@@ -451,14 +442,7 @@ fn damage(b: &dyn Backend, id: &gpu_checkpoint::store::chunk::ChunkId) {
 fn damage_is_found_by_verify_and_stops_a_restore(f: &Fixture) {
     let store = f.store();
     let info = checkpoint(&store, "job", 2);
-    let victim = info
-        .files
-        .iter()
-        .find(|f| f.path == "pages-1.img")
-        .unwrap()
-        .chunks[0]
-        .id
-        .unwrap();
+    let victim = first_chunk(&info, "pages-1.img");
     damage(&*f.backend, &victim);
     let report = store.verify(None, &NoProgress).unwrap();
     assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
@@ -583,14 +567,7 @@ fn a_chunk_taken_while_a_writer_reused_it_fails_the_commit(f: &Fixture) {
     let gate = Gate::new();
     // core-1.img's one chunk (4 bytes), the first piece the workers take: reused, and checked once the
     // gate has seen it.
-    let taken = old
-        .files
-        .iter()
-        .find(|f| f.path == "core-1.img")
-        .unwrap()
-        .chunks[0]
-        .id
-        .unwrap();
+    let taken = first_chunk(&old, "core-1.img");
     let err = std::thread::scope(|s| {
         let writer = s.spawn(|| ing.commit(serde_json::Value::Null, &gate));
         gate.wait_for(4);

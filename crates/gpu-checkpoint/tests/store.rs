@@ -8,36 +8,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_checkpoint::store::{
-    ChunkParams, Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
+    Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
 };
 use gpu_checkpoint::Classify;
 use gpu_checkpoint::ExitStatus;
-use gpu_checkpoint_testdata::XorShift64;
 use proptest::prelude::*;
 
-/// Small chunks so that test-sized files have many of them (and debug builds stay quick).
-fn small_opts() -> StoreOptions {
-    StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-        ..StoreOptions::default()
-    }
-}
+mod common;
+
+use common::{pseudo_random, small_opts};
 
 fn open(dir: &Path) -> Store {
     Store::open(&dir.join("store"), small_opts()).unwrap()
 }
 
-/// This file's seed spread (`seed * golden ratio`, not `testdata::random_bytes`'s `(seed + 1) * ...`): the
-/// bytes these tests were written against, kept as they were.
-fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
-    XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).bytes(n)
+/// A store in a temporary folder and, beside it, a CRIU-like image folder `src` ([`criu_like`]): the
+/// folder, the store and `src`.
+fn store_and_images(pages: usize, seed: u64) -> (tempfile::TempDir, Store, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let store = open(t.path());
+    let src = t.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    criu_like(&src, pages, seed);
+    (t, store, src)
 }
 
 /// A CRIU-like image folder: a big pages file of 4 KiB pages (zeros, random, repeated, text-like) and a few
@@ -231,11 +224,7 @@ proptest! {
 
 #[test]
 fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 2000, 7);
+    let (t, store, src) = store_and_images(2000, 7);
     let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     assert!(first.stats.new_bytes > 0);
     let again = ingest(&store, Some("job"), |d| copy_tree(&src, d));
@@ -283,11 +272,7 @@ fn unchanged_re_checkpoint_writes_nothing_and_a_small_change_only_its_chunks() {
 
 #[test]
 fn two_checkpoints_with_the_same_content_share_chunks() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 800, 3);
+    let (t, store, src) = store_and_images(800, 3);
     let a = ingest(&store, Some("replica-a"), |d| copy_tree(&src, d));
     let after_a = chunk_files(&t.path().join("store")).len();
     // Same memory under other file names (another process's images: pages-9.img, ...).
@@ -404,11 +389,7 @@ fn problems(store: &Store, id: &str) -> usize {
 
 #[test]
 fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 600, 11);
+    let (t, store, src) = store_and_images(600, 11);
     let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     let pages = first
         .files
@@ -474,11 +455,7 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
 /// which it still decodes and compares.
 #[test]
 fn a_re_checkpoint_checks_compressed_chunks_by_their_trailer_and_older_ones_in_full() {
-    let t = tempfile::tempdir().unwrap();
-    let store = open(t.path());
-    let src = t.path().join("src");
-    fs::create_dir_all(&src).unwrap();
-    criu_like(&src, 600, 12);
+    let (t, store, src) = store_and_images(600, 12);
     let first = ingest(&store, Some("job"), |d| copy_tree(&src, d));
     let mut zstd: Vec<PathBuf> = Vec::new();
     for f in &first.files {
@@ -993,12 +970,11 @@ fn full_disk_during_ingest_is_a_storage_error_and_leaves_the_store_consistent() 
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    if !mounted {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI must run this test as root (mount tmpfs)"
-        );
-        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+    if !common::runs_here(
+        mounted,
+        "cannot mount a tmpfs here (needs root)",
+        "CI must run this test as root (mount tmpfs)",
+    ) {
         return;
     }
     struct Unmount<'a>(&'a Path);
@@ -1380,13 +1356,12 @@ fn special_files_in_a_store_neither_hang_nor_exhaust_memory() {
 #[test]
 fn a_read_only_store_can_be_verified_and_restored() {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "CI runs as root"
-        );
-        eprintln!("skipped: not root (the test bind-mounts the store read-only)");
+    let root = unsafe { libc::geteuid() } == 0;
+    if !common::runs_here(
+        root,
+        "not root (the test bind-mounts the store read-only)",
+        "CI runs as root",
+    ) {
         return;
     }
     let t = tempfile::tempdir().unwrap();

@@ -30,14 +30,18 @@ pub struct Pki {
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
+    succeeds(Command::new("openssl").args(args).current_dir(dir));
+}
+
+/// Runs `cmd` (openssl or etcdctl, which scripts/install-etcd.sh installs), asserting that it succeeds.
+fn succeeds(cmd: &mut Command) {
+    let out = cmd
         .output()
-        .expect("openssl (scripts/install-etcd.sh installs it)");
+        .unwrap_or_else(|e| panic!("{cmd:?} (scripts/install-etcd.sh installs it): {e}"));
     assert!(
         out.status.success(),
-        "openssl {args:?}: {}",
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -138,22 +142,16 @@ impl Pki {
 
     /// etcdctl as `root` (by its certificate), against `url`.
     pub fn etcdctl(&self, url: &str, args: &[&str]) {
-        let out = Command::new("etcdctl")
-            .args(["--endpoints", url, "--cacert", &self.path("ca.crt")])
-            .args([
-                "--cert",
-                &self.path("root.crt"),
-                "--key",
-                &self.path("root.key"),
-            ])
-            .args(args)
-            .output()
-            .expect("etcdctl (scripts/install-etcd.sh installs it)");
-        assert!(
-            out.status.success(),
-            "etcdctl {args:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        succeeds(
+            Command::new("etcdctl")
+                .args(["--endpoints", url, "--cacert", &self.path("ca.crt")])
+                .args([
+                    "--cert",
+                    &self.path("root.crt"),
+                    "--key",
+                    &self.path("root.key"),
+                ])
+                .args(args),
         );
     }
 

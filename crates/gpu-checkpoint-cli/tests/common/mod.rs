@@ -27,6 +27,17 @@ pub fn criu_scene() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
     Some((dir, store))
 }
 
+/// A `counter` workload in a [`criu_scene`], once it has ticked `seq` times: the folder, the store path
+/// and the workload.
+pub fn criu_counter(seq: u64) -> Option<(tempfile::TempDir, PathBuf, Workload)> {
+    let (dir, store) = criu_scene()?;
+    let w = Workload::start("counter", dir.path(), &[]);
+    w.wait_state("the counter ticking", |r| {
+        r.len() == 1 && num(&r[0], "seq") >= seq
+    });
+    Some((dir, store, w))
+}
+
 /// Whether tests needing root and CRIU can run. In CI (`CI=true`) their absence fails the test; locally
 /// the test is skipped with the reason printed.
 pub fn criu_ready() -> bool {
@@ -40,13 +51,23 @@ pub fn criu_ready() -> bool {
             .map(|_| ())
             .map_err(|e| e.to_string())
     });
-    match ready {
+    needs(
+        "CRIU",
+        ready,
+        "scripts/test.sh installs CRIU; CI runs as root",
+    )
+}
+
+/// Whether what the `tests` tests need is here (`found`). In CI (`CI=true`) its absence fails the test,
+/// saying why and how CI gets it (`ci_hint`); locally the test is skipped with the reason printed.
+pub fn needs(tests: &str, found: &Result<(), String>, ci_hint: &str) -> bool {
+    match found {
         Ok(()) => true,
         Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("CRIU tests cannot run in CI: {why} (scripts/test.sh installs CRIU; CI runs as root)")
+            panic!("{tests} tests cannot run in CI: {why} ({ci_hint})")
         }
         Err(why) => {
-            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the CRIU tests");
+            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the {tests} tests");
             false
         }
     }
@@ -90,19 +111,15 @@ impl Workload {
     /// Starts `workload KIND --state DIR/state --detach ARGS...`.
     pub fn start(kind: &str, dir: &Path, args: &[&str]) -> Workload {
         let state = dir.join(format!("{kind}.state"));
-        let out = Command::new(workload_bin())
-            .arg(kind)
-            .arg("--state")
-            .arg(&state)
-            .arg("--detach")
-            .args(args)
-            .output()
-            .expect("start workload");
-        assert!(out.status.success(), "workload {kind}: {out:?}");
-        let pid: i32 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .expect("workload prints its pid");
+        let pid = start_detached(
+            Command::new(workload_bin())
+                .arg(kind)
+                .arg("--state")
+                .arg(&state)
+                .arg("--detach")
+                .args(args),
+            &format!("workload {kind}"),
+        );
         Workload { pid, state }
     }
 
@@ -185,6 +202,34 @@ pub fn wait_pid_free(pid: i32) {
     assert!(left.is_empty(), "pid {pid} still taken");
 }
 
+/// Runs `cmd` to its end, asserting that it succeeded ([`assert_success`]): its output.
+pub fn run_ok(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_success(&out, what);
+    out
+}
+
+/// Asserts that the run of `what` succeeded, with its status and output in the message.
+pub fn assert_success(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}
+
+/// Runs `cmd`, which starts a program detached and prints its PID (`what` names it in the messages): the
+/// PID.
+pub fn start_detached(cmd: &mut Command, what: &str) -> i32 {
+    let out = run_ok(cmd, what);
+    let said = text(&out.stdout);
+    said.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{what} prints its pid ({e}): {said:?}"))
+}
+
 /// Runs `gpu-checkpoint ARGS...`.
 pub fn gc(args: &[&str]) -> Output {
     Command::new(gc_bin())
@@ -199,13 +244,7 @@ pub fn text(b: &[u8]) -> String {
 
 /// Asserts a successful run and returns its stdout.
 pub fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "gpu-checkpoint failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
+    assert_success(out, "gpu-checkpoint");
     text(&out.stdout)
 }
 
@@ -270,15 +309,20 @@ pub fn restore_with(target: &str, store: &Path, extra: &[&str]) -> i32 {
     out.trim().parse().expect("restore prints the PID")
 }
 
-/// The ids `list --format json` shows.
-pub fn list_ids(store: &Path) -> Vec<String> {
-    let out = gc(&[
+/// `gpu-checkpoint list --storage STORE --format json`.
+pub fn list_json(store: &Path) -> Output {
+    gc(&[
         "list",
         "--storage",
-        store.to_str().unwrap(),
+        &store.display().to_string(),
         "--format",
         "json",
-    ]);
+    ])
+}
+
+/// The ids `list --format json` shows.
+pub fn list_ids(store: &Path) -> Vec<String> {
+    let out = list_json(store);
     if !out.status.success() {
         return Vec::new();
     }
@@ -290,6 +334,19 @@ pub fn list_ids(store: &Path) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The string field `key` of every element of the JSON array `list`.
+pub fn strings<'a>(list: &'a serde_json::Value, key: &str) -> Vec<&'a str> {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"))
+        .iter()
+        .map(|e| {
+            e[key]
+                .as_str()
+                .unwrap_or_else(|| panic!("no string {key} in {e}"))
+        })
+        .collect()
 }
 
 /// Number field of a record.

@@ -248,16 +248,33 @@ pub struct Program {
 impl Program {
     /// `setsid ARGV...`, its output thrown away.
     pub fn start<S: AsRef<OsStr>>(argv: &[S]) -> Program {
-        let out = Command::new("sh")
-            .arg("-c")
-            .arg(r#"setsid "$@" </dev/null >/dev/null 2>&1 & echo $!"#)
-            .arg("sh")
-            .args(argv)
-            .output()
-            .expect("run sh");
-        assert!(out.status.success(), "{out:?}");
-        let pid = text(&out.stdout).trim().parse().expect("a pid");
+        let pid = super::start_detached(
+            Command::new("sh")
+                .arg("-c")
+                .arg(r#"setsid "$@" </dev/null >/dev/null 2>&1 & echo $!"#)
+                .arg("sh")
+                .args(argv),
+            "sh",
+        );
         Program { pid, done: false }
+    }
+
+    /// Writes `script` (after [`REPORT_PY`]) to `DIR/NAME.py` and starts `PY DIR/NAME.py ARGS...
+    /// DIR/NAME.log`: the program and its report.
+    pub fn python(
+        py: &Path,
+        dir: &Path,
+        name: &str,
+        script: &str,
+        args: &[&OsStr],
+    ) -> (Program, Report) {
+        let file = dir.join(format!("{name}.py"));
+        std::fs::write(&file, [REPORT_PY, script].concat()).unwrap();
+        let report = Report::new(dir.join(format!("{name}.log")));
+        let mut argv = vec![py.as_os_str(), file.as_os_str()];
+        argv.extend_from_slice(args);
+        argv.push(report.path.as_os_str());
+        (Program::start(&argv), report)
     }
 
     pub fn running(&self) -> bool {
@@ -324,6 +341,46 @@ pub fn plain_restore(dir: &Path, extra: &[&str]) {
         text(&out.stderr),
         criu_errors(dir)
     );
+}
+
+/// The two tests of one scenario: `$stop`, whose checkpoint stops the tree, and `$running`, whose
+/// checkpoint leaves it running (`--leave-running`).
+///
+/// `both_modes!(scenario: stop, running)`: each runs `scenario(mode)`.
+/// `both_modes!("what", found, round; stop, running)`: each runs `round(via, mode, &found)` for both
+/// tools ([`Via::each`], `what` naming the case) with what `found` (an `Option`, a program looked up
+/// with [`program`] for instance) holds; `None` ends the test (a failure in CI, skipped locally).
+#[allow(unused_macros)] // not every test file that includes this module has such tests
+macro_rules! both_modes {
+    ($scenario:ident: $stop:ident, $running:ident) => {
+        $crate::common::programs::both_modes!(@tests $scenario; $stop, $running);
+    };
+    ($what:literal, $found:expr, $round:path; $stop:ident, $running:ident) => {
+        $crate::common::programs::both_modes!(@tests
+            |mode| $crate::common::programs::rounds($what, mode, $found, |via, mode, found| {
+                $round(via, mode, found)
+            });
+            $stop, $running);
+    };
+    (@tests $scenario:expr; $stop:ident, $running:ident) => {
+        #[test]
+        fn $stop() {
+            ($scenario)($crate::common::programs::Mode::Stop);
+        }
+
+        #[test]
+        fn $running() {
+            ($scenario)($crate::common::programs::Mode::LeaveRunning);
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use both_modes;
+
+/// [`Via::each`] of `round` in `mode` with what `found` holds; `None` ends the test (see [`both_modes`]).
+pub fn rounds<T>(what: &str, mode: Mode, found: Option<T>, round: impl Fn(Via, Mode, &T)) {
+    let Some(found) = found else { return };
+    Via::each(&format!("{what}, {mode}"), |via| round(via, mode, &found));
 }
 
 /// How the checkpointed tree carries on: stopped (the default: killed once the checkpoint is taken,

@@ -34,37 +34,93 @@ pub fn containers_ready() -> bool {
         }
         Ok(())
     });
-    match ready {
-        Ok(()) => true,
-        Err(why) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("container tests cannot run in CI: {why} (scripts/install-containers.sh installs them)")
-        }
-        Err(why) => {
-            eprintln!("SKIPPED: {why}; run scripts/setup.sh as root to run the container tests");
-            false
-        }
-    }
+    common::needs(
+        "container",
+        ready,
+        "scripts/install-containers.sh installs them",
+    )
 }
 
 /// Whether real runsc sandboxes can run here (besides [`containers_ready`]): runsc installed. In CI its
 /// absence fails the test; locally it is skipped with the reason.
 pub fn runsc_ready() -> bool {
-    if !containers_ready() {
-        return false;
+    containers_ready() && installed("runsc", "runsc", |o| !o.stdout.is_empty())
+}
+
+/// Whether `BINARY --version` answers as `ok` says, for the `tests` tests ([`common::needs`]: a failure
+/// in CI, skipped locally).
+pub fn installed(tests: &str, binary: &str, ok: fn(&std::process::Output) -> bool) -> bool {
+    let found = match Command::new(binary).arg("--version").output() {
+        Ok(o) if ok(&o) => Ok(()),
+        _ => Err(format!("{binary} is not installed")),
+    };
+    common::needs(tests, &found, "scripts/install-containers.sh installs it")
+}
+
+/// A unique container id: tests run in parallel, and runc names each container's cgroup after it.
+pub fn cid(name: &str) -> String {
+    format!("gc-{}-{name}", std::process::id())
+}
+
+/// A temporary folder holding a runtime with a state folder of its own (`--root`) and a bundle, beside a
+/// store path. Fields drop in order: the runtime's containers are deleted before the folder that holds the
+/// runtime's state goes (dropped first, the folder took the state with it and left every container
+/// running).
+pub struct Scene {
+    pub store: PathBuf,
+    pub runc: Runc,
+    pub bundle: Bundle,
+    pub dir: tempfile::TempDir,
+}
+
+impl Scene {
+    /// runc, its bundle running `args` with `env`: `None` where containers cannot run here
+    /// ([`containers_ready`]).
+    pub fn runc(args: &[&str], env: &[&str]) -> Option<Scene> {
+        containers_ready().then(|| Scene::with(Runc::new, args, env))
     }
-    let ok = Command::new("runsc")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| !o.stdout.is_empty());
-    if !ok && std::env::var("CI").as_deref() == Ok("true") {
-        panic!("runsc tests cannot run in CI: runsc is not installed (scripts/install-containers.sh installs it)");
+
+    /// [`Scene::runc`] running `workload memory --mib MIB` (its state in `/state/mem`).
+    pub fn memory(mib: &str) -> Option<Scene> {
+        Scene::runc(
+            &[&format!(
+                "exec workload memory --mib {mib} --state /state/mem"
+            )],
+            &[],
+        )
     }
-    if !ok {
-        eprintln!(
-            "SKIPPED: runsc is not installed; run scripts/setup.sh as root to run the runsc tests"
-        );
+
+    /// [`Scene::runc`] with runsc ([`runsc_ready`]).
+    pub fn runsc(args: &[&str], env: &[&str]) -> Option<Scene> {
+        runsc_ready().then(|| Scene::with(Runc::runsc, args, env))
     }
-    ok
+
+    fn with(runtime: fn(&Path) -> Runc, args: &[&str], env: &[&str]) -> Scene {
+        let dir = tempfile::tempdir().unwrap();
+        Scene {
+            store: dir.path().join("store"),
+            runc: runtime(dir.path()),
+            bundle: Bundle::new(&dir.path().join("bundle"), args, env),
+            dir,
+        }
+    }
+
+    /// Runs the bundle as container `name` made unique ([`cid`]): its id.
+    pub fn run(&self, name: &str) -> String {
+        let id = cid(name);
+        self.runc.run(&id, &self.bundle);
+        id
+    }
+
+    /// `gpu-checkpoint ARGS` on the store and the runtime, with `env` added.
+    pub fn gc(&self, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+        Command::new(gpu_checkpoint())
+            .args(args)
+            .args(store_args(&self.store, &self.runc))
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    }
 }
 
 /// busybox-static's binary.
@@ -170,23 +226,22 @@ pub struct Runc {
 
 impl Runc {
     pub fn new(dir: &Path) -> Runc {
-        let root = dir.join("runc-root");
-        std::fs::create_dir_all(&root).unwrap();
-        Runc {
-            root,
-            binary: "runc",
-            global: Vec::new(),
-        }
+        Runc::with_root_in(dir, "runc", Vec::new())
     }
 
     /// runsc, on the platform that works here (kvm hangs) and without a network (its only mode here).
     pub fn runsc(dir: &Path) -> Runc {
-        let root = dir.join("runsc-root");
+        Runc::with_root_in(dir, "runsc", vec!["--platform=ptrace", "--network=none"])
+    }
+
+    /// `binary` with `global` flags, its state in `dir/BINARY-root`.
+    fn with_root_in(dir: &Path, binary: &'static str, global: Vec<&'static str>) -> Runc {
+        let root = dir.join(format!("{binary}-root"));
         std::fs::create_dir_all(&root).unwrap();
         Runc {
             root,
-            binary: "runsc",
-            global: vec!["--platform=ptrace", "--network=none"],
+            binary,
+            global,
         }
     }
 
@@ -393,6 +448,12 @@ pub fn archive_entries(archive: &Path) -> std::collections::BTreeMap<String, Vec
     out
 }
 
+/// Number field `key` of the first record of the workload state file `path`, once it has one.
+pub fn state_field(path: &Path, key: &str) -> Option<u64> {
+    let recs = gpu_checkpoint_workloads::read_state(path).ok()?;
+    gpu_checkpoint_workloads::field_u64(recs.first()?, key)
+}
+
 /// Waits up to 20 s for `ok`, failing with `what`.
 pub fn wait_for(what: &str, ok: &dyn Fn() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -419,6 +480,22 @@ pub fn checkpoint_container(store: &Path, runc: &Runc, id: &str) -> String {
     assert!(o.status.success(), "checkpoint: {}", text(&o));
     let ck: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     ck["id"].as_str().unwrap().to_string()
+}
+
+/// `gpu-checkpoint import ARCHIVE --storage STORE --format json`, asserting success: its JSON.
+pub fn import_archive(archive: &Path, store: &Path) -> serde_json::Value {
+    let (a, s) = (archive.display().to_string(), store.display().to_string());
+    let o = gc_run(&["import", &a, "--storage", &s, "--format", "json"]);
+    assert!(o.status.success(), "import of {a}: {}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// `gpu-checkpoint export ID -o TO --storage STORE EXTRA...`.
+pub fn export_archive(store: &Path, id: &str, to: &Path, extra: &[&str]) -> std::process::Output {
+    let (t, s) = (to.display().to_string(), store.display().to_string());
+    let mut args = vec!["export", id, "-o", &t, "--storage", &s];
+    args.extend_from_slice(extra);
+    gc_run(&args)
 }
 
 /// Writes a tar of `rootfs`'s contents to `out` (an image layer).

@@ -6,21 +6,23 @@ use std::process::Command;
 
 use super::{containers_ready, text, Bundle};
 
+/// Whether podman can run here (besides [`containers_ready`]): a failure in CI, skipped locally.
 pub fn podman_ready() -> bool {
-    if !containers_ready() {
-        return false;
-    }
-    let ok = Command::new("podman")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok && std::env::var("CI").as_deref() == Ok("true") {
-        panic!("podman tests cannot run in CI: podman is not installed (scripts/install-containers.sh installs it)");
-    }
-    if !ok {
-        eprintln!("SKIPPED: podman is not installed; run scripts/setup.sh as root");
-    }
-    ok
+    containers_ready() && super::installed("podman", "podman", |o| o.status.success())
+}
+
+/// A temporary folder for podman's storage and state: `None` where podman cannot run ([`podman_ready`]).
+pub fn podman_folder() -> Option<tempfile::TempDir> {
+    podman_ready().then(|| tempfile::tempdir().unwrap())
+}
+
+/// [`podman_folder`] and podman in it, with a local image `image` of a minimal root file system
+/// ([`Podman::import_minimal_image`]).
+pub fn podman_with_image(image: &str) -> Option<(tempfile::TempDir, Podman)> {
+    let dir = podman_folder()?;
+    let podman = Podman::new(dir.path());
+    podman.import_minimal_image(image);
+    Some((dir, podman))
 }
 
 /// podman with private storage and state, runc as its runtime, our CRIU found on PATH (podman asks for
@@ -88,6 +90,30 @@ impl Podman {
         let o = self.cmd().args(args).output().unwrap();
         assert!(o.status.success(), "podman {args:?}: {}", text(&o));
         String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    /// `podman container checkpoint EXTRA... --export ARCHIVE NAME`.
+    pub fn export_checkpoint(&self, name: &str, archive: &Path, extra: &[&str]) {
+        let a = archive.display().to_string();
+        let mut args = vec!["container", "checkpoint"];
+        args.extend_from_slice(extra);
+        args.extend(["--export", &a, name]);
+        self.ok(&args);
+    }
+
+    /// `podman container restore --import ARCHIVE EXTRA...`.
+    pub fn import_checkpoint(&self, archive: &Path, extra: &[&str]) {
+        let a = archive.display().to_string();
+        let mut args = vec!["container", "restore", "--import", &a];
+        args.extend_from_slice(extra);
+        self.ok(&args);
+    }
+
+    /// A local image `name` made from a minimal root file system ([`Bundle::new`]'s) (`podman import`:
+    /// no registry is reached).
+    pub fn import_minimal_image(&self, name: &str) {
+        let bundle = Bundle::new(&self.dir.join("image"), &["true"], &[]);
+        self.import_rootfs(&bundle, name);
     }
 
     /// The counter the container's shell keeps in memory and writes out.

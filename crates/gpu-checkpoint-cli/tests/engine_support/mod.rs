@@ -38,12 +38,12 @@ pub fn containerd_ready() -> bool {
     if containerd_bin().join("containerd").is_file() {
         return true;
     }
-    let why = "containerd 2.x is not installed in .deps/containerd (scripts/install-containerd.sh)";
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("containerd tests cannot run in CI: {why}");
-    }
-    eprintln!("SKIPPED: {why}");
-    false
+    let why = "containerd 2.x is not installed in .deps/containerd";
+    crate::container_support::common::needs(
+        "containerd",
+        &Err(why.into()),
+        "scripts/install-containerd.sh installs it",
+    )
 }
 
 /// The SIMULATED GPU processes of the tests answer on abstract sockets named after their PIDs inside
@@ -174,17 +174,13 @@ impl Node {
 
     /// `ctr images import` into the CRI's namespace.
     pub fn import(&self, tar: &Path) {
-        let o = Command::new(containerd_bin().join("ctr"))
-            .arg("--address")
-            .arg(&self.socket)
-            .args(["-n", "k8s.io", "images", "import"])
-            .arg(tar)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "ctr import: {}",
-            crate::container_support::text(&o)
+        crate::container_support::common::run_ok(
+            Command::new(containerd_bin().join("ctr"))
+                .arg("--address")
+                .arg(&self.socket)
+                .args(["-n", "k8s.io", "images", "import"])
+                .arg(tar),
+            "ctr import",
         );
     }
 

@@ -14,19 +14,20 @@ use std::time::{Duration, Instant};
 #[path = "../common/mod.rs"]
 pub mod common;
 #[allow(unused_imports)] // each test file uses a different subset
-pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint};
+pub use common::{criu_ready, gc as run, gc_bin as gpu_checkpoint, strings};
 
 /// `gpu-sim-workload`, built next to `gpu-checkpoint` by `cargo build --workspace` / `cargo test --workspace`.
 pub fn sim_workload() -> PathBuf {
-    let p = gpu_checkpoint()
-        .parent()
-        .expect("binary has a folder")
-        .join("gpu-sim-workload");
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build -p gpu-checkpoint-workloads` (cargo test --workspace builds it)",
-        p.display()
-    );
+    built_beside(
+        "gpu-sim-workload",
+        "run `cargo build -p gpu-checkpoint-workloads` (cargo test --workspace builds it)",
+    )
+}
+
+/// The file `name` built next to `gpu-checkpoint`, which must be there (`how`: what builds it).
+pub fn built_beside(name: &str, how: &str) -> PathBuf {
+    let p = gpu_checkpoint().with_file_name(name);
+    assert!(p.exists(), "{} is missing: {how}", p.display());
     p
 }
 
@@ -43,17 +44,13 @@ impl SimProcess {
     }
 
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let out = Command::new(sim_workload())
-            .arg("--daemon")
-            .args(args)
-            .envs(env.iter().copied())
-            .output()
-            .expect("run gpu-sim-workload");
-        assert!(out.status.success(), "gpu-sim-workload failed: {out:?}");
-        let pid: i32 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .expect("gpu-sim-workload --daemon prints the pid");
+        let pid = common::start_detached(
+            Command::new(sim_workload())
+                .arg("--daemon")
+                .args(args)
+                .envs(env.iter().copied()),
+            "gpu-sim-workload --daemon",
+        );
         let st = status(pid);
         let children = match st.get("children").map(String::as_str) {
             None | Some("none") => Vec::new(),
@@ -156,14 +153,9 @@ pub fn listed(store: &std::path::Path) -> Vec<serde_json::Value> {
     if !store.join("store.json").exists() {
         return Vec::new();
     }
-    let v = json_ok(&[
-        "list",
-        "--storage",
-        store.to_str().unwrap(),
-        "--format",
-        "json",
-    ]);
-    match v {
+    let o = common::list_json(store);
+    common::assert_success(&o, "list");
+    match serde_json::from_slice(&o.stdout).expect("list prints JSON") {
         serde_json::Value::Array(a) => a,
         serde_json::Value::Object(o) => o
             .get("checkpoints")

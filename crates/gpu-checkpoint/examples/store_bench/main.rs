@@ -209,6 +209,17 @@ fn reset_peak_rss() {
     let _ = fs::write("/proc/self/clear_refs", "5");
 }
 
+/// A checkpoint of `src` (hard-linked into the staging folder, untimed) committed into `store`: what the
+/// commit cost.
+fn timed_commit(store: &Store, src: &Path) -> (gpu_checkpoint::store::CheckpointInfo, Cost) {
+    let ing = store.begin(Some("bench")).unwrap();
+    link_into(src, ing.staging_dir());
+    here(|| {
+        ing.commit(serde_json::json!({"bench": true}), &NoProgress)
+            .unwrap()
+    })
+}
+
 /// Hard-links every file of `src` into a staging folder: the ingest consumes (removes) its staging folder,
 /// and linking keeps the source intact without copying it first.
 fn link_into(src: &Path, staging: &Path) {
@@ -342,12 +353,7 @@ fn main() {
 
         reset_peak_rss();
         base_rss = base_rss.max(rss_mib());
-        let ing = store.begin(Some("bench")).unwrap();
-        link_into(&src, ing.staging_dir());
-        let (first, c) = here(|| {
-            ing.commit(serde_json::json!({"bench": true}), &NoProgress)
-                .unwrap()
-        });
+        let (first, c) = timed_commit(&store, &src);
         ingest.0.push(c);
         ingest_rss = ingest_rss.max(peak_rss_mib());
         sync();
@@ -360,12 +366,7 @@ fn main() {
         sync();
 
         // 2. An unchanged re-checkpoint.
-        let ing = store.begin(Some("bench")).unwrap();
-        link_into(&src, ing.staging_dir());
-        let (second, c) = here(|| {
-            ing.commit(serde_json::json!({"bench": true}), &NoProgress)
-                .unwrap()
-        });
+        let (second, c) = timed_commit(&store, &src);
         reingest.0.push(c);
         sync();
 

@@ -11,12 +11,11 @@
 
 use std::fmt::Write as _;
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::s3::Endpoint;
+use super::s3::{free_port, private_dir, Endpoint};
 
 /// The version `scripts/install-garage.sh` builds.
 pub const GARAGE_VERSION: &str = "2.5.0";
@@ -51,13 +50,6 @@ fn random_hex(n: usize) -> String {
     })
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// A running single-node garage with one bucket and one key allowed on it.
 pub struct GarageServer {
     child: Child,
@@ -87,10 +79,7 @@ impl GarageServer {
     }
 
     fn start_with(bin: &Path) -> GarageServer {
-        let dir = tempfile::Builder::new()
-            .prefix("gpu-checkpoint-garage.")
-            .tempdir()
-            .expect("a private folder");
+        let dir = private_dir("garage");
         // Garage's key format: an id `GK` + 12 bytes in hex, a secret of 32 bytes in hex.
         let access_key = format!("GK{}", random_hex(12));
         let secret_key = random_hex(32);

@@ -6,8 +6,8 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use super::garage::{long_lane, LONG_TESTS_ENV};
@@ -43,18 +43,13 @@ impl MotoServer {
             panic!("the long test lane needs moto: {why} (scripts/install-moto.sh installs it)")
         });
         for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free port")
-                .port();
-            let child = Command::new(&bin)
-                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("moto_server starts");
-            if let Some(child) = super::s3::listening(child, port, Duration::from_secs(60)) {
+            let port = super::s3::free_port();
+            let started = super::s3::serve(
+                Command::new(&bin).args(["-H", "127.0.0.1", "-p", &port.to_string()]),
+                port,
+                Duration::from_secs(60),
+            );
+            if let Some(child) = started {
                 let server = MotoServer {
                     child,
                     endpoint: format!("http://127.0.0.1:{port}"),

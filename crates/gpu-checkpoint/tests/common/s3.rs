@@ -117,18 +117,12 @@ impl S3Server {
     }
 
     fn start_with(bin: &Path) -> S3Server {
-        let data = tempfile::Builder::new()
-            .prefix("gpu-checkpoint-s3s.")
-            .tempdir()
-            .expect("a private data folder");
+        let data = private_dir("s3s");
         let bucket = "ckpt".to_string();
         // s3s-fs keeps a bucket as a folder of its root.
         std::fs::create_dir(data.path().join(&bucket)).unwrap();
         for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free port")
-                .port();
+            let port = free_port();
             if let Some(child) = spawn(bin, port, data.path()) {
                 return S3Server {
                     child,
@@ -178,16 +172,42 @@ impl S3Server {
 
 /// Starts s3s-fs on `port` and waits until it answers; `None` when it exits first (the port was taken).
 fn spawn(bin: &Path, port: u16, data: &Path) -> Option<Child> {
-    let child = Command::new(bin)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-        .arg(data)
+    serve(
+        Command::new(bin)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+            .arg(data),
+        port,
+        Duration::from_secs(10),
+    )
+}
+
+/// Starts the server `cmd` (its output discarded) and waits until it accepts connections on
+/// 127.0.0.1:`port` ([`listening`]).
+pub fn serve(cmd: &mut Command, port: u16, timeout: Duration) -> Option<Child> {
+    let child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("s3s-fs starts");
-    listening(child, port, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{cmd:?} does not start: {e}"));
+    listening(child, port, timeout)
+}
+
+/// A port of 127.0.0.1 free when asked.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A private temporary folder (0700) for a server's data, named after it (`gpu-checkpoint-NAME.*`).
+pub fn private_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("gpu-checkpoint-{name}."))
+        .tempdir()
+        .expect("a private folder")
 }
 
 /// `child`, a server, once it accepts connections on 127.0.0.1:`port`; `None` when it exits first (the
