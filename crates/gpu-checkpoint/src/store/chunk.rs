@@ -972,15 +972,27 @@ mod tests {
         (id, header, object.to_vec())
     }
 
+    /// Chunk `data` as this build writes it, check that its header says `(encoding, trailer)` and its format
+    /// byte `version`, and that a fresh decoder (no output buffer, as the ingest's) accepts it for reuse.
+    fn reusable_object(
+        data: &[u8],
+        encoding: Encoding,
+        trailer: bool,
+        version: u8,
+    ) -> (ChunkId, Vec<u8>, Decoder) {
+        let (id, header, object) = object_of(data);
+        assert_eq!((header.encoding, header.trailer), (encoding, trailer));
+        assert_eq!(object[4], version, "format version");
+        let mut dec = Decoder::new(0).unwrap();
+        assert_eq!(dec.check_reuse(&id, &object, data), Ok(()));
+        (id, object, dec)
+    }
+
     #[test]
     fn a_reused_zstd_object_is_proved_by_its_trailer_without_decompressing() {
         let data = heap_like(20_000, 51);
-        let (id, header, object) = object_of(&data);
-        assert_eq!((header.encoding, header.trailer), (Encoding::Zstd, true));
-        assert_eq!(object[4], 2, "format version 2");
+        let (id, object, mut dec) = reusable_object(&data, Encoding::Zstd, true, 2);
         // The ingest's decoder starts without an output buffer: it stays so, nothing was decompressed.
-        let mut dec = Decoder::new(0).unwrap();
-        assert_eq!(dec.check_reuse(&id, &object, &data), Ok(()));
         assert_eq!(dec.out.capacity(), 0, "decompressed");
         // Bytes of another length than the header says: refused.
         assert!(dec.check_reuse(&id, &object, &data[..100]).is_err());
@@ -1043,11 +1055,8 @@ mod tests {
     #[test]
     fn a_reused_raw_object_is_compared() {
         let data = random_bytes(100_000, 54);
-        let (id, header, object) = object_of(&data);
-        assert_eq!((header.encoding, header.trailer), (Encoding::Raw, false));
-        assert_eq!(object[4], 1, "raw objects keep format version 1");
-        let mut dec = Decoder::new(0).unwrap();
-        assert_eq!(dec.check_reuse(&id, &object, &data), Ok(()));
+        // Raw objects keep format version 1.
+        let (id, object, mut dec) = reusable_object(&data, Encoding::Raw, false, 1);
         let mut bad = object.clone();
         bad[HEADER_LEN + 5000] ^= 1;
         assert_eq!(
