@@ -128,6 +128,22 @@ impl CudaCli {
         args.extend_from_slice(extra);
         self.run(op, pid, &args).map(drop)
     }
+
+    /// Runs a query (`flag`: `--get-state`, `--get-restore-tid`) on `pid` and reads the answer out of its
+    /// output with `parse`; output it cannot read is an error that shows it.
+    fn query<T>(
+        &self,
+        op: Op,
+        pid: i32,
+        flag: &str,
+        parse: impl FnOnce(&str) -> Option<T>,
+    ) -> Result<T> {
+        let out = self.run(op, pid, &[flag.into(), "--pid".into(), pid.to_string()])?;
+        parse(&out).ok_or_else(|| Error::CliFailed {
+            command: format!("{BINARY} {flag} --pid {pid}"),
+            reason: format!("unexpected output `{}`", out.trim()),
+        })
+    }
 }
 
 /// Finds a `CUDA_ERROR_*` name in the utility's output (it prints the driver's error names).
@@ -147,17 +163,10 @@ impl GpuDriver for CudaCli {
     }
 
     fn state(&self, pid: i32) -> Result<ProcessState> {
-        let out = self.run(
-            Op::State,
-            pid,
-            &["--get-state".into(), "--pid".into(), pid.to_string()],
-        )?;
-        out.split_whitespace()
-            .find_map(|w| w.parse::<ProcessState>().ok())
-            .ok_or_else(|| Error::CliFailed {
-                command: format!("{BINARY} --get-state --pid {pid}"),
-                reason: format!("unexpected output `{}`", out.trim()),
-            })
+        self.query(Op::State, pid, "--get-state", |out| {
+            out.split_whitespace()
+                .find_map(|w| w.parse::<ProcessState>().ok())
+        })
     }
 
     fn lock(&self, pid: i32, timeout: Option<Duration>) -> Result<()> {
@@ -190,18 +199,11 @@ impl GpuDriver for CudaCli {
     }
 
     fn restore_thread_id(&self, pid: i32) -> Result<i32> {
-        let out = self.run(
-            Op::RestoreTid,
-            pid,
-            &["--get-restore-tid".into(), "--pid".into(), pid.to_string()],
-        )?;
-        out.split(|c: char| !c.is_ascii_digit())
-            .rfind(|w| !w.is_empty())
-            .and_then(|w| w.parse().ok())
-            .ok_or_else(|| Error::CliFailed {
-                command: format!("{BINARY} --get-restore-tid --pid {pid}"),
-                reason: format!("unexpected output `{}`", out.trim()),
-            })
+        self.query(Op::RestoreTid, pid, "--get-restore-tid", |out| {
+            out.split(|c: char| !c.is_ascii_digit())
+                .rfind(|w| !w.is_empty())
+                .and_then(|w| w.parse().ok())
+        })
     }
 
     fn process_gpus(&self, pid: i32) -> Option<Vec<super::GpuUuid>> {

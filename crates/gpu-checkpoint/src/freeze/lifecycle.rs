@@ -58,6 +58,18 @@ macro_rules! handle {
                     error,
                 })
             }
+
+            /// What the driver answered to a move: the handle of the state it led `to`, or this one back.
+            fn moved<T>(
+                self,
+                answer: Result<()>,
+                to: fn(Arc<dyn GpuDriver>, i32) -> T,
+            ) -> std::result::Result<T, Failed<Self>> {
+                match answer {
+                    Ok(()) => Ok(to(self.driver, self.pid)),
+                    Err(e) => self.fail(e),
+                }
+            }
         }
 
         impl std::fmt::Debug for $name {
@@ -117,37 +129,22 @@ impl GpuProcess {
 impl Running {
     /// RUNNING -> LOCKED, waiting at most `timeout` for submitted work (`None`: no limit).
     pub fn lock(self, timeout: Option<Duration>) -> std::result::Result<Locked, Failed<Self>> {
-        match self.driver.lock(self.pid, timeout) {
-            Ok(()) => Ok(Locked {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let answer = self.driver.lock(self.pid, timeout);
+        self.moved(answer, Locked::assume)
     }
 }
 
 impl Locked {
     /// LOCKED -> CHECKPOINTED.
     pub fn checkpoint(self) -> std::result::Result<Checkpointed, Failed<Self>> {
-        match self.driver.checkpoint(self.pid) {
-            Ok(()) => Ok(Checkpointed {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let answer = self.driver.checkpoint(self.pid);
+        self.moved(answer, Checkpointed::assume)
     }
 
     /// LOCKED -> RUNNING.
     pub fn unlock(self) -> std::result::Result<Running, Failed<Self>> {
-        match self.driver.unlock(self.pid) {
-            Ok(()) => Ok(Running {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let answer = self.driver.unlock(self.pid);
+        self.moved(answer, Running::assume)
     }
 
     pub fn restore_thread_id(&self) -> Result<i32> {
@@ -158,13 +155,8 @@ impl Locked {
 impl Checkpointed {
     /// CHECKPOINTED -> LOCKED, onto the GPUs `pairs` name (empty: the same GPUs).
     pub fn restore(self, pairs: &[GpuPair]) -> std::result::Result<Locked, Failed<Self>> {
-        match self.driver.restore(self.pid, pairs) {
-            Ok(()) => Ok(Locked {
-                driver: Arc::clone(&self.driver),
-                pid: self.pid,
-            }),
-            Err(e) => self.fail(e),
-        }
+        let answer = self.driver.restore(self.pid, pairs);
+        self.moved(answer, Locked::assume)
     }
 
     pub fn restore_thread_id(&self) -> Result<i32> {
