@@ -205,60 +205,43 @@ mod tests {
 
     #[test]
     fn classify_paths() {
-        assert_eq!(classify_path("/dev/nvidiactl"), PathClass::NvidiaCtl);
-        assert_eq!(classify_path("/dev/nvidia3"), PathClass::NvidiaGpu(3));
-        assert_eq!(classify_path("/dev/nvidia-uvm"), PathClass::NvidiaUvm);
-        assert_eq!(classify_path("/dev/nvidia-uvm-tools"), PathClass::NvidiaUvm);
-        assert_eq!(classify_path("/dev/nvidia-modeset"), PathClass::NvidiaOther);
-        assert_eq!(
-            classify_path("/dev/nvidia-nvswitch0"),
-            PathClass::NvidiaOther
-        );
-        assert_eq!(
-            classify_path("/dev/nvidia-caps/nvidia-cap21"),
-            PathClass::NvidiaCaps
-        );
-        assert_eq!(
-            classify_path("/dev/nvidia-caps/nvidia-cap1"),
-            PathClass::NvidiaCapsMgmt
-        );
-        assert_eq!(
-            classify_path("/dev/nvidia-caps/nvidia-cap2"),
-            PathClass::NvidiaCapsMgmt
-        );
-        assert_eq!(
-            classify_path("/dev/nvidia-caps/nvidia-cap12"),
-            PathClass::NvidiaCaps
-        );
-        assert_eq!(classify_path("/dev/nvidiafoo"), PathClass::Other);
-        assert_eq!(classify_path("/dev/kfd"), PathClass::Kfd);
-        assert_eq!(classify_path("/dev/dri/renderD128"), PathClass::RenderNode);
-        assert_eq!(classify_path("/dev/infiniband/uverbs0"), PathClass::Rdma);
-        assert_eq!(
-            classify_path("/sys/bus/pci/devices/0000:01:00.0/resource1"),
-            PathClass::PciBar
-        );
-        assert_eq!(
-            classify_path("/sys/devices/pci0000:00/0000:00:02.0/resource0_wc"),
-            PathClass::PciBar
-        );
-        assert_eq!(
-            classify_path("/sys/devices/pci0000:00/0000:00:02.0/config"),
-            PathClass::Other
-        );
-        assert_eq!(classify_path("/dev/mem"), PathClass::PciBar);
-        assert_eq!(classify_path("/dev/vfio/12"), PathClass::PciBar);
-        assert_eq!(
-            classify_path("/dev/shm/cuda.shm.123.4"),
-            PathClass::ShmCudaIpc
-        );
-        assert_eq!(classify_path("/dev/shm/nccl-abc"), PathClass::ShmNccl);
-        assert_eq!(
-            classify_path("/dev/shm/gpu-checkpoint-sim/1/mem"),
-            PathClass::ShmSim
-        );
-        assert_eq!(classify_path("/dev/shm/other"), PathClass::ShmOther);
-        assert_eq!(classify_path("/usr/lib/libc.so.6"), PathClass::Other);
+        for (path, class) in [
+            ("/dev/nvidiactl", PathClass::NvidiaCtl),
+            ("/dev/nvidia3", PathClass::NvidiaGpu(3)),
+            ("/dev/nvidia-uvm", PathClass::NvidiaUvm),
+            ("/dev/nvidia-uvm-tools", PathClass::NvidiaUvm),
+            ("/dev/nvidia-modeset", PathClass::NvidiaOther),
+            ("/dev/nvidia-nvswitch0", PathClass::NvidiaOther),
+            ("/dev/nvidia-caps/nvidia-cap21", PathClass::NvidiaCaps),
+            ("/dev/nvidia-caps/nvidia-cap1", PathClass::NvidiaCapsMgmt),
+            ("/dev/nvidia-caps/nvidia-cap2", PathClass::NvidiaCapsMgmt),
+            ("/dev/nvidia-caps/nvidia-cap12", PathClass::NvidiaCaps),
+            ("/dev/nvidiafoo", PathClass::Other),
+            ("/dev/kfd", PathClass::Kfd),
+            ("/dev/dri/renderD128", PathClass::RenderNode),
+            ("/dev/infiniband/uverbs0", PathClass::Rdma),
+            (
+                "/sys/bus/pci/devices/0000:01:00.0/resource1",
+                PathClass::PciBar,
+            ),
+            (
+                "/sys/devices/pci0000:00/0000:00:02.0/resource0_wc",
+                PathClass::PciBar,
+            ),
+            (
+                "/sys/devices/pci0000:00/0000:00:02.0/config",
+                PathClass::Other,
+            ),
+            ("/dev/mem", PathClass::PciBar),
+            ("/dev/vfio/12", PathClass::PciBar),
+            ("/dev/shm/cuda.shm.123.4", PathClass::ShmCudaIpc),
+            ("/dev/shm/nccl-abc", PathClass::ShmNccl),
+            ("/dev/shm/gpu-checkpoint-sim/1/mem", PathClass::ShmSim),
+            ("/dev/shm/other", PathClass::ShmOther),
+            ("/usr/lib/libc.so.6", PathClass::Other),
+        ] {
+            assert_eq!(classify_path(path), class, "{path}");
+        }
     }
 
     #[test]
