@@ -881,14 +881,7 @@ mod tests {
         two.extend_from_slice(&zstd::bulk::compress(&data[1000..], 1).unwrap());
         let mut dec = Decoder::new(data.len()).unwrap();
         for payload in [frame, two] {
-            let header = Header {
-                encoding: Encoding::Zstd,
-                raw_len: data.len() as u32,
-                payload_len: payload.len() as u32,
-                trailer: false,
-            };
-            let mut stored = header.encode().to_vec();
-            stored.extend_from_slice(&payload);
+            let stored = v1_stored(data.len(), &payload);
             assert_eq!(stored[4], 1, "format version 1");
             assert_eq!(dec.decode(&ChunkId::of(&data), &stored).unwrap(), &data[..]);
         }
@@ -950,18 +943,23 @@ mod tests {
         assert!(dec.decode(&other, &stored).unwrap_err().contains("BLAKE3"));
     }
 
-    /// A version 1 object of `data` as earlier builds wrote it (no trailer).
-    fn v1_object(data: &[u8]) -> Vec<u8> {
-        let payload = zstd::bulk::compress(data, 1).unwrap();
+    /// A version 1 object (no trailer) as earlier builds wrote it: `payload`, a zstd stream of `raw_len`
+    /// bytes, under its header.
+    fn v1_stored(raw_len: usize, payload: &[u8]) -> Vec<u8> {
         let header = Header {
             encoding: Encoding::Zstd,
-            raw_len: data.len() as u32,
+            raw_len: raw_len as u32,
             payload_len: payload.len() as u32,
             trailer: false,
         };
         let mut stored = header.encode().to_vec();
-        stored.extend_from_slice(&payload);
+        stored.extend_from_slice(payload);
         stored
+    }
+
+    /// A version 1 object of `data` as earlier builds wrote it (zstd level 1, one frame).
+    fn v1_object(data: &[u8]) -> Vec<u8> {
+        v1_stored(data.len(), &zstd::bulk::compress(data, 1).unwrap())
     }
 
     /// Chunk `data`'s name, header and whole object as this build writes them (zstd level 1).
