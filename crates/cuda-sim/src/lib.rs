@@ -23,7 +23,7 @@
 pub mod args;
 
 use std::ffi::{c_char, c_void, CStr};
-use std::panic::{catch_unwind, UnwindSafe};
+use std::panic::{catch_unwind, RefUnwindSafe, UnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -453,6 +453,27 @@ fn device(ordinal: i32) -> Result<gpu_checkpoint::freeze::GpuInfo, i32> {
         .ok_or(INVALID_DEVICE)
 }
 
+/// The driver's one-value device queries: device `dev` (after `cuInit`) and `out` non-null, or their error;
+/// then `value` of that device written through `out`.
+///
+/// # Safety
+/// `out` null or writable.
+unsafe fn device_query<T: RefUnwindSafe>(
+    out: *mut T,
+    dev: i32,
+    value: impl FnOnce(gpu_checkpoint::freeze::GpuInfo) -> T + UnwindSafe,
+) -> i32 {
+    guarded(|| match (device(dev), out.is_null()) {
+        (Err(c), _) => c,
+        (_, true) => INVALID_VALUE,
+        (Ok(g), false) => {
+            // SAFETY: non-null, and writable by the caller's contract.
+            unsafe { *out = value(g) };
+            SUCCESS
+        }
+    })
+}
+
 /// # Safety
 /// `n` null or writable.
 #[no_mangle]
@@ -474,30 +495,17 @@ pub unsafe extern "C" fn cuDeviceGetCount(n: *mut i32) -> i32 {
 /// `dev` null or writable.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(dev: *mut i32, ordinal: i32) -> i32 {
-    guarded(|| match (device(ordinal), dev.is_null()) {
-        (Err(c), _) => c,
-        (_, true) => INVALID_VALUE,
-        (Ok(_), false) => {
-            // SAFETY: non-null, a CUdevice (an int); the device handle is its ordinal.
-            unsafe { *dev = ordinal };
-            SUCCESS
-        }
-    })
+    // The device handle is its ordinal.
+    // SAFETY: `dev` null or a writable CUdevice (an int).
+    unsafe { device_query(dev, ordinal, |_| ordinal) }
 }
 
 /// # Safety
 /// `uuid` null or 16 writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: i32) -> i32 {
-    guarded(|| match (device(dev), uuid.is_null()) {
-        (Err(c), _) => c,
-        (_, true) => INVALID_VALUE,
-        (Ok(g), false) => {
-            // SAFETY: non-null, a CUuuid.
-            unsafe { *uuid = g.uuid.0 };
-            SUCCESS
-        }
-    })
+    // SAFETY: `uuid` null or a writable CUuuid.
+    unsafe { device_query(uuid, dev, |g| g.uuid.0) }
 }
 
 /// # Safety
@@ -530,15 +538,8 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: i32, dev: i32) 
 /// `bytes` null or writable.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> i32 {
-    guarded(|| match (device(dev), bytes.is_null()) {
-        (Err(c), _) => c,
-        (_, true) => INVALID_VALUE,
-        (Ok(g), false) => {
-            // SAFETY: non-null, a size_t.
-            unsafe { *bytes = g.memory_bytes.unwrap_or(0) as usize };
-            SUCCESS
-        }
-    })
+    // SAFETY: `bytes` null or a writable size_t.
+    unsafe { device_query(bytes, dev, |g| g.memory_bytes.unwrap_or(0) as usize) }
 }
 
 /// The codes this library returns are the driver's (a test ties them to gpu-checkpoint's table).

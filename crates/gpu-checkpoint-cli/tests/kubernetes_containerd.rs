@@ -123,6 +123,20 @@ fn run_on(
     Ok(id)
 }
 
+/// The kubelet's restore: a container `name` in `pod` created from the checkpoint archive `ck`, which must
+/// start.
+fn restored_on(
+    node: &mut Node,
+    pod: &Pod,
+    name: &str,
+    ck: &Path,
+    script: &str,
+    env: &[(&str, &str)],
+) -> String {
+    run_on(node, pod, name, &ck.display().to_string(), script, env)
+        .unwrap_or_else(|(_, e)| panic!("restore: {e}"))
+}
+
 /// The container's 2 SIMULATED GPU processes, once they answer.
 fn gpu_pids(node: &mut Node, id: &str) -> Vec<i32> {
     wait_gpu_processes(id, &mut || node.init_pid(id), 2)
@@ -237,15 +251,14 @@ fn a_gpu_container_is_checkpointed_and_restored_through_containerds_cri_onto_the
     wait_gone(&pids);
     let pod2 = s.node.pod("gpu-pod-restored");
     let gpu1 = gpu(1);
-    let restored = run_on(
+    let restored = restored_on(
         &mut s.node,
         &pod2,
         "gpu",
-        &ck.display().to_string(),
+        &ck,
         GPU_SCRIPT,
         &[(GPU_ENV, &gpu1)],
-    )
-    .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    );
     assert_eq!(s.node.state(&restored), RUNNING);
     let now = gpu_pids(&mut s.node, &restored);
     assert_healthy(&now);
@@ -342,15 +355,7 @@ fn a_cpu_only_container_goes_through_the_cri_without_a_gpu_step() {
     assert!(rec["gpu"].is_null() && rec["frozen_by"].is_null(), "{rec}");
     s.node.cri.remove(&id, Duration::ZERO).unwrap();
     let pod2 = s.node.pod("cpu-restored");
-    let restored = run_on(
-        &mut s.node,
-        &pod2,
-        "cpu",
-        &ck.display().to_string(),
-        CPU_SCRIPT,
-        &[],
-    )
-    .unwrap_or_else(|(_, e)| panic!("restore: {e}"));
+    let restored = restored_on(&mut s.node, &pod2, "cpu", &ck, CPU_SCRIPT, &[]);
     counter_carried_on(&mut s.node, &restored, before, after);
 }
 

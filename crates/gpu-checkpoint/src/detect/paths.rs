@@ -205,7 +205,7 @@ mod tests {
 
     #[test]
     fn classify_paths() {
-        let cases = [
+        for (path, class) in [
             ("/dev/nvidiactl", PathClass::NvidiaCtl),
             ("/dev/nvidia3", PathClass::NvidiaGpu(3)),
             ("/dev/nvidia-uvm", PathClass::NvidiaUvm),
@@ -239,8 +239,7 @@ mod tests {
             ("/dev/shm/gpu-checkpoint-sim/1/mem", PathClass::ShmSim),
             ("/dev/shm/other", PathClass::ShmOther),
             ("/usr/lib/libc.so.6", PathClass::Other),
-        ];
-        for (path, class) in cases {
+        ] {
             assert_eq!(classify_path(path), class, "{path}");
         }
     }

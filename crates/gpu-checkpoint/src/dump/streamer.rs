@@ -392,13 +392,24 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    /// A listener in a fresh folder, and `criu` run on a thread against it (given its connected socket):
+    /// the accepted connection and that thread. The folder lives as long as the connection is used.
+    fn with_criu<T: Send + 'static>(
+        mode: Mode,
+        criu: impl FnOnce(UnixStream) -> T + Send + 'static,
+    ) -> (tempfile::TempDir, Connection, std::thread::JoinHandle<T>) {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = Listener::bind(dir.path(), mode).unwrap();
+        let d = dir.path().to_path_buf();
+        let criu = std::thread::spawn(move || criu(client::connect(&d, mode).unwrap()));
+        let stop = AtomicBool::new(false);
+        let conn = listener.accept(&stop).unwrap().unwrap();
+        (dir, conn, criu)
+    }
+
     #[test]
     fn capture_receives_names_and_bytes() {
-        let dir = tempfile::tempdir().unwrap();
-        let listener = Listener::bind(dir.path(), Mode::Capture).unwrap();
-        let d = dir.path().to_path_buf();
-        let criu = std::thread::spawn(move || {
-            let mut sock = client::connect(&d, Mode::Capture).unwrap();
+        let (_dir, mut conn, criu) = with_criu(Mode::Capture, |mut sock| {
             for (name, fill) in [("inventory.img", 1u8), ("pages-1.img", 2)] {
                 let mut pipe = client::open(&mut sock, Mode::Capture, name)
                     .unwrap()
@@ -406,8 +417,6 @@ mod tests {
                 pipe.write_all(&vec![fill; 300_000]).unwrap();
             }
         });
-        let stop = AtomicBool::new(false);
-        let mut conn = listener.accept(&stop).unwrap().unwrap();
         let mut got = Vec::new();
         while let Some(name) = conn.next_request().unwrap() {
             let mut pipe = conn.receive_pipe().unwrap();
@@ -427,11 +436,7 @@ mod tests {
 
     #[test]
     fn serve_answers_missing_images_and_sends_bytes() {
-        let dir = tempfile::tempdir().unwrap();
-        let listener = Listener::bind(dir.path(), Mode::Serve).unwrap();
-        let d = dir.path().to_path_buf();
-        let criu = std::thread::spawn(move || {
-            let mut sock = client::connect(&d, Mode::Serve).unwrap();
+        let (_dir, mut conn, criu) = with_criu(Mode::Serve, |mut sock| {
             assert!(client::open(&mut sock, Mode::Serve, "absent.img")
                 .unwrap()
                 .is_none());
@@ -442,8 +447,6 @@ mod tests {
             pipe.read_to_end(&mut data).unwrap();
             data
         });
-        let stop = AtomicBool::new(false);
-        let mut conn = listener.accept(&stop).unwrap().unwrap();
         assert_eq!(conn.next_request().unwrap().as_deref(), Some("absent.img"));
         conn.reply(false).unwrap();
         assert_eq!(conn.next_request().unwrap().as_deref(), Some("core-1.img"));

@@ -194,14 +194,20 @@ mod tests {
         }
     }
 
+    /// A temporary folder with an empty `store` in it: the folder (removed on drop) and the store's path.
+    fn temp_store() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("store");
+        std::fs::create_dir_all(&store).unwrap();
+        (dir, store)
+    }
+
     /// A store whose `restore-work` was replaced by a link to someone else's folder: the work folder must not
     /// be made through it (root's CRIU would read images that user can swap), nor anything there removed.
     #[test]
     fn work_folder_is_private_and_never_made_through_a_planted_link() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = dir.path().join("store");
+        let (dir, store) = temp_store();
         let theirs = dir.path().join("theirs");
-        std::fs::create_dir_all(&store).unwrap();
         std::fs::create_dir_all(theirs.join("ID.looks-stale")).unwrap();
         symlink(&theirs, store.join(WORK)).unwrap();
         let work = WorkDir::create(&place(&store), "20261124T000000Z-00000000").unwrap();
@@ -243,9 +249,7 @@ mod tests {
     /// out must still be there, and no sweep fails on what another removed, however they interleave.
     #[test]
     fn concurrent_sweeps_never_remove_a_new_work_folder() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = dir.path().join("store");
-        std::fs::create_dir_all(&store).unwrap();
+        let (_dir, store) = temp_store();
         let lost = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..4 {
@@ -272,8 +276,7 @@ mod tests {
     /// itself, never what it points at.
     #[test]
     fn stale_work_folders_are_removed_and_live_ones_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = dir.path().join("store");
+        let (dir, store) = temp_store();
         let outside = dir.path().join("outside");
         std::fs::create_dir_all(&outside).unwrap();
         std::fs::write(outside.join("keep"), b"k").unwrap();

@@ -129,17 +129,18 @@ impl CudaCli {
         self.run(op, pid, &args).map(drop)
     }
 
-    /// Runs `BINARY QUERY --pid PID` and reads its answer out of the output with `parse`.
+    /// Runs a query (`flag`: `--get-state`, `--get-restore-tid`) on `pid` and reads the answer out of its
+    /// output with `parse`; output it cannot read is an error that shows it.
     fn query<T>(
         &self,
         op: Op,
         pid: i32,
-        query: &str,
+        flag: &str,
         parse: impl FnOnce(&str) -> Option<T>,
     ) -> Result<T> {
-        let out = self.run(op, pid, &[query.into(), "--pid".into(), pid.to_string()])?;
+        let out = self.run(op, pid, &[flag.into(), "--pid".into(), pid.to_string()])?;
         parse(&out).ok_or_else(|| Error::CliFailed {
-            command: format!("{BINARY} {query} --pid {pid}"),
+            command: format!("{BINARY} {flag} --pid {pid}"),
             reason: format!("unexpected output `{}`", out.trim()),
         })
     }

@@ -59,15 +59,14 @@ macro_rules! handle {
                 })
             }
 
-            /// The process in its next state (`next` makes that handle) once the driver's move
-            /// `done` succeeded; this handle back otherwise.
-            fn moved<N>(
+            /// What the driver answered to a move: the handle of the state it led `to`, or this one back.
+            fn moved<T>(
                 self,
-                done: Result<()>,
-                next: fn(Arc<dyn GpuDriver>, i32) -> N,
-            ) -> std::result::Result<N, Failed<Self>> {
-                match done {
-                    Ok(()) => Ok(next(Arc::clone(&self.driver), self.pid)),
+                answer: Result<()>,
+                to: fn(Arc<dyn GpuDriver>, i32) -> T,
+            ) -> std::result::Result<T, Failed<Self>> {
+                match answer {
+                    Ok(()) => Ok(to(self.driver, self.pid)),
                     Err(e) => self.fail(e),
                 }
             }
@@ -130,22 +129,22 @@ impl GpuProcess {
 impl Running {
     /// RUNNING -> LOCKED, waiting at most `timeout` for submitted work (`None`: no limit).
     pub fn lock(self, timeout: Option<Duration>) -> std::result::Result<Locked, Failed<Self>> {
-        let done = self.driver.lock(self.pid, timeout);
-        self.moved(done, Locked::assume)
+        let answer = self.driver.lock(self.pid, timeout);
+        self.moved(answer, Locked::assume)
     }
 }
 
 impl Locked {
     /// LOCKED -> CHECKPOINTED.
     pub fn checkpoint(self) -> std::result::Result<Checkpointed, Failed<Self>> {
-        let done = self.driver.checkpoint(self.pid);
-        self.moved(done, Checkpointed::assume)
+        let answer = self.driver.checkpoint(self.pid);
+        self.moved(answer, Checkpointed::assume)
     }
 
     /// LOCKED -> RUNNING.
     pub fn unlock(self) -> std::result::Result<Running, Failed<Self>> {
-        let done = self.driver.unlock(self.pid);
-        self.moved(done, Running::assume)
+        let answer = self.driver.unlock(self.pid);
+        self.moved(answer, Running::assume)
     }
 
     pub fn restore_thread_id(&self) -> Result<i32> {
@@ -156,8 +155,8 @@ impl Locked {
 impl Checkpointed {
     /// CHECKPOINTED -> LOCKED, onto the GPUs `pairs` name (empty: the same GPUs).
     pub fn restore(self, pairs: &[GpuPair]) -> std::result::Result<Locked, Failed<Self>> {
-        let done = self.driver.restore(self.pid, pairs);
-        self.moved(done, Locked::assume)
+        let answer = self.driver.restore(self.pid, pairs);
+        self.moved(answer, Locked::assume)
     }
 
     pub fn restore_thread_id(&self) -> Result<i32> {

@@ -943,12 +943,8 @@ mod tests {
         assert!(dec.decode(&other, &stored).unwrap_err().contains("BLAKE3"));
     }
 
-    /// A version 1 object of `data` as earlier builds wrote it (no trailer).
-    fn v1_object(data: &[u8]) -> Vec<u8> {
-        v1_stored(data.len(), &zstd::bulk::compress(data, 1).unwrap())
-    }
-
-    /// A version 1 object (no trailer) of `raw_len` bytes compressed into zstd `payload`.
+    /// A version 1 object (no trailer) as earlier builds wrote it: `payload`, a zstd stream of `raw_len`
+    /// bytes, under its header.
     fn v1_stored(raw_len: usize, payload: &[u8]) -> Vec<u8> {
         let header = Header {
             encoding: Encoding::Zstd,
@@ -961,6 +957,11 @@ mod tests {
         stored
     }
 
+    /// A version 1 object of `data` as earlier builds wrote it (zstd level 1, one frame).
+    fn v1_object(data: &[u8]) -> Vec<u8> {
+        v1_stored(data.len(), &zstd::bulk::compress(data, 1).unwrap())
+    }
+
     /// Chunk `data`'s name, header and whole object as this build writes them (zstd level 1).
     fn object_of(data: &[u8]) -> (ChunkId, Header, Vec<u8>) {
         let id = ChunkId::of(data);
@@ -969,11 +970,16 @@ mod tests {
         (id, header, object.to_vec())
     }
 
-    /// Chunk `data`'s object, checked to be stored as `encoding` in format `version` (a trailer from
-    /// version 2 on), and a decoder that has reused it without complaint.
-    fn reused(data: &[u8], encoding: Encoding, version: u8) -> (ChunkId, Vec<u8>, Decoder) {
+    /// Chunk `data` as this build writes it, check that its header says `(encoding, trailer)` and its format
+    /// byte `version`, and that a fresh decoder (no output buffer, as the ingest's) accepts it for reuse.
+    fn reusable_object(
+        data: &[u8],
+        encoding: Encoding,
+        trailer: bool,
+        version: u8,
+    ) -> (ChunkId, Vec<u8>, Decoder) {
         let (id, header, object) = object_of(data);
-        assert_eq!((header.encoding, header.trailer), (encoding, version >= 2));
+        assert_eq!((header.encoding, header.trailer), (encoding, trailer));
         assert_eq!(object[4], version, "format version");
         let mut dec = Decoder::new(0).unwrap();
         assert_eq!(dec.check_reuse(&id, &object, data), Ok(()));
@@ -983,8 +989,8 @@ mod tests {
     #[test]
     fn a_reused_zstd_object_is_proved_by_its_trailer_without_decompressing() {
         let data = heap_like(20_000, 51);
+        let (id, object, mut dec) = reusable_object(&data, Encoding::Zstd, true, 2);
         // The ingest's decoder starts without an output buffer: it stays so, nothing was decompressed.
-        let (id, object, mut dec) = reused(&data, Encoding::Zstd, 2);
         assert_eq!(dec.out.capacity(), 0, "decompressed");
         // Bytes of another length than the header says: refused.
         assert!(dec.check_reuse(&id, &object, &data[..100]).is_err());
@@ -1046,9 +1052,9 @@ mod tests {
 
     #[test]
     fn a_reused_raw_object_is_compared() {
-        // Raw objects keep format version 1.
         let data = random_bytes(100_000, 54);
-        let (id, object, mut dec) = reused(&data, Encoding::Raw, 1);
+        // Raw objects keep format version 1.
+        let (id, object, mut dec) = reusable_object(&data, Encoding::Raw, false, 1);
         let mut bad = object.clone();
         bad[HEADER_LEN + 5000] ^= 1;
         assert_eq!(
