@@ -398,24 +398,26 @@ fn no_import_runs_back_up_a_layer() {
         }
         Some(1 + order.iter().position(|x| *x == top)?)
     };
-    let mut bad = Vec::new();
-    for (a, named) in &c.edges {
-        for b in named {
-            if a.first() == b.first() {
-                continue;
-            }
-            if let (Some(la), Some(lb)) = (layer(a), layer(b)) {
-                if lb >= la {
-                    bad.push(format!("  {} -> {}\n", name(a), name(b)));
-                }
-            }
-        }
-    }
-    assert!(
-        bad.is_empty(),
-        "imports that run up a layer (or between leaves):\n{}",
-        bad.concat()
+    assert_no_import(
+        &c,
+        "imports that run up a layer (or between leaves)",
+        |a, b| {
+            a.first() != b.first()
+                && matches!((layer(a), layer(b)), (Some(la), Some(lb)) if lb >= la)
+        },
     );
+}
+
+/// Fails naming every import `a -> b` (between files) that `bad` picks out, as `what`.
+fn assert_no_import(c: &Crate, what: &str, bad: impl Fn(&Module, &Module) -> bool) {
+    let found: Vec<String> = c
+        .edges
+        .iter()
+        .flat_map(|(a, named)| named.iter().map(move |b| (a, b)))
+        .filter(|(a, b)| bad(a, b))
+        .map(|(a, b)| format!("  {} -> {}\n", name(a), name(b)))
+        .collect();
+    assert!(found.is_empty(), "{what}:\n{}", found.concat());
 }
 
 #[test]
@@ -438,22 +440,9 @@ fn every_module_of_the_crate_root_has_a_layer() {
 #[test]
 fn no_flow_reaches_into_another_flows_inner_modules() {
     let c = load();
-    let mut bad = Vec::new();
-    for (a, named) in &c.edges {
-        let Some(flow) = (a.len() >= 2 && a[0] == "flows").then(|| &a[1]) else {
-            continue;
-        };
-        for b in named {
-            if b.len() >= 3 && b[0] == "flows" && &b[1] != flow {
-                bad.push(format!("  {} -> {}\n", name(a), name(b)));
-            }
-        }
-    }
-    assert!(
-        bad.is_empty(),
-        "flows naming another flow's inner modules:\n{}",
-        bad.concat()
-    );
+    assert_no_import(&c, "flows naming another flow's inner modules", |a, b| {
+        a.len() >= 2 && a[0] == "flows" && b.len() >= 3 && b[0] == "flows" && b[1] != a[1]
+    });
 }
 
 #[test]

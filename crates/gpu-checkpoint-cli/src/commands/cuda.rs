@@ -142,6 +142,16 @@ struct Report {
     error: Option<String>,
 }
 
+impl Report {
+    fn got_state(&mut self, state: &ProcessState) {
+        self.state = Some(*state);
+    }
+
+    fn got_tid(&mut self, tid: &i32) {
+        self.restore_tid = Some(*tid);
+    }
+}
+
 struct Session {
     driver: std::sync::Arc<dyn GpuDriver>,
     report: Report,
@@ -269,13 +279,10 @@ fn timeout(ms: Option<u64>) -> Option<Duration> {
 
 pub fn run(cmd: Command) -> super::Result<()> {
     match cmd {
-        Command::State(c) => answer(
-            &c,
-            "state",
-            Op::State,
-            |d| d.state(c.pid),
-            |r, st| r.state = Some(*st),
-        ),
+        Command::State(c) => {
+            let state = |d: &dyn GpuDriver| d.state(c.pid);
+            ask(&c, "state", Op::State, state, Report::got_state)
+        }
         Command::Lock {
             common: c,
             timeout: t,
@@ -291,13 +298,10 @@ pub fn run(cmd: Command) -> super::Result<()> {
             s.finish(c.format, r)
         }
         Command::Unlock(c) => single(&c, "unlock", Op::Unlock, |d| d.unlock(c.pid)),
-        Command::RestoreTid(c) => answer(
-            &c,
-            "restore-tid",
-            Op::RestoreTid,
-            |d| d.restore_thread_id(c.pid),
-            |r, tid| r.restore_tid = Some(*tid),
-        ),
+        Command::RestoreTid(c) => {
+            let tid = |d: &dyn GpuDriver| d.restore_thread_id(c.pid);
+            ask(&c, "restore-tid", Op::RestoreTid, tid, Report::got_tid)
+        }
         Command::Toggle {
             common: c,
             timeout: t,
@@ -318,11 +322,11 @@ fn single(
     op: Op,
     f: impl FnOnce(&dyn GpuDriver) -> freeze::Result<()>,
 ) -> super::Result<()> {
-    answer(c, action, op, f, |_, _| {})
+    ask(c, action, op, f, |_, _| {})
 }
 
 /// [`single`] for a query: the report keeps what `keep` takes of the answer.
-fn answer<T>(
+fn ask<T>(
     c: &Common,
     action: &'static str,
     op: Op,
