@@ -194,10 +194,7 @@ impl Flow<'_> {
         phases: &dyn Phases,
     ) -> crate::Result<CheckpointOutcome> {
         let mut target = ProcessTree::new(self.criu, self.images, opts, self.procs);
-        let common = CheckpointCommon {
-            name: opts.name.clone(),
-            leave_running: opts.leave_running,
-        };
+        let common = CheckpointCommon::new(&opts.name, opts.leave_running);
         let out = self.pipeline().checkpoint(&mut target, &common, phases)?;
         let t = out.timings;
         Ok(CheckpointOutcome {

@@ -184,10 +184,7 @@ impl ContainerFlow<'_> {
         phases: &dyn Phases,
     ) -> crate::Result<ContainerCheckpointOutcome> {
         let mut target = checkpoint::Container::new(self.runtime, self.direct, opts, self.procs);
-        let common = CheckpointCommon {
-            name: opts.name.clone(),
-            leave_running: opts.leave_running,
-        };
+        let common = CheckpointCommon::new(&opts.name, opts.leave_running);
         let out = self.pipeline().checkpoint(&mut target, &common, phases)?;
         let t = out.timings;
         Ok(ContainerCheckpointOutcome {

@@ -26,6 +26,15 @@ pub struct CheckpointCommon {
     pub leave_running: bool,
 }
 
+impl CheckpointCommon {
+    pub fn new(name: &Option<String>, leave_running: bool) -> Self {
+        CheckpointCommon {
+            name: name.clone(),
+            leave_running,
+        }
+    }
+}
+
 /// The pipeline's timings of one checkpoint, in milliseconds.
 #[derive(Debug, Clone, Default)]
 pub struct Timings {

@@ -58,17 +58,12 @@ struct RuncState {
 #[derive(Debug, Deserialize)]
 struct RuncConfig {
     rootfs: PathBuf,
-    #[serde(default)]
+    // A missing `Option` is `None` (serde's rule for `Option` fields).
     mounts: Option<Vec<RuncMount>>,
-    #[serde(default)]
     mask_paths: Option<Vec<String>>,
-    #[serde(default)]
     devices: Option<Vec<RuncDevice>>,
-    #[serde(default)]
     namespaces: Option<Vec<RuncNamespace>>,
-    #[serde(default)]
     networks: Option<Vec<RuncNetwork>>,
-    #[serde(default)]
     labels: Option<Vec<String>>,
 }
 
