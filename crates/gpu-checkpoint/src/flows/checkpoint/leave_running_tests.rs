@@ -82,12 +82,8 @@ fn a_staged_leave_running_dump_lets_criu_resume_the_tree() {
 
 #[test]
 fn a_failed_commit_after_a_streamed_leave_running_dump_leaves_the_tree_running_and_thawed_once() {
-    let s = Scene::new();
-    let p = Sleeper::start();
     // The store refuses the odd file CRIU left among its files: the commit fails, after the continue.
-    s.criu.leave_odd_file();
-    let mut gpu = RecordingGpu::new(&s.criu);
-    gpu.watch = Some(p.pid());
+    let (s, p, mut gpu) = Scene::with_tree_and_odd_file();
     let err = s.checkpoint(&mut gpu, &leave_running(p.pid())).unwrap_err();
     assert!(matches!(err, crate::Error::Store(_)), "{err}");
     assert_eq!(dumped(&s), (AfterDump::Stop, true));

@@ -220,6 +220,15 @@ impl Scene {
         (s, Sleeper::start(), gpu)
     }
 
+    /// [`Scene::with_tree`] whose CRIU leaves a file the store refuses (the commit fails after the dump),
+    /// the GPU hook watching the tree.
+    pub(super) fn with_tree_and_odd_file() -> (Scene, Sleeper, RecordingGpu) {
+        let (s, p, mut gpu) = Scene::with_tree();
+        s.criu.leave_odd_file();
+        gpu.watch = Some(p.pid());
+        (s, p, gpu)
+    }
+
     /// Nothing of a failed checkpoint is kept: no checkpoint, no staging folder.
     pub(super) fn assert_nothing_kept(&self) {
         assert!(self.store.list().unwrap().is_empty());
@@ -375,11 +384,7 @@ fn failed_dump_case(images: ImageTransfer) {
 
 #[test]
 fn failed_store_write_continues_the_stopped_tree_and_thaws() {
-    let s = Scene::new();
-    let p = Sleeper::start();
-    s.criu.leave_odd_file();
-    let mut gpu = RecordingGpu::new(&s.criu);
-    gpu.watch = Some(p.pid());
+    let (s, p, mut gpu) = Scene::with_tree_and_odd_file();
     let err = s
         .checkpoint(&mut gpu, &CheckpointOptions::new(p.pid()))
         .unwrap_err();

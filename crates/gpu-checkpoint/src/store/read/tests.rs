@@ -123,6 +123,24 @@ fn small_chunks() -> StoreOptions {
     }
 }
 
+/// A store in `dir` on a [`CountingFetches`] backend (`late_first` as its own) holding one checkpoint
+/// of `len` pseudo-random bytes (`seed`) in `pages-1.img`: the backend, the store, the checkpoint and
+/// its bytes.
+fn counted_pages(
+    dir: &std::path::Path,
+    late_first: bool,
+    seed: u64,
+    len: usize,
+) -> (Arc<CountingFetches>, Store, CheckpointInfo, Vec<u8>) {
+    let backend = Arc::new(CountingFetches::new(dir, late_first));
+    let store = Store::with_backend(backend.clone(), small_chunks()).unwrap();
+    let ing = store.begin(Some("job")).unwrap();
+    let pages = crate::testdata::XorShift64::new(seed).bytes(len);
+    std::fs::write(ing.staging_dir().join("pages-1.img"), &pages).unwrap();
+    let info = ing.commit(serde_json::json!({}), &NoProgress).unwrap();
+    (backend, store, info, pages)
+}
+
 const SLOW: Duration = Duration::from_millis(300);
 
 impl Backend for CountingFetches {
@@ -195,12 +213,7 @@ impl Backend for CountingFetches {
 #[test]
 fn a_restore_fetches_every_chunk_once_and_leaves_no_read_ahead_pending() {
     let dir = tempfile::tempdir().unwrap();
-    let backend = Arc::new(CountingFetches::new(dir.path(), true));
-    let store = Store::with_backend(backend.clone(), small_chunks()).unwrap();
-    let ing = store.begin(Some("job")).unwrap();
-    let pages = crate::testdata::XorShift64::new(0x9e37_79b9).bytes(1 << 20);
-    std::fs::write(ing.staging_dir().join("pages-1.img"), &pages).unwrap();
-    let info = ing.commit(serde_json::json!({}), &NoProgress).unwrap();
+    let (backend, store, info, pages) = counted_pages(dir.path(), true, 0x9e37_79b9, 1 << 20);
     let chunks: Vec<String> = info.files[0]
         .chunks
         .iter()
@@ -267,12 +280,7 @@ fn the_prefetcher_holds_at_most_its_bytes_ahead_of_slow_workers() {
 fn a_restore_from_a_backend_holding_read_ahead_in_memory_stays_within_the_plan_and_reads_far_ahead()
 {
     let dir = tempfile::tempdir().unwrap();
-    let backend = Arc::new(CountingFetches::new(dir.path(), false));
-    let store = Store::with_backend(backend.clone(), small_chunks()).unwrap();
-    let ing = store.begin(Some("job")).unwrap();
-    let pages = crate::testdata::XorShift64::new(0x5eed).bytes(2 << 20);
-    std::fs::write(ing.staging_dir().join("pages-1.img"), &pages).unwrap();
-    let info = ing.commit(serde_json::json!({}), &NoProgress).unwrap();
+    let (backend, store, info, pages) = counted_pages(dir.path(), false, 0x5eed, 2 << 20);
     let plan = read_plan(&store.inner, &info);
     assert!(plan.ahead_bytes < u64::MAX && plan.workers >= 1, "{plan:?}");
 
