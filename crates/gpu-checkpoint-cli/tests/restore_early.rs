@@ -37,6 +37,22 @@ fn churning(dir: &std::path::Path, mib: &str) -> Workload {
 /// A checkpoint of the churn alone: one taken while its forked child lives holds both, and CRIU then
 /// restores their shared memory itself (none of it comes through userfaultfd). Taken `--leave-running`
 /// until one holds the churn alone; the churn is then killed, to be restored.
+/// A churning workload of `mib` MiB in a fresh CRIU scene, checkpointed alone (`None`: no CRIU here,
+/// the reason printed): the scene's folder and store, the workload and its checkpoint.
+fn churned(
+    mib: &str,
+) -> Option<(
+    tempfile::TempDir,
+    std::path::PathBuf,
+    Workload,
+    serde_json::Value,
+)> {
+    let (dir, store) = criu_scene()?;
+    let w = churning(dir.path(), mib);
+    let ck = checkpoint_alone(&w, &store);
+    Some((dir, store, w, ck))
+}
+
 fn checkpoint_alone(w: &Workload, store: &std::path::Path) -> serde_json::Value {
     for _ in 0..50 {
         let ck = checkpoint(w.pid, store, &["--leave-running"]);
@@ -61,11 +77,9 @@ fn field(w: &Workload, key: &str) -> u64 {
 
 #[test]
 fn a_process_running_before_its_memory_is_in_keeps_every_byte_through_forks_and_mapping_changes() {
-    let Some((dir, store)) = criu_scene() else {
+    let Some((_dir, store, w, ck)) = churned("256") else {
         return;
     };
-    let w = churning(dir.path(), "256");
-    let ck = checkpoint_alone(&w, &store);
     let (at_checkpoint, full) = (field(&w, "rounds"), field(&w, "full"));
     let out = restore_env(
         ck["id"].as_str().unwrap(),
@@ -102,11 +116,9 @@ fn a_process_running_before_its_memory_is_in_keeps_every_byte_through_forks_and_
 
 #[test]
 fn the_tool_killed_while_the_memory_comes_in_leaves_no_copy_and_the_checkpoint_restores() {
-    let Some((dir, store)) = criu_scene() else {
+    let Some((_dir, store, w, ck)) = churned("64") else {
         return;
     };
-    let w = churning(dir.path(), "64");
-    let ck = checkpoint_alone(&w, &store);
     let id = ck["id"].as_str().unwrap();
     // Killed at its first chunk, while the restored process runs: the guardian holds the process's
     // userfaultfd, so it waits on memory not yet in (rather than reading zeros) until the guardian kills
