@@ -44,6 +44,22 @@ fn occurrences(file: &Path, needles: &[&str]) -> Vec<String> {
     found
 }
 
+/// `cargo tree --offline ARGS` (the workspace's resolution, as a build of the named package makes it).
+fn cargo_tree(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO"))
+        .args(["tree", "--offline"])
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        out.status.success(),
+        "cargo tree {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn no_test_double_is_linked_into_the_binary() {
     let bin = Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint"));
@@ -60,6 +76,36 @@ fn no_test_double_is_linked_into_the_binary() {
         "{} holds test doubles: {found:?}",
         bin.display()
     );
+}
+
+/// The in-memory storage backend is the library's test support, behind its `test-support` feature: the
+/// tool's own dependency tree never turns the feature on, and a binary built without it holds none of it.
+/// (`cargo test --workspace` unifies the library's features for every crate it builds, the CLI's test
+/// build included: there the second check has nothing to look at.)
+#[test]
+fn the_tool_is_built_without_the_library_s_test_support() {
+    let tree = cargo_tree(&[
+        "-p",
+        "gpu-checkpoint-cli",
+        "-e",
+        "no-dev",
+        "-f",
+        "{p} [{f}]",
+    ]);
+    let lib: Vec<&str> = tree
+        .lines()
+        .filter(|l| l.contains("gpu-checkpoint v"))
+        .collect();
+    assert!(!lib.is_empty(), "the library is in the tool's tree: {tree}");
+    assert!(
+        lib.iter().all(|l| !l.contains("test-support")),
+        "the tool's build turns the library's test support on: {lib:?}"
+    );
+    if !gpu_checkpoint::TEST_SUPPORT {
+        let bin = Path::new(env!("CARGO_BIN_EXE_gpu-checkpoint"));
+        let found = occurrences(bin, &["MemoryBackend"]);
+        assert!(found.is_empty(), "{} holds {found:?}", bin.display());
+    }
 }
 
 #[test]
@@ -89,18 +135,16 @@ fn the_fake_gpu_backend_cannot_be_chosen() {
 /// the whole library: a dependency on `gpu-checkpoint` would make it tens of MB again.
 #[test]
 fn the_criu_plugin_does_not_link_the_library() {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args(["tree", "--offline", "-e", "normal", "--prefix", "none"])
-        .args(["-p", "gpu-checkpoint-criu-devices", "--format", "{p}"])
-        .output()
-        .expect("run cargo tree");
-    let tree = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let tree = cargo_tree(&[
+        "-e",
+        "normal",
+        "--prefix",
+        "none",
+        "-p",
+        "gpu-checkpoint-criu-devices",
+        "--format",
+        "{p}",
+    ]);
     let crates: Vec<&str> = tree.lines().filter_map(|l| l.split(' ').next()).collect();
     assert!(crates.contains(&"gpu-checkpoint-device-records"), "{tree}");
     assert!(!crates.contains(&"gpu-checkpoint"), "{tree}");

@@ -39,5 +39,9 @@ pub mod validate;
 use gpu_checkpoint_testdata as testdata;
 
 pub use exit::{Classify, ExitStatus};
+
+/// Whether this build of the library holds its test support (`store::MemoryBackend`, the `test-support`
+/// feature): a build of the tool never does (`tests/release_contents.rs` in the CLI crate checks it).
+pub const TEST_SUPPORT: bool = cfg!(feature = "test-support");
 pub use flows::{checkpoint, restore};
 pub use flows::{Error, Result};

@@ -36,7 +36,9 @@ mod verify;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use backend::{Backend, LocalBackend, LocalFs, LockMode, MemoryBackend, ObjectMeta, Objects};
+#[cfg(any(test, feature = "test-support"))]
+pub use backend::MemoryBackend;
+pub use backend::{Backend, LocalBackend, LocalFs, LockMode, ObjectMeta, Objects};
 pub use chunker::ChunkParams;
 pub use error::{Error, Location, Result};
 pub use gc::GcReport;

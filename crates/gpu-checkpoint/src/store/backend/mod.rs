@@ -8,14 +8,15 @@
 //! the file-system backend offers ([`Backend::local`]): the flows ask for the capability, never which
 //! backend they hold, and every fast path has a plain object-store way beside it.
 //!
-//! Implementations: [`LocalBackend`] (a local or shared POSIX file system), [`MemoryBackend`] (tests: no
-//! local capability, so it takes the object-store paths, leases included) and, with the `s3` feature,
-//! `S3Backend` (any S3-compatible server).
+//! Implementations: [`LocalBackend`] (a local or shared POSIX file system), `S3Backend` (with the `s3`
+//! feature: any S3-compatible server) and, for tests only (the unit tests, and the `test-support` feature),
+//! `MemoryBackend`: no local capability, so it takes the object-store paths, leases included.
 
 mod cache;
 mod direct;
 mod files;
 mod local;
+#[cfg(any(test, feature = "test-support"))]
 mod memory;
 mod objects;
 #[cfg(feature = "s3")]
@@ -24,6 +25,7 @@ mod trust;
 
 pub use cache::{CacheStats, CachedBackend};
 pub use local::{LocalBackend, DIRECT_IO_ENV};
+#[cfg(any(test, feature = "test-support"))]
 pub use memory::MemoryBackend;
 pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
 #[cfg(feature = "s3")]
