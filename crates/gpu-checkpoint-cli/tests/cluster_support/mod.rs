@@ -48,6 +48,9 @@ struct Member {
     child: Child,
 }
 
+/// What [`Etcd::wait_ready`]'s error says where a port etcd was given was taken before it bound it.
+const PORT_TAKEN: &str = " (its port was taken meanwhile)";
+
 /// An etcd cluster on 127.0.0.1 (1 or 3 members), its data in private folders of `dir`; killed on drop.
 pub struct Etcd {
     members: Vec<Option<Member>>,
@@ -77,7 +80,26 @@ impl Etcd {
         etcd
     }
 
-    fn start_with(bin: &Path, dir: &Path, size: usize, pki: Option<pki::Pki>) -> Etcd {
+    fn start_with(bin: &Path, dir: &Path, size: usize, mut pki: Option<pki::Pki>) -> Etcd {
+        for attempt in 1.. {
+            let mut etcd = Self::spawn(bin, dir, size, pki.take());
+            match etcd.wait_ready(dir) {
+                Ok(()) => return etcd,
+                // Another process took a port between `free_port` and etcd's bind: again, on new ports.
+                Err(e) if attempt < 3 && e.contains(PORT_TAKEN) => {
+                    pki = etcd.pki.take();
+                    drop(etcd);
+                    for i in 0..size {
+                        let _ = std::fs::remove_dir_all(dir.join(format!("etcd-{i}")));
+                    }
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    fn spawn(bin: &Path, dir: &Path, size: usize, pki: Option<pki::Pki>) -> Etcd {
         let scheme = if pki.is_some() { "https" } else { "http" };
         let tls = pki
             .as_ref()
@@ -136,44 +158,50 @@ impl Etcd {
                 ..EtcdConfig::default()
             },
         };
-        let mut etcd = Etcd {
+        Etcd {
             members,
             urls,
             pki,
             config,
             metrics: metrics[0].clone(),
-        };
-        etcd.wait_ready(dir);
-        etcd
+        }
     }
 
-    fn wait_ready(&mut self, dir: &Path) {
+    /// Waits until the cluster answers; `Err` with what went wrong (naming [`PORT_TAKEN`] where
+    /// another process holds one of its ports).
+    fn wait_ready(&mut self, dir: &Path) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             // A member that exited (its port taken by another process between `free_port` and its
             // bind) would leave the test talking to whoever holds the port.
             for (i, m) in self.members.iter_mut().flatten().enumerate() {
                 if let Ok(Some(st)) = m.child.try_wait() {
-                    let log = std::fs::read_to_string(dir.join(format!("etcd-{i}.log")));
-                    panic!("etcd member {i} exited ({st}): {}", log.unwrap_or_default());
+                    let log = std::fs::read_to_string(dir.join(format!("etcd-{i}.log")))
+                        .unwrap_or_default();
+                    let taken = if log.contains("address already in use") {
+                        PORT_TAKEN
+                    } else {
+                        ""
+                    };
+                    return Err(format!("etcd member {i} exited ({st}){taken}: {log}"));
                 }
             }
             if let Ok(c) = EtcdCoordinator::connect(&self.config) {
                 // Ours is empty: a `/ready` already there is another test's etcd on a port that was
                 // free a moment before.
                 if let Ok(Some(_)) = c.get("/ready") {
-                    panic!(
-                        "another etcd answers on {:?}: its port was taken meanwhile",
+                    return Err(format!(
+                        "another etcd answers on {:?}{PORT_TAKEN}",
                         self.urls
-                    );
+                    ));
                 }
                 if c.put("/ready", b"1", None).is_ok() {
-                    return;
+                    return Ok(());
                 }
             }
             if Instant::now() > deadline {
                 let log = std::fs::read_to_string(dir.join("etcd-0.log")).unwrap_or_default();
-                panic!("etcd did not start: {log}");
+                return Err(format!("etcd did not start: {log}"));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
