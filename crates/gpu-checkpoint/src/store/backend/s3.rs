@@ -6,7 +6,7 @@
 //! The store's workers are threads, the client is async: the backend runs a small tokio runtime of its own
 //! and blocks on it. To keep tens of requests in flight without tens of workers, chunk puts are sent in the
 //! background (bounded by count and bytes; [`Backend::sync`] waits for them and reports their failures, and
-//! the first failure fails every later put at once), and reads announced with [`Backend::prefetch`] are
+//! the first failure fails every later put at once), and reads announced with [`ReadBackend::prefetch`] are
 //! fetched ahead.
 //!
 //! What is assumed of the server (see `docs/store.md`): a PUT is atomic and durable when answered; GET,
@@ -40,8 +40,8 @@ const MAX_PUTS: usize = 32;
 /// maximum chunks; 32 MiB put checkpoints of 256 MiB and 1 GiB at 109-121 MiB of peak RSS (`docs/store.md`).
 const MAX_PUT_KIB: u32 = 8 * 1024;
 /// Reads fetched ahead at most, a backstop: the read path bounds its read-ahead by bytes within the
-/// memory budget ([`Backend::read_ahead_in_memory`]) and announces no more than fit, since an announcement
-/// this drops is fetched later by a worker, one request at a time (`docs/store.md`).
+/// memory budget ([`ReadBackend::read_ahead_in_memory`]) and announces no more than fit, since an
+/// announcement this drops is fetched later by a worker, one request at a time (`docs/store.md`).
 const MAX_PREFETCH: usize = 64;
 /// Objects above this are sent in parts (multipart upload), of this size each.
 const MULTIPART_PART: usize = 16 << 20;
