@@ -15,7 +15,8 @@ use gpu_checkpoint::store::backend::{chunk_key, LEASES};
 #[cfg(feature = "s3")]
 use gpu_checkpoint::store::ObjectMeta;
 use gpu_checkpoint::store::{
-    Backend, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store, GRACE,
+    Backend, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, ReadBackend, Store,
+    GRACE,
 };
 use gpu_checkpoint::{Classify, ExitStatus};
 
@@ -207,24 +208,12 @@ impl Aged {
 }
 
 #[cfg(feature = "s3")]
-impl Backend for Aged {
+impl ReadBackend for Aged {
     fn location(&self) -> &str {
         self.inner.location()
     }
     fn describe(&self, key: &str) -> String {
         self.inner.describe(key)
-    }
-    fn init(&self) -> gpu_checkpoint::store::Result<()> {
-        self.inner.init()
-    }
-    fn check_writable(&self) -> gpu_checkpoint::store::Result<()> {
-        self.inner.check_writable()
-    }
-    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> gpu_checkpoint::store::Result<()> {
-        self.inner.put(key, parts, durable)
-    }
-    fn sync(&self, keys: &[String]) -> gpu_checkpoint::store::Result<()> {
-        self.inner.sync(keys)
     }
     fn get(&self, key: &str, buf: &mut Vec<u8>) -> gpu_checkpoint::store::Result<bool> {
         self.inner.get(key, buf)
@@ -247,9 +236,6 @@ impl Backend for Aged {
     ) -> gpu_checkpoint::store::Result<()> {
         self.inner.list(prefix, &mut |m| f(self.shifted(m)))
     }
-    fn delete(&self, key: &str) -> gpu_checkpoint::store::Result<bool> {
-        self.inner.delete(key)
-    }
     fn prefetch(&self, key: &str) {
         self.inner.prefetch(key)
     }
@@ -258,6 +244,25 @@ impl Backend for Aged {
     }
     fn work_root(&self) -> Option<&Path> {
         self.inner.work_root()
+    }
+}
+
+#[cfg(feature = "s3")]
+impl Backend for Aged {
+    fn init(&self) -> gpu_checkpoint::store::Result<()> {
+        self.inner.init()
+    }
+    fn check_writable(&self) -> gpu_checkpoint::store::Result<()> {
+        self.inner.check_writable()
+    }
+    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> gpu_checkpoint::store::Result<()> {
+        self.inner.put(key, parts, durable)
+    }
+    fn sync(&self, keys: &[String]) -> gpu_checkpoint::store::Result<()> {
+        self.inner.sync(keys)
+    }
+    fn delete(&self, key: &str) -> gpu_checkpoint::store::Result<bool> {
+        self.inner.delete(key)
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_checkpoint::store::{
-    Error, MemoryBackend, NoProgress, Objects, Progress, Store, StoreOptions,
+    Error, MemoryBackend, NoProgress, Progress, ReadObjects, Store, StoreOptions,
 };
 use gpu_checkpoint::Classify;
 use gpu_checkpoint::ExitStatus;

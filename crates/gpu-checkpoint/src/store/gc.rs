@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
-use super::backend::{Backend, LockMode, Objects, LEASES};
+use super::backend::{Backend, LockMode, Objects, ReadBackend, ReadObjects, LEASES};
 use super::chunk::ChunkId;
 use super::error::{Error, Result};
 use super::lease::{self, Lease, GC_MARKERS, GRACE, LEASE_TTL};
@@ -69,7 +69,7 @@ pub(super) fn gc(inner: &Inner) -> Result<GcReport> {
 }
 
 /// Every chunk the committed manifests reference; a damaged manifest stops gc.
-fn referenced(backend: &dyn Backend, report: &mut GcReport) -> Result<HashSet<ChunkId>> {
+fn referenced(backend: &dyn ReadBackend, report: &mut GcReport) -> Result<HashSet<ChunkId>> {
     let mut referenced: HashSet<ChunkId> = HashSet::new();
     for id in backend.list_manifests()? {
         let Some(bytes) = backend.get_manifest(&id)? else {

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use super::backend::{Backend, Objects};
+use super::backend::{ReadBackend, ReadObjects};
 use super::chunk::ChunkId;
 
 /// How long a listing is trusted before the next ingest lists again (chunks this client writes are added as
@@ -44,7 +44,7 @@ pub(super) struct IndexCache(Mutex<Option<Arc<ChunkIndex>>>);
 impl IndexCache {
     /// The index for an ingest into `backend`: `None` where asking is cheap (a local folder), or where the
     /// listing failed (the ingest then asks per chunk).
-    pub(super) fn get(&self, backend: &dyn Backend) -> Option<Arc<ChunkIndex>> {
+    pub(super) fn get(&self, backend: &dyn ReadBackend) -> Option<Arc<ChunkIndex>> {
         if backend.local().is_some() {
             return None;
         }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::backend::Objects;
+use super::backend::{Objects, ReadObjects};
 use super::chunk::ChunkId;
 use super::chunker::{is_page_image, ChunkParams, Chunker, Hints, Piece, SegBuf, SegmentPool};
 use super::error::{Error, Result};

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use super::backend::{Backend, ObjectMeta, Objects, LEASES};
+use super::backend::{Backend, ObjectMeta, ReadBackend, ReadObjects, LEASES};
 use super::chunk::ChunkId;
 use super::error::{Error, Result};
 
@@ -53,7 +53,7 @@ pub(super) fn is_live(meta: &ObjectMeta) -> bool {
 
 /// Live objects under `prefix`, and the stale ones.
 pub(super) fn live(
-    backend: &dyn Backend,
+    backend: &dyn ReadBackend,
     prefix: &str,
 ) -> Result<(Vec<ObjectMeta>, Vec<ObjectMeta>)> {
     let mut all = Vec::new();
@@ -185,7 +185,7 @@ impl Lease {
 
 /// Which of `ids` are not stored: one `head` each for a few, one listing for many (a listing returns a
 /// thousand keys per request).
-fn missing_chunks(backend: &dyn Backend, ids: &[ChunkId]) -> Result<Vec<ChunkId>> {
+fn missing_chunks(backend: &dyn ReadBackend, ids: &[ChunkId]) -> Result<Vec<ChunkId>> {
     if ids.len() <= 32 {
         let mut missing = Vec::new();
         for id in ids {

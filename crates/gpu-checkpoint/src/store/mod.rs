@@ -38,7 +38,9 @@ use std::sync::Arc;
 
 #[cfg(any(test, feature = "test-support"))]
 pub use backend::MemoryBackend;
-pub use backend::{Backend, LocalBackend, LocalFs, LockMode, ObjectMeta, Objects};
+pub use backend::{
+    Backend, LocalBackend, LocalFs, LockMode, ObjectMeta, Objects, ReadBackend, ReadObjects,
+};
 pub use chunker::ChunkParams;
 pub use error::{Error, Location, Result};
 pub use gc::GcReport;
@@ -142,6 +144,11 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// The backend's read half: what the read path and verify take, so that they cannot write.
+    fn reader(&self) -> &dyn ReadBackend {
+        &*self.backend
+    }
+
     /// Workers for an ingest. A worker writing chunks with direct I/O waits for the device while its
     /// object is written, so one more worker than cores keeps the cores busy (4 GiB checkpoint on 2 cores:
     /// 1.79-1.89 s with 3 workers against 1.82-2.03 s with 2, `docs/criu.md`). An explicit thread count

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::backend::LocalBackend;
 #[cfg(feature = "s3")]
-use super::Backend;
+use super::{Backend, ReadBackend};
 use super::{Error, Result, Store, StoreOptions};
 
 impl Store {

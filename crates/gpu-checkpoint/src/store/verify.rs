@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::backend::Objects;
+use super::backend::ReadObjects;
 use super::chunk::{ChunkId, Decoder};
 use super::error::{Error, Result};
 use super::manifest::CheckpointInfo;
@@ -152,7 +152,7 @@ pub(super) fn verify(
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some((id, rs)) = chunks.get(i) else { break };
-                    let outcome = match (inner.backend.read_chunk(id, &mut buf), dec.as_mut()) {
+                    let outcome = match (inner.reader().read_chunk(id, &mut buf), dec.as_mut()) {
                         (Err(e), _) => Err(e.to_string()),
                         (Ok(false), _) => Err("missing".to_string()),
                         (Ok(true), None) => Err("cannot create a zstd context".to_string()),

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use nix::fcntl::OFlag;
 
 use super::objects::chunk_of_key;
-use super::{Backend, LocalFs, ObjectMeta};
+use super::{Backend, LocalFs, ObjectMeta, ReadBackend};
 use crate::beneath::Beneath;
 use crate::store::chunk::{check_without_decoding, ChunkId};
 use crate::store::error::{Error, Result};
@@ -184,27 +184,12 @@ impl CachedBackend {
     }
 }
 
-impl Backend for CachedBackend {
+impl ReadBackend for CachedBackend {
     fn location(&self) -> &str {
         self.inner.location()
     }
     fn describe(&self, key: &str) -> String {
         self.inner.describe(key)
-    }
-    fn init(&self) -> Result<()> {
-        self.inner.init()
-    }
-    fn check_writable(&self) -> Result<()> {
-        self.inner.check_writable()
-    }
-    /// Writing or deleting a chunk through this handle drops its cached copy first, so that a read after
-    /// it sees what the store holds (the same bytes, except where a damaged chunk is written again).
-    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
-        self.forget(key);
-        self.inner.put(key, parts, durable)
-    }
-    fn sync(&self, keys: &[String]) -> Result<()> {
-        self.inner.sync(keys)
     }
 
     /// A chunk comes from the cache when it is there and proves good; otherwise from the store, and is
@@ -233,10 +218,6 @@ impl Backend for CachedBackend {
     fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
         self.inner.list(prefix, f)
     }
-    fn delete(&self, key: &str) -> Result<bool> {
-        self.forget(key);
-        self.inner.delete(key)
-    }
 
     /// A cached chunk needs no request: only the others are fetched ahead.
     fn prefetch(&self, key: &str) {
@@ -252,10 +233,6 @@ impl Backend for CachedBackend {
         self.inner.prefetch(key)
     }
 
-    fn memory_in_flight(&self) -> u64 {
-        self.inner.memory_in_flight()
-    }
-
     fn read_ahead_in_memory(&self) -> bool {
         self.inner.read_ahead_in_memory()
     }
@@ -268,6 +245,21 @@ impl Backend for CachedBackend {
     }
     fn work_root(&self) -> Option<&Path> {
         self.inner.work_root()
+    }
+}
+
+impl Backend for CachedBackend {
+    super::forward_writes!(inner: init, check_writable, sync, memory_in_flight);
+
+    /// Writing or deleting a chunk through this handle drops its cached copy first, so that a read after
+    /// it sees what the store holds (the same bytes, except where a damaged chunk is written again).
+    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
+        self.forget(key);
+        self.inner.put(key, parts, durable)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.forget(key);
+        self.inner.delete(key)
     }
 }
 

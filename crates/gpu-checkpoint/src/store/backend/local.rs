@@ -31,7 +31,7 @@ use super::direct::{
     blocks_layout, cached_pages, read_up_to, set_direct, write_direct, write_direct_parts,
 };
 use super::trust::{user_name, Access, Owners};
-use super::{Backend, LocalFs, ObjectMeta};
+use super::{Backend, LocalFs, ObjectMeta, ReadBackend};
 use crate::beneath::{Beneath, Kind};
 use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
@@ -331,7 +331,7 @@ fn writable_error(path: &Path, source: io::Error) -> Error {
     }
 }
 
-impl Backend for LocalBackend {
+impl ReadBackend for LocalBackend {
     fn location(&self) -> &str {
         &self.location
     }
@@ -340,6 +340,108 @@ impl Backend for LocalBackend {
         self.object_path(key).display().to_string()
     }
 
+    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
+        let Some(mut file) = self.open_object(key)? else {
+            return Ok(false);
+        };
+        buf.clear();
+        file.read_to_end(buf)
+            .map_err(Error::io("cannot read", self.object_path(key)))?;
+        Ok(true)
+    }
+
+    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
+        let Some(file) = self.open_object(key)? else {
+            return Ok(false);
+        };
+        let want = range.end.saturating_sub(range.start) as usize;
+        buf.clear();
+        buf.resize(want, 0);
+        let mut n = 0;
+        while n < want {
+            match file.read_at(&mut buf[n..], range.start + n as u64) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io("cannot read", self.object_path(key))(e)),
+            }
+        }
+        buf.truncate(n);
+        Ok(true)
+    }
+
+    fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
+        match self.dir()?.symlink_metadata(key) {
+            Ok(m) if m.is_file() => Ok(Some(ObjectMeta {
+                key: key.to_owned(),
+                size: m.len(),
+                modified: m.modified().ok(),
+            })),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io("cannot look at", self.object_path(key))(e)),
+        }
+    }
+
+    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
+        // The folder the prefix ends in, walked two levels down at most (chunks/ab/NAME is the deepest
+        // the layout goes): only regular files, never a link followed, nor a temporary file (a dot name).
+        let dir = self.dir()?;
+        let (dir_key, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
+        let mut stack = vec![(dir_key.to_owned(), 0)];
+        while let Some((key, depth)) = stack.pop() {
+            let entries = match dir.entries_stat(&key) {
+                Ok(e) => e,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
+                    continue
+                }
+                Err(e) => return Err(Error::io("cannot list", dir.join(&key))(e)),
+            };
+            for entry in entries {
+                let Some(name) = entry.name.to_str() else {
+                    continue;
+                };
+                if name.starts_with('.') {
+                    continue;
+                }
+                let child = if key.is_empty() {
+                    name.to_owned()
+                } else {
+                    format!("{key}/{name}")
+                };
+                match entry.kind {
+                    Kind::Dir
+                        if depth < 2
+                            && (prefix.starts_with(&format!("{child}/"))
+                                || child.starts_with(prefix)) =>
+                    {
+                        stack.push((child, depth + 1));
+                    }
+                    Kind::File if child.starts_with(prefix) => f(ObjectMeta {
+                        key: child,
+                        size: entry.len,
+                        modified: entry.modified,
+                    }),
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn prefetch(&self, key: &str) {
+        if let Ok(Some(file)) = self.open_object(key) {
+            // SAFETY: fadvise on a valid fd; WILLNEED only starts reading the file into the page cache.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+        }
+    }
+
+    fn local(&self) -> Option<&dyn LocalFs> {
+        Some(self)
+    }
+}
+
+impl Backend for LocalBackend {
     fn init(&self) -> Result<()> {
         if self.held.get().is_some() {
             return Ok(());
@@ -447,95 +549,6 @@ impl Backend for LocalBackend {
         Ok(())
     }
 
-    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
-        let Some(mut file) = self.open_object(key)? else {
-            return Ok(false);
-        };
-        buf.clear();
-        file.read_to_end(buf)
-            .map_err(Error::io("cannot read", self.object_path(key)))?;
-        Ok(true)
-    }
-
-    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
-        let Some(file) = self.open_object(key)? else {
-            return Ok(false);
-        };
-        let want = range.end.saturating_sub(range.start) as usize;
-        buf.clear();
-        buf.resize(want, 0);
-        let mut n = 0;
-        while n < want {
-            match file.read_at(&mut buf[n..], range.start + n as u64) {
-                Ok(0) => break,
-                Ok(k) => n += k,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io("cannot read", self.object_path(key))(e)),
-            }
-        }
-        buf.truncate(n);
-        Ok(true)
-    }
-
-    fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
-        match self.dir()?.symlink_metadata(key) {
-            Ok(m) if m.is_file() => Ok(Some(ObjectMeta {
-                key: key.to_owned(),
-                size: m.len(),
-                modified: m.modified().ok(),
-            })),
-            Ok(_) => Ok(None),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(Error::io("cannot look at", self.object_path(key))(e)),
-        }
-    }
-
-    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
-        // The folder the prefix ends in, walked two levels down at most (chunks/ab/NAME is the deepest
-        // the layout goes): only regular files, never a link followed, nor a temporary file (a dot name).
-        let dir = self.dir()?;
-        let (dir_key, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
-        let mut stack = vec![(dir_key.to_owned(), 0)];
-        while let Some((key, depth)) = stack.pop() {
-            let entries = match dir.entries_stat(&key) {
-                Ok(e) => e,
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => {
-                    continue
-                }
-                Err(e) => return Err(Error::io("cannot list", dir.join(&key))(e)),
-            };
-            for entry in entries {
-                let Some(name) = entry.name.to_str() else {
-                    continue;
-                };
-                if name.starts_with('.') {
-                    continue;
-                }
-                let child = if key.is_empty() {
-                    name.to_owned()
-                } else {
-                    format!("{key}/{name}")
-                };
-                match entry.kind {
-                    Kind::Dir
-                        if depth < 2
-                            && (prefix.starts_with(&format!("{child}/"))
-                                || child.starts_with(prefix)) =>
-                    {
-                        stack.push((child, depth + 1));
-                    }
-                    Kind::File if child.starts_with(prefix) => f(ObjectMeta {
-                        key: child,
-                        size: entry.len,
-                        modified: entry.modified,
-                    }),
-                    _ => {}
-                }
-            }
-        }
-        Ok(())
-    }
-
     fn delete(&self, key: &str) -> Result<bool> {
         let dir = self.writable()?;
         match dir.remove_file(key) {
@@ -552,17 +565,6 @@ impl Backend for LocalBackend {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
             Err(e) => Err(Error::io("cannot delete", self.object_path(key))(e)),
         }
-    }
-
-    fn prefetch(&self, key: &str) {
-        if let Ok(Some(file)) = self.open_object(key) {
-            // SAFETY: fadvise on a valid fd; WILLNEED only starts reading the file into the page cache.
-            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
-        }
-    }
-
-    fn local(&self) -> Option<&dyn LocalFs> {
-        Some(self)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The local backend's direct I/O: objects of every length written and read back exact.
 
 use super::*;
-use crate::store::backend::{LockMode, Objects};
+use crate::store::backend::{LockMode, Objects, ReadObjects};
 use crate::store::chunk::{Decoder, Encoder, HEADER_LEN};
 use crate::testdata::random_bytes as random;
 use std::fs;
@@ -38,13 +38,13 @@ fn direct_writes_and_reads_keep_objects_of_every_length_exact() {
         );
         let mut whole = AlignedBuf::new();
         assert_eq!(
-            Objects::read_object(&b, &id, object.len(), &mut whole).unwrap(),
+            ReadObjects::read_object(&b, &id, object.len(), &mut whole).unwrap(),
             Some(object.len())
         );
         assert_eq!(whole.slice(object.len()), object);
         // fs::read above cached every page: read the usual way now.
         assert_eq!(
-            Objects::read_chunk_uncached(&b, &id, &mut direct).unwrap(),
+            ReadObjects::read_chunk_uncached(&b, &id, &mut direct).unwrap(),
             None
         );
         let mut buf = Vec::new();
@@ -56,14 +56,14 @@ fn direct_writes_and_reads_keep_objects_of_every_length_exact() {
     let id = ChunkId::of(&data);
     let (_, object) = enc.encode_object(&id, &data);
     b.put_chunk_object(&id, object).unwrap();
-    let n = Objects::read_chunk_uncached(&b, &id, &mut direct)
+    let n = ReadObjects::read_chunk_uncached(&b, &id, &mut direct)
         .unwrap()
         .expect("a freshly written chunk is read past the cache");
     assert_eq!(dec.decode(&id, direct.slice(n)).unwrap(), &data[..]);
     // Missing: left to the usual read, which reports it.
     let missing = ChunkId::of(b"not stored");
     assert_eq!(
-        Objects::read_chunk_uncached(&b, &missing, &mut direct).unwrap(),
+        ReadObjects::read_chunk_uncached(&b, &missing, &mut direct).unwrap(),
         None
     );
 }
@@ -80,7 +80,7 @@ fn buffered_backends_and_unaligned_objects_go_through_the_page_cache() {
     buffered.put_chunk_object(&id, object).unwrap();
     let mut direct = AlignedBuf::new();
     assert_eq!(
-        Objects::read_chunk_uncached(&buffered, &id, &mut direct).unwrap(),
+        ReadObjects::read_chunk_uncached(&buffered, &id, &mut direct).unwrap(),
         None
     );
     assert_eq!(fs::read(buffered.chunk_path(&id)).unwrap(), object);
@@ -126,7 +126,7 @@ fn a_raw_chunk_in_a_segment_goes_to_the_device_from_where_it_lies() {
         assert!(matches!(parts, ObjectParts::Blocks(_)), "length {len}");
         assert_eq!(parts.parts().concat(), expected, "length {len}");
         b.put_chunk_parts(&id, &parts).unwrap();
-        let n = Objects::read_chunk_uncached(&b, &id, &mut direct)
+        let n = ReadObjects::read_chunk_uncached(&b, &id, &mut direct)
             .unwrap()
             .expect("written past the page cache");
         assert_eq!(dec.decode(&id, direct.slice(n)).unwrap(), data);

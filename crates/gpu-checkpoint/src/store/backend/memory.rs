@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use super::{chunk_key, manifest_key, Backend, ObjectMeta};
+use super::{chunk_key, manifest_key, Backend, ObjectMeta, ReadBackend};
 use crate::store::chunk::ChunkId;
 use crate::store::error::{Error, Result};
 
@@ -85,51 +85,9 @@ impl MemoryBackend {
     }
 }
 
-impl Backend for MemoryBackend {
+impl ReadBackend for MemoryBackend {
     fn location(&self) -> &str {
         "memory:"
-    }
-
-    fn init(&self) -> Result<()> {
-        crate::util::create_private_dir_all(&self.work)
-            .map_err(Error::io("cannot create", &self.work))
-    }
-
-    fn check_writable(&self) -> Result<()> {
-        if self.fail_writes.load(Ordering::Relaxed) {
-            return Err(Error::Unwritable {
-                path: self.location().into(),
-                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
-            });
-        }
-        Ok(())
-    }
-
-    fn put(&self, key: &str, parts: &[&[u8]], _durable: bool) -> Result<()> {
-        if self.fail_writes.load(Ordering::Relaxed) {
-            return Err(self.full("cannot write"));
-        }
-        if key.starts_with(super::CHUNKS) {
-            let hook = self
-                .chunk_write_hook
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let fail = hook.as_ref().is_some_and(|h| h());
-            drop(hook);
-            if fail || self.fail_chunk_writes.load(Ordering::Relaxed) {
-                return Err(self.full("cannot write chunk"));
-            }
-        }
-        self.objects()
-            .insert(key.to_owned(), (parts.concat(), SystemTime::now()));
-        Ok(())
-    }
-
-    fn sync(&self, _keys: &[String]) -> Result<()> {
-        if self.fail_writes.load(Ordering::Relaxed) {
-            return Err(self.full("cannot sync"));
-        }
-        Ok(())
     }
 
     fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
@@ -179,11 +137,55 @@ impl Backend for MemoryBackend {
         Ok(())
     }
 
-    fn delete(&self, key: &str) -> Result<bool> {
-        Ok(self.objects().remove(key).is_some())
-    }
-
     fn work_root(&self) -> Option<&Path> {
         Some(&self.work)
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn init(&self) -> Result<()> {
+        crate::util::create_private_dir_all(&self.work)
+            .map_err(Error::io("cannot create", &self.work))
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.fail_writes.load(Ordering::Relaxed) {
+            return Err(Error::Unwritable {
+                path: self.location().into(),
+                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
+        Ok(())
+    }
+
+    fn put(&self, key: &str, parts: &[&[u8]], _durable: bool) -> Result<()> {
+        if self.fail_writes.load(Ordering::Relaxed) {
+            return Err(self.full("cannot write"));
+        }
+        if key.starts_with(super::CHUNKS) {
+            let hook = self
+                .chunk_write_hook
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let fail = hook.as_ref().is_some_and(|h| h());
+            drop(hook);
+            if fail || self.fail_chunk_writes.load(Ordering::Relaxed) {
+                return Err(self.full("cannot write chunk"));
+            }
+        }
+        self.objects()
+            .insert(key.to_owned(), (parts.concat(), SystemTime::now()));
+        Ok(())
+    }
+
+    fn sync(&self, _keys: &[String]) -> Result<()> {
+        if self.fail_writes.load(Ordering::Relaxed) {
+            return Err(self.full("cannot sync"));
+        }
+        Ok(())
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        Ok(self.objects().remove(key).is_some())
     }
 }

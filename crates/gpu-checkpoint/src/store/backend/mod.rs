@@ -1,11 +1,12 @@
 //! The storage boundary, shaped like an object store: write-once objects under keys, read whole or by
 //! range, looked up (`head`), listed by prefix and deleted. Everything above it (ingest, materialize,
-//! verify, gc) speaks only this, so a store on S3 is one more implementation; the store's layout (which key
-//! holds what) is [`Objects`], the same for every backend.
+//! verify, gc) speaks only this (what only reads, only its read half, [`ReadBackend`]), so a store on S3
+//! is one more implementation; the store's layout (which key holds what) is [`Objects`] and
+//! [`ReadObjects`], the same for every backend.
 //!
 //! A local file system can do more than an object store: direct I/O, mapping and splicing chunk files, a
 //! staging folder on the store's own disk, flock. Those are an optional capability, [`LocalFs`], that only
-//! the file-system backend offers ([`Backend::local`]): the flows ask for the capability, never which
+//! the file-system backend offers ([`ReadBackend::local`]): the flows ask for the capability, never which
 //! backend they hold, and every fast path has a plain object-store way beside it.
 //!
 //! Implementations: [`LocalBackend`] (a local or shared POSIX file system), `S3Backend` (with the `s3`
@@ -27,7 +28,9 @@ pub use cache::{CacheStats, CachedBackend};
 pub use local::{LocalBackend, DIRECT_IO_ENV};
 #[cfg(any(test, feature = "test-support"))]
 pub use memory::MemoryBackend;
-pub use objects::{chunk_key, manifest_key, Objects, CHUNKS, LEASES, MANIFESTS, STORE_FILE};
+pub use objects::{
+    chunk_key, manifest_key, Objects, ReadObjects, CHUNKS, LEASES, MANIFESTS, STORE_FILE,
+};
 #[cfg(feature = "s3")]
 pub use s3::{S3Backend, S3Config, S3_RETRY_TIMEOUT_ENV};
 pub use trust::{uid_of, user_name, Access};
@@ -74,7 +77,12 @@ pub struct ObjectMeta {
     pub modified: Option<SystemTime>,
 }
 
-/// A store's storage: objects under keys. Implementations must be safe to call from many threads at once.
+/// The read half of a store's storage: objects under keys, read whole or by range, looked up and listed.
+/// Implementations must be safe to call from many threads at once.
+///
+/// The restore path and verify take only this half, so the compiler keeps them from writing to a store
+/// they read (a store another user trusts us to read, a checkpoint being restored). [`Backend`] adds the
+/// writes; a decorator implements both halves over one it wraps.
 ///
 /// Keys are `/`-separated, store-relative, made only by [`Objects`] (never from user input). The
 /// semantics every implementation keeps, and the only ones the store relies on (see `docs/store.md`):
@@ -83,7 +91,7 @@ pub struct ObjectMeta {
 ///   `delete` returns none sees it (read-after-write consistency, which S3 gives since 2020);
 /// - nothing conditional: two writers of one key may both succeed, and either copy may stay (the store only
 ///   writes the same bytes twice under one key, or keys that are unique to one writer).
-pub trait Backend: Send + Sync {
+pub trait ReadBackend: Send + Sync {
     /// Where the store lives, for messages: a path, or a URL for object stores.
     fn location(&self) -> &str;
 
@@ -91,21 +99,6 @@ pub trait Backend: Send + Sync {
     fn describe(&self, key: &str) -> String {
         format!("{}/{key}", self.location().trim_end_matches('/'))
     }
-
-    /// Creates the store's layout if it is missing, or validates an existing one (format and version).
-    fn init(&self) -> Result<()>;
-
-    /// Fails with a storage error (exit status 6) if objects cannot be written right now.
-    fn check_writable(&self) -> Result<()>;
-
-    /// Stores `parts`, concatenated, as object `key`. Write-once: if another writer stored the key
-    /// meanwhile, either copy may stay. `durable`: durable when this returns (manifests: after it the
-    /// checkpoint exists); otherwise durable only after [`Backend::sync`] (chunks, synced together).
-    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()>;
-
-    /// Makes objects this process put without `durable` durable, and reports any of their writes that
-    /// failed (a backend may still be sending them when `put` returns).
-    fn sync(&self, keys: &[String]) -> Result<()>;
 
     /// Reads a whole object into `buf` (replacing its content). `Ok(false)` if there is no such object.
     fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool>;
@@ -120,15 +113,11 @@ pub trait Backend: Send + Sync {
     /// Calls `f` for every object whose key starts with `prefix`, in no particular order.
     fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()>;
 
-    /// Deletes an object; `Ok(false)` if there was none (where the backend can tell). A deleted manifest is
-    /// gone for every reader when this returns.
-    fn delete(&self, key: &str) -> Result<bool>;
-
     /// Hints that object `key` will be read soon: a backend that can start fetching it in the background
     /// does. Never fails; default: nothing.
     fn prefetch(&self, _key: &str) {}
 
-    /// Whether a [`Backend::prefetch`] holds the object's bytes in this process until it is read (an
+    /// Whether a [`ReadBackend::prefetch`] holds the object's bytes in this process until it is read (an
     /// object store's fetch ahead) rather than in the page cache: the read path then bounds its read-ahead
     /// by bytes within the memory budget. Default: no.
     fn read_ahead_in_memory(&self) -> bool {
@@ -138,12 +127,6 @@ pub trait Backend: Send + Sync {
     /// How many requests this backend wants in flight to be fast: 0 for a local disk (the workers' own
     /// reads keep it busy), tens for an object store, whose every request waits a network round trip.
     fn requests_in_flight(&self) -> usize {
-        0
-    }
-
-    /// Bytes this backend may hold in puts sent in the background: an ingest's plan takes them out of
-    /// the memory budget. Default: none.
-    fn memory_in_flight(&self) -> u64 {
         0
     }
 
@@ -159,6 +142,75 @@ pub trait Backend: Send + Sync {
         self.local().map(|l| l.staging_root())
     }
 }
+
+/// A store's storage, read and written: [`ReadBackend`] and the writes (which ingest, gc and leases
+/// need). Every implementation keeps the semantics [`ReadBackend`] lists.
+pub trait Backend: ReadBackend {
+    /// Creates the store's layout if it is missing, or validates an existing one (format and version).
+    fn init(&self) -> Result<()>;
+
+    /// Fails with a storage error (exit status 6) if objects cannot be written right now.
+    fn check_writable(&self) -> Result<()>;
+
+    /// Stores `parts`, concatenated, as object `key`. Write-once: if another writer stored the key
+    /// meanwhile, either copy may stay. `durable`: durable when this returns (manifests: after it the
+    /// checkpoint exists); otherwise durable only after [`Backend::sync`] (chunks, synced together).
+    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()>;
+
+    /// Makes objects this process put without `durable` durable, and reports any of their writes that
+    /// failed (a backend may still be sending them when `put` returns).
+    fn sync(&self, keys: &[String]) -> Result<()>;
+
+    /// Deletes an object; `Ok(false)` if there was none (where the backend can tell). A deleted manifest is
+    /// gone for every reader when this returns.
+    fn delete(&self, key: &str) -> Result<bool>;
+
+    /// Bytes this backend may hold in puts sent in the background: an ingest's plan takes them out of
+    /// the memory budget. Default: none.
+    fn memory_in_flight(&self) -> u64 {
+        0
+    }
+}
+
+/// Implements the named [`Backend`] writes by handing them to the backend in field `$inner`, unchanged: a
+/// decorator writes its own only where it adds something (the read cache forgets a chunk it is told to
+/// overwrite), and the rest cannot drift from the trait.
+macro_rules! forward_writes {
+    ($inner:ident: $($method:ident),+ $(,)?) => {
+        $($crate::store::backend::forward_writes!(@ $inner $method);)+
+    };
+    (@ $inner:ident init) => {
+        fn init(&self) -> $crate::store::Result<()> {
+            self.$inner.init()
+        }
+    };
+    (@ $inner:ident check_writable) => {
+        fn check_writable(&self) -> $crate::store::Result<()> {
+            self.$inner.check_writable()
+        }
+    };
+    (@ $inner:ident put) => {
+        fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> $crate::store::Result<()> {
+            self.$inner.put(key, parts, durable)
+        }
+    };
+    (@ $inner:ident sync) => {
+        fn sync(&self, keys: &[String]) -> $crate::store::Result<()> {
+            self.$inner.sync(keys)
+        }
+    };
+    (@ $inner:ident delete) => {
+        fn delete(&self, key: &str) -> $crate::store::Result<bool> {
+            self.$inner.delete(key)
+        }
+    };
+    (@ $inner:ident memory_in_flight) => {
+        fn memory_in_flight(&self) -> u64 {
+            self.$inner.memory_in_flight()
+        }
+    };
+}
+pub(crate) use forward_writes;
 
 /// What only a store in a local folder can do: the fast paths of a local disk, and flock.
 pub trait LocalFs: Send + Sync {

@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use super::{Backend, ObjectMeta};
+use super::{Backend, ObjectMeta, ReadBackend};
 use crate::store::chunk::{ChunkId, ObjectParts, HEADER_LEN};
 use crate::store::error::{Error, Result};
 use crate::util::AlignedBuf;
@@ -102,50 +102,9 @@ pub(crate) fn manifest_of_key(key: &str) -> Option<&str> {
     (!id.is_empty() && !id.starts_with('.') && !id.contains('/')).then_some(id)
 }
 
-/// Chunks and manifests on any [`Backend`]: the layout above, and the local fast paths where there are.
-/// Implemented for every backend; not meant to be implemented otherwise.
-pub trait Objects: Backend {
-    /// Stores chunk `id` (its header, then the rest of its object: the payload and, in format version 2,
-    /// the trailer), write-once. Not durable until [`Objects::sync_chunks`].
-    fn put_chunk(&self, id: &ChunkId, header: &[u8], rest: &[u8]) -> Result<()> {
-        self.put(&chunk_key(id), &[header, rest], false)
-    }
-
-    /// Whether [`Objects::put_chunk_object`] is the cheaper way in (a local store writing with direct I/O).
-    fn aligned_objects(&self) -> bool {
-        self.local().is_some_and(|l| l.aligned_objects())
-    }
-
-    /// Stores chunk `id` given as its whole object (header, payload, trailer), like
-    /// [`Objects::put_chunk`].
-    fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
-        if self.local().is_some() {
-            self.put(&chunk_key(id), &[object], false)
-        } else {
-            self.put(
-                &chunk_key(id),
-                &[&object[..HEADER_LEN], &object[HEADER_LEN..]],
-                false,
-            )
-        }
-    }
-
-    /// Stores chunk `id` given as its object's consecutive parts ([`ObjectParts`] of
-    /// `Encoder::encode_parts`), like [`Objects::put_chunk_object`]: a local store writes parts laid out
-    /// for direct I/O straight from where they are.
-    fn put_chunk_parts(&self, id: &ChunkId, object: &ObjectParts<'_>) -> Result<()> {
-        match object {
-            ObjectParts::Whole(o) => self.put_chunk_object(id, o),
-            ObjectParts::Blocks(parts) => self.put(&chunk_key(id), parts, false),
-        }
-    }
-
-    /// Makes the given chunks (put by this process) durable.
-    fn sync_chunks(&self, written: &[ChunkId]) -> Result<()> {
-        let keys: Vec<String> = written.iter().map(chunk_key).collect();
-        self.sync(&keys)
-    }
-
+/// Chunks and manifests on any [`ReadBackend`], for reading: the layout above, and the local fast paths
+/// where there are. Implemented for every backend; not meant to be implemented otherwise.
+pub trait ReadObjects: ReadBackend {
     /// Reads a whole stored chunk into `buf`. `Ok(false)` if there is no such chunk.
     fn read_chunk(&self, id: &ChunkId, buf: &mut Vec<u8>) -> Result<bool> {
         self.get(&chunk_key(id), buf)
@@ -208,11 +167,6 @@ pub trait Objects: Backend {
         self.prefetch(&chunk_key(id))
     }
 
-    /// Deletes a chunk; deleting a missing chunk is not an error.
-    fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
-        self.delete(&chunk_key(id)).map(|_| ())
-    }
-
     /// Calls `f(id, stored_len)` for every stored chunk.
     fn list_chunks(&self, f: &mut dyn FnMut(ChunkId, u64)) -> Result<()> {
         self.list_chunk_objects(&mut |m, id| f(id, m.size))
@@ -227,21 +181,10 @@ pub trait Objects: Backend {
         })
     }
 
-    /// Stores a manifest atomically and durably: after this returns the checkpoint exists, and a crash
-    /// before it leaves no trace of it.
-    fn put_manifest(&self, id: &str, bytes: &[u8]) -> Result<()> {
-        self.put(&manifest_key(id), &[bytes], true)
-    }
-
     /// Reads a manifest; `Ok(None)` if there is none under that id.
     fn get_manifest(&self, id: &str) -> Result<Option<Vec<u8>>> {
         let mut buf = Vec::new();
         Ok(self.get(&manifest_key(id), &mut buf)?.then_some(buf))
-    }
-
-    /// Deletes a manifest durably; `Ok(false)` if there was none.
-    fn delete_manifest(&self, id: &str) -> Result<bool> {
-        self.delete(&manifest_key(id))
     }
 
     /// The ids of every committed manifest, in no particular order.
@@ -253,6 +196,69 @@ pub trait Objects: Backend {
             }
         })?;
         Ok(ids)
+    }
+}
+
+impl<B: ReadBackend + ?Sized> ReadObjects for B {}
+
+/// Chunks and manifests on any [`Backend`], for writing (and, through [`ReadObjects`], reading).
+/// Implemented for every backend; not meant to be implemented otherwise.
+pub trait Objects: Backend + ReadObjects {
+    /// Stores chunk `id` (its header, then the rest of its object: the payload and, in format version 2,
+    /// the trailer), write-once. Not durable until [`Objects::sync_chunks`].
+    fn put_chunk(&self, id: &ChunkId, header: &[u8], rest: &[u8]) -> Result<()> {
+        self.put(&chunk_key(id), &[header, rest], false)
+    }
+
+    /// Whether [`Objects::put_chunk_object`] is the cheaper way in (a local store writing with direct I/O).
+    fn aligned_objects(&self) -> bool {
+        self.local().is_some_and(|l| l.aligned_objects())
+    }
+
+    /// Stores chunk `id` given as its whole object (header, payload, trailer), like
+    /// [`Objects::put_chunk`].
+    fn put_chunk_object(&self, id: &ChunkId, object: &[u8]) -> Result<()> {
+        if self.local().is_some() {
+            self.put(&chunk_key(id), &[object], false)
+        } else {
+            self.put(
+                &chunk_key(id),
+                &[&object[..HEADER_LEN], &object[HEADER_LEN..]],
+                false,
+            )
+        }
+    }
+
+    /// Stores chunk `id` given as its object's consecutive parts ([`ObjectParts`] of
+    /// `Encoder::encode_parts`), like [`Objects::put_chunk_object`]: a local store writes parts laid out
+    /// for direct I/O straight from where they are.
+    fn put_chunk_parts(&self, id: &ChunkId, object: &ObjectParts<'_>) -> Result<()> {
+        match object {
+            ObjectParts::Whole(o) => self.put_chunk_object(id, o),
+            ObjectParts::Blocks(parts) => self.put(&chunk_key(id), parts, false),
+        }
+    }
+
+    /// Makes the given chunks (put by this process) durable.
+    fn sync_chunks(&self, written: &[ChunkId]) -> Result<()> {
+        let keys: Vec<String> = written.iter().map(chunk_key).collect();
+        self.sync(&keys)
+    }
+
+    /// Deletes a chunk; deleting a missing chunk is not an error.
+    fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
+        self.delete(&chunk_key(id)).map(|_| ())
+    }
+
+    /// Stores a manifest atomically and durably: after this returns the checkpoint exists, and a crash
+    /// before it leaves no trace of it.
+    fn put_manifest(&self, id: &str, bytes: &[u8]) -> Result<()> {
+        self.put(&manifest_key(id), &[bytes], true)
+    }
+
+    /// Deletes a manifest durably; `Ok(false)` if there was none.
+    fn delete_manifest(&self, id: &str) -> Result<bool> {
+        self.delete(&manifest_key(id))
     }
 }
 

@@ -6,7 +6,7 @@
 //! The store's workers are threads, the client is async: the backend runs a small tokio runtime of its own
 //! and blocks on it. To keep tens of requests in flight without tens of workers, chunk puts are sent in the
 //! background (bounded by count and bytes; [`Backend::sync`] waits for them and reports their failures, and
-//! the first failure fails every later put at once), and reads announced with [`Backend::prefetch`] are
+//! the first failure fails every later put at once), and reads announced with [`ReadBackend::prefetch`] are
 //! fetched ahead.
 //!
 //! What is assumed of the server (see `docs/store.md`): a PUT is atomic and durable when answered; GET,
@@ -30,7 +30,7 @@ use object_store::{
 use tokio::sync::Semaphore;
 
 use super::objects::{check_marker, marker, STORE_FILE, STORE_FORMAT_VERSION};
-use super::{Backend, ObjectMeta};
+use super::{Backend, ObjectMeta, ReadBackend};
 use crate::store::error::{Error, Result};
 
 /// Puts in flight at most (tens: each waits a round trip, and S3 serves thousands per prefix per second).
@@ -40,8 +40,8 @@ const MAX_PUTS: usize = 32;
 /// maximum chunks; 32 MiB put checkpoints of 256 MiB and 1 GiB at 109-121 MiB of peak RSS (`docs/store.md`).
 const MAX_PUT_KIB: u32 = 8 * 1024;
 /// Reads fetched ahead at most, a backstop: the read path bounds its read-ahead by bytes within the
-/// memory budget ([`Backend::read_ahead_in_memory`]) and announces no more than fit, since an announcement
-/// this drops is fetched later by a worker, one request at a time (`docs/store.md`).
+/// memory budget ([`ReadBackend::read_ahead_in_memory`]) and announces no more than fit, since an
+/// announcement this drops is fetched later by a worker, one request at a time (`docs/store.md`).
 const MAX_PREFETCH: usize = 64;
 /// Objects above this are sent in parts (multipart upload), of this size each.
 const MULTIPART_PART: usize = 16 << 20;
@@ -371,11 +371,109 @@ fn meta(prefix: &str, m: object_store::ObjectMeta) -> Option<ObjectMeta> {
     })
 }
 
-impl Backend for S3Backend {
+impl ReadBackend for S3Backend {
     fn location(&self) -> &str {
         &self.location
     }
 
+    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
+        let ahead = self
+            .prefetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+        let got = match ahead {
+            Some(task) => self
+                .rt
+                .block_on(task)
+                .map_err(|e| Error::Internal(format!("an S3 read panicked: {e}")))?,
+            None => self
+                .rt
+                .block_on(async { self.store.get(&self.path(key)).await?.bytes().await }),
+        };
+        take_bytes(got, buf).map_err(|e| self.error("cannot read", key, e))
+    }
+
+    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
+        let path = self.path(key);
+        let got = self.rt.block_on(async {
+            let opts = object_store::GetOptions {
+                range: Some(object_store::GetRange::Bounded(range.clone())),
+                ..Default::default()
+            };
+            self.store.get_opts(&path, opts).await?.bytes().await
+        });
+        match take_bytes(got, buf) {
+            // A range past the end of a shorter object (S3 answers 416).
+            Err(e) if e.to_string().contains("416") || e.to_string().contains("Range") => {
+                let mut whole = Vec::new();
+                if !self.get(key, &mut whole)? {
+                    return Ok(false);
+                }
+                let end = (range.end as usize).min(whole.len());
+                let start = (range.start as usize).min(end);
+                buf.clear();
+                buf.extend_from_slice(&whole[start..end]);
+                Ok(true)
+            }
+            r => r.map_err(|e| self.error("cannot read", key, e)),
+        }
+    }
+
+    fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
+        match self.rt.block_on(self.store.head(&self.path(key))) {
+            Ok(m) => Ok(meta(&self.prefix, m)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error("cannot look at", key, e)),
+        }
+    }
+
+    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
+        // object_store lists by whole path segments: list the folder the prefix ends in, filter the rest.
+        let (dir, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
+        let full = format!("{}{dir}", self.prefix);
+        let full = full.trim_end_matches('/');
+        let list_path = (!full.is_empty()).then(|| ObjectPath::from(full));
+        let mut stream = self.store.list(list_path.as_ref());
+        loop {
+            match self.rt.block_on(stream.try_next()) {
+                Ok(Some(m)) => {
+                    if let Some(m) = meta(&self.prefix, m).filter(|m| m.key.starts_with(prefix)) {
+                        f(m);
+                    }
+                }
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(self.error("cannot list", prefix, e)),
+            }
+        }
+    }
+
+    fn prefetch(&self, key: &str) {
+        let mut ahead = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
+        if ahead.len() >= MAX_PREFETCH || ahead.contains_key(key) {
+            return;
+        }
+        let (store, path) = (self.store.clone(), self.path(key));
+        let task = self
+            .rt
+            .spawn(async move { store.get(&path).await?.bytes().await });
+        ahead.insert(key.to_owned(), task);
+    }
+
+    fn requests_in_flight(&self) -> usize {
+        MAX_PUTS
+    }
+
+    fn read_ahead_in_memory(&self) -> bool {
+        true
+    }
+
+    fn work_root(&self) -> Option<&Path> {
+        self.work_dir.as_deref()
+    }
+}
+
+impl Backend for S3Backend {
     fn init(&self) -> Result<()> {
         let mut bytes = Vec::new();
         if self.get(STORE_FILE, &mut bytes)? {
@@ -489,78 +587,6 @@ impl Backend for S3Backend {
         }
     }
 
-    fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
-        let ahead = self
-            .prefetched
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(key);
-        let got = match ahead {
-            Some(task) => self
-                .rt
-                .block_on(task)
-                .map_err(|e| Error::Internal(format!("an S3 read panicked: {e}")))?,
-            None => self
-                .rt
-                .block_on(async { self.store.get(&self.path(key)).await?.bytes().await }),
-        };
-        take_bytes(got, buf).map_err(|e| self.error("cannot read", key, e))
-    }
-
-    fn get_range(&self, key: &str, range: Range<u64>, buf: &mut Vec<u8>) -> Result<bool> {
-        let path = self.path(key);
-        let got = self.rt.block_on(async {
-            let opts = object_store::GetOptions {
-                range: Some(object_store::GetRange::Bounded(range.clone())),
-                ..Default::default()
-            };
-            self.store.get_opts(&path, opts).await?.bytes().await
-        });
-        match take_bytes(got, buf) {
-            // A range past the end of a shorter object (S3 answers 416).
-            Err(e) if e.to_string().contains("416") || e.to_string().contains("Range") => {
-                let mut whole = Vec::new();
-                if !self.get(key, &mut whole)? {
-                    return Ok(false);
-                }
-                let end = (range.end as usize).min(whole.len());
-                let start = (range.start as usize).min(end);
-                buf.clear();
-                buf.extend_from_slice(&whole[start..end]);
-                Ok(true)
-            }
-            r => r.map_err(|e| self.error("cannot read", key, e)),
-        }
-    }
-
-    fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {
-        match self.rt.block_on(self.store.head(&self.path(key))) {
-            Ok(m) => Ok(meta(&self.prefix, m)),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.error("cannot look at", key, e)),
-        }
-    }
-
-    fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
-        // object_store lists by whole path segments: list the folder the prefix ends in, filter the rest.
-        let (dir, _) = prefix.rsplit_once('/').unwrap_or(("", prefix));
-        let full = format!("{}{dir}", self.prefix);
-        let full = full.trim_end_matches('/');
-        let list_path = (!full.is_empty()).then(|| ObjectPath::from(full));
-        let mut stream = self.store.list(list_path.as_ref());
-        loop {
-            match self.rt.block_on(stream.try_next()) {
-                Ok(Some(m)) => {
-                    if let Some(m) = meta(&self.prefix, m).filter(|m| m.key.starts_with(prefix)) {
-                        f(m);
-                    }
-                }
-                Ok(None) => return Ok(()),
-                Err(e) => return Err(self.error("cannot list", prefix, e)),
-            }
-        }
-    }
-
     fn delete(&self, key: &str) -> Result<bool> {
         self.forget_prefetch(key);
         // S3 answers a DELETE of a missing key with success: whether there was one is not known.
@@ -571,32 +597,8 @@ impl Backend for S3Backend {
         }
     }
 
-    fn prefetch(&self, key: &str) {
-        let mut ahead = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
-        if ahead.len() >= MAX_PREFETCH || ahead.contains_key(key) {
-            return;
-        }
-        let (store, path) = (self.store.clone(), self.path(key));
-        let task = self
-            .rt
-            .spawn(async move { store.get(&path).await?.bytes().await });
-        ahead.insert(key.to_owned(), task);
-    }
-
-    fn requests_in_flight(&self) -> usize {
-        MAX_PUTS
-    }
-
     fn memory_in_flight(&self) -> u64 {
         MAX_PUT_KIB as u64 * 1024
-    }
-
-    fn read_ahead_in_memory(&self) -> bool {
-        true
-    }
-
-    fn work_root(&self) -> Option<&Path> {
-        self.work_dir.as_deref()
     }
 }
 

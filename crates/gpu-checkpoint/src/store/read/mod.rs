@@ -84,7 +84,7 @@ pub(super) fn read_plan_beside(inner: &Inner, info: &CheckpointInfo, others: usi
         .saturating_sub(others as u64 * per_worker)
         .max(per_worker);
     let threads = inner.read_threads();
-    if !inner.backend.read_ahead_in_memory() {
+    if !inner.reader().read_ahead_in_memory() {
         return ReadPlan {
             workers: threads.min((budget / per_worker) as usize).max(1),
             ahead_bytes: u64::MAX,
@@ -113,13 +113,13 @@ pub(super) fn fetched_len(len: u32) -> u64 {
     len as u64 + crate::store::chunk::HEADER_LEN as u64
 }
 
-/// How many chunks ahead of the workers the backend is asked to start reading ([`Backend::prefetch_chunk`])
+/// How many chunks ahead of the workers the backend is asked to start reading ([`ReadObjects::prefetch_chunk`])
 /// on paths that read through the page cache. Read on demand, a chunk file from a cold cache left the
 /// disk idle while the workers decoded and copied, and the workers idle while it read: a default restore
 /// of 4 GiB through the page cache took 1.84-2.19 s from a cold cache against 1.05 s from a warm one, and
 /// 1.78-2.10 s with 16 chunks (about 32 MiB) read ahead. Direct reads (no read-ahead) are faster still.
 ///
-/// [`Backend::prefetch_chunk`]: crate::store::backend::Backend::prefetch_chunk
+/// [`ReadObjects::prefetch_chunk`]: crate::store::backend::ReadObjects::prefetch_chunk
 pub(super) const PREFETCH_AHEAD: usize = 16;
 
 /// Asks the backend to read chunks ahead of the workers, in task order, from a thread of its own: on a

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use super::verify::{fetch_verified, verify_raw_in_place, Mapped};
 use super::{fetched_len, read_plan, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AHEAD};
-use crate::store::backend::Objects;
+use crate::store::backend::ReadObjects;
 use crate::store::chunk::Decoder;
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;
@@ -58,7 +58,7 @@ pub(in crate::store) fn stream_file(
     // a quarter of the budget to it (the window below, a few of their chunks, stands for the ingest
     // plan's segments).
     let read = read_plan(inner, info);
-    let in_memory = inner.backend.read_ahead_in_memory();
+    let in_memory = inner.reader().read_ahead_in_memory();
     let plan_workers = if in_memory {
         plan.workers.min(read.workers)
     } else {
@@ -99,7 +99,7 @@ pub(in crate::store) fn stream_file(
             let size = |k: usize| fetched_len(file.chunks[stored[k]].len);
             ahead.run(stored.len(), &size, &|k| {
                 if let Some(id) = file.chunks[stored[k]].id {
-                    inner.backend.prefetch_chunk(&id);
+                    inner.reader().prefetch_chunk(&id);
                 }
             })
         });

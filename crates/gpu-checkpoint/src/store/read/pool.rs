@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use super::verify::Scratch;
 use super::{fetched_len, read_plan_beside, Prefetcher, MEMORY_AHEAD_CHUNKS, PREFETCH_AHEAD};
-use crate::store::backend::Objects;
+use crate::store::backend::ReadObjects;
 use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;
@@ -53,13 +53,13 @@ pub(super) fn on_workers_beside<T: Sync>(
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(e);
     };
-    let ahead = if inner.backend.read_ahead_in_memory() {
+    let ahead = if inner.reader().read_ahead_in_memory() {
         Prefetcher::new(MEMORY_AHEAD_CHUNKS, plan.ahead_bytes)
     } else {
         Prefetcher::new(PREFETCH_AHEAD, plan.ahead_bytes)
     };
     std::thread::scope(|s| {
-        if !inner.backend.reads_uncached() {
+        if !inner.reader().reads_uncached() {
             s.spawn(|| {
                 let size = |i: usize| match chunk_of(&tasks[i]) {
                     (Some(_), len) => fetched_len(len),
@@ -67,7 +67,7 @@ pub(super) fn on_workers_beside<T: Sync>(
                 };
                 ahead.run(tasks.len(), &size, &|i| {
                     if let (Some(id), _) = chunk_of(&tasks[i]) {
-                        inner.backend.prefetch_chunk(&id);
+                        inner.reader().prefetch_chunk(&id);
                     }
                 })
             });

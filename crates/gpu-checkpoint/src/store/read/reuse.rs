@@ -7,7 +7,7 @@ use std::thread::Scope;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::store::backend::{Backend, Objects};
+use crate::store::backend::{ReadBackend, ReadObjects};
 use crate::store::chunk::{ChunkId, Decoder, Encoder, HEADER_LEN, TRAILER_LEN};
 use crate::store::error::Result;
 use crate::util::AlignedBuf;
@@ -29,7 +29,7 @@ fn max_object(len: usize) -> usize {
 }
 
 /// Judges chunk `id` before the ingest reuses it instead of writing it, from what
-/// [`Backend::read_object`] read of it into `buf`: its stored object must hold exactly `data`, the bytes the
+/// [`ReadObjects::read_object`] read of it into `buf`: its stored object must hold exactly `data`, the bytes the
 /// ingest has just hashed to `id`. A header and size that look right are not enough (issue 13): the
 /// checkpoint that references the chunk lets the tool stop the process, so every chunk it names must be
 /// known good at that moment, and the ingest has the right bytes in hand to write a damaged one again.
@@ -65,7 +65,7 @@ struct Request {
     buf: AlignedBuf,
 }
 
-/// A read done: the chunk, the buffer back, and what [`Backend::read_object`] returned.
+/// A read done: the chunk, the buffer back, and what [`ReadObjects::read_object`] returned.
 struct Done {
     id: ChunkId,
     buf: AlignedBuf,
@@ -97,7 +97,7 @@ impl ReadAhead {
     /// Starts the helper thread in `scope`; it ends when the `ReadAhead` is dropped.
     pub(in crate::store) fn spawn<'scope>(
         scope: &'scope Scope<'scope, '_>,
-        backend: &'scope dyn Backend,
+        backend: &'scope dyn ReadBackend,
     ) -> ReadAhead {
         let (requests, incoming) = crossbeam_channel::bounded::<Request>(1);
         let (finished, done) = crossbeam_channel::bounded::<Done>(1);
@@ -176,7 +176,7 @@ impl ReadAhead {
     /// occurrence through).
     pub(in crate::store) fn check(
         &mut self,
-        backend: &dyn Backend,
+        backend: &dyn ReadBackend,
         id: &ChunkId,
         data: &[u8],
         enc: &mut Encoder,
@@ -193,7 +193,7 @@ impl ReadAhead {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::backend::LocalBackend;
+    use crate::store::backend::{Backend, LocalBackend, Objects};
 
     /// A store with chunk objects of `raw` (stored raw) and `text` (compressed), written as the ingest
     /// writes them; their ids.

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::store::backend::{Backend, MemoryBackend, ObjectMeta};
+use crate::store::backend::{Backend, MemoryBackend, ObjectMeta, ReadBackend};
 use crate::store::{ChunkParams, NoProgress, Result, Store, StoreOptions};
 
 #[test]
@@ -143,21 +143,9 @@ fn counted_pages(
 
 const SLOW: Duration = Duration::from_millis(300);
 
-impl Backend for CountingFetches {
+impl ReadBackend for CountingFetches {
     fn location(&self) -> &str {
         self.inner.location()
-    }
-    fn init(&self) -> Result<()> {
-        self.inner.init()
-    }
-    fn check_writable(&self) -> Result<()> {
-        self.inner.check_writable()
-    }
-    fn put(&self, key: &str, parts: &[&[u8]], durable: bool) -> Result<()> {
-        self.inner.put(key, parts, durable)
-    }
-    fn sync(&self, keys: &[String]) -> Result<()> {
-        self.inner.sync(keys)
     }
     fn get(&self, key: &str, buf: &mut Vec<u8>) -> Result<bool> {
         if !self.late_first {
@@ -182,9 +170,6 @@ impl Backend for CountingFetches {
     fn list(&self, prefix: &str, f: &mut dyn FnMut(ObjectMeta)) -> Result<()> {
         self.inner.list(prefix, f)
     }
-    fn delete(&self, key: &str) -> Result<bool> {
-        self.inner.delete(key)
-    }
     fn prefetch(&self, key: &str) {
         let n = self.inner.head(key).unwrap().map_or(0, |m| m.size);
         let mut st = self.state.lock().unwrap();
@@ -208,6 +193,12 @@ impl Backend for CountingFetches {
     fn work_root(&self) -> Option<&Path> {
         self.inner.work_root()
     }
+}
+
+impl Backend for CountingFetches {
+    crate::store::backend::forward_writes!(
+        inner: init, check_writable, put, sync, delete, memory_in_flight
+    );
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 use std::fs;
 
-use crate::store::backend::Objects;
+use crate::store::backend::ReadObjects;
 use crate::store::chunk::{ChunkId, Decoder};
 use crate::store::error::{Error, Result};
 use crate::store::manifest::CheckpointInfo;
@@ -49,7 +49,7 @@ pub(super) fn fetch_verified<'a>(
     let id = info.files[fi].chunks[ci]
         .id
         .expect("only stored chunks are fetched");
-    if !inner.backend.read_chunk(&id, buf)? {
+    if !inner.reader().read_chunk(&id, buf)? {
         return Err(damaged_chunk(info, fi, ci, offset, "missing".into()));
     }
     decode_checked(info, dec, buf, fi, ci, offset)
@@ -89,9 +89,9 @@ pub(super) struct Scratch {
 }
 
 /// Like [`fetch_verified`], but a chunk missing from the page cache is read with direct I/O
-/// ([`Backend::read_chunk_uncached`]). Returns the verified bytes and the stored object's size.
+/// ([`ReadObjects::read_chunk_uncached`]). Returns the verified bytes and the stored object's size.
 ///
-/// [`Backend::read_chunk_uncached`]: crate::store::backend::Backend::read_chunk_uncached
+/// [`ReadObjects::read_chunk_uncached`]: crate::store::backend::ReadObjects::read_chunk_uncached
 pub(super) fn fetch_any<'a>(
     inner: &Inner,
     info: &CheckpointInfo,
@@ -103,11 +103,11 @@ pub(super) fn fetch_any<'a>(
     let id = info.files[fi].chunks[ci]
         .id
         .expect("only stored chunks are fetched");
-    if let Some(n) = inner.backend.read_chunk_uncached(&id, &mut s.direct)? {
+    if let Some(n) = inner.reader().read_chunk_uncached(&id, &mut s.direct)? {
         let raw = decode_checked(info, &mut s.dec, s.direct.slice(n), fi, ci, offset)?;
         return Ok((raw, n as u64));
     }
-    if !inner.backend.read_chunk(&id, &mut s.buf)? {
+    if !inner.reader().read_chunk(&id, &mut s.buf)? {
         return Err(damaged_chunk(info, fi, ci, offset, "missing".into()));
     }
     let n = s.buf.len() as u64;
@@ -188,7 +188,7 @@ pub(super) fn verify_raw_in_place(
     let cref = info.files[fi].chunks[ci];
     let id = cref.id.expect("only stored chunks are fetched");
     let len = cref.len as usize;
-    let Some(file) = inner.backend.open_local_chunk(&id) else {
+    let Some(file) = inner.reader().open_local_chunk(&id) else {
         return Ok(None);
     };
     // The header first: a compressed chunk goes the usual way, and mapping (and populating) its whole
