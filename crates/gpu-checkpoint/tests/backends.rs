@@ -12,15 +12,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use gpu_checkpoint::store::backend::{chunk_key, LEASES};
-#[cfg(feature = "s3")]
-use gpu_checkpoint::store::ObjectMeta;
 use gpu_checkpoint::store::{
-    Backend, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, ReadBackend, Store,
-    GRACE,
+    Backend, Error, LocalBackend, MemoryBackend, NoProgress, Objects, Progress, Store,
+    StoreOptions, GRACE,
 };
+#[cfg(feature = "s3")]
+use gpu_checkpoint::store::{ObjectMeta, ReadBackend};
 use gpu_checkpoint::{Classify, ExitStatus};
 
-use common::{pseudo_random as random, small_opts as opts};
+use common::pseudo_random as random;
 
 /// A backend under test, with what the suite needs to play with time.
 struct Fixture {
@@ -36,7 +36,7 @@ struct Fixture {
 
 impl Fixture {
     fn store(&self) -> Store {
-        Store::with_backend(self.backend.clone(), opts()).unwrap()
+        Store::with_backend(self.backend.clone(), StoreOptions::small_chunks()).unwrap()
     }
 }
 

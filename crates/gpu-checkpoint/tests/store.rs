@@ -16,10 +16,10 @@ use proptest::prelude::*;
 
 mod common;
 
-use common::{pseudo_random, small_opts};
+use common::pseudo_random;
 
 fn open(dir: &Path) -> Store {
-    Store::open(&dir.join("store"), small_opts()).unwrap()
+    Store::open(&dir.join("store"), StoreOptions::small_chunks()).unwrap()
 }
 
 /// A store in a temporary folder and, beside it, a CRIU-like image folder `src` ([`criu_like`]): the
@@ -142,15 +142,17 @@ fn round_trip_of_a_criu_like_folder() {
         .get_by_manifest_path(&store.manifest_path(&info.id).unwrap())
         .unwrap();
     assert_eq!(by_path, info);
-    let (reopened, again) =
-        Store::open_by_manifest_path(&store.manifest_path(&info.id).unwrap(), small_opts())
-            .unwrap();
+    let (reopened, again) = Store::open_by_manifest_path(
+        &store.manifest_path(&info.id).unwrap(),
+        StoreOptions::small_chunks(),
+    )
+    .unwrap();
     assert_eq!(again, info);
     assert_eq!(reopened.location(), store.location());
     let elsewhere = t.path().join("copy.json");
     fs::copy(store.manifest_path(&info.id).unwrap(), &elsewhere).unwrap();
     assert!(matches!(
-        Store::open_by_manifest_path(&elsewhere, small_opts()),
+        Store::open_by_manifest_path(&elsewhere, StoreOptions::small_chunks()),
         Err(Error::NotFound { .. })
     ));
     assert_eq!(by_path.metadata, serde_json::json!({"test": true}));
@@ -161,7 +163,7 @@ fn compression_off_stores_chunks_raw_and_round_trips() {
     let t = tempfile::tempdir().unwrap();
     let raw_opts = StoreOptions {
         compress: false,
-        ..small_opts()
+        ..StoreOptions::small_chunks()
     };
     let store = Store::open(&t.path().join("store"), raw_opts).unwrap();
     let src = t.path().join("src");
@@ -440,7 +442,7 @@ fn a_re_checkpoint_rewrites_a_damaged_chunk_it_would_reuse() {
 
     // The same through a backend without files (the verification reads the object through the trait).
     let mem = Arc::new(MemoryBackend::new(&t.path().join("staging")));
-    let store = Store::with_backend(mem.clone(), small_opts()).unwrap();
+    let store = Store::with_backend(mem.clone(), StoreOptions::small_chunks()).unwrap();
     let data = pseudo_random(100_000, 4);
     let info = ingest(&store, None, |d| fs::write(d.join("a.img"), &data).unwrap());
     let first = info.files[0].chunks[1].id.unwrap();
@@ -669,7 +671,7 @@ fn open_refuses_foreign_folders_and_newer_formats() {
     fs::create_dir_all(&foreign).unwrap();
     fs::write(foreign.join("important.txt"), b"x").unwrap();
     assert!(matches!(
-        Store::open(&foreign, small_opts()),
+        Store::open(&foreign, StoreOptions::small_chunks()),
         Err(Error::BadStore { .. })
     ));
     let s = t.path().join("store");
@@ -679,7 +681,7 @@ fn open_refuses_foreign_folders_and_newer_formats() {
         br#"{"format":"gpu-checkpoint-store","version":99}"#,
     )
     .unwrap();
-    let err = Store::open(&s, small_opts()).err().unwrap();
+    let err = Store::open(&s, StoreOptions::small_chunks()).err().unwrap();
     assert!(err.to_string().contains("newer"), "{err}");
 }
 
@@ -704,7 +706,7 @@ fn a_store_is_marked_with_a_version_older_builds_refuse() {
         br#"{"format":"gpu-checkpoint-store","version":1}"#,
     )
     .unwrap();
-    let store = Store::open(&s, small_opts()).unwrap();
+    let store = Store::open(&s, StoreOptions::small_chunks()).unwrap();
     assert_eq!(marker(&s)["version"], 2);
     assert_eq!(mode(&s.join("store.json")), 0o600);
     assert!(store.verify(Some(&info.id), &NoProgress).unwrap().is_ok());
@@ -715,7 +717,7 @@ fn unwritable_storage_is_exit_status_6() {
     let t = tempfile::tempdir().unwrap();
     let mem = Arc::new(MemoryBackend::new(&t.path().join("staging")));
     mem.fail_writes.store(true, Ordering::Relaxed);
-    let store = Store::with_backend(mem.clone(), small_opts()).unwrap();
+    let store = Store::with_backend(mem.clone(), StoreOptions::small_chunks()).unwrap();
     let err = store.check_writable().unwrap_err();
     assert_eq!(err.exit_status(), ExitStatus::Storage);
     // Nor can a checkpoint begin (its writer's lease cannot be put): the same status.
@@ -742,7 +744,7 @@ fn unwritable_storage_is_exit_status_6() {
 fn memory_backend_round_trips_and_detects_damage() {
     let t = tempfile::tempdir().unwrap();
     let mem = Arc::new(MemoryBackend::new(&t.path().join("staging")));
-    let store = Store::with_backend(mem.clone(), small_opts()).unwrap();
+    let store = Store::with_backend(mem.clone(), StoreOptions::small_chunks()).unwrap();
     let data = pseudo_random(100_000, 4);
     let info = ingest(&store, None, |d| fs::write(d.join("a.img"), &data).unwrap());
     let out = t.path().join("out");
@@ -848,7 +850,7 @@ fn crash_writer_child() {
         return;
     };
     let dir = PathBuf::from(dir);
-    let store = Store::open(&dir.join("store"), small_opts()).unwrap();
+    let store = Store::open(&dir.join("store"), StoreOptions::small_chunks()).unwrap();
     let ing = store.begin(Some("doomed")).unwrap();
     fs::write(
         ing.staging_dir().join("pages-1.img"),
@@ -984,7 +986,7 @@ fn full_disk_during_ingest_is_a_storage_error_and_leaves_the_store_consistent() 
         }
     }
     let _guard = Unmount(&mnt);
-    let store = Store::open(&mnt.join("store"), small_opts()).unwrap();
+    let store = Store::open(&mnt.join("store"), StoreOptions::small_chunks()).unwrap();
     store.check_writable().unwrap();
     let small = ingest(&store, Some("fits"), |d| {
         fs::write(d.join("a.img"), pseudo_random(200_000, 1)).unwrap()
@@ -1392,7 +1394,7 @@ fn a_read_only_store_can_be_verified_and_restored() {
         "the mount is read-only"
     );
 
-    let store = Store::open(&ro, small_opts()).unwrap();
+    let store = Store::open(&ro, StoreOptions::small_chunks()).unwrap();
     assert_eq!(store.get("job").unwrap().id, info.id);
     assert!(store.verify(Some("job"), &NoProgress).unwrap().is_ok());
     let out = t.path().join("out");
@@ -1414,7 +1416,7 @@ fn concurrent_first_opens_make_one_store() {
                 let (dir, start) = (&dir, &start);
                 s.spawn(move || {
                     start.wait();
-                    let store = Store::open(dir, small_opts())
+                    let store = Store::open(dir, StoreOptions::small_chunks())
                         .unwrap_or_else(|e| panic!("round {round}, opener {i}: {e}"));
                     ingest(&store, None, |d| {
                         fs::write(d.join("core-1.img"), [i; 64]).unwrap()
@@ -1422,7 +1424,7 @@ fn concurrent_first_opens_make_one_store() {
                 });
             }
         });
-        let store = Store::open(&dir, small_opts()).unwrap();
+        let store = Store::open(&dir, StoreOptions::small_chunks()).unwrap();
         assert_eq!(store.list().unwrap().len(), 6, "round {round}");
         assert!(store.verify(None, &NoProgress).unwrap().problems.is_empty());
     }
@@ -1436,7 +1438,9 @@ fn only_an_empty_or_missing_folder_becomes_a_store() {
     let other = t.path().join("other");
     fs::create_dir(&other).unwrap();
     fs::write(other.join("notes.txt"), "mine").unwrap();
-    let err = Store::open(&other, small_opts()).err().unwrap();
+    let err = Store::open(&other, StoreOptions::small_chunks())
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("is not empty"), "{err}");
     assert_eq!(
         fs::read_dir(&other).unwrap().count(),
@@ -1446,13 +1450,15 @@ fn only_an_empty_or_missing_folder_becomes_a_store() {
     let linked = t.path().join("linked");
     fs::create_dir(&linked).unwrap();
     std::os::unix::fs::symlink(other.join("notes.txt"), linked.join("store.json")).unwrap();
-    let err = Store::open(&linked, small_opts()).err().unwrap();
+    let err = Store::open(&linked, StoreOptions::small_chunks())
+        .err()
+        .unwrap();
     assert_eq!(err.exit_status(), ExitStatus::PermissionDenied, "{err}");
     assert!(err.to_string().contains("symbolic link"), "{err}");
     // An empty folder of this user made with a loose umask becomes a private store.
     let loose = t.path().join("loose");
     fs::create_dir(&loose).unwrap();
     fs::set_permissions(&loose, fs::Permissions::from_mode(0o775)).unwrap();
-    Store::open(&loose, small_opts()).unwrap();
+    Store::open(&loose, StoreOptions::small_chunks()).unwrap();
     assert_eq!(mode(&loose), 0o700);
 }

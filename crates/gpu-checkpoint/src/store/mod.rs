@@ -89,6 +89,24 @@ impl Default for StoreOptions {
     }
 }
 
+#[cfg(any(test, feature = "test-support"))]
+impl StoreOptions {
+    /// Small chunks, so that test-sized files have many of them and debug builds stay quick (tests only).
+    pub fn small_chunks() -> StoreOptions {
+        StoreOptions {
+            zstd_level: 1,
+            compress: true,
+            threads: 2,
+            chunking: ChunkParams {
+                min_size: 4096,
+                avg_size: 16384,
+                max_size: 65536,
+            },
+            ..StoreOptions::default()
+        }
+    }
+}
+
 impl StoreOptions {
     /// The zstd level new chunks are compressed with, or `None` when compression is off.
     pub fn compression_level(&self) -> Option<i32> {

@@ -6,7 +6,6 @@ pub mod garage;
 pub mod moto;
 pub mod s3;
 
-use gpu_checkpoint::store::{ChunkParams, StoreOptions};
 use gpu_checkpoint_testdata::XorShift64;
 
 /// Whether a test can run here (`ready`). Where it cannot, CI (`CI=true`) fails it (`in_ci`: why CI can
@@ -17,21 +16,6 @@ pub fn runs_here(ready: bool, skipped: &str, in_ci: &str) -> bool {
         eprintln!("skipped: {skipped}");
     }
     ready
-}
-
-/// Small chunks so that test-sized files have many of them (and debug builds stay quick).
-pub fn small_opts() -> StoreOptions {
-    StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-        ..StoreOptions::default()
-    }
 }
 
 /// These tests' seed spread (`seed * golden ratio`, not `testdata::random_bytes`'s `(seed + 1) * ...`): the

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::store::backend::{Backend, MemoryBackend, ObjectMeta, ReadBackend};
-use crate::store::{ChunkParams, NoProgress, Result, Store, StoreOptions};
+use crate::store::{NoProgress, Result, Store, StoreOptions};
 
 #[test]
 fn the_prefetcher_stays_ahead_by_at_most_its_window_and_stops() {
@@ -108,21 +108,6 @@ struct Fetches {
     most_chunks: usize,
 }
 
-/// Small chunks, so that a small image has many.
-fn small_chunks() -> StoreOptions {
-    StoreOptions {
-        zstd_level: 1,
-        compress: true,
-        threads: 2,
-        chunking: ChunkParams {
-            min_size: 4096,
-            avg_size: 16384,
-            max_size: 65536,
-        },
-        ..StoreOptions::default()
-    }
-}
-
 /// A store in `dir` on a [`CountingFetches`] backend (`late_first` as its own) holding one checkpoint
 /// of `len` pseudo-random bytes (`seed`) in `pages-1.img`: the backend, the store, the checkpoint and
 /// its bytes.
@@ -133,7 +118,7 @@ fn counted_pages(
     len: usize,
 ) -> (Arc<CountingFetches>, Store, CheckpointInfo, Vec<u8>) {
     let backend = Arc::new(CountingFetches::new(dir, late_first));
-    let store = Store::with_backend(backend.clone(), small_chunks()).unwrap();
+    let store = Store::with_backend(backend.clone(), StoreOptions::small_chunks()).unwrap();
     let ing = store.begin(Some("job")).unwrap();
     let pages = crate::testdata::XorShift64::new(seed).bytes(len);
     std::fs::write(ing.staging_dir().join("pages-1.img"), &pages).unwrap();
