@@ -30,6 +30,8 @@ mod piece;
 mod plan;
 mod read;
 mod stream;
+#[cfg(any(test, feature = "test-support"))]
+mod testing;
 mod time;
 mod verify;
 
@@ -85,24 +87,6 @@ impl Default for StoreOptions {
             threads: 0,
             chunking: ChunkParams::default(),
             trusted_owner: None,
-        }
-    }
-}
-
-#[cfg(any(test, feature = "test-support"))]
-impl StoreOptions {
-    /// Small chunks, so that test-sized files have many of them and debug builds stay quick (tests only).
-    pub fn small_chunks() -> StoreOptions {
-        StoreOptions {
-            zstd_level: 1,
-            compress: true,
-            threads: 2,
-            chunking: ChunkParams {
-                min_size: 4096,
-                avg_size: 16384,
-                max_size: 65536,
-            },
-            ..StoreOptions::default()
         }
     }
 }
