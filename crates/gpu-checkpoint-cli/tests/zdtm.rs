@@ -294,6 +294,11 @@ impl Drop for Suite {
 /// The last `n` lines of a file, for a failure message.
 fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| format!("({e})"));
+    last_lines(&text, n)
+}
+
+/// The last `n` lines of `text`.
+fn last_lines(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
@@ -345,8 +350,12 @@ impl Suite {
         while !out.exists() && tree::pid_taken(pid) {
             if Instant::now() >= deadline {
                 let pids: Vec<i32> = tree::process_tree(pid).iter().map(|p| p.pid).collect();
+                let seen = where_stuck(&pids);
                 tree::kill_tree(&pids, Duration::from_secs(10));
-                return Err(format!("still running {STEP_TIMEOUT:?} after SIGTERM"));
+                return Err(format!(
+                    "still running {STEP_TIMEOUT:?} after SIGTERM\n{seen}{}",
+                    tail(&dir.join(format!("{t}.out.inprogress")), 10)
+                ));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -476,6 +485,33 @@ impl Suite {
     }
 }
 
+/// Where each thread of a hung test waits (state, wait channel, kernel stack), for the failure message:
+/// a flake that shows once in many runs must say enough the first time.
+fn where_stuck(pids: &[i32]) -> String {
+    let mut seen = String::new();
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let at = task.path();
+            let read = |f: &str| std::fs::read_to_string(at.join(f)).unwrap_or_default();
+            let state = read("status")
+                .lines()
+                .find(|l| l.starts_with("State:"))
+                .unwrap_or_default()
+                .to_string();
+            seen += &format!(
+                "pid {pid} task {}: {state}, wchan {}\n{}",
+                task.file_name().to_string_lossy(),
+                read("wchan"),
+                read("stack")
+            );
+        }
+    }
+    seen
+}
+
 /// Whether the suite can run here: root, CRIU and the zdtm build; like [`criu_ready`], their absence
 /// fails in CI and skips locally.
 fn ready() -> Option<(PathBuf, HashMap<String, Vec<String>>)> {
@@ -511,6 +547,7 @@ fn zdtm_tests_plain_criu_passes_pass_through_gpu_checkpoint() {
     let tests = listed();
     let mut plain_failed = Vec::new();
     let mut ours_failed = Vec::new();
+    let mut details = Vec::new();
     let (mut plain_passed, mut ours_passed) = (0, 0);
     for &t in &tests {
         // One line per test and mode: the verdict and how long it took.
@@ -542,6 +579,9 @@ fn zdtm_tests_plain_criu_passes_pass_through_gpu_checkpoint() {
                     say(Tool::Ours, mode, at, "FAIL");
                     eprintln!("zdtm {name}: FAILED\n{e}");
                     ours_failed.push(name);
+                    // Again in the assertion's message, which ends the test's output: what a
+                    // truncated CI log keeps.
+                    details.push(format!("{t}: {}", last_lines(&e, 40)));
                 }
             }
         }
@@ -564,7 +604,8 @@ fn zdtm_tests_plain_criu_passes_pass_through_gpu_checkpoint() {
     );
     assert!(
         ours_failed.is_empty(),
-        "zdtm tests plain CRIU passes failed through gpu-checkpoint: {}",
-        ours_failed.join(", ")
+        "zdtm tests plain CRIU passes failed through gpu-checkpoint: {}\n{}",
+        ours_failed.join(", "),
+        details.join("\n")
     );
 }
