@@ -243,9 +243,7 @@ impl ContainerRuntime for OciCli {
                 runtime: self.kind.name().into(),
                 reason: format!("`state {id}`: {e}"),
             }),
-            // runc ("container does not exist") and runsc ("loading container: file does not exist")
-            // say so only in words, with exit status 1.
-            Err(Error::Runtime { stderr, .. }) if stderr.contains("does not exist") => {
+            Err(Error::Runtime { stderr, .. }) if says_no_such_container(&stderr) => {
                 tracing::debug!("{stderr}");
                 Err(self.no_such(id))
             }
@@ -503,9 +501,38 @@ pub(super) fn parse_ps(json: &str) -> Option<Vec<i32>> {
         .collect()
 }
 
+/// Whether a failed `state` said the container does not exist. runc ("container does not exist") and
+/// runsc ("loading container: file does not exist") say so only in words, with exit status 1. runsc
+/// also says "loading container: open ROOT/SANDBOX_sandbox:ID.state: no such file or directory" when the
+/// state file it found in its root is gone when it opens it: a container being deleted (seen right after
+/// the guardian deleted a half-restored sandbox), which is no container either.
+fn says_no_such_container(stderr: &str) -> bool {
+    stderr.contains("does not exist")
+        || (stderr.contains("loading container")
+            && stderr.contains(".state: no such file or directory"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_way_the_runtimes_say_no_such_container_is_understood() {
+        for said in [
+            "container does not exist",
+            "loading container: file does not exist",
+            "loading container: open /run/runsc/gc-1_sandbox:gc-1.state: no such file or directory",
+        ] {
+            assert!(says_no_such_container(said), "{said}");
+        }
+        for said in [
+            "loading container: open /run/runsc/gc-1_sandbox:gc-1.state: permission denied",
+            "open /run/runsc/gc-1.lock: no such file or directory",
+            "cannot exec: no such file or directory",
+        ] {
+            assert!(!says_no_such_container(said), "{said}");
+        }
+    }
 
     /// A stand-in for a runsc binary: `help checkpoint` prints `help`; `checkpoint ...` writes its
     /// arguments to `args` beside it.
