@@ -3,15 +3,16 @@
 //! so they are written once, into the store.
 //!
 //! ```text
-//! one thread per open image (the caller's)         workers (N threads, the caller's)
+//! two threads per page image (the caller's + one)   workers (N threads, the caller's)
 //! pages-*.img: read the pipe into pooled segments   zero check -> BLAKE3 -> stored?
-//!   -> FastCDC  ---------------------------------->   no: zstd -> write-once put
+//!   || FastCDC on the segment read before  -------->   no: zstd -> write-once put
 //! small images: read whole, then cut  ------------>   record ChunkRef
 //! very large other images: spilled to the staging folder, stored by `commit` like any staged file
 //! ```
 //! CRIU writes several images at once (a task's pagemap and pages go out interleaved), so every image
 //! must be drained as it comes: no stream may wait for another. Pooled segments are what bound memory, and
-//! a stream blocked on its pipe holds up to two of them (its unfinished tail and the segment it fills);
+//! a stream blocked on its pipe holds up to two of them (the one it cuts or its unfinished tail, and the
+//! one it fills: `store::pipelined`);
 //! only as many streams read into the pool as leave one segment free for the others, the rest are read
 //! into memory whole (they are small: CRIU's metadata images) or spilled to disk.
 
@@ -27,6 +28,7 @@ use super::chunker::{is_page_image, ChunkParams, Chunker, Hints, Piece, SegmentP
 use super::error::{Error, Result};
 use super::ingest::Ingest;
 use super::piece::{coder, store_piece, Collected, Streamed};
+use super::pipelined::chunk_pipelined;
 use super::plan::Plan;
 use super::read::ReadAhead;
 use super::Progress;
@@ -271,22 +273,21 @@ impl<'a> Streams<'a> {
         name: &str,
         reader: &mut dyn Read,
         hints: Option<&Hints>,
-        send: &mut dyn FnMut(Piece) -> bool,
+        send: &mut (dyn FnMut(Piece) -> bool + Send),
     ) -> Result<u64> {
         let io = |source| Error::Receive {
             name: name.to_string(),
             source,
         };
-        let mut chunker = Chunker::new(reader, self.params, &self.pool, hints)
+        let chunker = Chunker::new(std::io::empty(), self.params, &self.pool, hints)
             .map_err(io)?
             .page_aligned(is_page_image(name));
-        while !chunker.is_done() {
-            if self.failed.load(Ordering::Relaxed) {
-                return Err(self.session_error());
-            }
-            chunker.step(self.pool.get(), send).map_err(io)?;
+        let stop = || self.failed.load(Ordering::Relaxed);
+        let bytes = chunk_pipelined(chunker, reader, &self.pool, &stop, send).map_err(io)?;
+        if stop() {
+            return Err(self.session_error());
         }
-        Ok(chunker.bytes())
+        Ok(bytes)
     }
 
     fn add_in_memory(
