@@ -186,7 +186,7 @@ mod tests {
     /// Records a piece, checking that a chunk on a page boundary of a page image lies HEADER_LEN past a
     /// page of its segment (where the store writes it from without a copy).
     fn record(out: &mut Chunks, p: &Piece, pages: bool) {
-        if pages && p.offset % PAGE as u64 == 0 {
+        if pages && p.offset.is_multiple_of(PAGE as u64) {
             let at = p.data().as_ptr() as usize % DIRECT_IO_ALIGN;
             assert_eq!(at, HEADER_LEN, "chunk at {}", p.offset);
         }
