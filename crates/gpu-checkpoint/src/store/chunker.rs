@@ -212,6 +212,13 @@ impl SegmentPool {
     pub fn try_get(&self) -> Option<SegBuf> {
         self.take.try_recv().ok()
     }
+
+    /// Gives back a segment taken with [`SegmentPool::get`] and not used (another stream may be waiting
+    /// for it).
+    pub fn put(&self, buf: SegBuf) {
+        // Cannot fail: we hold a receiver ourselves.
+        let _ = self.give.send(buf);
+    }
 }
 
 /// One chunk: a range of a shared segment, plus where it sits in its file.
@@ -378,7 +385,49 @@ impl<'h, R: Read> Chunker<'h, R> {
             buf,
             home: self.home.clone(),
         });
-        self.cut(seg, filled, eof, emit);
+        self.cut(seg, 0..filled, eof, emit);
+        Ok(())
+    }
+
+    /// How many bytes a segment filled by another thread must leave free in front of the input's next
+    /// bytes ([`Chunker::step_read`]): room for the previous segment's unfinished tail, which is shorter
+    /// than one maximum chunk, rounded up to whole pages so that a page-aligned chunk stays page-aligned in
+    /// the segment.
+    pub fn tail_room(&self) -> usize {
+        (self.params.max_size as usize).next_multiple_of(PAGE)
+    }
+
+    /// [`Chunker::step`] for a segment that another thread has read into: `buf[new]` holds the input's
+    /// next bytes (`eof`: the last of them), after at least [`Chunker::tail_room`] bytes, where the previous
+    /// segment's unfinished tail is copied, right in front of them. The cut points are those of
+    /// [`Chunker::step`]: they never depend on where segments end. A page-aligned chunk lands on the
+    /// segment's page boundaries (see [`SegBuf`]) when every segment but the last brings the same whole
+    /// number of pages and `new.start` is a whole number of pages.
+    pub fn step_read(
+        &mut self,
+        mut buf: SegBuf,
+        new: Range<usize>,
+        eof: bool,
+        emit: &mut dyn FnMut(Piece) -> bool,
+    ) -> std::io::Result<()> {
+        let mut start = new.start;
+        if let Some((seg, tail)) = self.prev.take() {
+            if tail.len() > start {
+                self.done = true;
+                let _ = self.home.send(buf);
+                return Err(std::io::Error::other(format!(
+                    "an unfinished chunk of {} bytes does not fit in front of the segment's {start}",
+                    tail.len()
+                )));
+            }
+            start -= tail.len();
+            buf[start..new.start].copy_from_slice(&seg.buf[tail]);
+        }
+        let seg = Arc::new(Segment {
+            buf,
+            home: self.home.clone(),
+        });
+        self.cut(seg, start..new.end, eof, emit);
         Ok(())
     }
 
@@ -410,7 +459,7 @@ impl<'h, R: Read> Chunker<'h, R> {
                 buf: SegBuf::from_vec(data),
                 home,
             }),
-            filled,
+            0..filled,
             true,
             emit,
         );
@@ -439,17 +488,19 @@ impl<R> Chunker<'_, R> {
         }
     }
 
-    /// Emits every chunk of `seg[..filled]` whose end is known, keeping the unfinished tail for the next
+    /// Emits every chunk of `seg[input]` whose end is known, keeping the unfinished tail for the next
     /// segment unless `eof`.
     fn cut(
         &mut self,
         seg: Arc<Segment>,
-        filled: usize,
+        input: Range<usize>,
         eof: bool,
         emit: &mut dyn FnMut(Piece) -> bool,
     ) {
         let (min, max) = (self.params.min_size as usize, self.params.max_size as usize);
-        let data = &seg.buf[..filled];
+        let base = input.start;
+        let filled = input.len();
+        let data = &seg.buf[input];
         let masks = self.params.masks();
         let mut pos = 0;
         while pos < filled {
@@ -504,7 +555,7 @@ impl<R> Chunker<'_, R> {
             }
             let piece = Piece {
                 seg: seg.clone(),
-                range: pos..end,
+                range: base + pos..base + end,
                 index: self.index,
                 offset: self.offset,
                 known,
@@ -520,7 +571,7 @@ impl<R> Chunker<'_, R> {
         if eof {
             self.done = true;
         } else {
-            self.prev = Some((seg, pos..filled));
+            self.prev = Some((seg, base + pos..base + filled));
         }
     }
 }

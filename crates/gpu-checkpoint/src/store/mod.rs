@@ -27,6 +27,7 @@ mod lease;
 pub mod manifest;
 mod open;
 mod piece;
+mod pipelined;
 mod plan;
 mod read;
 mod stream;
