@@ -206,7 +206,7 @@ fn a_failed_restore_names_the_kept_network_lock_and_release_network_lock_lets_it
             "json",
         ]));
         let inspected: serde_json::Value = serde_json::from_str(&inspected).unwrap();
-        let recorded = &inspected["metadata"]["network_lock"];
+        let recorded = &inspected["metadata"]["kept_network_lock"];
         assert_eq!(
             recorded["boot_id"].as_str(),
             Some(gpu_checkpoint::dump::boot_id().unwrap().as_str()),

@@ -27,7 +27,7 @@ pub fn run(args: Args) -> super::Result<()> {
     let node = super::node(args.store.open()?)?;
     let (info, manifest) = node.find(&Target::Checkpoint(args.checkpoint.clone()))?;
     let id = info.id;
-    let lock = manifest.network_lock;
+    let lock = manifest.kept_network_lock;
     let (outcome, text) = match &lock {
         None => (
             NONE_RECORDED,

@@ -131,7 +131,7 @@ pub fn run(args: Args) -> super::Result<()> {
     say_what_the_checkpoint_decides(&info.id, &manifest, &given);
     let restored = node.restore(&target, &given, images, gpu, &progress, None);
     if restored.is_err() {
-        let lock = manifest.network_lock.as_ref();
+        let lock = manifest.kept_network_lock.as_ref();
         super::network_lock::say_if_kept(&info.id, lock, &args.store.storage);
     }
     let out = super::finished(restored)?;

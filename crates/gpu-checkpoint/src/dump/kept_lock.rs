@@ -26,7 +26,7 @@ use super::nft::{nft_delete_table, NFPROTO_INET};
 /// Where the kernel names this boot.
 const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 
-/// CRIU's network lock a checkpoint left on its node (the manifest's `network_lock`).
+/// CRIU's network lock a checkpoint left on its node (the manifest's `kept_network_lock`).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct KeptNetworkLock {
     /// The node's boot (`/proc/sys/kernel/random/boot_id`) when the lock was left: it is gone after a reboot.

@@ -68,7 +68,7 @@ pub struct CheckpointManifest {
     /// tree stopped): which, in which namespace, on which boot; absent when none was left (and in
     /// manifests written before the field existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub network_lock: Option<KeptNetworkLock>,
+    pub kept_network_lock: Option<KeptNetworkLock>,
 }
 
 /// What a container checkpoint records about its container, for the restore.

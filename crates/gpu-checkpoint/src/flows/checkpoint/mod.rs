@@ -435,7 +435,7 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
         manifest.process_tree = std::mem::take(&mut self.dumped);
         manifest.options.criu = self.opts.criu.clone();
         manifest.devices = std::mem::take(&mut self.reopened);
-        manifest.network_lock = self.network_lock.take();
+        manifest.kept_network_lock = self.network_lock.take();
         Ok(())
     }
 

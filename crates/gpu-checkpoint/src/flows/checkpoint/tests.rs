@@ -1039,8 +1039,8 @@ fn the_network_lock_left_for_the_restore_is_recorded_and_older_manifests_read_wi
         let metadata = s.store.list().unwrap()[0].metadata.clone();
         let m = CheckpointManifest::from_metadata(&metadata).unwrap();
         if leave_running {
-            assert_eq!(m.network_lock, None, "released: {metadata}");
-            assert!(metadata.get("network_lock").is_none(), "{metadata}");
+            assert_eq!(m.kept_network_lock, None, "released: {metadata}");
+            assert!(metadata.get("kept_network_lock").is_none(), "{metadata}");
             continue;
         }
         let expected = KeptNetworkLock {
@@ -1051,19 +1051,21 @@ fn the_network_lock_left_for_the_restore_is_recorded_and_older_manifests_read_wi
             iptables_rules: Vec::new(),
             iptables_chain: false,
         };
-        assert_eq!(m.network_lock.as_ref(), Some(&expected));
+        assert_eq!(m.kept_network_lock.as_ref(), Some(&expected));
         assert_eq!(
-            metadata["network_lock"]["nft_tables"],
+            metadata["kept_network_lock"]["nft_tables"],
             json!(["CRIU-fake-run-1"])
         );
-        assert!(metadata["network_lock"].get("iptables_rules").is_none());
+        assert!(metadata["kept_network_lock"]
+            .get("iptables_rules")
+            .is_none());
         let again = serde_json::to_value(&m).unwrap();
         assert_eq!(CheckpointManifest::from_metadata(&again).unwrap(), m);
         // As a gpu-checkpoint from before the field wrote it.
         let mut older = metadata.clone();
-        older.as_object_mut().unwrap().remove("network_lock");
+        older.as_object_mut().unwrap().remove("kept_network_lock");
         let read = CheckpointManifest::from_metadata(&older).unwrap();
-        assert_eq!(read.network_lock, None);
+        assert_eq!(read.kept_network_lock, None);
         assert_eq!(read.id, m.id);
     }
 }
