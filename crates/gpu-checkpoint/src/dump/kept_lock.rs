@@ -17,10 +17,11 @@
 
 use std::io;
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::network::{lock_tables, run_quiet, run_rule, unlock_netns};
+use super::network::{lock_tables, logged_lock, run_quiet, run_rule, unlock_netns};
 use super::nft::{nft_delete_table, NFPROTO_INET};
 
 /// Where the kernel names this boot.
@@ -117,6 +118,16 @@ impl KeptNetworkLock {
                 None
             }
         }
+    }
+
+    /// The lock a `criu dump --tcp-established` of a tree in this process's network namespace logged in
+    /// its log `log` (its nftables table, its iptables rules), as a record of this node: what a dump made
+    /// without gpu-checkpoint (plain CRIU) left, for its release. `None` when it logged none.
+    pub fn logged_in(log: &Path) -> Option<KeptNetworkLock> {
+        let text = std::fs::read_to_string(log).ok()?;
+        let (rules, table) = logged_lock(&text);
+        let table = table.into_iter().collect();
+        KeptNetworkLock::new(std::process::id() as i32, table, rules, false)
     }
 
     /// What the lock is, in words: `the nftables table inet CRIU-... (in network namespace net:[N])`.
@@ -269,6 +280,22 @@ mod tests {
             crate::exit::ExitStatus::Conflict
         );
         assert!(e.to_string().contains("node-a"), "{e}");
+    }
+
+    /// Plain CRIU's dump log names its table: the record is of this boot and namespace.
+    #[test]
+    fn a_lock_is_read_from_a_dump_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        std::fs::write(&log, "(00.2) \tRunning nftables [add element inet CRIU-abc-1 conns4 { 127.0.0.1 . 1 . 127.0.0.1 . 2 }]\n").unwrap();
+        let logged = KeptNetworkLock::logged_in(&log).unwrap();
+        assert_eq!(logged.nft_tables, ["CRIU-abc-1"]);
+        assert_eq!(
+            (logged.boot_id, logged.netns),
+            (record().boot_id, record().netns)
+        );
+        std::fs::write(&log, "(00.1) Dumping finished successfully\n").unwrap();
+        assert_eq!(KeptNetworkLock::logged_in(&log), None);
     }
 
     #[test]

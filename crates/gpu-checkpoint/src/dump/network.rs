@@ -279,7 +279,7 @@ fn tcp_address(hex: &str) -> String {
 
 /// The per-connection lock CRIU logged: its `iptables -I` commands and the nftables table its set
 /// elements went into.
-fn logged_lock(log: &str) -> (Vec<Vec<String>>, Option<String>) {
+pub(super) fn logged_lock(log: &str) -> (Vec<Vec<String>>, Option<String>) {
     let mut rules = Vec::new();
     let mut table = None;
     for line in log.lines() {
