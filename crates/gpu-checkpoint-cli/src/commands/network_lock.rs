@@ -59,9 +59,10 @@ pub fn run(args: Args) -> super::Result<()> {
     Ok(())
 }
 
-/// After a failed restore of checkpoint `id` (in store `storage`): says on stderr that its network lock is
-/// still in place on this node, what that means and what to do, if it is.
-pub fn say_if_kept(id: &str, lock: Option<&KeptNetworkLock>, storage: &str) {
+/// After a failed restore of checkpoint `id` (in store `storage`; `more`: the restore's other arguments
+/// that matter, ` --container ID`): says on stderr that its network lock is still in place on this node,
+/// what that means and what to do, if it is.
+pub fn say_if_kept(id: &str, lock: Option<&KeptNetworkLock>, storage: &str, more: &str) {
     let Some(lock) = lock else {
         return;
     };
@@ -72,7 +73,7 @@ pub fn say_if_kept(id: &str, lock: Option<&KeptNetworkLock>, storage: &str) {
         "gpu-checkpoint: checkpoint {id}'s network lock is still in place on this node: {}. Segments of the \
          connections it checkpointed are dropped here until a restore succeeds (and so are those of a new \
          connection with the same addresses and ports). Restore again (`gpu-checkpoint restore {id} --storage \
-         {storage}`), or give the connections up and release the lock (`gpu-checkpoint release-network-lock \
+         {storage}{more}`), or give the connections up and release the lock (`gpu-checkpoint release-network-lock \
          {id} --storage {storage}`).",
         lock.describe()
     );

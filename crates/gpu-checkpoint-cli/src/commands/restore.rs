@@ -132,7 +132,7 @@ pub fn run(args: Args) -> super::Result<()> {
     let restored = node.restore(&target, &given, images, gpu, &progress, None);
     if restored.is_err() {
         let lock = manifest.kept_network_lock.as_ref();
-        super::network_lock::say_if_kept(&info.id, lock, &args.store.storage);
+        super::network_lock::say_if_kept(&info.id, lock, &args.store.storage, "");
     }
     let out = super::finished(restored)?;
     match args.store.format {
