@@ -22,7 +22,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::network::{lock_tables, logged_lock, run_quiet, run_rule, unlock_netns};
-use super::nft::{nft_delete_table, NFPROTO_INET};
+use super::nft::{netns_cookie, nft_delete_table, NFPROTO_INET};
 
 /// Where the kernel names this boot.
 const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
@@ -36,6 +36,10 @@ pub struct KeptNetworkLock {
     pub host: String,
     /// The network namespace the lock is in (the tree's), as the inode of its `/proc/PID/ns/net`.
     pub netns: u64,
+    /// Its cookie (`SO_NETNS_COOKIE`): an inode may be given to a new namespace once the old one is
+    /// gone, a cookie never is. Absent where the kernel has none (before 5.14).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns_cookie: Option<u64>,
     /// CRIU's nftables tables (family inet, `CRIU-<run id>`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nft_tables: Vec<String>,
@@ -103,17 +107,20 @@ impl KeptNetworkLock {
         if nft_tables.is_empty() && iptables_rules.is_empty() && !iptables_chain {
             return None;
         }
-        let netns = std::fs::metadata(format!("/proc/{pid}/ns/net")).map(|m| m.ino());
-        match (boot_id(), netns) {
-            (Ok(boot_id), Ok(netns)) => Some(KeptNetworkLock {
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .and_then(|f| Ok((f.metadata()?.ino(), f)));
+        match (boot_id(), ns) {
+            (Ok(boot_id), Ok((netns, f))) => Some(KeptNetworkLock {
                 boot_id,
                 host: hostname(),
                 netns,
+                netns_cookie: netns_cookie(Some(&f)).ok(),
                 nft_tables,
                 iptables_rules,
                 iptables_chain,
             }),
             (b, n) => {
+                let n = n.map(|(ino, _)| ino);
                 tracing::warn!("the network lock left for the restore is not recorded: boot id {b:?}, namespace {n:?}");
                 None
             }
@@ -161,7 +168,7 @@ impl KeptNetworkLock {
         if here != self.boot_id {
             return Ok(LockState::Elsewhere { boot_id: here });
         }
-        let Some(ns) = find_netns(self.netns) else {
+        let Some(ns) = self.find_netns() else {
             return Ok(LockState::Gone);
         };
         let tables = lock_tables(Some(&ns))?;
@@ -177,6 +184,16 @@ impl KeptNetworkLock {
         } else {
             LockState::Gone
         })
+    }
+
+    /// The lock's network namespace, where something still holds it: the one of its inode, and of its
+    /// cookie where recorded (else a new namespace that got the inode would be taken for it).
+    fn find_netns(&self) -> Option<std::fs::File> {
+        let ns = find_netns(self.netns)?;
+        match self.netns_cookie {
+            Some(c) if netns_cookie(Some(&ns)).ok() != Some(c) => None,
+            _ => Some(ns),
+        }
     }
 
     /// Releases the lock of checkpoint `id` on this node, as CRIU's `network_unlock` would: its rules,
@@ -198,7 +215,9 @@ impl KeptNetworkLock {
             LockState::Held => {}
         }
         // Held: the namespace was just found.
-        let ns = find_netns(self.netns).ok_or_else(|| io(io::ErrorKind::NotFound.into()))?;
+        let ns = self
+            .find_netns()
+            .ok_or_else(|| io(io::ErrorKind::NotFound.into()))?;
         for rule in &self.iptables_rules {
             run_rule(rule, "-D", Some(&ns));
         }
@@ -248,6 +267,7 @@ mod tests {
             boot_id: boot_id().unwrap(),
             host: "node-a".into(),
             netns: std::fs::metadata("/proc/self/ns/net").unwrap().ino(),
+            netns_cookie: None,
             nft_tables: vec!["CRIU-not-there-1".into()],
             iptables_rules: Vec::new(),
             iptables_chain: false,
@@ -280,6 +300,18 @@ mod tests {
             crate::exit::ExitStatus::Conflict
         );
         assert!(e.to_string().contains("node-a"), "{e}");
+    }
+
+    /// A namespace is found by its inode and, where recorded, its cookie: a new namespace that got the
+    /// inode of one gone is not taken for it.
+    #[test]
+    fn a_namespace_is_known_by_its_cookie() {
+        let mut r = record();
+        r.netns_cookie = Some(netns_cookie(None).unwrap());
+        assert!(r.find_netns().is_some(), "ours, by inode and cookie");
+        r.netns_cookie = Some(r.netns_cookie.unwrap() ^ 1);
+        assert!(r.find_netns().is_none(), "another cookie: not ours");
+        assert_eq!(r.state().unwrap(), LockState::Gone);
     }
 
     /// Plain CRIU's dump log names its table: the record is of this boot and namespace.

@@ -1047,6 +1047,8 @@ fn the_network_lock_left_for_the_restore_is_recorded_and_older_manifests_read_wi
             boot_id: crate::dump::boot_id().unwrap(),
             host: m.host.hostname.clone(),
             netns: ns,
+            // The namespace's cookie (`kept_lock.rs` tests it).
+            netns_cookie: m.kept_network_lock.as_ref().and_then(|l| l.netns_cookie),
             nft_tables: vec!["CRIU-fake-run-1".into()],
             iptables_rules: Vec::new(),
             iptables_chain: false,
