@@ -192,10 +192,8 @@ fn a_failed_restore_names_the_kept_network_lock_and_release_network_lock_lets_it
     for lock in ["nftables", "iptables"] {
         let w = tcp_pair_workload(dir.path());
         let args = ["--tcp-established", "--network-lock", lock];
-        let id = checkpoint(w.pid, &store, &args)["id"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        let ck = checkpoint(w.pid, &store, &args);
+        let id = ck["id"].as_str().unwrap().to_string();
         let _release = ReleaseIfFailed(&id, storage);
         let inspected = ok(&gc(&[
             "inspect",
@@ -207,6 +205,10 @@ fn a_failed_restore_names_the_kept_network_lock_and_release_network_lock_lets_it
         ]));
         let inspected: serde_json::Value = serde_json::from_str(&inspected).unwrap();
         let recorded = &inspected["metadata"]["kept_network_lock"];
+        assert_eq!(
+            &ck["kept_network_lock"], recorded,
+            "checkpoint's JSON says it too"
+        );
         assert_eq!(
             recorded["boot_id"].as_str(),
             Some(gpu_checkpoint::dump::boot_id().unwrap().as_str()),
