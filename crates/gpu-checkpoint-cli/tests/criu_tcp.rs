@@ -169,8 +169,8 @@ fn fails_and_the_connection_goes_on(
 /// under either lock method: the manifest records it (this boot, the nftables table or the iptables
 /// rules); a restore that fails before CRIU's (SIGTERM there: exit 10) says the lock is still in place,
 /// what it drops and both remedies, and the lock is still there; `release-network-lock` deletes exactly
-/// it, and a second one says there is nothing left to release. A checkpoint that left no lock has
-/// nothing to release either.
+/// it, and a second one says there is nothing left to release; the checkpoint, whose connection has both
+/// ends in it, still restores whole. A checkpoint that left no lock has nothing to release either.
 #[test]
 fn a_failed_restore_names_the_kept_network_lock_and_release_network_lock_lets_it_go() {
     let Some((dir, store)) = criu_scene() else {
@@ -283,6 +283,17 @@ fn a_failed_restore_names_the_kept_network_lock_and_release_network_lock_lets_it
             "none-left",
             "{lock}: nothing left the second time"
         );
+        // Both ends of the connection are in the checkpoint: it restores whole without the lock.
+        assert_eq!(restore(&id, &store), w.pid, "{lock}");
+        let r0 = num(
+            &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+            "tcp_rounds",
+        );
+        let after = w.wait_state("the connection carrying on", |r| {
+            num(&r[0], "tcp_rounds") > r0 + 3
+        });
+        assert_eq!(num(&after[0], "errors"), 0, "{lock}: {after:?}");
+        w.kill_and_wait_free();
     }
     // Nothing was recorded: a checkpoint without --tcp-established.
     let w = Workload::start("counter", dir.path(), &[]);
