@@ -38,6 +38,9 @@ enum Command {
     Inspect(commands::inspect::Args),
     /// Delete a checkpoint.
     Delete(commands::delete::Args),
+    /// Release the network lock a --tcp-established checkpoint left on this node for its restore (its
+    /// connections are then lost): when a restore failed and is given up.
+    ReleaseNetworkLock(commands::network_lock::Args),
     /// Re-read and verify every chunk of one checkpoint or of the whole store.
     Verify(commands::verify::Args),
     /// Remove chunks that no checkpoint references.
@@ -107,6 +110,7 @@ fn main() {
         Command::List(a) => commands::list::run(a),
         Command::Inspect(a) => commands::inspect::run(a),
         Command::Delete(a) => commands::delete::run(a),
+        Command::ReleaseNetworkLock(a) => commands::network_lock::run(a),
         Command::Verify(a) => commands::verify::run(a),
         Command::Gc(a) => commands::gc::run(a),
         Command::Export(a) => commands::archive::export(a),

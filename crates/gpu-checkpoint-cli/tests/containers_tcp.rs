@@ -146,7 +146,27 @@ fn a_connection_survives(
     assert_eq!(out["container"]["tcp_established"], true, "{out}");
     assert_eq!(runc.state(&id), None, "{tag}: the container is deleted");
     let rounds = field("tcp_rounds").unwrap();
-    let method = network_lock_method(&store, out["id"].as_str().unwrap(), dir.path());
+    let ck = out["id"].as_str().unwrap();
+    let method = network_lock_method(&store, ck, dir.path());
+    // The lock the direct dump left for the restore, recorded: in the container's namespace (joined by
+    // path, it outlives the container). runc's own checkpoint is not ours to read.
+    let storage = store.display().to_string();
+    let ours = |args: &[&str]| {
+        let o = std::process::Command::new(gpu_checkpoint())
+            .args(args)
+            .args(["--storage", &storage, "--format", "json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{tag}: {args:?}: {}", text(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let recorded = ours(&["inspect", ck])["metadata"]["kept_network_lock"].clone();
+    if dump == "direct" && method != Some(SKIP) {
+        let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(ns.path()).unwrap());
+        assert_eq!(recorded["netns"], ino, "{tag}: {recorded}");
+    } else {
+        assert!(recorded.is_null(), "{tag}: {recorded}");
+    }
 
     let o = gc(&["restore", out["id"].as_str().unwrap(), "--container", &id]);
     assert!(o.status.success(), "{tag}: restore: {}", text(&o));
@@ -161,6 +181,13 @@ fn a_connection_survives(
     // The restore unlocked the namespace (CRIU deletes the dump's nftables table by its run id).
     let locks = gpu_checkpoint::dump::criu_lock_tables(std::path::Path::new(&ns.path()));
     assert_eq!(locks.unwrap(), Vec::<String>::new(), "{tag}: a lock left");
+    let none = if recorded.is_null() {
+        "none-recorded"
+    } else {
+        "none-left"
+    };
+    let released = ours(&["release-network-lock", ck]);
+    assert_eq!(released["outcome"], none, "{tag}: {released}");
     method
 }
 

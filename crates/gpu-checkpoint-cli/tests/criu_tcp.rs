@@ -164,3 +164,163 @@ fn fails_and_the_connection_goes_on(
         "{fault}"
     );
 }
+
+/// A checkpoint with `--tcp-established` that stops the tree keeps CRIU's network lock for the restore,
+/// under either lock method: the manifest records it (this boot, the nftables table or the iptables
+/// rules); a restore that fails before CRIU's (SIGTERM there: exit 10) says the lock is still in place,
+/// what it drops and both remedies, and the lock is still there; `release-network-lock` deletes exactly
+/// it, and a second one says there is nothing left to release; the checkpoint, whose connection has both
+/// ends in it, still restores whole. A checkpoint that left no lock has nothing to release either.
+#[test]
+fn a_failed_restore_names_the_kept_network_lock_and_release_network_lock_lets_it_go() {
+    let Some((dir, store)) = criu_scene() else {
+        return;
+    };
+    let storage = store.to_str().unwrap();
+    let release = |id: &str| {
+        let out = gc(&[
+            "release-network-lock",
+            id,
+            "--storage",
+            storage,
+            "--format",
+            "json",
+        ]);
+        let said: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
+        said["outcome"].as_str().unwrap().to_string()
+    };
+    for lock in ["nftables", "iptables"] {
+        let w = tcp_pair_workload(dir.path());
+        let args = ["--tcp-established", "--network-lock", lock];
+        let ck = checkpoint(w.pid, &store, &args);
+        let id = ck["id"].as_str().unwrap().to_string();
+        let _release = ReleaseIfFailed(&id, storage);
+        let inspected = ok(&gc(&[
+            "inspect",
+            &id,
+            "--storage",
+            storage,
+            "--format",
+            "json",
+        ]));
+        let inspected: serde_json::Value = serde_json::from_str(&inspected).unwrap();
+        let recorded = &inspected["metadata"]["kept_network_lock"];
+        assert_eq!(
+            &ck["kept_network_lock"], recorded,
+            "checkpoint's JSON says it too"
+        );
+        assert_eq!(
+            recorded["boot_id"].as_str(),
+            Some(gpu_checkpoint::dump::boot_id().unwrap().as_str()),
+            "{lock}: {recorded}"
+        );
+        let tables: Vec<String> = recorded["nft_tables"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
+        let rules = recorded["iptables_rules"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let held = || {
+            let here =
+                gpu_checkpoint::dump::criu_lock_tables(Path::new("/proc/self/ns/net")).unwrap();
+            let rule_held = rules.iter().any(|r| {
+                let args: Vec<&str> = r
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a.as_str().unwrap())
+                    .collect();
+                let args: Vec<&str> = args
+                    .iter()
+                    .map(|a| if *a == "-I" { "-C" } else { a })
+                    .collect();
+                std::process::Command::new(args[0])
+                    .args(&args[1..])
+                    .output()
+                    .unwrap()
+                    .status
+                    .success()
+            });
+            tables.iter().any(|t| here.contains(t)) || rule_held
+        };
+        match lock {
+            "nftables" => assert_eq!(tables.len(), 1, "{recorded}"),
+            _ => assert!(!rules.is_empty(), "{recorded}"),
+        }
+        assert!(held(), "{lock}: the lock is in place after the checkpoint");
+
+        wait_pid_free(w.pid);
+        let out = std::process::Command::new(gc_bin())
+            .args(restore_args(&id, &store, &[]))
+            .env("GPU_CHECKPOINT_FAULT", "restore.before-criu=term")
+            .output()
+            .unwrap();
+        let said = fails_with(&out, 10);
+        for words in [
+            format!("checkpoint {id}'s network lock is still in place on this node"),
+            "are dropped here until a restore succeeds".into(),
+            format!("gpu-checkpoint restore {id} --storage {storage}"),
+            format!("gpu-checkpoint release-network-lock {id} --storage {storage}"),
+        ] {
+            assert!(said.contains(&words), "{lock}: {words:?} in {said}");
+        }
+        if let Some(t) = tables.first() {
+            assert!(
+                said.contains(&format!("the nftables table inet {t}")),
+                "{said}"
+            );
+        }
+        assert!(held(), "{lock}: the failed restore kept the lock");
+
+        assert_eq!(release(&id), "released", "{lock}");
+        assert!(!held(), "{lock}: released");
+        assert_eq!(
+            release(&id),
+            "none-left",
+            "{lock}: nothing left the second time"
+        );
+        // Both ends of the connection are in the checkpoint: it restores whole without the lock.
+        assert_eq!(restore(&id, &store), w.pid, "{lock}");
+        let r0 = num(
+            &gpu_checkpoint_workloads::read_state(&w.state).unwrap()[0],
+            "tcp_rounds",
+        );
+        let after = w.wait_state("the connection carrying on", |r| {
+            num(&r[0], "tcp_rounds") > r0 + 3
+        });
+        assert_eq!(num(&after[0], "errors"), 0, "{lock}: {after:?}");
+        w.kill_and_wait_free();
+    }
+    // Nothing was recorded: a checkpoint without --tcp-established.
+    let w = Workload::start("counter", dir.path(), &[]);
+    w.wait_state("the counter ticking", |r| {
+        r.len() == 1 && num(&r[0], "seq") >= 1
+    });
+    let id = checkpoint(w.pid, &store, &[])["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(release(&id), "none-recorded");
+    let out = gc(&["release-network-lock", &id, "--storage", storage]);
+    assert!(
+        ok(&out).starts_with("nothing to release"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+/// Releases checkpoint `.0`'s network lock (in store `.1`) should the test fail before it did, so that no
+/// lock is left on the node.
+struct ReleaseIfFailed<'a>(&'a str, &'a str);
+
+impl Drop for ReleaseIfFailed<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            gc(&["release-network-lock", self.0, "--storage", self.1]);
+        }
+    }
+}

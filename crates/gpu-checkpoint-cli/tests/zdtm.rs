@@ -39,6 +39,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use gpu_checkpoint::dump::Released;
 use gpu_checkpoint::proc as tree;
 
 /// The tests to run, in order (one or more names a line; `#` comments say why the others are left out).
@@ -406,8 +407,18 @@ impl Suite {
                 .args(opts),
         );
         if !ran.success() {
+            // CRIU keeps its dump's network lock for another restore: none comes, and it would drop a
+            // later test's connection that gets the same ports. Exactly this dump's (its log names it).
+            let lock = gpu_checkpoint::dump::KeptNetworkLock::logged_in(&images.join("dump.log"));
+            let released = match lock.map(|l| (l.release("plain CRIU's dump"), l.describe())) {
+                Some((Ok(Released::Released), what)) => {
+                    format!("\n(released its network lock: {what})")
+                }
+                Some((Ok(Released::NothingLeft), _)) | None => String::new(),
+                Some((Err(e), what)) => format!("\n(its network lock, {what}, not released: {e})"),
+            };
             return Err(format!(
-                "criu restore: {}\n{}",
+                "criu restore: {}\n{}{released}",
                 ran.describe(),
                 tail(&images.join("restore.log"), 25)
             ));
@@ -447,7 +458,18 @@ impl Suite {
             self.reaper
                 .run(Command::new(gc_bin()).args(["restore", &id, "--storage", storage]));
         if !ran.success() {
-            return Err(failed("gpu-checkpoint restore", &ran));
+            // As for plain CRIU (above): the network lock this checkpoint recorded, if still there.
+            let released = self.reaper.run(Command::new(gc_bin()).args([
+                "release-network-lock",
+                &id,
+                "--storage",
+                storage,
+            ]));
+            let failed = failed("gpu-checkpoint restore", &ran);
+            return Err(format!(
+                "{failed}\n(release-network-lock: {})",
+                released.describe()
+            ));
         }
         if ran.stdout.trim() != pid.to_string() {
             return Err(format!(

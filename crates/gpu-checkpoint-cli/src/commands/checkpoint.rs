@@ -259,6 +259,7 @@ impl Summary<'_> {
                 "gpu": manifest.gpu,
                 "sizes": manifest.sizes,
                 "stats": info.stats,
+                "kept_network_lock": manifest.kept_network_lock,
             });
             if let (Some(v), serde_json::Value::Object(more)) = (v.as_object_mut(), fields) {
                 v.extend(more);
@@ -276,6 +277,13 @@ impl Summary<'_> {
         );
         for line in lines {
             eprintln!("  {line}");
+        }
+        if let Some(lock) = &manifest.kept_network_lock {
+            eprintln!(
+                "  CRIU's network lock stays on this node until a restore succeeds: {} (`release-network-lock {}` gives the connections up)",
+                lock.describe(),
+                info.id
+            );
         }
         eprintln!("  {done}; manifest {manifest_path}");
         Ok(())

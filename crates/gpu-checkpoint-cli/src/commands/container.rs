@@ -170,9 +170,9 @@ pub fn restore(args: super::restore::Args, id: &str) -> super::Result<()> {
     let store = args.store.open_cached(args.cache_dir.as_deref())?;
     // The runtime's flags: those given, else the checkpoint's.
     let info = store.get(&checkpoint)?;
-    let record = CheckpointManifest::from_metadata(&info.metadata)
-        .ok()
-        .and_then(|m| m.container);
+    let manifest = CheckpointManifest::from_metadata(&info.metadata).ok();
+    let lock = manifest.as_ref().and_then(|m| m.kept_network_lock.clone());
+    let record = manifest.and_then(|m| m.container);
     say_if_simulated(record.as_ref().and_then(|c| c.sandbox_gpu_tool.as_deref()));
     let recorded = record.map(|c| c.global_args).unwrap_or_default();
     let mut rt = args.runtime.clone();
@@ -201,7 +201,12 @@ pub fn restore(args: super::restore::Args, id: &str) -> super::Result<()> {
         id: id.to_string(),
         bundle: args.bundle.clone(),
     };
-    let out = super::finished(node.restore_container(&runtime, &opts, gpu, &progress, None))?;
+    let restored = node.restore_container(&runtime, &opts, gpu, &progress, None);
+    if restored.is_err() {
+        let more = format!(" --container {id}");
+        super::network_lock::say_if_kept(&info.id, lock.as_ref(), &args.store.storage, &more);
+    }
+    let out = super::finished(restored)?;
     match args.store.format {
         Format::Json => {
             let v = json!({

@@ -19,6 +19,7 @@ pub mod inspect;
 #[cfg(feature = "cluster")]
 pub mod job;
 pub mod list;
+pub mod network_lock;
 pub mod restore;
 pub mod verify;
 

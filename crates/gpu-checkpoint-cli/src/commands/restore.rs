@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use gpu_checkpoint::dump::{discover, CriuRpc};
-use gpu_checkpoint::flows::{ImageTransfer, Node};
+use gpu_checkpoint::flows::{CheckpointManifest, ImageTransfer};
 use gpu_checkpoint::freeze::{DeviceMap, HookOptions};
 use gpu_checkpoint::restore::Target;
 use serde_json::json;
@@ -83,17 +83,15 @@ pub enum Resume {
 /// [`gpu_checkpoint::dump::CriuOptions::restore_options`]); a flag that contradicts the checkpoint is the
 /// restore's own error.
 fn say_what_the_checkpoint_decides(
-    node: &Node,
-    target: &Target,
+    id: &str,
+    manifest: &CheckpointManifest,
     given: &gpu_checkpoint::dump::CriuOptions,
-) -> super::Result<()> {
-    let (info, manifest) = node.find(target)?;
+) {
     if let Ok(r) = manifest.options.criu.restore_options(given) {
         if !r.decided.is_empty() {
             eprintln!(
-                "gpu-checkpoint: {}: checkpoint {} was taken with {}; the restore applies it from there",
+                "gpu-checkpoint: {}: checkpoint {id} was taken with {}; the restore applies it from there",
                 r.decided.join(", "),
-                info.id,
                 if r.decided.len() == 1 { "this" } else { "these" }
             );
         }
@@ -101,7 +99,6 @@ fn say_what_the_checkpoint_decides(
             eprintln!("gpu-checkpoint: note: {note}");
         }
     }
-    Ok(())
 }
 
 pub fn run(args: Args) -> super::Result<()> {
@@ -130,8 +127,14 @@ pub fn run(args: Args) -> super::Result<()> {
         }
     };
     let node = super::node(store)?.with_criu(Box::new(criu));
-    say_what_the_checkpoint_decides(&node, &target, &given)?;
-    let out = super::finished(node.restore(&target, &given, images, gpu, &progress, None))?;
+    let (info, manifest) = node.find(&target)?;
+    say_what_the_checkpoint_decides(&info.id, &manifest, &given);
+    let restored = node.restore(&target, &given, images, gpu, &progress, None);
+    if restored.is_err() {
+        let lock = manifest.kept_network_lock.as_ref();
+        super::network_lock::say_if_kept(&info.id, lock, &args.store.storage, "");
+    }
+    let out = super::finished(restored)?;
     match args.store.format {
         Format::Json => {
             let v = json!({

@@ -49,6 +49,8 @@ struct FakeState {
     odd_file: bool,
     lazy_memory: bool,
     skip_notifications: bool,
+    /// The nftables table dumps log locking a connection in (`--tcp-established`).
+    nft_lock: Option<String>,
 }
 
 impl FakeCriu {
@@ -104,6 +106,13 @@ impl FakeCriu {
     /// Makes restores skip the post-restore hook (a CRIU that never notifies).
     pub fn skip_notifications(&self) -> &Self {
         self.lock().skip_notifications = true;
+        self
+    }
+
+    /// Makes dumps log the lock of one connection in nftables table `table`, as CRIU's dump with
+    /// `--tcp-established` does.
+    pub fn lock_connection_in(&self, table: &str) -> &Self {
+        self.lock().nft_lock = Some(table.to_string());
         self
     }
 
@@ -250,7 +259,12 @@ impl FakeCriu {
         if let Some(line) = error {
             return Err(fail_logged(Op::Dump, log, &line)?);
         }
-        write(log, b"(00.1) Dumping finished successfully (fake)\n")?;
+        let mut text = String::new();
+        if let Some(table) = &self.lock().nft_lock {
+            text += &format!("(00.1) Running nftables [add element inet {table} conns4 {{ 127.0.0.1 . 1 . 127.0.0.1 . 2 }}]\n");
+        }
+        text += "(00.1) Dumping finished successfully (fake)\n";
+        write(log, text.as_bytes())?;
         if odd {
             let link = req.images_dir.join("odd.lnk");
             std::os::unix::fs::symlink("pages-1.img", &link)

@@ -15,6 +15,7 @@ mod discover;
 #[cfg(test)]
 mod fake;
 pub mod images;
+mod kept_lock;
 mod log;
 mod network;
 mod nft;
@@ -35,6 +36,7 @@ pub use container::ContainerDump;
 pub use discover::{discover, named, parse_version_output, CriuSource, FoundCriu, ENV_CRIU};
 #[cfg(test)]
 pub use fake::{FakeCriu, FakeCriuCall};
+pub use kept_lock::{boot_id, KeptNetworkLock, LockState, Released};
 pub use log::{error_lines, log_error_lines};
 pub use network::{criu_lock_tables, outside_connections, LocksBefore, NetworkHold};
 pub use options::{CgroupMode, CriuOptions, NetworkLock, RestoreOptions};
@@ -272,6 +274,8 @@ pub enum Error {
     Failed(Failure),
     #[error("talking to CRIU ({} swrk): {detail}", path.display())]
     Protocol { path: PathBuf, detail: String },
+    #[error("{0}")]
+    NetworkLockElsewhere(Box<kept_lock::Elsewhere>),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -299,6 +303,7 @@ impl Classify for Error {
                 FailureKind::Other => ExitStatus::Failure,
             },
             Error::Protocol { .. } => ExitStatus::Failure,
+            Error::NetworkLockElsewhere { .. } => ExitStatus::Conflict,
             Error::Io { source, .. } => crate::exit::io_exit_status(source),
         }
     }

@@ -38,6 +38,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use super::nft::{nft_delete_table, nft_tables, NFPROTO_INET};
+use super::KeptNetworkLock;
 use super::NetworkLock;
 
 /// `TCP_REPAIR` and its values, from `linux/tcp.h` (libc has no constants for them).
@@ -85,7 +86,7 @@ impl LocksBefore {
 }
 
 /// The network namespace of `pid`, where it is not ours.
-fn foreign_netns(pid: i32) -> Option<std::fs::File> {
+pub(super) fn foreign_netns(pid: i32) -> Option<std::fs::File> {
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?;
     let ours = std::fs::metadata("/proc/self/ns/net").ok()?.ino();
     (ns.metadata().ok()?.ino() != ours).then_some(ns)
@@ -97,7 +98,7 @@ pub fn criu_lock_tables(netns: &Path) -> io::Result<Vec<String>> {
     lock_tables(Some(&std::fs::File::open(netns)?))
 }
 
-fn lock_tables(ns: Option<&std::fs::File>) -> io::Result<Vec<String>> {
+pub(super) fn lock_tables(ns: Option<&std::fs::File>) -> io::Result<Vec<String>> {
     let mut t = nft_tables(ns, NFPROTO_INET)?;
     t.retain(|name| name.starts_with("CRIU-"));
     Ok(t)
@@ -148,16 +149,26 @@ impl NetworkHold {
         }
     }
 
+    /// What of this hold stays on the node when the tree is killed with it (a durable checkpoint that
+    /// stops the tree): CRIU's lock, kept for the restore (`kept_lock.rs`); `None` without one.
+    pub fn kept(&self) -> Option<KeptNetworkLock> {
+        let root = *self.pids.first()?;
+        // Per connection in our namespace or whole in the tree's: the tree's namespace either way.
+        let tables = self.nft_table.iter().chain(&self.netns_tables).cloned();
+        KeptNetworkLock::new(
+            root,
+            tables.collect(),
+            self.rules.clone(),
+            self.netns_of.is_some(),
+        )
+    }
+
     /// Releases the connections as CRIU's `network_unlock` does: the per-connection locks and repair mode
     /// first, the namespace's lock last. Best effort: each failure is logged and the rest still done.
     /// Returns the number of sockets taken out of repair mode.
     pub fn release(&self) -> usize {
         for rule in &self.rules {
-            let deleted: Vec<&str> = rule
-                .iter()
-                .map(|a| if a == "-I" { "-D" } else { a.as_str() })
-                .collect();
-            run_quiet(&deleted, None, None);
+            run_rule(rule, "-D", None);
         }
         let mut repaired = 0;
         for &pid in &self.pids {
@@ -194,6 +205,16 @@ impl NetworkHold {
         }
         repaired
     }
+}
+
+/// Runs CRIU's `iptables ... -I CHAIN ...` rule `rule` with `-I` replaced by `op` (`-D` deletes it, `-C`
+/// checks it is there) in namespace `ns`; true when the command exits 0.
+pub(super) fn run_rule(rule: &[String], op: &str, ns: Option<&std::fs::File>) -> bool {
+    let args: Vec<&str> = rule
+        .iter()
+        .map(|a| if a == "-I" { op } else { a.as_str() })
+        .collect();
+    run_quiet(&args, ns, None)
 }
 
 /// The established TCP connections of processes `pids` (in one network namespace) whose other end is not
@@ -258,7 +279,7 @@ fn tcp_address(hex: &str) -> String {
 
 /// The per-connection lock CRIU logged: its `iptables -I` commands and the nftables table its set
 /// elements went into.
-fn logged_lock(log: &str) -> (Vec<Vec<String>>, Option<String>) {
+pub(super) fn logged_lock(log: &str) -> (Vec<Vec<String>>, Option<String>) {
     let mut rules = Vec::new();
     let mut table = None;
     for line in log.lines() {
@@ -364,7 +385,7 @@ fn get_int(fd: &OwnedFd, level: libc::c_int, opt: libc::c_int) -> Option<libc::c
 /// Removes CRIU's chain `CRIU` and the jumps to it from the namespace `ns`, as
 /// `iptables_network_unlock_internal` does: the jumps (twice if one is still there, for the nft backend of
 /// iptables), then the chain, for IPv4 and, where the kernel has it, IPv6.
-fn unlock_netns(ns: &std::fs::File) {
+pub(super) fn unlock_netns(ns: &std::fs::File) {
     const JUMPS: &str = "*filter\n:CRIU - [0:0]\n-D INPUT -j CRIU\n-D OUTPUT -j CRIU\nCOMMIT\n";
     const CHAIN: &str = "*filter\n:CRIU - [0:0]\n-X CRIU\nCOMMIT\n";
     let ipv6 = Path::new("/proc/net/if_inet6").exists();
@@ -391,7 +412,7 @@ fn unlock_netns(ns: &std::fs::File) {
 
 /// Runs `args` (in network namespace `ns`, with `input` on its stdin); true when it exits 0. A failure is
 /// logged at debug level: a rule or chain already gone is not an error of the release.
-fn run_quiet(args: &[&str], ns: Option<&std::fs::File>, input: Option<&str>) -> bool {
+pub(super) fn run_quiet(args: &[&str], ns: Option<&std::fs::File>, input: Option<&str>) -> bool {
     let mut cmd = Command::new(args[0]);
     cmd.args(&args[1..])
         .stdin(if input.is_some() {

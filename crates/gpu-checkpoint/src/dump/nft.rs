@@ -27,6 +27,28 @@ fn nft_socket(ns: Option<&std::fs::File>) -> io::Result<OwnedFd> {
     .map_err(|_| io::Error::other("the thread entering the namespace panicked"))?
 }
 
+/// The cookie of network namespace `ns` (ours with `None`): unlike its inode, never given to another
+/// namespace during this boot (`SO_NETNS_COOKIE`, Linux 5.14).
+pub(super) fn netns_cookie(ns: Option<&std::fs::File>) -> io::Result<u64> {
+    let sock = nft_socket(ns)?;
+    let mut v: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into a u64 we own, its size given.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&mut v as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
 fn nft_socket_here() -> io::Result<OwnedFd> {
     const NETLINK_NETFILTER: libc::c_int = 12;
     // SAFETY: plain socket(2); the descriptor is owned right after.

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::detect::{Report, StrategyName};
 use crate::dump::devices::ReopenedDevice;
-use crate::dump::{CriuOptions, CriuVersion};
+use crate::dump::{CriuOptions, CriuVersion, KeptNetworkLock};
 use crate::freeze::GpuRecord;
 use crate::proc::TreeProcess;
 
@@ -64,6 +64,11 @@ pub struct CheckpointManifest {
     /// reads them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container: Option<ContainerRecord>,
+    /// CRIU's network lock this checkpoint left on its node for the restore (`--tcp-established`, the
+    /// tree stopped): which, in which namespace, on which boot; absent when none was left (and in
+    /// manifests written before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_network_lock: Option<KeptNetworkLock>,
 }
 
 /// What a container checkpoint records about its container, for the restore.

@@ -235,6 +235,8 @@ struct ProcessTree<'a> {
     /// Filled in by the dump: the tree as CRIU dumped it, and the devices its plugin recorded.
     dumped: Vec<tree::TreeProcess>,
     reopened: Vec<ReopenedDevice>,
+    /// CRIU's network lock left for the restore once the tree is killed (`--tcp-established`).
+    network_lock: Option<crate::dump::KeptNetworkLock>,
 }
 
 impl<'a> ProcessTree<'a> {
@@ -257,6 +259,7 @@ impl<'a> ProcessTree<'a> {
             plugin: None,
             dumped: Vec::new(),
             reopened: Vec::new(),
+            network_lock: None,
         }
     }
 }
@@ -359,6 +362,7 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
             let dumped_pids: Vec<i32> = dumped.iter().map(|p| p.pid).collect();
             let stopped = after == AfterDump::Stop;
             let mut stopped_tree = ContinueGuard::new(procs, &dumped_pids, stopped_before, stopped);
+            let mut kept = None;
             if tcp_hold {
                 let hold = crate::dump::NetworkHold::after_dump(
                     &dumped_pids,
@@ -367,9 +371,11 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
                     &locks_before,
                 );
                 pipeline::tell_network(ctx.watch, &hold);
+                // Killed with the tree once durable (not released): CRIU's lock stays for the restore.
+                kept = hold.kept().filter(|_| !ctx.leave_running);
                 stopped_tree.release_network(hold);
             }
-            (dumped, stopped_tree)
+            (dumped, stopped_tree, kept)
         };
         // A leave-running tree is continued as soon as the store has copied every image out of CRIU's
         // pipes, while the store's workers still hash, compress and write them: the tree's pause is then
@@ -377,7 +383,7 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
         // tree running, as after any failure.
         let mut early = None;
         let mut continue_early = || {
-            let (dumped, mut stopped_tree) = take_over();
+            let (dumped, mut stopped_tree, _) = take_over();
             let continued = stopped_tree.armed();
             stopped_tree.continue_now();
             early = Some((dumped, stopped_tree, (ms(ctx.started), continued)));
@@ -399,7 +405,8 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
         let (dumped, stopped_tree, paused) = match early {
             Some((d, s, p)) => (d, s, Some(p)),
             None => {
-                let (d, s) = take_over();
+                let (d, s, kept) = take_over();
+                self.network_lock = kept;
                 (d, s, None)
             }
         };
@@ -428,6 +435,7 @@ impl<'a> CheckpointTarget<'a> for ProcessTree<'a> {
         manifest.process_tree = std::mem::take(&mut self.dumped);
         manifest.options.criu = self.opts.criu.clone();
         manifest.devices = std::mem::take(&mut self.reopened);
+        manifest.kept_network_lock = self.network_lock.take();
         Ok(())
     }
 

@@ -1014,3 +1014,60 @@ fn a_tree_that_survives_its_kill_after_the_commit_is_named() {
         "a durable checkpoint's tree is not put back"
     );
 }
+
+/// A `--tcp-established` checkpoint that stops the tree records CRIU's network lock its dump logged (the
+/// table, this boot, the tree's namespace): the lock stays for the restore. One that leaves the tree
+/// running released it, and records none. The record goes through the manifest's JSON whole; a manifest
+/// without the field (older ones, a checkpoint that left no lock) reads as none.
+#[test]
+fn the_network_lock_left_for_the_restore_is_recorded_and_older_manifests_read_without_it() {
+    use crate::dump::KeptNetworkLock;
+    use std::os::unix::fs::MetadataExt;
+    for leave_running in [false, true] {
+        let (s, mut p, mut gpu) = Scene::with_tree();
+        s.criu.lock_connection_in("CRIU-fake-run-1");
+        let mut opts = CheckpointOptions::new(p.pid());
+        opts.leave_running = leave_running;
+        opts.criu.tcp_established = true;
+        let ns = std::fs::metadata(format!("/proc/{}/ns/net", p.pid()))
+            .unwrap()
+            .ino();
+        s.checkpoint(&mut gpu, &opts).unwrap();
+        if !leave_running {
+            p.reap();
+        }
+        let metadata = s.store.list().unwrap()[0].metadata.clone();
+        let m = CheckpointManifest::from_metadata(&metadata).unwrap();
+        if leave_running {
+            assert_eq!(m.kept_network_lock, None, "released: {metadata}");
+            assert!(metadata.get("kept_network_lock").is_none(), "{metadata}");
+            continue;
+        }
+        let expected = KeptNetworkLock {
+            boot_id: crate::dump::boot_id().unwrap(),
+            host: m.host.hostname.clone(),
+            netns: ns,
+            // The namespace's cookie (`kept_lock.rs` tests it).
+            netns_cookie: m.kept_network_lock.as_ref().and_then(|l| l.netns_cookie),
+            nft_tables: vec!["CRIU-fake-run-1".into()],
+            iptables_rules: Vec::new(),
+            iptables_chain: false,
+        };
+        assert_eq!(m.kept_network_lock.as_ref(), Some(&expected));
+        assert_eq!(
+            metadata["kept_network_lock"]["nft_tables"],
+            json!(["CRIU-fake-run-1"])
+        );
+        assert!(metadata["kept_network_lock"]
+            .get("iptables_rules")
+            .is_none());
+        let again = serde_json::to_value(&m).unwrap();
+        assert_eq!(CheckpointManifest::from_metadata(&again).unwrap(), m);
+        // As a gpu-checkpoint from before the field wrote it.
+        let mut older = metadata.clone();
+        older.as_object_mut().unwrap().remove("kept_network_lock");
+        let read = CheckpointManifest::from_metadata(&older).unwrap();
+        assert_eq!(read.kept_network_lock, None);
+        assert_eq!(read.id, m.id);
+    }
+}

@@ -577,6 +577,7 @@ pub fn import_oci(
             sandbox_gpu_pids: Vec::new(),
             sandbox_gpu_by_runtime: false,
         }),
+        kept_network_lock: None,
     };
     let metadata = serde_json::to_value(&manifest)
         .map_err(|e| crate::store::Error::Invalid(format!("encoding the manifest: {e}")))?;

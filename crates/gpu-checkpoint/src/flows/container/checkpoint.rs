@@ -38,6 +38,9 @@ pub(super) struct Container<'a> {
     pub(super) direct: Option<DirectDump>,
     pids: Vec<i32>,
     process_tree: Vec<TreeProcess>,
+    /// CRIU's network lock the direct dump leaves for the restore once the container is stopped
+    /// (`--tcp-established`; a namespace joined by path outlives the container).
+    kept_lock: Option<crate::dump::KeptNetworkLock>,
 }
 
 impl<'a> Container<'a> {
@@ -59,6 +62,7 @@ impl<'a> Container<'a> {
             direct: None,
             pids: Vec::new(),
             process_tree: Vec::new(),
+            kept_lock: None,
         }
     }
 
@@ -232,6 +236,7 @@ impl<'a> CheckpointTarget<'a> for Container<'a> {
                     let hold =
                         crate::dump::NetworkHold::after_dump(&self.pids, &log, lock, &locks_before);
                     pipeline::tell_network(ctx.watch, &hold);
+                    self.kept_lock = hold.kept();
                     p.network = Some(hold);
                 }
                 stored.map(Ok)
@@ -304,6 +309,7 @@ impl<'a> CheckpointTarget<'a> for Container<'a> {
             path: format!("{}'s own", runtime.name()),
         });
         manifest.process_tree = std::mem::take(&mut self.process_tree);
+        manifest.kept_network_lock = self.kept_lock.take();
         manifest.container = Some(ContainerRecord {
             runtime: runtime.name().to_string(),
             global_args: runtime.global_args(),

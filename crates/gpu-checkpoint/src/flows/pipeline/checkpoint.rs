@@ -223,6 +223,7 @@ impl Pipeline<'_> {
             sizes: image_sizes(ingest.staging_dir(), streamed.as_ref())?,
             devices: Vec::new(),
             container: None,
+            kept_network_lock: None,
         };
         target.describe(&mut manifest)?;
         let metadata = encode(&manifest)?;
