@@ -22,6 +22,9 @@ pub fn run(args: Args) -> super::Result<()> {
             for p in &report.problems {
                 println!("DAMAGED {p}");
             }
+            for (id, signature) in &report.signatures {
+                println!("checkpoint {id}: {}", signature.describe());
+            }
             println!(
                 "{}: {} checkpoint(s), {} distinct chunks, {} checked ({} read) in {}",
                 if report.is_ok() { "OK" } else { "FAILED" },
