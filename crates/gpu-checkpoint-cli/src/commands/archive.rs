@@ -72,7 +72,7 @@ pub fn export(args: ExportArgs) -> super::Result<()> {
         s3_endpoint: args.s3_endpoint,
         format: Format::Text,
         trust_store_owner: args.trust_store_owner,
-        trust_keys: Vec::new(),
+        trust: Default::default(),
     }
     .open()?;
     let podman = args

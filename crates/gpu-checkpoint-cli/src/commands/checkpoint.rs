@@ -94,25 +94,16 @@ pub struct Args {
     pub reopen_device: Vec<PathBuf>,
     #[command(flatten)]
     pub criu_opts: CriuArgs,
-    /// Sign the checkpoint's manifest with this Ed25519 private key (PKCS#8, PEM or DER: `gpu-checkpoint
-    /// key generate`, or `openssl genpkey -algorithm ed25519`; a file of this user, mode 0600, not a
-    /// link), so that restores given its public key (`--trust-key`) accept it (docs/security.md).
-    #[arg(long, value_name = "FILE", env = gpu_checkpoint::store::signing::SIGN_KEY_ENV)]
-    pub sign_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub sign: super::key::SignArgs,
 }
 
 impl Args {
     /// The store options of the checkpoint: compression, and the signing key (read and checked here,
     /// before anything is touched: a bad key file is exit 2).
     pub(super) fn store_options(&self) -> super::Result<StoreOptions> {
-        let sign_key = match &self.sign_key {
-            Some(path) => Some(std::sync::Arc::new(
-                gpu_checkpoint::store::signing::SigningKey::load(path)?,
-            )),
-            None => None,
-        };
         Ok(StoreOptions {
-            sign_key,
+            sign_key: self.sign.key()?,
             ..self.compression.store_options()
         })
     }

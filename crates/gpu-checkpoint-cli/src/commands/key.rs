@@ -2,8 +2,54 @@
 //! trust (`--trust-key`); docs/security.md, "Signed checkpoints".
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use gpu_checkpoint::store::signing::{self, SigningKey};
+use gpu_checkpoint::store::signing::{self, SigningKey, TrustedKeys};
+
+/// `--sign-key`: what `checkpoint` and the agent sign their checkpoints with.
+#[derive(clap::Args, Default)]
+pub struct SignArgs {
+    /// Sign each checkpoint's manifest with this Ed25519 private key (PKCS#8, PEM or DER: `gpu-checkpoint
+    /// key generate`, or `openssl genpkey -algorithm ed25519`; a file of this user, mode 0600, not a
+    /// link), so that restores given its public key (`--trust-key`) accept it (docs/security.md).
+    #[arg(long, value_name = "FILE", env = signing::SIGN_KEY_ENV)]
+    pub sign_key: Option<PathBuf>,
+}
+
+impl SignArgs {
+    /// The key, read and checked (exit 2 if it cannot be used): before anything is touched.
+    pub fn key(&self) -> super::Result<Option<Arc<SigningKey>>> {
+        Ok(match &self.sign_key {
+            Some(path) => Some(Arc::new(SigningKey::load(path)?)),
+            None => None,
+        })
+    }
+}
+
+/// `--trust-key`: the keys whose checkpoints a restore (and `inspect`, `verify`, the agent) accepts.
+#[derive(clap::Args, Default)]
+pub struct TrustArgs {
+    /// Use only checkpoints whose manifest a key of this public key file signed (`ed25519 BASE64` lines:
+    /// `gpu-checkpoint key generate` writes one); repeatable, or several files separated by `:` in the
+    /// variable. A restore, `inspect` or `verify` of any other checkpoint (unsigned, signed by another
+    /// key, or changed since it was signed) is refused (exit 4) before anything of it is read.
+    #[arg(long = "trust-key", value_name = "PUBFILE", env = signing::TRUST_KEYS_ENV, value_delimiter = ':')]
+    pub trust_keys: Vec<PathBuf>,
+}
+
+impl TrustArgs {
+    /// The keys, each file checked (exit 2 if one cannot be used); `None` without any.
+    pub fn keys(&self) -> super::Result<Option<Arc<TrustedKeys>>> {
+        if self.trust_keys.is_empty() {
+            return Ok(None);
+        }
+        let mut keys = Vec::new();
+        for path in &self.trust_keys {
+            keys.extend(TrustedKeys::load(path)?);
+        }
+        Ok(Some(Arc::new(TrustedKeys::new(keys))))
+    }
+}
 
 #[derive(clap::Subcommand)]
 pub enum Command {

@@ -1,6 +1,6 @@
 //! `gpu-checkpoint list`
 
-use gpu_checkpoint::store::signing::{Signature, TrustedKeys};
+use gpu_checkpoint::store::signing::Signature;
 use gpu_checkpoint::store::{CheckpointInfo, ListEntry, Store, StoreOptions};
 use serde::Serialize;
 
@@ -51,12 +51,8 @@ pub struct StoreArgs {
     /// owner as much (docs/security.md).
     #[arg(long, value_name = "USER", env = "GPU_CHECKPOINT_TRUST_STORE_OWNER", value_parser = user_id)]
     pub trust_store_owner: Option<u32>,
-    /// Use only checkpoints whose manifest a key of this public key file signed (`ed25519 BASE64` lines:
-    /// `gpu-checkpoint key generate` writes one); repeatable, or several files separated by `:` in the
-    /// variable. A restore, `inspect` or `verify` of any other checkpoint (unsigned, signed by another
-    /// key, or changed since it was signed) is refused (exit 4), before anything of it is read.
-    #[arg(long = "trust-key", value_name = "PUBFILE", env = gpu_checkpoint::store::signing::TRUST_KEYS_ENV, value_delimiter = ':')]
-    pub trust_keys: Vec<std::path::PathBuf>,
+    #[command(flatten)]
+    pub trust: super::key::TrustArgs,
 }
 
 /// A user given by name or uid.
@@ -78,7 +74,7 @@ impl StoreArgs {
         self.endpoint_to_env();
         let opts = StoreOptions {
             trusted_owner: self.trust_store_owner,
-            trusted_keys: self.trusted_keys()?,
+            trusted_keys: self.trust.keys()?,
             ..StoreOptions::default()
         };
         Store::open_existing_cached(&self.storage, opts, cache).map_err(|e| match e {
@@ -92,22 +88,10 @@ impl StoreArgs {
         self.endpoint_to_env();
         let opts = StoreOptions {
             trusted_owner: self.trust_store_owner,
-            trusted_keys: self.trusted_keys()?,
+            trusted_keys: self.trust.keys()?,
             ..opts
         };
         Ok(Store::open_storage(&self.storage, opts)?)
-    }
-
-    /// The keys of `--trust-key`, each file checked (exit 2 if one cannot be used); `None` without any.
-    fn trusted_keys(&self) -> super::Result<Option<std::sync::Arc<TrustedKeys>>> {
-        if self.trust_keys.is_empty() {
-            return Ok(None);
-        }
-        let mut keys = Vec::new();
-        for path in &self.trust_keys {
-            keys.extend(TrustedKeys::load(path)?);
-        }
-        Ok(Some(std::sync::Arc::new(TrustedKeys::new(keys))))
     }
 
     /// `--s3-endpoint` is read by the store as AWS_ENDPOINT_URL, the variable every AWS client knows, so
