@@ -7,7 +7,7 @@ use std::sync::Arc;
 use gpu_checkpoint::store::signing::{self, SigningKey, TrustedKeys};
 
 /// `--sign-key`: what `checkpoint` and the agent sign their checkpoints with.
-#[derive(clap::Args, Default)]
+#[derive(clap::Args)]
 pub struct SignArgs {
     /// Sign each checkpoint's manifest with this Ed25519 private key (PKCS#8, PEM or DER: `gpu-checkpoint
     /// key generate`, or `openssl genpkey -algorithm ed25519`; a file of this user, mode 0600, not a
@@ -27,11 +27,11 @@ impl SignArgs {
 }
 
 /// `--trust-key`: the keys whose checkpoints a restore (and `inspect`, `verify`, the agent) accepts.
-#[derive(clap::Args, Default)]
+#[derive(clap::Args)]
 pub struct TrustArgs {
     /// Use only checkpoints whose manifest a key of this public key file signed (`ed25519 BASE64` lines:
-    /// `gpu-checkpoint key generate` writes one); repeatable, or several files separated by `:` in the
-    /// variable. A restore, `inspect` or `verify` of any other checkpoint (unsigned, signed by another
+    /// `gpu-checkpoint key generate` writes one), or of a folder of such `*.pub` files; repeatable, or
+    /// several separated by `:` in the variable. A restore, `inspect` or `verify` of any other checkpoint (unsigned, signed by another
     /// key, or changed since it was signed) is refused (exit 4) before anything of it is read.
     #[arg(long = "trust-key", value_name = "PUBFILE", env = signing::TRUST_KEYS_ENV, value_delimiter = ':')]
     pub trust_keys: Vec<PathBuf>,

@@ -122,8 +122,7 @@ impl SigningKey {
     /// Reads a private key file: refused unless it is a regular file (not a link) of the user running the
     /// tool that no one else may read or write.
     pub fn load(path: &Path) -> Result<SigningKey, KeyError> {
-        let mut f = open_checked(path)?;
-        let meta = f.metadata().map_err(|e| key_error(path, e.to_string()))?;
+        let (mut f, meta) = open_checked(path, false)?;
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
         if meta.uid() != me {
@@ -188,7 +187,8 @@ impl SigningKey {
     }
 }
 
-fn open_checked(path: &Path) -> Result<File, KeyError> {
+/// Opens a key file (or, with `folder`, a folder of them) without following a link.
+fn open_checked(path: &Path, folder: bool) -> Result<(File, std::fs::Metadata), KeyError> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
@@ -198,10 +198,10 @@ fn open_checked(path: &Path) -> Result<File, KeyError> {
             _ => key_error(path, e.to_string()),
         })?;
     let meta = f.metadata().map_err(|e| key_error(path, e.to_string()))?;
-    if !meta.file_type().is_file() {
+    if !(meta.is_file() || folder && meta.is_dir()) {
         return Err(key_error(path, "not a regular file"));
     }
-    Ok(f)
+    Ok((f, meta))
 }
 
 fn pem_body(bytes: &[u8]) -> Result<Vec<u8>, String> {
@@ -228,11 +228,11 @@ impl TrustedKeys {
     }
 
     /// Reads a public key file: one key per line (`ed25519 BASE64 [comment]`; empty lines and `#` comments
-    /// skipped). Refused when it is a link, or others than its owner (this user or root) may change it: a
-    /// key added there would be trusted.
+    /// skipped), or a folder of them (every `*.pub` file in it, such as `/etc/gpu-checkpoint/trusted-keys`).
+    /// Refused when it (or a file in the folder) is a link, or others than its owner (this user or root)
+    /// may change it: a key added there would be trusted.
     pub fn load(path: &Path) -> Result<Vec<PublicKey>, KeyError> {
-        let mut f = open_checked(path)?;
-        let meta = f.metadata().map_err(|e| key_error(path, e.to_string()))?;
+        let (mut f, meta) = open_checked(path, true)?;
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
         if meta.uid() != me && meta.uid() != 0 {
@@ -252,6 +252,25 @@ impl TrustedKeys {
                     meta.mode() & 0o7777
                 ),
             ));
+        }
+        if meta.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| key_error(path, e.to_string()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "pub"))
+                .collect();
+            files.sort();
+            let mut keys = Vec::new();
+            for file in &files {
+                if std::fs::symlink_metadata(file).is_ok_and(|m| m.is_dir()) {
+                    return Err(key_error(file, "a folder where a key file was expected"));
+                }
+                keys.extend(Self::load(file)?);
+            }
+            if keys.is_empty() {
+                return Err(key_error(path, "holds no *.pub file with a public key"));
+            }
+            return Ok(keys);
         }
         let mut text = String::new();
         f.read_to_string(&mut text)

@@ -112,6 +112,18 @@ fn key_files_are_made_private_and_refused_when_they_are_not() {
     std::os::unix::fs::symlink(&out, &link).unwrap();
     let err = SigningKey::load(&link).unwrap_err().to_string();
     assert!(err.contains("symbolic link"), "{err}");
+    // A folder of public keys: every *.pub in it; refused when others may add one.
+    let trusted = dir.path().join("trusted-keys");
+    std::fs::create_dir(&trusted).unwrap();
+    std::fs::copy(public_path(&out), trusted.join("node-1.pub")).unwrap();
+    std::fs::write(trusted.join("README"), "not a key").unwrap();
+    assert_eq!(TrustedKeys::load(&trusted).unwrap(), vec![public]);
+    std::fs::set_permissions(&trusted, std::fs::Permissions::from_mode(0o777)).unwrap();
+    assert!(TrustedKeys::load(&trusted).is_err());
+    std::fs::set_permissions(&trusted, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink(public_path(&out), trusted.join("node-2.pub")).unwrap();
+    let err = TrustedKeys::load(&trusted).unwrap_err().to_string();
+    assert!(err.contains("symbolic link"), "{err}");
     // A trust file others may change: refused.
     let pubfile = public_path(&out);
     std::fs::set_permissions(&pubfile, std::fs::Permissions::from_mode(0o666)).unwrap();
