@@ -1,5 +1,7 @@
 //! `gpu-checkpoint verify`
 
+use gpu_checkpoint::store::signing::Signature;
+
 use super::list::StoreArgs;
 use super::Format;
 use crate::progress::{bytes, millis, Bar};
@@ -22,9 +24,6 @@ pub fn run(args: Args) -> super::Result<()> {
             for p in &report.problems {
                 println!("DAMAGED {p}");
             }
-            for (id, signature) in &report.signatures {
-                println!("checkpoint {id}: {}", signature.describe());
-            }
             println!(
                 "{}: {} checkpoint(s), {} distinct chunks, {} checked ({} read) in {}",
                 if report.is_ok() { "OK" } else { "FAILED" },
@@ -34,6 +33,12 @@ pub fn run(args: Args) -> super::Result<()> {
                 bytes(report.stored_bytes_read),
                 millis(report.elapsed_ms)
             );
+            // After the verdict, and only for signed ones: a store without signatures reads as before.
+            for (id, signature) in &report.signatures {
+                if *signature != Signature::Unsigned {
+                    println!("checkpoint {id}: {}", signature.describe());
+                }
+            }
         }
     }
     report.into_result()?;
