@@ -690,8 +690,15 @@ fn signed_manifests_are_used_only_when_a_trusted_key_signed_these_bytes(f: &Fixt
     f.backend
         .delete(&gpu_checkpoint::store::backend::manifest_key(&orphan.id))
         .unwrap();
+    // A local store's signature cut short by a crash (its temporary name) goes too.
+    let temp = f.dir.path().join("store/manifests/.x.sig.tmp.1.2.3");
+    if f.local {
+        fs::write(&temp, b"{").unwrap();
+    }
     (f.age)(GRACE * 2);
     let report = signer.gc().unwrap();
     assert_eq!(report.orphan_signatures_removed, 1);
+    assert!(!temp.exists());
+    assert_eq!(report.stale_temp_removed, f.local as u64);
     assert!(!f.backend.get(&sig_key(&orphan.id), &mut buf).unwrap());
 }
