@@ -681,6 +681,9 @@ fn signed_manifests_are_used_only_when_a_trusted_key_signed_these_bytes(f: &Fixt
         Signature::Bad { .. }
     ));
 
+    // Trusted keys never keep a checkpoint from being deleted.
+    let doomed = checkpoint(&f.store(), "doomed", 6);
+    trust.delete(&doomed.id).unwrap();
     // Deleting a checkpoint deletes its signature; gc removes a signature whose manifest is gone.
     let sig_key = gpu_checkpoint::store::backend::signature_key;
     let mut buf = Vec::new();
