@@ -49,6 +49,10 @@ enum Command {
     Export(commands::archive::ExportArgs),
     /// Store a podman/CRI-O container checkpoint archive as a checkpoint.
     Import(commands::archive::ImportArgs),
+    /// Make and show the keys that sign checkpoints (`checkpoint --sign-key`) and that restores trust
+    /// (`--trust-key`).
+    #[command(subcommand)]
+    Key(commands::key::Command),
     /// Drive the CUDA checkpoint API directly (cuda-checkpoint parity).
     #[command(subcommand)]
     Cuda(commands::cuda::Command),
@@ -116,6 +120,7 @@ fn main() {
         Command::Export(a) => commands::archive::export(a),
         Command::Import(a) => commands::archive::import(a),
         Command::Cuda(c) => commands::cuda::run(c),
+        Command::Key(c) => commands::key::run(c),
         Command::Doctor(a) => commands::doctor::run(a),
         Command::Guardian(a) => commands::guardian::run(a),
         Command::NodeSetup(a) => commands::engine::setup(a),

@@ -293,6 +293,7 @@ conformance!(
     a_chunk_taken_while_a_writer_reused_it_fails_the_commit,
     list_inspect_and_delete_by_name,
     a_read_after_a_write_or_delete_sees_it_even_if_prefetched_before,
+    signed_manifests_are_used_only_when_a_trusted_key_signed_these_bytes,
 );
 
 fn a_read_after_a_write_or_delete_sees_it_even_if_prefetched_before(f: &Fixture) {
@@ -601,4 +602,106 @@ fn list_inspect_and_delete_by_name(f: &Fixture) {
     assert_eq!(err.exit_status(), ExitStatus::CheckpointInvalid);
     let ids: Vec<String> = store.list().unwrap().into_iter().map(|i| i.id).collect();
     assert_eq!(ids, [b.id]);
+}
+
+/// A store handle on the fixture's backend with `edit` applied to its options.
+fn store_with(f: &Fixture, edit: impl FnOnce(&mut StoreOptions)) -> Store {
+    let mut opts = StoreOptions::small_chunks();
+    edit(&mut opts);
+    Store::with_backend(f.backend.clone(), opts).unwrap()
+}
+
+fn signed_manifests_are_used_only_when_a_trusted_key_signed_these_bytes(f: &Fixture) {
+    use gpu_checkpoint::store::signing::{self, Signature, SigningKey, TrustedKeys};
+    let key_file = f.dir.path().join("node.key");
+    let public = signing::generate_key_files(&key_file).unwrap();
+    let key = Arc::new(SigningKey::load(&key_file).unwrap());
+    let signer = store_with(f, |o| o.sign_key = Some(key.clone()));
+    let signed = checkpoint(&signer, "job", 3);
+    let plain = checkpoint(&f.store(), "plain", 4);
+    let trusting = |keys| {
+        store_with(f, |o| {
+            o.trusted_keys = Some(Arc::new(TrustedKeys::new(keys)))
+        })
+    };
+    let trust = trusting(vec![public]);
+    let refused = |store: &Store, id: &str, why: &str| {
+        let out = f.dir.path().join("refused");
+        let err = store.materialize(id, &out, &NoProgress).unwrap_err();
+        assert_eq!(err.exit_status(), ExitStatus::PermissionDenied, "{err}");
+        assert!(err.to_string().contains(why), "{err}");
+        assert!(!out.exists(), "something was restored");
+    };
+
+    // Signed: restores with its key; list and inspect see who signed it.
+    let out = f.dir.path().join("out");
+    trust.materialize("job", &out, &NoProgress).unwrap();
+    same_images(&out, 3);
+    let by = Signature::Signed {
+        key_id: public.id(),
+    };
+    assert_eq!(trust.signature(&signed.id).unwrap(), by);
+    assert_eq!(f.store().signature(&plain.id).unwrap(), Signature::Unsigned);
+    let report = trust.verify(Some("job"), &NoProgress).unwrap();
+    assert!(report.is_ok(), "{:?}", report.problems);
+    assert_eq!(report.signatures[&signed.id], by);
+
+    // Unsigned, or signed by a key not trusted: refused before anything is read.
+    refused(&trust, &plain.id, "not signed");
+    refused(&trust, "plain", "not signed");
+    let other = SigningKey::from_pkcs8(&fs::read(&key_file).unwrap()).unwrap();
+    assert_eq!(other.public(), public);
+    let stranger = f.dir.path().join("stranger.key");
+    let stranger = signing::generate_key_files(&stranger).unwrap();
+    refused(&trusting(vec![stranger]), &signed.id, "not a trusted key");
+    // Without trusted keys nothing changes: an unsigned checkpoint restores.
+    f.store()
+        .materialize(&plain.id, &f.dir.path().join("plain"), &NoProgress)
+        .unwrap();
+
+    // The signed manifest's chunk list swapped for the unsigned checkpoint's (checksum made right): its
+    // signature no longer matches; refused with trusted keys, reported by verify either way.
+    let mut edited = signed.clone();
+    edited.files = plain.files.clone();
+    let bytes = gpu_checkpoint::store::manifest::encode(&edited);
+    f.backend
+        .put(
+            &gpu_checkpoint::store::backend::manifest_key(&signed.id),
+            &[&bytes],
+            true,
+        )
+        .unwrap();
+    refused(&trust, &signed.id, "does not match");
+    let report = trust.verify(None, &NoProgress).unwrap();
+    assert_eq!(report.problems.len(), 2, "{:?}", report.problems);
+    let report = f.store().verify(Some(&signed.id), &NoProgress).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert!(matches!(
+        report.signatures[&signed.id],
+        Signature::Bad { .. }
+    ));
+
+    // Trusted keys never keep a checkpoint from being deleted.
+    let doomed = checkpoint(&f.store(), "doomed", 6);
+    trust.delete(&doomed.id).unwrap();
+    // Deleting a checkpoint deletes its signature; gc removes a signature whose manifest is gone.
+    let sig_key = gpu_checkpoint::store::backend::signature_key;
+    let mut buf = Vec::new();
+    signer.delete(&signed.id).unwrap();
+    assert!(!f.backend.get(&sig_key(&signed.id), &mut buf).unwrap());
+    let orphan = checkpoint(&signer, "orphan", 5);
+    f.backend
+        .delete(&gpu_checkpoint::store::backend::manifest_key(&orphan.id))
+        .unwrap();
+    // A local store's signature cut short by a crash (its temporary name) goes too.
+    let temp = f.dir.path().join("store/manifests/.x.sig.tmp.1.2.3");
+    if f.local {
+        fs::write(&temp, b"{").unwrap();
+    }
+    (f.age)(GRACE * 2);
+    let report = signer.gc().unwrap();
+    assert_eq!(report.orphan_signatures_removed, 1);
+    assert!(!temp.exists());
+    assert_eq!(report.stale_temp_removed, f.local as u64);
+    assert!(!f.backend.get(&sig_key(&orphan.id), &mut buf).unwrap());
 }

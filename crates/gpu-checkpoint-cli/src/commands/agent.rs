@@ -76,6 +76,12 @@ pub struct Args {
     /// below it (repeatable; default: any cgroup).
     #[arg(long, value_name = "PATH")]
     pub allow_cgroup: Vec<String>,
+    /// Members' checkpoints are signed with this key (as `checkpoint --sign-key`).
+    #[command(flatten)]
+    pub sign: super::key::SignArgs,
+    /// Members are restored only from checkpoints these keys signed (as `restore --trust-key`).
+    #[command(flatten)]
+    pub trust: super::key::TrustArgs,
 }
 
 pub fn run(args: Args) -> super::Result<()> {
@@ -83,7 +89,12 @@ pub fn run(args: Args) -> super::Result<()> {
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     gpu_checkpoint::dump::Criu::check_permitted(&criu)?;
-    let store = Store::open(&args.storage, StoreOptions::default())?;
+    let opts = StoreOptions {
+        sign_key: args.sign.key()?,
+        trusted_keys: args.trust.keys()?,
+        ..StoreOptions::default()
+    };
+    let store = Store::open(&args.storage, opts)?;
     let mut hooks = QuiesceHooks::new(args.quiesce_timeout);
     for h in &args.quiesce_hook {
         hooks.add(h)?;

@@ -38,6 +38,8 @@ pub struct ExportArgs {
     /// Also accept a local store of USER, read-only, as for the other store commands.
     #[arg(long, value_name = "USER", env = "GPU_CHECKPOINT_TRUST_STORE_OWNER", value_parser = super::list::user_id)]
     pub trust_store_owner: Option<u32>,
+    #[command(flatten)]
+    pub trust: super::key::TrustArgs,
     /// For `podman container restore --import` of a checkpoint taken by `checkpoint --container`: the
     /// name of an image in podman's storage whose root file system is the container's (`podman import`
     /// of the bundle's rootfs). With --podman-image-id.
@@ -72,6 +74,7 @@ pub fn export(args: ExportArgs) -> super::Result<()> {
         s3_endpoint: args.s3_endpoint,
         format: Format::Text,
         trust_store_owner: args.trust_store_owner,
+        trust: args.trust,
     }
     .open()?;
     let podman = args

@@ -94,6 +94,19 @@ pub struct Args {
     pub reopen_device: Vec<PathBuf>,
     #[command(flatten)]
     pub criu_opts: CriuArgs,
+    #[command(flatten)]
+    pub sign: super::key::SignArgs,
+}
+
+impl Args {
+    /// The store options of the checkpoint: compression, and the signing key (read and checked here,
+    /// before anything is touched: a bad key file is exit 2).
+    pub(super) fn store_options(&self) -> super::Result<StoreOptions> {
+        Ok(StoreOptions {
+            sign_key: self.sign.key()?,
+            ..self.compression.store_options()
+        })
+    }
 }
 
 /// The store's compression setting for a checkpoint's new chunks.
@@ -131,6 +144,7 @@ pub fn run(args: Args) -> super::Result<()> {
         _ => return Err(super::usage("give --pid PID or --container ID")),
     };
     let criu_options = args.criu_opts.options()?;
+    let store_options = args.store_options()?;
     let found = discover(args.criu.as_deref())?;
     let criu = CriuRpc::from_found(&found);
     // What refuses without touching anything refuses before the store folder is created, too.
@@ -138,9 +152,7 @@ pub fn run(args: Args) -> super::Result<()> {
     if !gpu_checkpoint::proc::is_alive(pid) {
         return Err(gpu_checkpoint::checkpoint::Error::NoSuchProcess { pid }.into());
     }
-    let store = args
-        .store
-        .open_or_create(args.compression.store_options())?;
+    let store = args.store.open_or_create(store_options)?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = backend_for(args.strategy, args.gpu.gpu_backend)?;
     let gpu = gpu_options(backend, args.lock_timeout.0, args.ordered);

@@ -84,12 +84,11 @@ fn criu_for_checkpoint(
 
 /// `checkpoint --container ID`.
 pub fn checkpoint(args: super::checkpoint::Args, id: &str) -> super::Result<()> {
+    let store_options = args.store_options()?;
     let criu = criu_for_checkpoint(args.runtime.runtime, args.criu.as_deref())?;
     let (criu_path, criu) = criu.unzip();
     let runtime = args.runtime.open(criu_path)?;
-    let store = args
-        .store
-        .open_or_create(args.compression.store_options())?;
+    let store = args.store.open_or_create(store_options)?;
     let progress = Bar::new(args.store.format == Format::Text);
     let backend = super::checkpoint::backend_for(args.strategy, args.gpu.gpu_backend)?;
     let gpu = super::checkpoint::gpu_options(backend, args.lock_timeout.0, args.ordered);

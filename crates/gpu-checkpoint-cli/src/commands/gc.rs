@@ -60,6 +60,12 @@ pub fn run(args: Args) -> super::Result<()> {
                     r.stale_leases_removed
                 );
             }
+            if r.orphan_signatures_removed > 0 {
+                println!(
+                    "removed {} signature(s) whose checkpoint is gone",
+                    r.orphan_signatures_removed
+                );
+            }
             if stale_work > 0 {
                 println!("removed {stale_work} work folder(s) of interrupted restores");
             }

@@ -16,10 +16,12 @@ pub fn run(args: Args) -> super::Result<()> {
     let store = args.store.open()?;
     let info = store.get(&args.checkpoint)?;
     let manifest = store.manifest_location(&info.id);
+    let signature = store.signature(&info.id)?;
     match args.store.format {
         Format::Json => {
             let mut v = serde_json::to_value(&info).map_err(super::Failure::other)?;
             v["manifest"] = serde_json::Value::String(manifest.clone());
+            v["signature"] = serde_json::to_value(&signature).map_err(super::Failure::other)?;
             super::print_json(&v)?;
         }
         Format::Text => {
@@ -28,6 +30,7 @@ pub fn run(args: Args) -> super::Result<()> {
             println!("name         {}", info.name.as_deref().unwrap_or("-"));
             println!("created      {}", info.created);
             println!("manifest     {manifest}");
+            println!("signature    {}", signature.describe());
             println!(
                 "logical      {} in {} files, {} chunks ({} zero)",
                 bytes(s.logical_bytes),

@@ -1,5 +1,6 @@
 //! `gpu-checkpoint list`
 
+use gpu_checkpoint::store::signing::Signature;
 use gpu_checkpoint::store::{CheckpointInfo, ListEntry, Store, StoreOptions};
 use serde::Serialize;
 
@@ -21,6 +22,7 @@ struct Summary<'a> {
     manifest: String,
     stats: &'a gpu_checkpoint::store::IngestStats,
     metadata: &'a serde_json::Value,
+    signature: Signature,
 }
 
 #[derive(Serialize)]
@@ -49,6 +51,8 @@ pub struct StoreArgs {
     /// owner as much (docs/security.md).
     #[arg(long, value_name = "USER", env = "GPU_CHECKPOINT_TRUST_STORE_OWNER", value_parser = user_id)]
     pub trust_store_owner: Option<u32>,
+    #[command(flatten)]
+    pub trust: super::key::TrustArgs,
 }
 
 /// A user given by name or uid.
@@ -70,6 +74,7 @@ impl StoreArgs {
         self.endpoint_to_env();
         let opts = StoreOptions {
             trusted_owner: self.trust_store_owner,
+            trusted_keys: self.trust.keys()?,
             ..StoreOptions::default()
         };
         Store::open_existing_cached(&self.storage, opts, cache).map_err(|e| match e {
@@ -83,6 +88,7 @@ impl StoreArgs {
         self.endpoint_to_env();
         let opts = StoreOptions {
             trusted_owner: self.trust_store_owner,
+            trusted_keys: self.trust.keys()?,
             ..opts
         };
         Ok(Store::open_storage(&self.storage, opts)?)
@@ -106,13 +112,13 @@ pub fn run(args: Args) -> super::Result<()> {
             let values: Vec<serde_json::Value> = entries
                 .iter()
                 .map(|e| match e {
-                    ListEntry::Ok(i) => serde_json::to_value(summary(&store, i)),
-                    ListEntry::Damaged { id, reason } => serde_json::to_value(Damaged {
+                    ListEntry::Ok(i) => Ok(serde_json::to_value(summary(&store, i)?)),
+                    ListEntry::Damaged { id, reason } => Ok(serde_json::to_value(Damaged {
                         id,
                         damaged: reason,
-                    }),
+                    })),
                 })
-                .collect::<Result<_, _>>()
+                .collect::<super::Result<Result<_, _>>>()?
                 .map_err(super::Failure::other)?;
             super::print_json(&values)?;
         }
@@ -126,6 +132,7 @@ pub fn run(args: Args) -> super::Result<()> {
             table.load_style(comfy_table::presets::NOTHING);
             table.set_header([
                 "ID", "NAME", "CREATED", "LOGICAL", "STORED", "NEW", "DEDUP", "COMPR", "INGEST",
+                "SIGNED",
             ]);
             let mut damaged = Vec::new();
             for e in &entries {
@@ -142,6 +149,11 @@ pub fn run(args: Args) -> super::Result<()> {
                             format!("{:.2}x", s.dedup_ratio),
                             format!("{:.2}x", s.compression_ratio),
                             millis(s.ingest_ms),
+                            match store.signature(&i.id)? {
+                                Signature::Unsigned => "-".into(),
+                                Signature::Signed { key_id } => key_id,
+                                Signature::Bad { .. } => "BAD".into(),
+                            },
                         ]);
                     }
                     ListEntry::Damaged { id, reason } => damaged.push((id, reason)),
@@ -149,7 +161,7 @@ pub fn run(args: Args) -> super::Result<()> {
             }
             for (i, col) in table.column_iter_mut().enumerate() {
                 col.set_padding((0, 2));
-                if i >= 3 {
+                if (3..9).contains(&i) {
                     col.set_cell_alignment(comfy_table::CellAlignment::Right);
                 }
             }
@@ -162,13 +174,14 @@ pub fn run(args: Args) -> super::Result<()> {
     Ok(())
 }
 
-fn summary<'a>(store: &Store, i: &'a CheckpointInfo) -> Summary<'a> {
-    Summary {
+fn summary<'a>(store: &Store, i: &'a CheckpointInfo) -> super::Result<Summary<'a>> {
+    Ok(Summary {
+        signature: store.signature(&i.id)?,
         id: &i.id,
         name: i.name.as_deref(),
         created: &i.created,
         manifest: store.manifest_location(&i.id),
         stats: &i.stats,
         metadata: &i.metadata,
-    }
+    })
 }

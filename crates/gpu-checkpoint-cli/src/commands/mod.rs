@@ -18,6 +18,7 @@ pub mod guardian;
 pub mod inspect;
 #[cfg(feature = "cluster")]
 pub mod job;
+pub mod key;
 pub mod list;
 pub mod network_lock;
 pub mod restore;

@@ -1,5 +1,7 @@
 //! `gpu-checkpoint verify`
 
+use gpu_checkpoint::store::signing::Signature;
+
 use super::list::StoreArgs;
 use super::Format;
 use crate::progress::{bytes, millis, Bar};
@@ -31,6 +33,12 @@ pub fn run(args: Args) -> super::Result<()> {
                 bytes(report.stored_bytes_read),
                 millis(report.elapsed_ms)
             );
+            // After the verdict, and only for signed ones: a store without signatures reads as before.
+            for (id, signature) in &report.signatures {
+                if *signature != Signature::Unsigned {
+                    println!("checkpoint {id}: {}", signature.describe());
+                }
+            }
         }
     }
     report.into_result()?;

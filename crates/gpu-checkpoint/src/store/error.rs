@@ -117,6 +117,11 @@ pub enum Error {
         reason: String,
     },
 
+    /// Trusted keys were given (`--trust-key`) and the checkpoint's manifest is unsigned, signed by
+    /// another key, or does not match its signature: refused before anything of it is read (exit 4).
+    #[error("refusing checkpoint {checkpoint}: {reason}")]
+    UntrustedCheckpoint { checkpoint: String, reason: String },
+
     /// A chunk a checkpoint needs is missing, truncated or does not hash to its name.
     #[error(
         "checkpoint {checkpoint}: file {file}: chunk #{index} {chunk} (offset {offset}, {len} bytes) is {problem}"
@@ -207,7 +212,9 @@ impl Classify for Error {
         match self {
             Error::Io { source, .. } => io_status(source),
             Error::Unwritable { .. } => ExitStatus::Storage,
-            Error::Unreadable { .. } | Error::Untrusted { .. } => ExitStatus::PermissionDenied,
+            Error::Unreadable { .. }
+            | Error::Untrusted { .. }
+            | Error::UntrustedCheckpoint { .. } => ExitStatus::PermissionDenied,
             Error::ReadOnly { .. } => ExitStatus::Storage,
             Error::BadStore { .. } => ExitStatus::Failure,
             Error::NotFound { .. }

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
-use super::backend::{Backend, LockMode, Objects, ReadBackend, ReadObjects, LEASES};
+use super::backend::{
+    signature_of_key, Backend, LockMode, Objects, ReadBackend, ReadObjects, LEASES, MANIFESTS,
+};
 use super::chunk::ChunkId;
 use super::error::{Error, Result};
 use super::lease::{self, Lease, GC_MARKERS, GRACE, LEASE_TTL};
@@ -39,6 +41,8 @@ pub struct GcReport {
     pub stale_bytes_removed: u64,
     /// Leases of writers that died (object stores).
     pub stale_leases_removed: u64,
+    /// Signatures whose manifest is gone (a writer killed between the two, or a delete cut short).
+    pub orphan_signatures_removed: u64,
     /// Time spent waiting for in-flight checkpoints to finish.
     pub waited_ms: u64,
     pub elapsed_ms: u64,
@@ -61,6 +65,7 @@ pub(super) fn gc(inner: &Inner) -> Result<GcReport> {
             report.stale_bytes_removed = stale.bytes;
             let unreferenced = unreferenced(&*inner.backend, &referenced, None, &mut report)?;
             delete(&*inner.backend, unreferenced, &mut report)?;
+            orphan_signatures(&*inner.backend, None, &mut report)?;
             report.elapsed_ms = started.elapsed().as_millis() as u64;
             Ok(report)
         }
@@ -128,6 +133,34 @@ fn delete(backend: &dyn Backend, chunks: Vec<(ChunkId, u64)>, report: &mut GcRep
     Ok(())
 }
 
+/// Removes signatures whose manifest does not exist (with `grace`, only those older than it: a writer
+/// that began after gc's marker may sit between its signature and its manifest).
+fn orphan_signatures(
+    backend: &dyn Backend,
+    grace: Option<Duration>,
+    report: &mut GcReport,
+) -> Result<()> {
+    let now = SystemTime::now();
+    let mut signatures = Vec::new();
+    backend.list(MANIFESTS, &mut |m| {
+        let old_enough = grace.is_none_or(|g| {
+            m.modified
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > g)
+        });
+        if let Some(id) = signature_of_key(&m.key).filter(|_| old_enough) {
+            signatures.push(id.to_owned());
+        }
+    })?;
+    for id in signatures {
+        if backend.get_manifest(&id)?.is_none() {
+            backend.delete_signature(&id)?;
+            report.orphan_signatures_removed += 1;
+        }
+    }
+    Ok(())
+}
+
 /// gc on a store without a lock: see [`super::lease`] for why it is safe against writers on other nodes.
 /// Waits (up to a lease's life) for running writers to finish, as the local gc waits for the lock.
 pub(super) fn gc_with_leases(inner: &Inner, grace: Duration) -> Result<GcReport> {
@@ -170,6 +203,7 @@ pub(super) fn gc_with_leases(inner: &Inner, grace: Duration) -> Result<GcReport>
         let referenced = referenced(backend, &mut scan)?;
         let unreferenced = unreferenced(backend, &referenced, Some(grace), &mut scan)?;
         delete(backend, unreferenced, &mut scan)?;
+        orphan_signatures(backend, Some(grace), &mut scan)?;
         report = scan;
         drop(marker);
         break;

@@ -293,6 +293,13 @@ impl Ingest {
                 .collect();
             lease.before_commit(&reused)?;
         }
+        // The signature goes first: the manifest commits the checkpoint, and a crash between the two leaves
+        // an orphan signature that gc removes.
+        if let Some(key) = &self.inner.opts.sign_key {
+            self.inner
+                .backend
+                .put_signature(&self.id, &key.sign_manifest(&bytes))?;
+        }
         // Every chunk named by the manifest is durable (sync above): now the checkpoint may exist.
         self.inner.backend.put_manifest(&self.id, &bytes)?;
         self.done = true;

@@ -113,6 +113,11 @@ impl Lease {
                     let mut renewed = Instant::now();
                     let mut stop = renewal.stop.lock().unwrap_or_else(|p| p.into_inner());
                     loop {
+                        // A lease dropped before this thread first took the lock has said so already:
+                        // waiting for a notification would wait a whole renewal period.
+                        if *stop {
+                            return;
+                        }
                         let (s, _) = renewal
                             .cond
                             .wait_timeout(stop, RENEW_EVERY)

@@ -26,10 +26,13 @@ mod ingest;
 mod lease;
 pub mod manifest;
 mod open;
+mod options;
 mod piece;
 mod pipelined;
 mod plan;
 mod read;
+mod signed;
+pub mod signing;
 mod stream;
 #[cfg(any(test, feature = "test-support"))]
 mod testing;
@@ -50,74 +53,13 @@ pub use gc::GcReport;
 pub use ingest::Ingest;
 pub use lease::{GRACE, LEASE_TTL};
 pub use manifest::{CheckpointInfo, ChunkRef, Chunking, FileEntry, IngestStats};
+pub use options::{StoreOptions, THREADS_ENV};
 pub use piece::Streamed;
 pub use plan::{memory_budget, Plan};
 
 pub use read::{ChunkReader, ChunkSink, MaterializeStats};
 pub use stream::Streams;
 pub use verify::{VerifyProblem, VerifyReport};
-
-/// The environment variable that sets the store's worker threads where [`StoreOptions::threads`] is 0.
-pub const THREADS_ENV: &str = "GPU_CHECKPOINT_THREADS";
-
-/// Tuning of a store handle. Nothing here changes what is stored in a way that breaks reading.
-#[derive(Clone, Debug)]
-pub struct StoreOptions {
-    /// zstd level for new chunks. Default 1: on a real process's memory level 2 stored the same and took
-    /// 25% more CPU, level 3 stored more and took 2.5x the CPU (measurements in `docs/store.md`).
-    pub zstd_level: i32,
-    /// Compress new chunks with zstd (`zstd_level`). Off, every chunk is stored raw: ingest and restore then
-    /// cost little more than hashing and copying, for users who value checkpoint time over disk space.
-    pub compress: bool,
-    /// Worker threads for hashing, compression and parallel reads; 0 = `GPU_CHECKPOINT_THREADS` where set,
-    /// else one per core this process may run on (and one more for an ingest into a store written with
-    /// direct I/O, four more for reads with it: those workers also wait on the device).
-    pub threads: usize,
-    /// Content-defined chunking sizes for new checkpoints.
-    pub chunking: ChunkParams,
-    /// A local store owned by this user (besides the one running the tool and root) is accepted, for
-    /// reading only (`--trust-store-owner`): see `docs/security.md`. Any other owner is refused.
-    pub trusted_owner: Option<u32>,
-}
-
-impl Default for StoreOptions {
-    fn default() -> Self {
-        StoreOptions {
-            zstd_level: 1,
-            compress: true,
-            threads: 0,
-            chunking: ChunkParams::default(),
-            trusted_owner: None,
-        }
-    }
-}
-
-impl StoreOptions {
-    /// The zstd level new chunks are compressed with, or `None` when compression is off.
-    pub fn compression_level(&self) -> Option<i32> {
-        self.compress.then_some(self.zstd_level)
-    }
-
-    fn effective_threads(&self) -> usize {
-        self.explicit_threads().unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        })
-    }
-
-    /// The thread count given (`threads`, else `GPU_CHECKPOINT_THREADS`): taken as it is, with no worker
-    /// added for the device's waits. Benchmarks vary it to show how the pipelines scale with cores.
-    fn explicit_threads(&self) -> Option<usize> {
-        if self.threads > 0 {
-            return Some(self.threads);
-        }
-        std::env::var(THREADS_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0)
-    }
-}
 
 /// Reports the progress of a long operation (ingest, materialize, verify) in bytes. The CLI implements it
 /// with a progress bar; the library never prints.
@@ -345,7 +287,13 @@ impl Store {
 
     /// A checkpoint by id, or by name (its newest checkpoint), with its manifest checked. Not found or
     /// damaged: exit status 7.
+    /// With [`StoreOptions::trusted_keys`], a checkpoint whose manifest no trusted key signed is refused
+    /// (exit status 4), and what is returned was parsed from the very bytes whose signature was checked.
     pub fn get(&self, id_or_name: &str) -> Result<CheckpointInfo> {
+        self.trusted(self.find(id_or_name)?)
+    }
+
+    fn find(&self, id_or_name: &str) -> Result<CheckpointInfo> {
         if is_plain_id(id_or_name) {
             match self.load(id_or_name) {
                 Err(Error::NotFound { .. }) => {}
@@ -436,7 +384,7 @@ impl Store {
         let ours = self
             .manifest_path(id)
             .ok_or_else(|| not_ours("the store is not a local folder".into()))?;
-        let info = self.load(id)?;
+        let info = self.trusted(self.load(id)?)?;
         // The file must be the very manifest of this store, not a copy elsewhere with the same name.
         let same = match (std::fs::canonicalize(path), std::fs::canonicalize(&ours)) {
             (Ok(a), Ok(b)) => a == b,
@@ -546,15 +494,17 @@ impl Store {
     }
 
     /// Deletes a checkpoint (its manifest). Its chunks stay until `gc`, since other checkpoints may share them.
+    /// Trusted keys play no part: deleting runs nothing, and an untrusted checkpoint must stay removable.
     pub fn delete(&self, id: &str) -> Result<()> {
-        let info = self.get(id)?;
+        let info = self.find(id)?;
         if !self.inner.backend.delete_manifest(&info.id)? {
             return Err(Error::NotFound {
                 what: id.to_owned(),
                 storage: self.location().into(),
             });
         }
-        Ok(())
+        // After the manifest, which makes the checkpoint: a crash between leaves an orphan gc removes.
+        self.inner.backend.delete_signature(&info.id)
     }
 
     /// Deletes a manifest even if it is damaged (by exact id).
@@ -562,7 +512,9 @@ impl Store {
         if !is_plain_id(id) {
             return Ok(false);
         }
-        self.inner.backend.delete_manifest(id)
+        let deleted = self.inner.backend.delete_manifest(id)?;
+        self.inner.backend.delete_signature(id)?;
+        Ok(deleted)
     }
 
     /// Re-reads and checks one checkpoint (`Some`) or the whole store (`None`). Problems are listed in the
@@ -571,7 +523,8 @@ impl Store {
     pub fn verify(&self, id: Option<&str>, progress: &dyn Progress) -> Result<VerifyReport> {
         let _lock = self.read_guard()?;
         let checkpoints = match id {
-            Some(id) => match self.get(id) {
+            // Not `get`: with trusted keys, an untrusted checkpoint is one of the problems reported.
+            Some(id) => match self.find(id) {
                 Ok(info) => vec![Ok(info)],
                 Err(Error::DamagedManifest {
                     checkpoint, reason, ..
@@ -607,16 +560,24 @@ impl Store {
     }
 
     fn load(&self, id: &str) -> Result<CheckpointInfo> {
-        let path: Location = self.manifest_location(id).into();
-        let bytes = self
-            .inner
+        self.decode_manifest(id, &self.manifest_bytes(id)?)
+    }
+
+    /// The bytes of checkpoint `id`'s manifest as stored.
+    fn manifest_bytes(&self, id: &str) -> Result<Vec<u8>> {
+        self.inner
             .backend
             .get_manifest(id)?
             .ok_or_else(|| Error::NotFound {
                 what: id.to_owned(),
                 storage: self.location().into(),
-            })?;
-        let info = manifest::decode(&bytes).map_err(|reason| Error::DamagedManifest {
+            })
+    }
+
+    /// Checks and parses the manifest `bytes` of checkpoint `id`.
+    fn decode_manifest(&self, id: &str, bytes: &[u8]) -> Result<CheckpointInfo> {
+        let path: Location = self.manifest_location(id).into();
+        let info = manifest::decode(bytes).map_err(|reason| Error::DamagedManifest {
             checkpoint: id.to_owned(),
             path: path.clone(),
             reason,

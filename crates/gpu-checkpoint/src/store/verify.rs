@@ -2,7 +2,7 @@
 //! hashed once, however many checkpoints share it; every problem is reported against every checkpoint, file
 //! and chunk index that references the damaged chunk.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -14,6 +14,7 @@ use super::chunk::{ChunkId, Decoder};
 use super::error::{Error, Result};
 use super::manifest::CheckpointInfo;
 use super::plan::Plan;
+use super::signing::Signature;
 use super::{Inner, Progress};
 
 /// One thing `verify` found wrong.
@@ -60,6 +61,9 @@ pub struct VerifyReport {
     /// Stored bytes read.
     pub stored_bytes_read: u64,
     pub problems: Vec<VerifyProblem>,
+    /// Each checkpoint's signature (`store::signing`): one that does not match its manifest is a problem,
+    /// and so, with trusted keys, is one no trusted key made.
+    pub signatures: BTreeMap<String, Signature>,
     /// Store paths whose permissions were not private (folders 0700, files 0600), now put back: a
     /// warning, not a problem (the content is intact).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -84,6 +88,40 @@ impl VerifyReport {
     }
 }
 
+impl VerifyProblem {
+    /// A problem of a checkpoint as a whole (its manifest, its signature).
+    fn of_checkpoint(id: &str, problem: String) -> VerifyProblem {
+        VerifyProblem {
+            checkpoint: id.to_owned(),
+            file: None,
+            index: None,
+            chunk: None,
+            offset: None,
+            problem,
+        }
+    }
+}
+
+/// Records checkpoint `id`'s signature; returns what is wrong with it, if anything.
+fn check_signature(
+    inner: &Inner,
+    id: &str,
+    signatures: &mut BTreeMap<String, Signature>,
+) -> Result<Option<String>> {
+    let Some(bytes) = inner.reader().get_manifest(id)? else {
+        return Ok(Some("its manifest was removed during verify".into()));
+    };
+    let sig = inner.reader().get_signature(id)?;
+    let status = Signature::of(&bytes, sig.as_deref());
+    let problem = match (&inner.opts.trusted_keys, &status) {
+        (Some(keys), _) => keys.check(&bytes, sig.as_deref()).err(),
+        (None, Signature::Bad { reason }) => Some(reason.clone()),
+        (None, _) => None,
+    };
+    signatures.insert(id.to_owned(), status);
+    Ok(problem.map(|p| format!("untrusted: {p}")))
+}
+
 /// A reference to a chunk: checkpoint index, file index, chunk index, offset, raw length.
 type Ref = (usize, usize, usize, u64, u32);
 
@@ -99,18 +137,18 @@ pub(super) fn verify(
         match c {
             Ok(info) => {
                 report.checkpoints.push(info.id.clone());
+                if let Some(problem) = check_signature(inner, &info.id, &mut report.signatures)? {
+                    report
+                        .problems
+                        .push(VerifyProblem::of_checkpoint(&info.id, problem));
+                }
                 infos.push(info);
             }
             Err((id, problem)) => {
                 report.checkpoints.push(id.clone());
-                report.problems.push(VerifyProblem {
-                    checkpoint: id,
-                    file: None,
-                    index: None,
-                    chunk: None,
-                    offset: None,
-                    problem,
-                });
+                report
+                    .problems
+                    .push(VerifyProblem::of_checkpoint(&id, problem));
             }
         }
     }

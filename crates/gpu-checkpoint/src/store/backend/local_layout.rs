@@ -279,7 +279,11 @@ impl LocalBackend {
         let mut remove_temps = |folder: &str| -> Result<()> {
             for entry in listed(folder)? {
                 let name = entry.name.to_string_lossy();
-                if name.starts_with(".tmp.") || name.contains(".json.tmp.") {
+                // A manifest's or a signature's temporary (`.ID.json.tmp.*`, `.ID.sig.tmp.*`).
+                if name.starts_with(".tmp.")
+                    || name.contains(".json.tmp.")
+                    || name.contains(".sig.tmp.")
+                {
                     let rel = format!("{folder}/{name}");
                     match dir.remove_file(&rel) {
                         Ok(()) => {}

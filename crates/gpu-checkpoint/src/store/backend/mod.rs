@@ -28,8 +28,10 @@ pub use cache::{CacheStats, CachedBackend};
 pub use local::{LocalBackend, DIRECT_IO_ENV};
 #[cfg(any(test, feature = "test-support"))]
 pub use memory::MemoryBackend;
+pub(crate) use objects::signature_of_key;
 pub use objects::{
-    chunk_key, manifest_key, Objects, ReadObjects, CHUNKS, LEASES, MANIFESTS, STORE_FILE,
+    chunk_key, manifest_key, signature_key, Objects, ReadObjects, CHUNKS, LEASES, MANIFESTS,
+    STORE_FILE,
 };
 #[cfg(feature = "s3")]
 pub use s3::{S3Backend, S3Config, S3_RETRY_TIMEOUT_ENV};

@@ -5,6 +5,7 @@
 //! store.json              format marker and version
 //! chunks/ab/abcd...       one object per chunk, named by its BLAKE3 hex, fanned out by the first byte
 //! manifests/ID.json       one per committed checkpoint
+//! manifests/ID.sig        its signature, where it was signed (written before the manifest)
 //! leases/ID.json          an ingest in progress on a store without flock (object stores), see `lease`
 //! ```
 //! [`Objects`] turns chunk ids and checkpoint ids into keys, and takes a [`LocalFs`](super::LocalFs) fast
@@ -82,6 +83,18 @@ pub fn chunk_key(id: &ChunkId) -> String {
 /// The key of checkpoint `id`'s manifest.
 pub fn manifest_key(id: &str) -> String {
     format!("{MANIFESTS}{id}.json")
+}
+
+/// The key of checkpoint `id`'s signature (`store::signing`): beside its manifest, so that every backend
+/// lists, reads and deletes it the same way.
+pub fn signature_key(id: &str) -> String {
+    format!("{MANIFESTS}{id}.sig")
+}
+
+/// The checkpoint id a signature key names.
+pub(crate) fn signature_of_key(key: &str) -> Option<&str> {
+    let id = key.strip_prefix(MANIFESTS)?.strip_suffix(".sig")?;
+    (!id.is_empty() && !id.starts_with('.') && !id.contains('/')).then_some(id)
 }
 
 /// The chunk a key names, if it is a chunk key (anything else under `chunks/`, such as a temporary file, is
@@ -187,6 +200,12 @@ pub trait ReadObjects: ReadBackend {
         Ok(self.get(&manifest_key(id), &mut buf)?.then_some(buf))
     }
 
+    /// Reads a checkpoint's signature object; `Ok(None)` if it has none.
+    fn get_signature(&self, id: &str) -> Result<Option<Vec<u8>>> {
+        let mut buf = Vec::new();
+        Ok(self.get(&signature_key(id), &mut buf)?.then_some(buf))
+    }
+
     /// The ids of every committed manifest, in no particular order.
     fn list_manifests(&self) -> Result<Vec<String>> {
         let mut ids = Vec::new();
@@ -256,6 +275,16 @@ pub trait Objects: Backend + ReadObjects {
         self.put(&manifest_key(id), &[bytes], true)
     }
 
+    /// Stores a checkpoint's signature object durably, before its manifest (which commits the checkpoint).
+    fn put_signature(&self, id: &str, bytes: &[u8]) -> Result<()> {
+        self.put(&signature_key(id), &[bytes], true)
+    }
+
+    /// Deletes a checkpoint's signature, if it has one.
+    fn delete_signature(&self, id: &str) -> Result<()> {
+        self.delete(&signature_key(id)).map(|_| ())
+    }
+
     /// Deletes a manifest durably; `Ok(false)` if there was none.
     fn delete_manifest(&self, id: &str) -> Result<bool> {
         self.delete(&manifest_key(id))
@@ -287,5 +316,8 @@ mod tests {
         assert_eq!(manifest_of_key("manifests/.x.json.tmp.1"), None);
         assert_eq!(manifest_of_key("manifests/.x.json"), None);
         assert_eq!(manifest_of_key("manifests/a/b.json"), None);
+        assert_eq!(manifest_of_key(&signature_key("x")), None);
+        assert_eq!(signature_of_key(&signature_key("x")), Some("x"));
+        assert_eq!(signature_of_key(&manifest_key("x")), None);
     }
 }
