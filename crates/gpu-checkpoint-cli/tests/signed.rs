@@ -210,6 +210,49 @@ fn keys_are_made_private_and_store_commands_show_and_check_signatures() {
         .exists());
 }
 
+/// `import --sign-key` signs what it stores, so that a podman archive imported into a store restores
+/// where only signed checkpoints do; without the key the import is unsigned, and refused there. A bad
+/// key file is refused before anything is stored. Needs neither root nor CRIU.
+#[test]
+fn an_imported_archive_is_signed_with_the_sign_key() {
+    let t = tempfile::tempdir().unwrap();
+    let (key, public) = generate(t.path(), "node.key");
+    let archive = t.path().join("c1.tar");
+    podman_archive(&archive, 20_000);
+    let dir = t.path().join("store");
+    let storage = dir.to_str().unwrap();
+    let import = |name: &str, key: Option<&Path>| {
+        let mut args = vec!["import", archive.to_str().unwrap(), "--name", name];
+        args.extend(["--storage", storage, "--format", "json"]);
+        if let Some(k) = key {
+            args.extend(["--sign-key", k.to_str().unwrap()]);
+        }
+        gc(&args)
+    };
+    let signed: serde_json::Value =
+        serde_json::from_str(&ok(&import("signed", Some(&key)))).unwrap();
+    ok(&import("plain", None));
+    let trust = public.to_str().unwrap();
+    let inspect = |name: &str| gc(&["inspect", name, "--storage", storage, "--trust-key", trust]);
+    let shown = ok(&inspect("signed"));
+    assert!(shown.contains("signed by ed25519:"), "{shown}");
+    assert!(shown.contains(signed["id"].as_str().unwrap()), "{shown}");
+    assert!(fails_with(&inspect("plain"), 4).contains("not signed"));
+
+    // A key others may read: refused (2) before anything is stored.
+    fs::set_permissions(&key, fs::Permissions::from_mode(0o644)).unwrap();
+    fails_with(&import("loose", Some(&key)), 2);
+    let names: Vec<serde_json::Value> = serde_json::from_str(&ok(&gc(&[
+        "list",
+        "--storage",
+        storage,
+        "--format",
+        "json",
+    ])))
+    .unwrap();
+    assert_eq!(names.len(), 2, "{names:?}");
+}
+
 #[test]
 fn a_signed_checkpoint_restores_only_with_its_trust_key_and_unchanged() {
     let Some((dir, store, w)) = criu_counter(3) else {

@@ -257,7 +257,7 @@ fn another_users_store_is_refused_and_only_read_when_trusted() {
     }
     // An import writes: refused too, into the store of another user trusted or not.
     let src = s.dir.path().join("a.tar");
-    archive(&src, 10_000);
+    common::podman_archive(&src, 10_000);
     let (code, err) = s.run(&["import", src.to_str().unwrap()]);
     assert_eq!(code, Some(4), "{err}");
     let (code, err) = s.run(&[
@@ -295,24 +295,6 @@ fn a_store_others_can_write_is_refused() {
     assert_eq!(s.run(&["list"]).0, Some(0));
 }
 
-/// A small podman-style archive: `config.dump` and runc's images.
-fn archive(path: &Path, image_bytes: usize) {
-    let mut tar = tar::Builder::new(fs::File::create(path).unwrap());
-    let mut add = |name: &str, data: &[u8]| {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o600);
-        h.set_cksum();
-        tar.append_data(&mut h, name, data).unwrap();
-    };
-    add("config.dump", br#"{"id": "c1", "runtime": "runc"}"#);
-    let mut image = vec![0u8; image_bytes];
-    gpu_checkpoint_testdata::XorShift64::new(9).fill_bytes(&mut image);
-    add("checkpoint/inventory.img", &image);
-    add("checkpoint/pages-1.img", &image[..image.len().min(4096)]);
-    tar.into_inner().unwrap();
-}
-
 /// Issue 26: six first checkpoints started at once into a store folder that did not exist yet: four
 /// failed ("is not empty and not a gpu-checkpoint store"). Six `import` processes at once, many rounds:
 /// all succeed, into one store.
@@ -320,7 +302,7 @@ fn archive(path: &Path, image_bytes: usize) {
 fn concurrent_first_writers_make_one_store() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("a.tar");
-    archive(&src, 20_000);
+    common::podman_archive(&src, 20_000);
     for round in 0..8 {
         let store = dir.path().join(format!("r{round}")).join("store");
         let children: Vec<_> = (0..6)
@@ -379,7 +361,7 @@ impl Drop for SmallDisk {
 fn import_on_a_full_disk_is_exit_6_and_garbage_is_printed_escaped() {
     let Some(dir) = ready_folder() else { return };
     let src = dir.path().join("big.tar");
-    archive(&src, 8 << 20);
+    common::podman_archive(&src, 8 << 20);
     let disk = SmallDisk::mount(4);
     let out = bin([
         OsStr::new("import"),

@@ -65,6 +65,8 @@ pub struct ImportArgs {
     pub name: Option<String>,
     #[command(flatten)]
     pub store: StoreArgs,
+    #[command(flatten)]
+    pub sign: super::key::SignArgs,
 }
 
 pub fn export(args: ExportArgs) -> super::Result<()> {
@@ -115,7 +117,11 @@ pub fn export(args: ExportArgs) -> super::Result<()> {
 }
 
 pub fn import(args: ImportArgs) -> super::Result<()> {
-    let store = args.store.open_or_create(StoreOptions::default())?;
+    // The key is read and checked before anything is stored (a bad key file is exit 2).
+    let store = args.store.open_or_create(StoreOptions {
+        sign_key: args.sign.key()?,
+        ..StoreOptions::default()
+    })?;
     let bar = Bar::new(args.store.format == Format::Text);
     let out = archive::import_oci(&store, &args.archive, args.name.as_deref(), &bar)?;
     let stats = &out.info.stats;

@@ -381,3 +381,22 @@ impl Drop for Tmpfs {
         let _ = Command::new("umount").arg("-l").arg(&self.path).status();
     }
 }
+
+/// A small podman-style checkpoint archive at `path`: `config.dump` and runc's images (random bytes), for
+/// `import`.
+pub fn podman_archive(path: &Path, image_bytes: usize) {
+    let mut tar = tar::Builder::new(std::fs::File::create(path).unwrap());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o600);
+        h.set_cksum();
+        tar.append_data(&mut h, name, data).unwrap();
+    };
+    add("config.dump", br#"{"id": "c1", "runtime": "runc"}"#);
+    let mut image = vec![0u8; image_bytes];
+    gpu_checkpoint_testdata::XorShift64::new(9).fill_bytes(&mut image);
+    add("checkpoint/inventory.img", &image);
+    add("checkpoint/pages-1.img", &image[..image.len().min(4096)]);
+    tar.into_inner().unwrap();
+}

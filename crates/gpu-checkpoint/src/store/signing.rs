@@ -424,13 +424,11 @@ fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), KeyError> {
             }
             _ => key_error(path, e.to_string()),
         })?;
-    f.write_all(bytes)
-        .and_then(|()| f.sync_all())
-        .map_err(|e| {
-            // What this call created, cut short (a full disk): not left as a key.
-            let _ = std::fs::remove_file(path);
-            key_error(path, e.to_string())
-        })
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| {
+        // What this call created, cut short (a full disk): not left as a key.
+        let _ = std::fs::remove_file(path);
+        key_error(path, e.to_string())
+    })
 }
 
 #[cfg(test)]
