@@ -750,10 +750,17 @@ fn locked_sleeper(dir: &std::path::Path) -> Sleeper {
     assert_eq!(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) }, 0);
     let fd = file.as_raw_fd();
     let mut cmd = sleep_command();
-    // SAFETY: only dup2 (async-signal-safe) between fork and exec; the copy is not close-on-exec.
+    // SAFETY: only dup2 and fcntl (async-signal-safe) between fork and exec. The copy is not close-on-exec;
+    // where the file already is descriptor 9 (tests running beside this one decide the numbers), dup2 does
+    // nothing and the flag must be cleared instead, or exec closes it and the child holds no lock.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(fd, 9) < 0 {
+            let r = if fd == 9 {
+                libc::fcntl(fd, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, 9)
+            };
+            if r < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
